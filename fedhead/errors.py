@@ -1,0 +1,143 @@
+"""User-facing errors: one line naming the parameter, the value and the fix; non-zero exit.
+
+Every command is wrapped by :func:`cli_errors`. A :class:`FedheadError` becomes ``error: <message>`` on
+stderr with exit code 2; any other exception becomes one line with exit code 1. With
+``FEDHEAD_DEBUG=1`` the original traceback is shown instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+
+class FedheadError(Exception):
+    """An error caused by the user's input or environment, reported as one line."""
+
+    exit_code = 2
+
+
+def param_error(param: str, value: Any, constraint: str, fix: str | None = None) -> FedheadError:
+    """The one message template: "The '--alpha' parameter must be > 0. Got 0 instead. <fix>"."""
+    msg = f"The '{param}' parameter {constraint}. Got {value!r} instead."
+    if fix:
+        msg += f" {fix}"
+    return FedheadError(msg)
+
+
+# ---------------------------------------------------------------- declared constraints
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A numeric interval constraint, e.g. ``Interval(0, None, closed="neither")`` for > 0."""
+
+    low: float | None = None
+    high: float | None = None
+    closed: str = "both"  # "both", "left", "right", "neither"
+    integer: bool = False
+
+    def ok(self, v: Any) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return False
+        if self.integer and not float(v).is_integer():
+            return False
+        if isinstance(v, float) and math.isnan(v):
+            return False
+        if self.low is not None:
+            if v < self.low or (v == self.low and self.closed in ("right", "neither")):
+                return False
+        if self.high is not None:
+            if v > self.high or (v == self.high and self.closed in ("left", "neither")):
+                return False
+        return True
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        lo_in = self.closed in ("both", "left")
+        hi_in = self.closed in ("both", "right")
+        if self.low is not None and self.high is None:
+            return f"must be {kind} {'>=' if lo_in else '>'} {self.low:g}"
+        if self.high is not None and self.low is None:
+            return f"must be {kind} {'<=' if hi_in else '<'} {self.high:g}"
+        lb = "[" if lo_in else "("
+        rb = "]" if hi_in else ")"
+        return f"must be {kind} in {lb}{self.low:g}, {self.high:g}{rb}"
+
+
+@dataclass(frozen=True)
+class OneOf:
+    choices: tuple
+
+    def ok(self, v: Any) -> bool:
+        return v in self.choices
+
+    def describe(self) -> str:
+        return "must be one of " + ", ".join(repr(c) for c in self.choices)
+
+
+def validate(param: str, value: Any, constraint: Interval | OneOf, fix: str | None = None) -> Any:
+    """Check one value against a declared constraint; raise the one-line error if it fails."""
+    if not constraint.ok(value):
+        raise param_error(param, value, constraint.describe(), fix)
+    return value
+
+
+def unknown_name(param: str, value: str, valid: Iterable[str], what: str = "name") -> FedheadError:
+    """Error for an unknown registry name, listing the valid ones and suggesting close matches."""
+    import difflib
+
+    valid = sorted(valid)
+    close = difflib.get_close_matches(value, valid, n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    listing = ", ".join(valid) if len(valid) <= 30 else ", ".join(valid[:30]) + ", ..."
+    return FedheadError(
+        f"The '{param}' parameter must be a known {what}. Got {value!r} instead.{hint} Valid: {listing}."
+    )
+
+
+# ---------------------------------------------------------------- command wrapper
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("FEDHEAD_DEBUG", "") not in ("", "0", "false", "no")
+
+
+def report(exc: BaseException) -> int:
+    """Print one line for ``exc`` on stderr and return the exit code to use."""
+    if isinstance(exc, FedheadError):
+        line = str(exc).replace("\n", " ")
+        print(f"error: {line}", file=sys.stderr)
+        return exc.exit_code
+    if isinstance(exc, KeyboardInterrupt):
+        print("interrupted; re-run the same command to resume", file=sys.stderr)
+        return 130
+    if isinstance(exc, MemoryError):
+        print("error: out of memory; lower --batch-size or --block-clients, or use a smaller store",
+              file=sys.stderr)
+        return 1
+    line = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    print(f"internal error: {line} (set FEDHEAD_DEBUG=1 for the traceback)", file=sys.stderr)
+    return 1
+
+
+def cli_errors(fn: Callable) -> Callable:
+    """Decorate a typer command: map exceptions to one line and an exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SystemExit:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - this is the one place exceptions become exits
+            if debug_enabled():
+                raise
+            code = report(exc)
+            raise SystemExit(code) from None
+
+    return wrapper
