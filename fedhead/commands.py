@@ -1,0 +1,136 @@
+"""Typer commands of the trainer: ``fedhead train``, ``fedhead synth`` and ``fedhead demo``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .config import TrainConfig
+from .errors import FedheadError, cli_errors
+
+
+def results_table(title: str, rows: list[dict], columns: list[tuple[str, str]]):
+    """A rich table of result rows; ``columns`` are (key, header); ``key_std`` shown as +- when present."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for _, h in columns:
+        t.add_column(h, justify="right" if h not in ("head", "partition", "recipe") else "left")
+    for r in rows:
+        cells = []
+        for k, _ in columns:
+            v = r.get(k)
+            s = r.get(k + "_std")
+            if isinstance(v, float):
+                cells.append(f"{v:.4f}" + (f" ± {s:.4f}" if isinstance(s, float) and s > 0 else ""))
+            else:
+                cells.append("" if v is None else str(v))
+        t.add_row(*cells)
+    return t
+
+
+SUMMARY_COLUMNS = [("head", "head"), ("partition", "partition"), ("final_accuracy", "final acc"),
+                   ("best_accuracy", "best acc"), ("acc95_round", "Acc@95 round"),
+                   ("final_ratio_to_iid", "ratio to IID"), ("client_ms", "client ms"),
+                   ("server_ms", "server ms"), ("wall_seconds", "wall s")]
+
+
+def _parse_margins(v: Optional[str]) -> Optional[str]:
+    return v
+
+
+@cli_errors
+def train_cmd(
+    features: Path = typer.Option(..., "--features", help="HDF5 feature store written by 'fedhead extract'."),
+    head: str = typer.Option("ova2", help="softmax | ova | ova2 | fedabc | fedrs"),
+    partition: str = typer.Option("iid", help="iid | shard | dirichlet | bernoulli-dirichlet | zipf | kmeans"),
+    shards_per_client: Optional[int] = typer.Option(None, help="shard: shards (labels) per client [2]"),
+    distinct_labels: Optional[bool] = typer.Option(None, "--distinct-labels/--no-distinct-labels",
+                                                   help="shard: force s different labels per client"),
+    alpha: Optional[float] = typer.Option(None, help="dirichlet [0.5] / bernoulli-dirichlet [10] concentration"),
+    p: Optional[float] = typer.Option(None, "--p", help="bernoulli-dirichlet: class inclusion probability [0.7]"),
+    zipf_s: Optional[float] = typer.Option(None, help="zipf: size exponent [1.0]"),
+    min_size: Optional[int] = typer.Option(None, help="dirichlet [10] / zipf [1]: minimum client size"),
+    clients: int = typer.Option(100, help="number of simulated clients"),
+    rounds: int = typer.Option(50, help="communication rounds"),
+    local_epochs: int = typer.Option(3, help="local epochs per round"),
+    batch_size: int = typer.Option(50, help="local batch size"),
+    recipe: str = typer.Option("default", help="default (robust, measured) | paper (SPEC to the letter)"),
+    optimizer: Optional[str] = typer.Option(None, help="adamw | sgd [recipe]"),
+    lr: Optional[float] = typer.Option(None, help="local learning rate [recipe]"),
+    weight_decay: Optional[float] = typer.Option(None, help="weight decay [recipe]"),
+    momentum: Optional[float] = typer.Option(None, help="SGD momentum [recipe]"),
+    aggregate: Optional[str] = typer.Option(None, help="fedavg | grouped [recipe]"),
+    center: Optional[bool] = typer.Option(None, "--center/--no-center", help="federated feature centering [recipe]"),
+    scale: Optional[str] = typer.Option(None, help="none | rms feature scaling [recipe]"),
+    stage1_rounds: Optional[int] = typer.Option(None, help="ova2: rounds of positive-only stage 1 [1]"),
+    positive_keep: Optional[float] = typer.Option(None, help="ova2: keep probability of positive terms [1.0]"),
+    fedabc_margins: Optional[str] = typer.Option(None, help="fedabc: mp,mn,mnn [0.85,0.2,0.3]"),
+    focal_gamma: Optional[float] = typer.Option(None, help="fedabc: focal gamma [2]"),
+    fedrs_alpha: Optional[float] = typer.Option(None, help="fedrs: absent-class logit scale [0.5]"),
+    participation: float = typer.Option(1.0, help="fraction of clients per round"),
+    noise: str = typer.Option("none", help="none | symmetric | asymmetric"),
+    noise_rate: float = typer.Option(0.0, help="label flip rate in [0, 1)"),
+    asym_map: str = typer.Option("auto", help="asymmetric map: auto (dataset's) | cyclic (y -> y+1 mod C)"),
+    seed: List[int] = typer.Option([0], "--seed", help="seed; repeat for several (paper: 0 42 777 1337 15254)"),
+    iid_reference: bool = typer.Option(False, "--iid-reference", help="also run IID with everything else equal"),
+    backend: str = typer.Option("vectorized", help="vectorized | loop (per-client, for checking)"),
+    block_clients: Optional[int] = typer.Option(None, help="clients trained at once [from memory budget]"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    out: Optional[Path] = typer.Option(None, help="run directory [runs/<timestamp>-<head>-<partition>]"),
+    resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
+):
+    """Run federated rounds of a linear head over cached features and print the final numbers."""
+    from .train import run_training
+    from .util import stdout_console
+
+    cfg = TrainConfig(
+        features=str(features), head=head, partition=partition,
+        partition_params={k: v for k, v in dict(shards_per_client=shards_per_client,
+                                                 distinct_labels=distinct_labels, alpha=alpha, p=p,
+                                                 zipf_s=zipf_s, min_size=min_size).items() if v is not None},
+        head_params={k: v for k, v in dict(stage1_rounds=stage1_rounds, positive_keep=positive_keep,
+                                            fedabc_margins=fedabc_margins, focal_gamma=focal_gamma,
+                                            fedrs_alpha=fedrs_alpha).items() if v is not None},
+        clients=clients, rounds=rounds, local_epochs=local_epochs, batch_size=batch_size, recipe=recipe,
+        optimizer=optimizer, lr=lr, weight_decay=weight_decay, momentum=momentum, aggregate=aggregate,
+        center=center, scale=scale, participation=participation, noise=noise, noise_rate=noise_rate,
+        asym_rule=asym_map, seeds=list(seed), iid_reference=iid_reference, backend=backend,
+        block_clients=block_clients, device=device)
+    if resume and out is None:
+        raise FedheadError("The '--resume' option needs --out naming the interrupted run's directory. Got none.")
+    res = run_training(cfg, out=out, resume=resume)
+    con = stdout_console()
+    con.print(results_table(f"fedhead train — {res.run_dir}", [res.summary], SUMMARY_COLUMNS))
+
+
+@cli_errors
+def synth_cmd(
+    out: Path = typer.Option(Path("cache/synthetic/synthetic-200.h5"), help="store to write"),
+    num_classes: int = typer.Option(200, help="classes"),
+    train_per_class: int = typer.Option(50, help="training samples per class"),
+    test_per_class: int = typer.Option(20, help="test samples per class"),
+    dim: int = typer.Option(256, help="feature dimension"),
+    spread: float = typer.Option(2.2, help="within-class spread (higher = harder)"),
+    seed: int = typer.Option(0, help="seed"),
+    probe: bool = typer.Option(True, "--probe/--no-probe", help="report the IID logistic-regression probe"),
+):
+    """Write a synthetic feature store (many classes, few samples, non-negative features)."""
+    from extract.store import load_store
+    from .errors import Interval, validate
+    from .synthetic import probe_accuracy, write_synthetic
+
+    validate("--num-classes", num_classes, Interval(2, None, integer=True))
+    validate("--train-per-class", train_per_class, Interval(1, None, integer=True))
+    validate("--test-per-class", test_per_class, Interval(1, None, integer=True))
+    validate("--dim", dim, Interval(1, None, integer=True))
+    validate("--spread", spread, Interval(0, None, closed="neither"))
+    path = write_synthetic(out, num_classes=num_classes, train_per_class=train_per_class,
+                           test_per_class=test_per_class, dim=dim, spread=spread, seed=seed)
+    msg = f"wrote {path}"
+    if probe:
+        s = load_store(path)
+        msg += f"; IID logistic-regression probe accuracy {probe_accuracy(s.train_x, s.train_y, s.test_x, s.test_y):.4f}"
+    typer.echo(msg)

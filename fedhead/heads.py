@@ -1,0 +1,199 @@
+"""Head registry (SPEC sections 1 and 3): every head is a local loss over client-stacked logits.
+
+The engine computes ``logits[k, i, c] = w_c . z_i + b_c`` for a block of clients ``k`` at once and asks the
+head for the loss of each client (mean over that client's valid samples of the per-sample loss). Heads
+differ only in that function; nothing else in the trainer knows which head runs.
+
+Shapes: ``logits [K, B, C]``, ``y [K, B]`` (int64), ``mask [K, B]`` (1.0 valid, 0.0 padding), context
+tensors ``present [K, C]`` (classes with local positives), ``counts [K, C]`` (local class counts) and
+``u [K, B]`` (uniform numbers drawn per sample from the client's own seeded generator).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .errors import FedheadError, Interval, unknown_name
+from .registry import Param, resolve_params
+
+
+@dataclass
+class LossContext:
+    round: int                    # 1-based round number
+    present: torch.Tensor         # [K, C] bool
+    counts: torch.Tensor          # [K, C] float
+    u: torch.Tensor               # [K, B] uniform in [0, 1)
+
+
+class Head:
+    """Base head: subclasses implement :meth:`per_sample` (or :meth:`loss`)."""
+
+    name = ""
+
+    def __init__(self, **params):
+        self.params = params
+
+    def stage(self, round: int) -> str:
+        return "train"
+
+    def per_sample(self, logits: torch.Tensor, y: torch.Tensor, ctx: LossContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def loss(self, logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
+        """Per-client mean loss ``[K]`` over valid samples."""
+        per = self.per_sample(logits, y, ctx)
+        return (per * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+
+    def predict(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(-1)
+
+
+@dataclass
+class HeadSpec:
+    name: str
+    cls: type
+    params: list[Param]
+    doc: str
+
+
+HEADS: dict[str, HeadSpec] = {}
+
+
+def register_head(name: str, *params: Param):
+    def deco(cls):
+        cls.name = name
+        HEADS[name] = HeadSpec(name, cls, list(params), (cls.__doc__ or "").strip().splitlines()[0])
+        return cls
+
+    return deco
+
+
+def head_names() -> list[str]:
+    return sorted(HEADS)
+
+
+def resolve_head_params(name: str, **params) -> dict:
+    if name not in HEADS:
+        raise unknown_name("--head", name, HEADS, "head")
+    spec = HEADS[name]
+    mine = {p.name for p in spec.params}
+    return resolve_params(spec.params, {k: v for k, v in params.items() if k in mine}, f"head {name}")
+
+
+def create_head(name: str, **params) -> Head:
+    """Look a head up by name; parameters of other heads are ignored, missing ones take defaults."""
+    resolved = resolve_head_params(name, **params)
+    return HEADS[name].cls(**resolved)
+
+
+# ---------------------------------------------------------------- losses
+
+
+def _onehot(y: torch.Tensor, C: int, dtype) -> torch.Tensor:
+    return F.one_hot(y, C).to(dtype)
+
+
+@register_head("softmax")
+class SoftmaxHead(Head):
+    """LP-softmax: cross-entropy over the C logits."""
+
+    def per_sample(self, logits, y, ctx):
+        return F.cross_entropy(logits.transpose(1, 2), y, reduction="none")
+
+
+def ova_terms(logits: torch.Tensor, y: torch.Tensor):
+    """Per-class BCE terms split into the positive term (y=c) and the negative terms (y!=c)."""
+    t = _onehot(y, logits.shape[-1], logits.dtype)
+    pos = F.softplus(-logits) * t            # -log sigma(s_y)
+    neg = F.softplus(logits) * (1.0 - t)     # -log (1 - sigma(s_c)), c != y
+    return pos, neg
+
+
+@register_head("ova")
+class OvAHead(Head):
+    """OvA: sum over classes of BCE(s_c, 1[y=c]) (one positive, C-1 negative terms per sample)."""
+
+    def per_sample(self, logits, y, ctx):
+        pos, neg = ova_terms(logits, y)
+        return (pos + neg).sum(-1)
+
+
+@register_head(
+    "ova2",
+    Param("stage1_rounds", 1, Interval(0, None, integer=True), "rounds of the positive-only stage 1"),
+    Param("positive_keep", 1.0, Interval(0, 1, closed="right"),
+          "stage 2: probability of keeping each sample's positive term (1.0 = plain OvA BCE)"),
+)
+class OvA2Head(Head):
+    """OvA-LP: positive-only stage 1, then OvA BCE (positive terms kept with probability rho)."""
+
+    def stage(self, round):
+        return "stage1" if round <= self.params["stage1_rounds"] else "stage2"
+
+    def per_sample(self, logits, y, ctx):
+        pos, neg = ova_terms(logits, y)
+        if self.stage(ctx.round) == "stage1":
+            return pos.sum(-1)
+        keep = self.params["positive_keep"]
+        pos_s = pos.sum(-1)
+        if keep < 1.0:
+            pos_s = pos_s * (ctx.u < keep).to(pos_s.dtype)
+        return pos_s + neg.sum(-1)
+
+
+def _parse_margins(v):
+    if isinstance(v, str):
+        try:
+            v = tuple(float(x) for x in v.split(","))
+        except ValueError:
+            v = None
+    if not isinstance(v, (tuple, list)) or len(v) != 3 or not all(0 < float(x) < 1 for x in v):
+        raise FedheadError(f"The '--fedabc-margins' parameter must be three numbers in (0, 1) as mp,mn,mnn. "
+                           f"Got {v!r} instead. Example: --fedabc-margins 0.85,0.2,0.3")
+    return tuple(float(x) for x in v)
+
+
+@register_head(
+    "fedabc",
+    Param("fedabc_margins", "0.85,0.2,0.3", None, "FedABC margins mp,mn,mnn (CIFAR-10 defaults; MNIST 0.75,0.25,0.3)"),
+    Param("focal_gamma", 2.0, Interval(0, None), "FedABC focal exponent gamma"),
+)
+class FedABCHead(Head):
+    """FedABC binary loss with local-class margins and focal weights (SPEC section 3)."""
+
+    def __init__(self, **params):
+        super().__init__(**params)
+        self.mp, self.mn, self.mnn = _parse_margins(params["fedabc_margins"])
+
+    def per_sample(self, logits, y, ctx):
+        g = self.params["focal_gamma"]
+        q = torch.sigmoid(logits)
+        t = _onehot(y, logits.shape[-1], logits.dtype)
+        qd = q.detach()
+        P = ctx.present[:, None, :].to(logits.dtype)          # [K, 1, C]
+        pos_mask = t * P * (qd < self.mp)
+        negp_mask = (1 - t) * P * (qd > self.mn)
+        negn_mask = (1 - t) * (1 - P) * (qd > self.mnn)
+        log_q = -F.softplus(-logits)         # log sigma(s)
+        log_1mq = -F.softplus(logits)        # log (1 - sigma(s))
+        pos = -((1 - q) ** g) * log_q
+        neg = -(q ** g) * log_1mq
+        return (pos_mask * pos + (negp_mask + negn_mask) * neg).sum(-1)
+
+
+@register_head(
+    "fedrs",
+    Param("fedrs_alpha", 0.5, Interval(0, 1), "FedRS scaling of absent-class logits"),
+)
+class FedRSHead(Head):
+    """FedRS: softmax CE with logits scaled by alpha + (1 - alpha) n_c / max_j n_j (absent classes: alpha)."""
+
+    def per_sample(self, logits, y, ctx):
+        a = self.params["fedrs_alpha"]
+        cnt = ctx.counts
+        scale = a + (1 - a) * cnt / cnt.amax(-1, keepdim=True).clamp_min(1.0)   # [K, C]
+        return F.cross_entropy((logits * scale[:, None, :]).transpose(1, 2), y, reduction="none")
