@@ -97,12 +97,14 @@ class StackedAdamW:
             w.mul_(1.0 - c.lr * c.weight_decay)
         m.lerp_(g, 1.0 - b1)
         v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-        bc1 = 1.0 - b1 ** steps                    # [k]
-        bc2_sqrt = (1.0 - b2 ** steps).sqrt()
+        shape = (-1,) + (1,) * (v.dim() - 1)
+        # bias corrections per client, computed in float64 and applied in the state's dtype
+        bc2_sqrt = (1.0 - b2 ** steps).sqrt().to(v.dtype).view(shape)
+        step_size = (c.lr / (1.0 - b1 ** steps)).to(v.dtype).view(shape)
         torch.sqrt(v, out=tmp)
-        tmp.div_(bc2_sqrt.view(-1, *([1] * (v.dim() - 1)))).add_(c.eps)
+        tmp.div_(bc2_sqrt).add_(c.eps)
         torch.div(m, tmp, out=tmp)
-        tmp.mul_((c.lr / bc1).view(-1, *([1] * (v.dim() - 1))))
+        tmp.mul_(step_size)
         w.sub_(tmp)
 
 
