@@ -1,0 +1,105 @@
+"""``fedhead scratch ALGO --dataset NAME --data-dir PATH ...``: scratch-CNN federated training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import cli_errors
+
+
+@cli_errors
+def scratch_cmd(
+    algo: str = typer.Argument(..., help="fedavg | fedova | fedabc | dnc"),
+    dataset: str = typer.Option(..., "--dataset", help="mnist | fashion-mnist | cifar10 | speech-commands"),
+    data_dir: Path = typer.Option(..., "--data-dir", help="Folder holding the dataset."),
+    model: Optional[str] = typer.Option(None, "--model", help="cnn | fedabc-mlp | fedabc-convnet | vgg11 | vgg9 | "
+                                        "kws-cnn (default depends on algorithm and dataset)."),
+    partition: Optional[str] = typer.Option(None, "--partition", help="iid | shard | dirichlet | "
+                                            "bernoulli-dirichlet | zipf | color-skew (default per algorithm)."),
+    shards_per_client: Optional[int] = typer.Option(None, "--shards-per-client", help="shard: s (labels per "
+                                                    "client with --distinct-labels, i.e. non-IID-l)."),
+    distinct_labels: Optional[bool] = typer.Option(None, "--distinct-labels/--no-distinct-labels",
+                                                   help="shard: s different labels per client (FedOVA)."),
+    alpha: Optional[float] = typer.Option(None, "--alpha", help="dirichlet / bernoulli-dirichlet concentration."),
+    min_size: Optional[int] = typer.Option(None, "--min-size", help="dirichlet / zipf smallest client size."),
+    p: Optional[float] = typer.Option(None, "--p", help="bernoulli-dirichlet class probability."),
+    zipf_s: Optional[float] = typer.Option(None, "--zipf-s", help="zipf exponent."),
+    skew: float = typer.Option(0.95, "--skew", help="color-skew: grayscale fraction of collaborator 1."),
+    clients: Optional[int] = typer.Option(None, "--clients", help="Number of clients K."),
+    participation: Optional[float] = typer.Option(None, "--participation", help="Fraction of clients per round."),
+    rounds: Optional[int] = typer.Option(None, "--rounds", help="Rounds (dnc: rounds after the pre-pass)."),
+    local_epochs: Optional[int] = typer.Option(None, "--local-epochs", help="Local epochs E."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Local batch size B."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="sgd | adam (fresh state every round)."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate."),
+    momentum: Optional[float] = typer.Option(None, "--momentum", help="SGD momentum."),
+    weight_decay: Optional[float] = typer.Option(None, "--weight-decay", help="L2 weight decay."),
+    seed: list[int] = typer.Option([0], "--seed", help="Seed; repeat for several seeds."),
+    subset: Optional[int] = typer.Option(None, "--subset", help="Use a stratified training subset of this size."),
+    test_subset: Optional[int] = typer.Option(None, "--test-subset", help="Stratified test subset size."),
+    max_samples_per_client: Optional[int] = typer.Option(None, "--max-samples-per-client",
+                                                         help="Cap each client's local set."),
+    noise: str = typer.Option("none", "--noise", help="Label noise: none | symmetric | asymmetric."),
+    noise_rate: float = typer.Option(0.0, "--noise-rate", help="Label noise rate."),
+    local_test_size: Optional[int] = typer.Option(None, "--local-test-size", help="Per-client local test set "
+                                                  "for PFL accuracy and drift (0 = off; fedabc default 200)."),
+    prepass_rounds: int = typer.Option(5, "--prepass-rounds", help="dnc: full-model FedAvg pre-pass rounds."),
+    split_layer: Optional[int] = typer.Option(None, "--split-layer", help="dnc: layers 1..s learn features "
+                                              "(default: chosen from the pre-pass divergence)."),
+    split_threshold: float = typer.Option(0.5, "--split-threshold", help="dnc: split before the first layer "
+                                          "whose divergence exceeds this fraction of the largest."),
+    divergence: str = typer.Option("local-vs-global", "--divergence", help="dnc: local-vs-global | local-vs-local."),
+    feature_epochs: int = typer.Option(20, "--feature-epochs", help="dnc: local epochs of feature rounds."),
+    finetune_epochs: int = typer.Option(4, "--finetune-epochs", help="dnc: local epochs of fine-tuning rounds."),
+    finetune_lr_factor: float = typer.Option(0.5, "--finetune-lr-factor", help="dnc: fine-tuning lr factor."),
+    lr_decay: float = typer.Option(0.9, "--lr-decay", help="dnc: lr factor per round after the pre-pass."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda (cuda uses autocast)."),
+    backend: str = typer.Option("vmap", "--backend", help="vmap (fast) | loop (reference, one member at a time)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Run directory (default runs/<time>-scratch-...)."),
+):
+    """Train a model from scratch with FedAvg, FedOVA, FedABC or Divide-and-Conquer."""
+    from ..rundir import default_run_dir
+    from ..util import make_progress, stderr_console, stdout_console
+    from .runner import ScratchConfig, run_scratch
+
+    pp = {"shards_per_client": shards_per_client, "distinct_labels": distinct_labels, "alpha": alpha,
+          "min_size": min_size, "p": p, "zipf_s": zipf_s}
+    cfg = ScratchConfig(algo=algo, dataset=dataset, data_dir=str(data_dir), model=model, partition=partition,
+                        partition_params=pp, clients=clients, participation=participation, rounds=rounds,
+                        local_epochs=local_epochs, batch_size=batch_size, optimizer=optimizer, lr=lr,
+                        momentum=momentum, weight_decay=weight_decay, seeds=list(seed), subset=subset,
+                        test_subset=test_subset, max_samples_per_client=max_samples_per_client, noise=noise,
+                        noise_rate=noise_rate, local_test_size=local_test_size, skew=skew,
+                        prepass_rounds=prepass_rounds, split_layer=split_layer, split_threshold=split_threshold,
+                        divergence=divergence, feature_epochs=feature_epochs, finetune_epochs=finetune_epochs,
+                        finetune_lr_factor=finetune_lr_factor, lr_decay=lr_decay, device=device, backend=backend)
+    out_dir = out or default_run_dir("runs", "scratch", algo, dataset)
+    err = stderr_console()
+    with make_progress(transient=True) as progress:
+        summary = run_scratch(cfg, out_dir, log=lambda m: err.print(m, markup=False, highlight=False),
+                              progress=progress)
+    con = stdout_console()
+    if algo == "dnc" and summary.get("divergence_last_prepass"):
+        from rich.table import Table
+        cfgj = json.loads((Path(out_dir) / "config.json").read_text())
+        t = Table(title="Layer-wise weight divergence after the pre-pass (1 - cos)")
+        t.add_column("layer")
+        t.add_column("name")
+        t.add_column("divergence", justify="right")
+        for i, (name, d) in enumerate(zip(cfgj["weight_layers"], summary["divergence_last_prepass"]), 1):
+            mark = "  <- split" if i == summary["split_layer"] else ""
+            t.add_row(f"L{i}", name, f"{d:.4f}{mark}")
+        con.print(t)
+    if algo == "dnc":
+        con.print(f"split layer: {summary['split_layer']} (layers 1..{summary['split_layer']} feature learning)")
+    keys = ["final_accuracy", "last5_accuracy", "last5_pfl_accuracy", "last5_drift_accuracy", "bytes_total"]
+    con.print(" ".join(f"{k}={summary[k]:.4f}" if isinstance(summary[k], float) and k != "bytes_total"
+                       else f"{k}={summary[k]:.0f}" for k in keys if k in summary))
+    if algo == "dnc":
+        s = summary["per_seed"][0]
+        con.print(f"bytes_prepass={s['bytes_prepass']} bytes_after_prepass={s['bytes_after_prepass']}")
+    con.print(f"run directory: {out_dir}")

@@ -1,0 +1,411 @@
+"""One local-training engine over member-stacked parameters, plus the pure aggregators.
+
+A *member* is one independently trained copy of a model: a client (FedAvg, FedABC, D&C) or a
+(client, class) pair (FedOVA). Parameters are dicts ``name -> [M, ...]``; every member has its own
+index array into the training set, its own shuffles and its own optimizer state. One step gathers a
+``[M, B]`` batch (padded, with a validity mask for ragged clients), runs the model for all members at
+once with ``torch.func.functional_call`` under ``vmap``, and updates the active members only. The
+algorithms differ in the loss function they hand the engine (``loss_fn(out [M,B,O], y [M,B],
+valid [M,B], aux) -> [M]``). ``backend="loop"`` trains members one at a time (debug / reference).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, vmap
+
+from ..errors import FedheadError
+
+Params = dict[str, torch.Tensor]
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def init_params(model: nn.Module, gen: torch.Generator, count: int | None = None) -> Params:
+    """Fresh PyTorch-default initialisations drawn from ``gen`` (no global seeding).
+
+    With ``count`` the result is stacked ``[count, ...]`` of independent initialisations.
+    """
+    def one() -> Params:
+        out = {}
+        for mname, mod in model.named_modules():
+            if isinstance(mod, (nn.Conv2d, nn.Linear)):
+                w = torch.empty_like(mod.weight, device="cpu")
+                nn.init.kaiming_uniform_(w, a=math.sqrt(5), generator=gen)
+                fan_in = w[0].numel()
+                out[f"{mname}.weight"] = w
+                if mod.bias is not None:
+                    bound = 1 / math.sqrt(fan_in)
+                    out[f"{mname}.bias"] = torch.empty(mod.bias.shape).uniform_(-bound, bound, generator=gen)
+        names = [n for n, _ in model.named_parameters()]
+        if sorted(names) != sorted(out):
+            raise FedheadError(f"model has parameters outside Conv2d/Linear: {sorted(set(names) - set(out))}")
+        return {n: out[n] for n in names}
+
+    if count is None:
+        return one()
+    many = [one() for _ in range(count)]
+    return {n: torch.stack([m[n] for m in many]) for n in many[0]}
+
+
+def stack_copies(params: Params, count: int) -> Params:
+    return {n: p.unsqueeze(0).expand(count, *p.shape).clone() for n, p in params.items()}
+
+
+def nbytes(params: Params, names=None) -> int:
+    return int(sum(p.numel() * p.element_size() for n, p in params.items() if names is None or n in names))
+
+
+# ---------------------------------------------------------------- optimizers on stacked members
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    name: str                 # "sgd" or "adam"
+    lr: float
+    momentum: float = 0.0     # sgd only
+    weight_decay: float = 0.0  # L2 added to the gradient (torch.optim semantics)
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+
+
+class StackedOptimizer:
+    """SGD(momentum) / Adam with per-member state; members not ``active`` in a step are left untouched."""
+
+    def __init__(self, params: Params, spec: OptimSpec):
+        if spec.name not in ("sgd", "adam"):
+            raise FedheadError(f"The '--optimizer' parameter must be one of 'sgd', 'adam'. Got {spec.name!r} "
+                               f"instead.")
+        self.spec = spec
+        m = next(iter(params.values())).shape[0]
+        dev = next(iter(params.values())).device
+        self.t = torch.zeros(m, device=dev)
+        self.buf = {n: torch.zeros_like(p) for n, p in params.items()}
+        self.sq = {n: torch.zeros_like(p) for n, p in params.items()} if spec.name == "adam" else {}
+
+    @torch.no_grad()
+    def step(self, params: Params, grads: Params, active: torch.Tensor) -> None:
+        s = self.spec
+        self.t += active.float()
+        for n, p in params.items():
+            g = grads[n]
+            a = active.view(-1, *([1] * (p.dim() - 1)))
+            if s.weight_decay:
+                g = g + s.weight_decay * p
+            if s.name == "sgd":
+                if s.momentum:
+                    b = self.buf[n]
+                    b.copy_(torch.where(a, s.momentum * b + g, b))
+                    g = b
+                p.sub_(torch.where(a, s.lr * g, torch.zeros_like(g)))
+            else:
+                b1, b2 = s.betas
+                m, v = self.buf[n], self.sq[n]
+                m.copy_(torch.where(a, b1 * m + (1 - b1) * g, m))
+                v.copy_(torch.where(a, b2 * v + (1 - b2) * g * g, v))
+                t = self.t.clamp(min=1).view(-1, *([1] * (p.dim() - 1)))
+                mhat = m / (1 - b1 ** t)
+                vhat = v / (1 - b2 ** t)
+                p.sub_(torch.where(a, s.lr * mhat / (vhat.sqrt() + s.eps), torch.zeros_like(m)))
+
+
+# ---------------------------------------------------------------- losses (per member, mean over valid samples)
+
+
+def _masked_mean(per_sample: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    v = valid.float()
+    return (per_sample * v).sum(1) / v.sum(1).clamp(min=1)
+
+
+def softmax_ce(out, y, valid, aux):
+    m, b, c = out.shape
+    ce = F.cross_entropy(out.reshape(m * b, c).float(), y.reshape(-1), reduction="none").view(m, b)
+    return _masked_mean(ce, valid)
+
+
+def binary_bce(out, y, valid, aux):
+    """One logit per member; target 1 where y == aux['cls'][member] (FedOVA's binary networks)."""
+    target = (y == aux["cls"].view(-1, 1)).float()
+    bce = F.binary_cross_entropy_with_logits(out[..., 0].float(), target, reduction="none")
+    return _masked_mean(bce, valid)
+
+
+def fedabc_loss(out, y, valid, aux):
+    """FedABC (SPEC section 3): masked focal-style BCE per class; masks from this forward, no gradient.
+
+    ``aux['present']`` [M, C] bool marks the classes with local positives; ``aux['margins']`` is
+    (m_p, m_n, m_nn, gamma). Summed over classes, divided by the (valid) batch size.
+    """
+    mp, mn, mnn, gamma = aux["margins"]
+    s = out.float()
+    q = torch.sigmoid(s)
+    pos = F.one_hot(y, s.shape[-1]).bool()
+    present = aux["present"].unsqueeze(1)  # [M, 1, C]
+    with torch.no_grad():
+        qd = q.detach()
+        m_pos = pos & present & (qd < mp)
+        m_neg_p = ~pos & present & (qd > mn)
+        m_neg_n = ~present & (qd > mnn)
+    lpos = -((1 - q) ** gamma) * F.logsigmoid(s)
+    lneg = -(q ** gamma) * F.logsigmoid(-s)
+    per = (lpos * m_pos + lneg * (m_neg_p | m_neg_n)).sum(-1)  # [M, B]
+    return _masked_mean(per, valid)
+
+
+# ---------------------------------------------------------------- local training
+
+
+@dataclass
+class TrainResult:
+    params: Params          # trained stacked parameters (trainable names only)
+    loss: torch.Tensor      # [M] mean training loss over each member's steps
+    steps: np.ndarray       # [M] optimizer steps taken
+
+
+def _schedule(member_idx: list[np.ndarray], epochs: int, batch_size: int, rng: np.random.Generator):
+    """Per member: E shuffled epochs split into batches -> padded [S, M, B] index array, -1 = padding."""
+    seqs = []
+    for idx in member_idx:
+        batches = []
+        for _ in range(epochs):
+            perm = idx[rng.permutation(len(idx))]
+            batches += [perm[i:i + batch_size] for i in range(0, len(perm), batch_size)]
+        seqs.append(batches)
+    s = max((len(b) for b in seqs), default=0)
+    out = np.full((s, len(member_idx), batch_size), -1, dtype=np.int64)
+    for m, batches in enumerate(seqs):
+        for t, b in enumerate(batches):
+            out[t, m, :len(b)] = b
+    return out, np.array([len(b) for b in seqs])
+
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        dt = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.autocast("cuda", dtype=dt)
+    return torch.autocast("cpu", enabled=False)
+
+
+def train_members(model: nn.Module, params: Params, member_idx: list[np.ndarray], aux: dict,
+                  loss_fn: Callable, *, x_all: torch.Tensor, y_all: torch.Tensor, to_float: Callable,
+                  epochs: int, batch_size: int, optim: OptimSpec, rng: np.random.Generator,
+                  trainable: set[str] | None = None, backend: str = "vmap") -> TrainResult:
+    """Train M members (stacked ``params``) on their own index arrays; returns the trainable params.
+
+    Parameters not in ``trainable`` stay fixed (D&C). ``x_all`` / ``y_all`` live on the device.
+    """
+    if backend == "loop":
+        return _train_loop(model, params, member_idx, aux, loss_fn, x_all=x_all, y_all=y_all,
+                           to_float=to_float, epochs=epochs, batch_size=batch_size, optim=optim, rng=rng,
+                           trainable=trainable)
+    device = x_all.device
+    names = list(params)
+    trainable = set(names) if trainable is None else set(trainable)
+    train_p = {n: params[n].detach().clone().to(device).requires_grad_(True) for n in names if n in trainable}
+    fixed_p = {n: params[n].detach().to(device) for n in names if n not in trainable}
+    opt = StackedOptimizer(train_p, optim)
+    sched, steps = _schedule(member_idx, epochs, batch_size, rng)
+    sched_t = torch.from_numpy(sched).to(device)
+    m_count = len(member_idx)
+    loss_sum = torch.zeros(m_count, device=device)
+
+    def fwd(p, x):
+        return functional_call(model, p, (x,))
+
+    batched = vmap(fwd, in_dims=(0, 0), randomness="different")
+    for t in range(sched.shape[0]):
+        idx = sched_t[t]                       # [M, B]
+        valid = idx >= 0
+        active = valid.any(1)
+        act = torch.nonzero(active).view(-1)
+        full = bool(active.all())
+        sel = slice(None) if full else act
+        idx_a, valid_a = idx[sel], valid[sel]
+        flat = idx_a.clamp(min=0).reshape(-1)
+        xb = to_float(x_all[flat]).view(*idx_a.shape, *x_all.shape[1:])
+        yb = y_all[flat].view(idx_a.shape)
+        p_all = {n: (train_p[n] if full else train_p[n][act]) for n in train_p}
+        p_all.update({n: (fixed_p[n] if full else fixed_p[n][act]) for n in fixed_p})
+        aux_a = {k: (v if full or not torch.is_tensor(v) else v[act]) for k, v in aux.items()}
+        with _autocast(device):
+            out = batched(p_all, xb)
+        losses = loss_fn(out, yb, valid_a, aux_a)
+        grads = torch.autograd.grad(losses.sum(), list(train_p.values()), allow_unused=True)
+        grads = {n: (g if g is not None else torch.zeros_like(train_p[n])) for n, g in zip(train_p, grads)}
+        opt.step(train_p, grads, active)
+        with torch.no_grad():
+            if full:
+                loss_sum += losses.detach()
+            else:
+                loss_sum.index_add_(0, act, losses.detach())
+    mean_loss = loss_sum / torch.from_numpy(np.maximum(steps, 1)).to(device)
+    return TrainResult({n: p.detach() for n, p in train_p.items()}, mean_loss.cpu(), steps)
+
+
+def _train_loop(model, params, member_idx, aux, loss_fn, *, x_all, y_all, to_float, epochs, batch_size,
+                optim, rng, trainable):
+    """Reference backend: one member at a time, same schedule and optimizer maths as the vmap path."""
+    outs, losses, steps = [], [], []
+    sched, _ = _schedule(member_idx, epochs, batch_size, rng)
+    for m in range(len(member_idx)):
+        one = {n: p[m:m + 1] for n, p in params.items()}
+        aux_m = {k: (v[m:m + 1] if torch.is_tensor(v) else v) for k, v in aux.items()}
+        sub = sched[:, m:m + 1]
+        sub = sub[(sub >= 0).any(axis=(1, 2))]
+        try:
+            r = _run_fixed(model, one, sub, aux_m, loss_fn, x_all, y_all, to_float, optim, trainable)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the member named
+            raise FedheadError(f"local training failed for member {m}: {type(exc).__name__}: {exc}") from exc
+        outs.append(r.params)
+        losses.append(r.loss)
+        steps.append(r.steps[0])
+    return TrainResult({n: torch.cat([o[n] for o in outs]) for n in outs[0]}, torch.cat(losses),
+                       np.array(steps))
+
+
+def _run_fixed(model, params, sched, aux, loss_fn, x_all, y_all, to_float, optim, trainable):
+    device = x_all.device
+    trainable = set(params) if trainable is None else set(trainable)
+    train_p = {n: params[n].detach().clone().to(device).requires_grad_(True) for n in params if n in trainable}
+    fixed_p = {n: params[n].detach().to(device) for n in params if n not in trainable}
+    opt = StackedOptimizer(train_p, optim)
+    total = torch.zeros(1, device=device)
+    for t in range(sched.shape[0]):
+        idx = torch.from_numpy(sched[t]).to(device)
+        valid = idx >= 0
+        flat = idx.clamp(min=0).reshape(-1)
+        xb = to_float(x_all[flat])
+        p = {n: v[0] for n, v in {**train_p, **fixed_p}.items()}
+        with _autocast(device):
+            out = functional_call(model, p, (xb,)).unsqueeze(0)
+        loss = loss_fn(out, y_all[flat].view(idx.shape), valid, aux)
+        names = list(train_p)
+        grads = torch.autograd.grad(loss.sum(), [train_p[n] for n in names], allow_unused=True)
+        opt.step(train_p, {n: (g if g is not None else torch.zeros_like(train_p[n]))
+                           for n, g in zip(names, grads)}, valid.any(1))
+        total += loss.detach()
+    return TrainResult({n: p.detach() for n, p in train_p.items()}, (total / max(sched.shape[0], 1)).cpu(),
+                       np.array([sched.shape[0]]))
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def predict_logits(model: nn.Module, params: Params, x: torch.Tensor, to_float: Callable,
+                   batch_size: int = 1000) -> torch.Tensor:
+    """Single (unstacked) ``params`` on ``x`` -> logits [N, O]."""
+    device = next(iter(params.values())).device
+    outs = []
+    for i in range(0, len(x), batch_size):
+        with _autocast(device):
+            outs.append(functional_call(model, params, (to_float(x[i:i + batch_size].to(device)),)).float())
+    return torch.cat(outs)
+
+
+@torch.no_grad()
+def predict_stacked_shared(model: nn.Module, params: Params, x: torch.Tensor, to_float: Callable,
+                           batch_size: int = 500) -> torch.Tensor:
+    """Stacked ``params`` [M, ...], all on the same inputs -> [M, N, O] (FedOVA's n binary networks)."""
+    device = next(iter(params.values())).device
+    f = vmap(lambda p, xb: functional_call(model, p, (xb,)), in_dims=(0, None))
+    outs = []
+    for i in range(0, len(x), batch_size):
+        with _autocast(device):
+            outs.append(f(params, to_float(x[i:i + batch_size].to(device))).float())
+    return torch.cat(outs, dim=1)
+
+
+@torch.no_grad()
+def predict_stacked_own(model: nn.Module, params: Params, x_all: torch.Tensor, idx: np.ndarray,
+                        to_float: Callable, batch_size: int = 250) -> torch.Tensor:
+    """Stacked ``params`` [M, ...], member m on rows ``idx[m]`` of ``x_all`` -> [M, n, O]."""
+    device = next(iter(params.values())).device
+    f = vmap(lambda p, xb: functional_call(model, p, (xb,)), in_dims=(0, 0))
+    idx_t = torch.as_tensor(idx, device=x_all.device)
+    outs = []
+    for i in range(0, idx_t.shape[1], batch_size):
+        blk = idx_t[:, i:i + batch_size]
+        xb = to_float(x_all[blk.reshape(-1)]).view(*blk.shape, *x_all.shape[1:]).to(device)
+        with _autocast(device):
+            outs.append(f(params, xb).float())
+    return torch.cat(outs, dim=1)
+
+
+# ---------------------------------------------------------------- pure aggregators
+
+
+def weighted_average(stacked: Params, weights: torch.Tensor) -> Params:
+    """Size-weighted FedAvg: sum_m w_m p_m / sum_m w_m for every tensor."""
+    w = weights.double() / weights.double().sum()
+    return {n: torch.tensordot(w.to(p.device), p.double(), dims=1).to(p.dtype) for n, p in stacked.items()}
+
+
+def grouped_average(previous: Params, stacked: Params, group: torch.Tensor) -> Params:
+    """FedOVA: ``previous`` [G, ...]; member m's params belong to group ``group[m]``. Each group becomes
+    the unweighted mean of its members; groups no member returned keep their previous values."""
+    out = {}
+    g_count = next(iter(previous.values())).shape[0]
+    counts = torch.bincount(group.cpu(), minlength=g_count).to(torch.float64)
+    for n, prev in previous.items():
+        s = torch.zeros((g_count, *prev.shape[1:]), dtype=torch.float64, device=prev.device)
+        s.index_add_(0, group.to(prev.device), stacked[n].double().to(prev.device))
+        c = counts.to(prev.device).view(-1, *([1] * (prev.dim() - 1)))
+        out[n] = torch.where(c > 0, s / c.clamp(min=1), prev.double()).to(prev.dtype)
+    return out
+
+
+def partial_average(previous: Params, stacked: Params, weights: torch.Tensor) -> Params:
+    """D&C: size-weighted average of the tensors in ``stacked`` (the trained layers); all other tensors
+    of ``previous`` are kept as they are."""
+    new = weighted_average(stacked, weights)
+    return {n: (new[n] if n in new else p) for n, p in previous.items()}
+
+
+# ---------------------------------------------------------------- layer-wise divergence (D&C)
+
+
+def cosine_divergence(reference: Params, stacked: Params, layers: list[list[str]],
+                      mode: str = "local-vs-global") -> np.ndarray:
+    """Per weight layer: 1 - cos between flattened weights (all tensors of the layer concatenated).
+
+    ``local-vs-global``: mean over members of 1 - cos(local_m, reference). ``local-vs-local``: mean over
+    member pairs of 1 - cos(local_a, local_b).
+    """
+    out = []
+    for names in layers:
+        loc = torch.cat([stacked[n].reshape(stacked[n].shape[0], -1).double() for n in names], dim=1)
+        if mode == "local-vs-global":
+            ref = torch.cat([reference[n].reshape(-1).double() for n in names])
+            cos = F.cosine_similarity(loc, ref.unsqueeze(0).expand_as(loc), dim=1)
+            out.append(float((1 - cos).mean()))
+        elif mode == "local-vs-local":
+            m = loc.shape[0]
+            if m < 2:
+                raise FedheadError("local-vs-local divergence needs at least 2 collaborators per round.")
+            u = F.normalize(loc, dim=1)
+            sim = u @ u.T
+            iu = torch.triu_indices(m, m, offset=1)
+            out.append(float((1 - sim[iu[0], iu[1]]).mean()))
+        else:
+            raise FedheadError(f"The '--divergence' parameter must be one of 'local-vs-global', "
+                               f"'local-vs-local'. Got {mode!r} instead.")
+    return np.array(out)
+
+
+def choose_split(divergence: np.ndarray, threshold: float) -> int:
+    """Split s (1-based, layers 1..s class-agnostic): the layer before the first whose divergence exceeds
+    ``threshold`` x the largest divergence; clamped to [1, L-1]."""
+    d = np.asarray(divergence, dtype=float)
+    top = d.max() if d.size else 0.0
+    over = np.flatnonzero(d > threshold * top) if top > 0 else np.array([], int)
+    first = int(over[0]) + 1 if over.size else len(d)
+    return int(min(max(first - 1, 1), len(d) - 1))

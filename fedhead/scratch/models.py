@@ -1,0 +1,137 @@
+"""Model registry for the scratch paths (timm-style: ``create_model(name, in_shape, num_outputs)``).
+
+All models are buffer-free (no batch norm) so that member-stacked parameters can be trained with
+``torch.func.functional_call`` under ``vmap``. ``weight_layers(model)`` lists the weight layers
+(Conv2d / Linear, in forward order) used by Divide-and-Conquer's layer split and by byte counting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..errors import FedheadError, unknown_name
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    build: Callable[[tuple, int], nn.Module]  # (in_shape (C, H, W), num_outputs) -> module
+    help: str
+    input_kind: str  # "image" or "mfcc"; the dataset must match
+
+
+MODELS: dict[str, ModelSpec] = {}
+
+
+def register_model(name: str, help: str, input_kind: str = "image"):
+    def deco(fn):
+        MODELS[name] = ModelSpec(name, fn, help, input_kind)
+        return fn
+    return deco
+
+
+def create_model(name: str, in_shape: tuple, num_outputs: int) -> nn.Module:
+    if name not in MODELS:
+        raise unknown_name("--model", name, MODELS, "model")
+    return MODELS[name].build(tuple(in_shape), int(num_outputs))
+
+
+def weight_layers(model: nn.Module) -> list[list[str]]:
+    """Parameter names grouped by weight layer (Conv2d / Linear), in registration (forward) order."""
+    groups = []
+    for mname, mod in model.named_modules():
+        if isinstance(mod, (nn.Conv2d, nn.Linear)):
+            prefix = f"{mname}." if mname else ""
+            groups.append([prefix + p for p, _ in mod.named_parameters(recurse=False)])
+    return groups
+
+
+def _flat_dim(features: nn.Module, in_shape: tuple) -> int:
+    with torch.no_grad():
+        return int(features(torch.zeros(1, *in_shape)).flatten(1).shape[1])
+
+
+class _Seq(nn.Module):
+    """features -> flatten -> classifier; the common shape of every registered model."""
+
+    def __init__(self, features: nn.Module, classifier_dims: list[int], in_shape: tuple, dropout=0.0):
+        super().__init__()
+        self.features = features
+        dims = [_flat_dim(features, in_shape), *classifier_dims]
+        layers: list[nn.Module] = []
+        for i in range(len(dims) - 1):
+            layers.append(nn.Linear(dims[i], dims[i + 1]))
+            if i < len(dims) - 2:
+                layers.append(nn.ReLU(inplace=False))
+                if dropout:
+                    layers.append(nn.Dropout(dropout))
+        self.classifier = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.classifier(self.features(x).flatten(1))
+
+
+@register_model("cnn", "FedOVA/FedAvg CNN: conv16-pool-conv32-pool (5x5, 2x2 pooling) + linear "
+                "(MNIST / Fashion-MNIST; any image size and channel count)")
+def _cnn(in_shape, n):
+    c = in_shape[0]
+    f = nn.Sequential(nn.Conv2d(c, 16, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+                      nn.Conv2d(16, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2))
+    return _Seq(f, [n], in_shape)
+
+
+@register_model("fedabc-mlp", "FedABC MLP 784-260-200-n (flattened input)")
+def _mlp(in_shape, n):
+    return _Seq(nn.Identity(), [260, 200, n], in_shape)
+
+
+@register_model("fedabc-convnet", "FedABC ConvNet: conv64-pool-conv64-pool (5x5) + FC 120, 64, n (CIFAR-10)")
+def _convnet(in_shape, n):
+    c = in_shape[0]
+    f = nn.Sequential(nn.Conv2d(c, 64, 5), nn.ReLU(), nn.MaxPool2d(2),
+                      nn.Conv2d(64, 64, 5), nn.ReLU(), nn.MaxPool2d(2))
+    return _Seq(f, [120, 64, n], in_shape)
+
+
+def _vgg_features(cfg, c):
+    layers: list[nn.Module] = []
+    for v in cfg:
+        if v == "M":
+            layers.append(nn.MaxPool2d(2))
+        else:
+            layers += [nn.Conv2d(c, v, 3, padding=1), nn.ReLU()]
+            c = v
+    return nn.Sequential(*layers)
+
+
+@register_model("vgg11", "VGG11 (no batch norm; FedOVA CIFAR-10): 8 conv + FC 512, 512, n")
+def _vgg11(in_shape, n):
+    f = _vgg_features([64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"], in_shape[0])
+    return _Seq(f, [512, 512, n], in_shape)
+
+
+@register_model("vgg9", "VGG-9 (FedMA ModerateCNN, D&C): conv 32,64,P,128,128,P,256,256,P + FC 512, 512, n")
+def _vgg9(in_shape, n):
+    f = _vgg_features([32, 64, "M", 128, 128, "M", 256, 256, "M"], in_shape[0])
+    return _Seq(f, [512, 512, n], in_shape)
+
+
+@register_model("kws-cnn", "Keyword-spotting CNN: 3 conv (16/32/64, 3x3, 1x2 pooling) + FC 256, n on 50x16 MFCCs",
+                input_kind="mfcc")
+def _kws(in_shape, n):
+    c = in_shape[0]
+    f = nn.Sequential(nn.Conv2d(c, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d((1, 2)),
+                      nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d((1, 2)),
+                      nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d((1, 2)))
+    return _Seq(f, [256, n], in_shape)
+
+
+def check_model_input(name: str, input_kind: str, dataset: str) -> None:
+    spec = MODELS[name]
+    if spec.input_kind != input_kind:
+        raise FedheadError(f"The '--model' parameter {name!r} takes {spec.input_kind} input but dataset "
+                           f"{dataset!r} gives {input_kind} input. Use a model made for {input_kind} input.")

@@ -1,0 +1,393 @@
+"""The scratch round loop, written once for every algorithm, and its resolved configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import FedheadError, Interval, OneOf, param_error, validate
+from ..rundir import acc95_round, mean_std, write_clients, write_config, write_csv, write_rounds, write_summary
+from . import engine as E
+from .algorithms import ALGORITHMS, create_algorithm
+from .data import ScratchData, color_skew, grayscale_, load_dataset, subsample
+from .models import MODELS, check_model_input, create_model, weight_layers
+
+
+@dataclass
+class ScratchConfig:
+    algo: str                       # fedavg | fedova | fedabc | dnc
+    dataset: str                    # registered dataset name
+    data_dir: str                   # the dataset's folder
+    model: str | None = None        # None: the algorithm/dataset default (DEFAULT_MODELS)
+    partition: str | None = None    # None: the algorithm default (ALGO_DEFAULTS)
+    partition_params: dict = field(default_factory=dict)  # e.g. {"alpha": 0.1}; None values = defaults
+    clients: int | None = None      # K
+    participation: float | None = None  # fraction of clients per round
+    rounds: int | None = None       # T (D&C: rounds after the pre-pass)
+    local_epochs: int | None = None  # E
+    batch_size: int | None = None   # B
+    optimizer: str | None = None    # sgd | adam
+    lr: float | None = None
+    momentum: float | None = None   # sgd only
+    weight_decay: float | None = None
+    seeds: list[int] = field(default_factory=lambda: [0])
+    subset: int | None = None       # stratified training subset size (None = all)
+    test_subset: int | None = None  # stratified test subset size (None = all)
+    max_samples_per_client: int | None = None  # cap each client's local set after partitioning
+    noise: str = "none"             # label noise kind (fedhead.noise)
+    noise_rate: float = 0.0
+    local_test_size: int | None = None  # PFL/drift local test set per client (0 = off)
+    fedabc_margins: tuple | None = None  # (m_p, m_n, m_nn, gamma)
+    skew: float = 0.95              # color-skew grayscale fraction of collaborator 1
+    prepass_rounds: int = 5         # dnc: full-model FedAvg rounds before splitting
+    split_layer: int | None = None  # dnc: layers 1..s learn features; None = from the divergence
+    split_threshold: float = 0.5    # dnc: first layer above threshold x max divergence starts the top part
+    divergence: str = "local-vs-global"  # dnc: or local-vs-local
+    feature_epochs: int = 20        # dnc: local epochs of feature-learning rounds
+    finetune_epochs: int = 4        # dnc: local epochs of fine-tuning rounds
+    finetune_lr_factor: float = 0.5  # dnc: fine-tuning lr = factor x feature lr
+    lr_decay: float = 0.9           # dnc: lr multiplied by this every round after the pre-pass
+    device: str = "auto"
+    backend: str = "vmap"           # vmap (fast) | loop (reference, one member at a time)
+    eval_batch: int = 1000
+
+
+# algorithm defaults (SPEC sections 3-5); dataset-specific lr for FedABC
+ALGO_DEFAULTS = {
+    "fedavg": dict(partition="shard", partition_params={"shards_per_client": 2, "distinct_labels": True},
+                   clients=100, participation=0.2, rounds=50, local_epochs=5, batch_size=15, optimizer="adam",
+                   lr=1e-3, momentum=0.0, weight_decay=0.0, local_test_size=0),
+    "fedova": dict(partition="shard", partition_params={"shards_per_client": 2, "distinct_labels": True},
+                   clients=100, participation=0.2, rounds=50, local_epochs=5, batch_size=15, optimizer="adam",
+                   lr=1e-3, momentum=0.0, weight_decay=0.0, local_test_size=0),
+    "fedabc": dict(partition="dirichlet", partition_params={"alpha": 0.1}, clients=20, participation=0.5,
+                   rounds=50, local_epochs=5, batch_size=64, optimizer="sgd", lr=None, momentum=0.9,
+                   weight_decay=1e-5, local_test_size=200),
+    "dnc": dict(partition="color-skew", partition_params={}, clients=2, participation=1.0, rounds=13,
+                local_epochs=5, batch_size=64, optimizer="sgd", lr=1e-3, momentum=0.9, weight_decay=0.0,
+                local_test_size=0),
+}
+DEFAULT_MODELS = {  # (algo or "*", dataset) -> model
+    ("*", "mnist"): "cnn", ("*", "fashion-mnist"): "cnn", ("*", "cifar10"): "fedabc-convnet",
+    ("*", "speech-commands"): "kws-cnn", ("fedabc", "mnist"): "fedabc-mlp", ("fedabc", "fashion-mnist"): "fedabc-mlp",
+    ("fedova", "cifar10"): "vgg11", ("dnc", "cifar10"): "vgg9",
+}
+FEDABC_MARGINS = {"cifar10": (0.85, 0.2, 0.3, 2.0), "mnist": (0.75, 0.25, 0.3, 2.0),
+                  "fashion-mnist": (0.75, 0.25, 0.3, 2.0)}
+FEDABC_LR = {"cifar10": 0.1, "mnist": 0.01, "fashion-mnist": 0.01}
+
+
+def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
+    """Fill algorithm defaults for every None and validate every value (one-line errors)."""
+    if cfg.algo not in ALGORITHMS:
+        from ..errors import unknown_name
+        raise unknown_name("ALGO", cfg.algo, ALGORITHMS, "algorithm")
+    from .data import DATASETS
+    if cfg.dataset not in DATASETS:
+        from ..errors import unknown_name
+        raise unknown_name("--dataset", cfg.dataset, DATASETS, "dataset")
+    d = ALGO_DEFAULTS[cfg.algo]
+    c = dataclasses.replace(cfg)
+    for key, val in d.items():
+        if key == "partition_params":
+            continue
+        if getattr(c, key) is None:
+            setattr(c, key, val)
+    if cfg.partition is None:
+        c.partition_params = {**d["partition_params"],
+                              **{k: v for k, v in cfg.partition_params.items() if v is not None}}
+    if c.lr is None:
+        c.lr = FEDABC_LR.get(c.dataset, 0.01)
+    if c.fedabc_margins is None:
+        c.fedabc_margins = FEDABC_MARGINS.get(c.dataset, (0.8, 0.2, 0.3, 2.0))
+    if c.model is None:
+        c.model = DEFAULT_MODELS.get((c.algo, c.dataset), DEFAULT_MODELS.get(("*", c.dataset), "cnn"))
+    if c.model not in MODELS:
+        from ..errors import unknown_name
+        raise unknown_name("--model", c.model, MODELS, "model")
+    validate("--clients", c.clients, Interval(1, None, integer=True))
+    validate("--participation", c.participation, Interval(0, 1, closed="right"))
+    validate("--rounds", c.rounds, Interval(1, None, integer=True))
+    validate("--local-epochs", c.local_epochs, Interval(1, None, integer=True))
+    validate("--batch-size", c.batch_size, Interval(1, None, integer=True))
+    validate("--optimizer", c.optimizer, OneOf(("sgd", "adam")))
+    validate("--lr", c.lr, Interval(0, None, closed="neither"))
+    validate("--momentum", c.momentum, Interval(0, 1, closed="left"))
+    validate("--weight-decay", c.weight_decay, Interval(0, None))
+    for name, v in (("--subset", c.subset), ("--test-subset", c.test_subset),
+                    ("--max-samples-per-client", c.max_samples_per_client)):
+        if v is not None:
+            validate(name, v, Interval(1, None, integer=True))
+    validate("--local-test-size", c.local_test_size, Interval(0, None, integer=True))
+    validate("--prepass-rounds", c.prepass_rounds, Interval(0, None, integer=True))
+    validate("--split-threshold", c.split_threshold, Interval(0, 1))
+    validate("--divergence", c.divergence, OneOf(("local-vs-global", "local-vs-local")))
+    validate("--feature-epochs", c.feature_epochs, Interval(1, None, integer=True))
+    validate("--finetune-epochs", c.finetune_epochs, Interval(1, None, integer=True))
+    validate("--backend", c.backend, OneOf(("vmap", "loop")))
+    for s in c.seeds:
+        validate("--seed", s, Interval(0, None, integer=True))
+    if c.partition == "color-skew":
+        validate("--skew", c.skew, Interval(0, 1))
+        if c.partition_params and any(v is not None for v in c.partition_params.values()):
+            raise FedheadError("The '--partition' parameter color-skew takes only --skew. Got other partition "
+                               "options instead.")
+        c.partition_params = {"skew": c.skew}
+    else:
+        from ..partitions import resolve_partition_params
+        c.partition_params = resolve_partition_params(c.partition, **c.partition_params)
+    return c
+
+
+@dataclass
+class Context:
+    """Everything one seed's round loop needs (built once per seed by :func:`_setup`)."""
+
+    cfg: ScratchConfig
+    seed: int
+    data: ScratchData
+    model: torch.nn.Module
+    layers: list[list[str]]
+    parts: list[np.ndarray]           # per client: indices into x_train / y_train (device tensors)
+    client_counts: np.ndarray         # [K, C]
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    test_x: torch.Tensor
+    test_y_cpu: torch.Tensor
+    device: torch.device
+    gen: torch.Generator
+    rng: np.random.Generator
+    log: Callable[[str], None]
+    local_test: tuple | None = None   # (own-proportion sets [K, n], balanced sets [K, n]) test indices
+    client_extra: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+
+
+def _local_test_sets(test_y: np.ndarray, counts: np.ndarray, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """Per client, ``n`` test indices in the client's training class proportions, and ``n`` class-balanced."""
+    c = counts.shape[1]
+    by_class = [np.flatnonzero(test_y == j) for j in range(c)]
+
+    def draw(props):
+        want = np.floor(props * n).astype(int)
+        want[np.argsort(-(props * n - want))[: n - want.sum()]] += 1
+        out = []
+        for j, w in enumerate(want):
+            if w:
+                pool = by_class[j]
+                out.append(rng.choice(pool, size=w, replace=w > len(pool)))
+        return np.concatenate(out)
+
+    own = np.stack([draw(row / max(row.sum(), 1)) for row in counts])
+    present = np.array([np.size(p) > 0 for p in by_class], dtype=float)
+    bal = np.stack([draw(present / present.sum()) for _ in counts])
+    return own, bal
+
+
+def _setup(cfg: ScratchConfig, data: ScratchData, seed: int, device, log) -> Context:
+    rng = np.random.default_rng(seed)
+    tr = subsample(data.train_y, cfg.subset, rng)
+    te = subsample(data.test_y, cfg.test_subset, rng)
+    x_train = data.train_x[torch.from_numpy(tr)].clone()
+    y_train = data.train_y[tr].copy()
+    x_test = data.test_x[torch.from_numpy(te)].clone()
+    y_test = data.test_y[te].copy()
+    info = {"train_size": int(len(tr)), "test_size": int(len(te))}
+    if cfg.partition == "color-skew":
+        if data.input_kind != "image" or x_train.shape[1] != 3:
+            raise FedheadError(f"The '--partition' parameter color-skew needs an RGB image dataset. Got "
+                               f"{cfg.dataset!r} instead.")
+        parts, gray_tr, gray_te = color_skew(y_train, cfg.clients, seed=seed, skew=cfg.skew,
+                                             num_test=len(y_test))
+        grayscale_(x_train, gray_tr)
+        grayscale_(x_test, gray_te)
+        info["gray_fraction_per_client"] = [float(np.isin(p, gray_tr).mean()) for p in parts]
+        info["gray_fraction_test"] = float(len(gray_te) / max(len(y_test), 1))
+    else:
+        from ..partitions import create_partition
+        parts = create_partition(cfg.partition, y_train, cfg.clients, seed=seed, **cfg.partition_params)
+    if cfg.max_samples_per_client:
+        parts = [np.sort(rng.choice(p, size=cfg.max_samples_per_client, replace=False))
+                 if len(p) > cfg.max_samples_per_client else p for p in parts]
+    if cfg.noise != "none":
+        from ..noise import apply_noise
+        noisy, frac = apply_noise(cfg.noise, cfg.noise_rate, [y_train[p] for p in parts], data.num_classes,
+                                  dataset=cfg.dataset, seed=seed)
+        for p, yn in zip(parts, noisy):
+            y_train[p] = yn
+        info["noise_realised_fraction"] = frac
+    counts = np.stack([np.bincount(y_train[p], minlength=data.num_classes) for p in parts])
+    empty = [k for k, p in enumerate(parts) if len(p) == 0]
+    if empty:
+        log(f"warning: {len(empty)} client(s) have no training samples (e.g. client {empty[0]}); they train "
+            f"nothing when selected.")
+    algo_cls = ALGORITHMS[cfg.algo]
+    n_out = 1 if algo_cls.out_per_class else data.num_classes
+    model = create_model(cfg.model, data.in_shape, n_out).to(device)
+    if device.type == "cpu":
+        pass  # buffer-free models; vmap'd convs run as grouped convs in the default layout
+    gen = torch.Generator().manual_seed(seed)
+    ctx = Context(cfg, seed, data, model, weight_layers(model), parts, counts,
+                  x_train.to(device), torch.from_numpy(y_train).to(device), x_test.to(device),
+                  torch.from_numpy(y_test), device, gen, rng, log, info=info)
+    if cfg.local_test_size:
+        ctx.local_test = _local_test_sets(y_test, counts, cfg.local_test_size, rng)
+    return ctx
+
+
+def run_seed(cfg: ScratchConfig, data: ScratchData, seed: int, device, log, progress=None) -> dict:
+    """One seed's federated run; returns rows, client table and extras (no files written)."""
+    ctx = _setup(cfg, data, seed, device, log)
+    algo = create_algorithm(cfg.algo)
+    algo.setup(ctx)
+    state = {n: p.to(device) for n, p in algo.init(ctx).items()}
+    total_rounds = cfg.rounds + (cfg.prepass_rounds if cfg.algo == "dnc" else 0)
+    per_round = max(1, int(round(cfg.participation * cfg.clients)))
+    rows = []
+    task = progress.add_task(f"{cfg.algo} seed {seed}", total=total_rounds, info="") if progress else None
+    for rnd in range(1, total_rounds + 1):
+        selected = np.sort(ctx.rng.choice(cfg.clients, size=per_round, replace=False))
+        selected = np.array([k for k in selected if len(ctx.parts[k]) > 0], dtype=int)
+        plan = algo.configure(ctx, state, rnd, selected) if len(selected) else None
+        row = {"seed": seed, "round": rnd}
+        if plan is None:
+            row.update(stage="skipped", train_loss=float("nan"), client_ms=0.0, server_ms=0.0,
+                       bytes_up_per_client=0, bytes_total=0)
+        else:
+            t0 = time.perf_counter()
+            trained = E.train_members(ctx.model, plan.start, plan.member_idx, plan.aux, plan.loss_fn,
+                                      x_all=ctx.x_train, y_all=ctx.y_train, to_float=data.to_float,
+                                      epochs=plan.epochs, batch_size=cfg.batch_size, optim=plan.optim,
+                                      rng=ctx.rng, trainable=plan.trainable, backend=cfg.backend)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            state = algo.aggregate(ctx, state, plan, trained)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            clients = np.unique(plan.owner)
+            # bytes actually carried: each member's trained tensors up, the same tensors down
+            member_bytes = E.nbytes({n: p[0] for n, p in trained.params.items()})
+            up = {k: member_bytes * int((plan.owner == k).sum()) for k in clients}
+            row.update(stage=plan.stage, train_loss=float(trained.loss.mean()),
+                       client_ms=(t1 - t0) * 1000 / len(clients), server_ms=(t2 - t1) * 1000,
+                       bytes_up_per_client=float(np.mean(list(up.values()))), bytes_total=2 * sum(up.values()),
+                       clients=len(clients), members=len(plan.owner), lr=plan.optim.lr, epochs=plan.epochs)
+            row.update(algo.after_round(ctx, state, plan, trained))
+        pred = algo.predict(ctx, state, ctx.test_x).argmax(1).cpu()
+        row["accuracy"] = float((pred == ctx.test_y_cpu).float().mean())
+        rows.append(row)
+        if progress:
+            extra = "".join(f" {k.split('_')[0]} {row[k]:.3f}" for k in ("pfl_accuracy", "drift_accuracy")
+                            if k in row)
+            progress.update(task, advance=1, info=f"acc {row['accuracy']:.3f}{extra} [{row['stage']}]")
+    out = {"rows": rows, "counts": ctx.client_counts, "sizes": np.array([len(p) for p in ctx.parts]),
+           "client_extra": ctx.client_extra, "info": ctx.info, "layers": ctx.layers}
+    if cfg.algo == "dnc":
+        out["divergence"] = algo.div_rows
+        out["split_layer"] = algo.split
+    return out
+
+
+def _last_mean(values, n=5):
+    v = [x for x in values if x is not None and not np.isnan(x)]
+    return float(np.mean(v[-n:])) if v else float("nan")
+
+
+def run_scratch(cfg: ScratchConfig, out_dir: str | Path, log: Callable[[str], None] = lambda s: None,
+                progress=None) -> dict:
+    """Resolve, load, run every seed, write the run directory; returns the summary."""
+    from ..util import resolve_device, set_cpu_threads
+
+    cfg = resolve_config(cfg)
+    device = resolve_device(cfg.device)
+    if device.type == "cpu":
+        set_cpu_threads()
+    data = load_dataset(cfg.dataset, cfg.data_dir)
+    check_model_input(cfg.model, data.input_kind, cfg.dataset)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    all_rows, results = [], []
+    for seed in cfg.seeds:
+        res = run_seed(cfg, data, seed, device, log, progress)
+        results.append(res)
+        all_rows += res["rows"]
+    wall = time.time() - t0
+    first = results[0]
+    config = {"command": "scratch", **dataclasses.asdict(cfg), "device_resolved": str(device),
+              "num_classes": data.num_classes, "classes": data.classes, "in_shape": list(data.in_shape),
+              "data_info": {**data.info, **first["info"]},
+              "weight_layers": [names[0].rsplit(".", 1)[0] for names in first["layers"]],
+              "bytes_accounting": "per round, each participating client downloads and uploads exactly the "
+                                  "tensors it trains (fp32); bytes_total = down + up over clients"}
+    if cfg.algo == "dnc":
+        config["split_layer_used"] = [r["split_layer"] for r in results]
+    write_config(out_dir, config)
+    write_rounds(out_dir, all_rows)
+    write_clients(out_dir, first["sizes"], first["counts"], first["client_extra"] or None)
+    summary = {"algo": cfg.algo, "dataset": cfg.dataset, "model": cfg.model, "wall_seconds": wall,
+               "seeds": cfg.seeds}
+    per_seed = []
+    for seed, res in zip(cfg.seeds, results):
+        acc = [r["accuracy"] for r in res["rows"]]
+        s = {"seed": seed, "final_accuracy": acc[-1], "last5_accuracy": _last_mean(acc),
+             "best_accuracy": max(acc), "acc95_round": acc95_round(acc),
+             "bytes_total": int(sum(r["bytes_total"] for r in res["rows"]))}
+        for key in ("pfl_accuracy", "drift_accuracy"):
+            vals = [r.get(key) for r in res["rows"] if key in r]
+            if vals:
+                s[f"last5_{key}"] = _last_mean(vals)
+        if cfg.algo == "dnc":
+            s["split_layer"] = res["split_layer"]
+            s["bytes_prepass"] = int(sum(r["bytes_total"] for r in res["rows"] if r["stage"] == "prepass"))
+            s["bytes_after_prepass"] = s["bytes_total"] - s["bytes_prepass"]
+        per_seed.append(s)
+    summary["per_seed"] = per_seed
+    for key in ("final_accuracy", "last5_accuracy", "last5_pfl_accuracy", "last5_drift_accuracy"):
+        if key in per_seed[0]:
+            m, sd = mean_std([s[key] for s in per_seed])
+            summary[key] = m
+            summary[f"{key}_std"] = sd
+    summary["bytes_total"] = float(np.mean([s["bytes_total"] for s in per_seed]))
+    if cfg.algo == "dnc":
+        div = [r for res in results for r in res["divergence"]]
+        write_csv(out_dir / "divergence.csv", div, ["seed", "round", "layer", "name", "divergence"])
+        if div:
+            _plot_divergence(div, out_dir / "divergence.png", [r["split_layer"] for r in results][0])
+        summary["split_layer"] = per_seed[0]["split_layer"]
+        summary["divergence_last_prepass"] = [r["divergence"] for r in div if r["seed"] == cfg.seeds[0]
+                                              and r["round"] == max(x["round"] for x in div)] if div else []
+    write_summary(out_dir, summary)
+    return summary
+
+
+def _plot_divergence(rows: list[dict], path: Path, split: int | None) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..util import atomic_path
+
+    seed = rows[0]["seed"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for rnd in sorted({r["round"] for r in rows if r["seed"] == seed}):
+        pts = [(r["layer"], r["divergence"]) for r in rows if r["seed"] == seed and r["round"] == rnd]
+        ax.plot(*zip(*pts), marker="o", label=f"pre-pass round {rnd}")
+    if split:
+        ax.axvline(split + 0.5, color="k", ls="--", lw=1, label=f"split after L{split}")
+    ax.set_xlabel("weight layer")
+    ax.set_ylabel("1 - cos(local, global)")
+    ax.set_title("Layer-wise weight divergence (D&C pre-pass)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
