@@ -372,17 +372,23 @@ def zipf(labels, num_clients, rng, features=None, *, zipf_s, min_size):
 
 
 @register_partition("kmeans", needs_features=True)
-def kmeans(labels, num_clients, rng, features=None, *, max_iter=20):
+def kmeans(labels, num_clients, rng, features=None, *, max_iter=20, pca_dim=64):
     """Per class, k-means on the features into K clusters (fewer if the class is smaller); a random
     permutation per class gives cluster j to client pi(j).
 
-    Uses sklearn KMeans (one init, at most ``max_iter`` Lloyd iterations, seeded from ``rng``). Every
-    index is used exactly once.
+    For speed the features are first reduced once to their top ``pca_dim`` principal components
+    (randomized PCA over the whole training set; skipped when d <= pca_dim), then each class is
+    clustered with sklearn KMeans (k-means++ init, one init, at most ``max_iter`` Lloyd iterations),
+    all seeded from ``rng``. Every index is used exactly once.
     """
     from sklearn.cluster import KMeans
+    from sklearn.decomposition import PCA
 
     k, n = num_clients, len(labels)
-    feats = np.asarray(features, dtype=np.float32)
+    feats = np.asarray(features).astype(np.float32, copy=False)
+    if feats.shape[1] > pca_dim and n > pca_dim:
+        feats = PCA(n_components=pca_dim, svd_solver="randomized",
+                    random_state=int(rng.integers(2**31 - 1))).fit_transform(feats)
     owner = np.empty(n, dtype=np.int64)
     for cls in np.unique(labels):
         idx = np.flatnonzero(labels == cls)
@@ -393,6 +399,5 @@ def kmeans(labels, num_clients, rng, features=None, *, max_iter=20):
             continue
         km = KMeans(n_clusters=m, n_init=1, max_iter=max_iter, init="k-means++",
                     random_state=int(rng.integers(2**31 - 1)))
-        assign = km.fit_predict(feats[idx])
-        owner[idx] = pi[assign]
+        owner[idx] = pi[km.fit_predict(feats[idx])]
     return _group_by_owner(owner, k)
