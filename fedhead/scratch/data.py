@@ -72,14 +72,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FEDHEAD_CACHE", "cache")) / "scratch"
 
 
+_LOADED: dict[tuple, ScratchData] = {}  # in-process memo of read-only loaded datasets (tests, benches)
+
+
 def load_dataset(name: str, data_dir: str | Path) -> ScratchData:
+    """Load (once per process) a registered dataset; callers must not modify the returned tensors."""
     if name not in DATASETS:
         raise unknown_name("--dataset", name, DATASETS, "dataset")
     data_dir = Path(data_dir)
     if not data_dir.exists():
         raise param_error("--data-dir", str(data_dir), "must be an existing directory",
                           f"Point it at your copy of {name}.")
-    return DATASETS[name](data_dir, cache_dir())
+    key = (name, str(data_dir.resolve()), data_dir.stat().st_mtime_ns)
+    if key not in _LOADED:
+        _LOADED.clear()  # keep at most one dataset in memory
+        _LOADED[key] = DATASETS[name](data_dir, cache_dir())
+    return _LOADED[key]
 
 
 def subsample(y: np.ndarray, n: int | None, rng: np.random.Generator) -> np.ndarray:

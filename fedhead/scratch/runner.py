@@ -135,6 +135,9 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
         validate("--seed", s, Interval(0, None, integer=True))
     if c.partition == "color-skew":
         validate("--skew", c.skew, Interval(0, 1))
+        if c.clients != 2:
+            raise param_error("--clients", c.clients, "must be 2 with --partition color-skew",
+                              "Use --clients 2 (two collaborators).")
         if c.partition_params and any(v is not None for v in c.partition_params.values()):
             raise FedheadError("The '--partition' parameter color-skew takes only --skew. Got other partition "
                                "options instead.")
@@ -241,7 +244,8 @@ def _setup(cfg: ScratchConfig, data: ScratchData, seed: int, device, log) -> Con
     return ctx
 
 
-def run_seed(cfg: ScratchConfig, data: ScratchData, seed: int, device, log, progress=None) -> dict:
+def run_seed(cfg: ScratchConfig, data: ScratchData, seed: int, device, log, progress=None,
+             on_round: Callable[[list[dict]], None] | None = None) -> dict:
     """One seed's federated run; returns rows, client table and extras (no files written)."""
     ctx = _setup(cfg, data, seed, device, log)
     algo = create_algorithm(cfg.algo)
@@ -284,6 +288,8 @@ def run_seed(cfg: ScratchConfig, data: ScratchData, seed: int, device, log, prog
         pred = algo.predict(ctx, state, ctx.test_x).argmax(1).cpu()
         row["accuracy"] = float((pred == ctx.test_y_cpu).float().mean())
         rows.append(row)
+        if on_round:
+            on_round(rows)
         if progress:
             extra = "".join(f" {k.split('_')[0]} {row[k]:.3f}" for k in ("pfl_accuracy", "drift_accuracy")
                             if k in row)
@@ -317,7 +323,8 @@ def run_scratch(cfg: ScratchConfig, out_dir: str | Path, log: Callable[[str], No
     t0 = time.time()
     all_rows, results = [], []
     for seed in cfg.seeds:
-        res = run_seed(cfg, data, seed, device, log, progress)
+        res = run_seed(cfg, data, seed, device, log, progress,
+                       on_round=lambda rows: write_rounds(out_dir, all_rows + rows))
         results.append(res)
         all_rows += res["rows"]
     wall = time.time() - t0
