@@ -1,0 +1,141 @@
+"""``fedhead bench extract``: throughput of the whole extraction pipeline against the bare encoder forward.
+
+Both are measured in one run on the same batches: the pipeline (data loading/decoding, resize, normalise,
+forward, device->host copy, fp16 conversion and the HDF5 write through StoreWriter into a temporary store)
+and the forward alone on the prepared input tensors of that same pipeline. The forward is timed before
+and after the pipeline and averaged, so drifting machine load affects both sides alike. The record has
+flat prefixed keys (timm ``benchmark.py`` style); an out-of-memory error retries with half the batch.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from fedhead.errors import Interval, cli_errors, validate
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _measure_once(dataset, data_dir, encoder, *, weights, pretrained, image_size, batch_size, device, precision,
+                  num_images, num_workers, dtype, split) -> dict:
+    import torch
+
+    from .run import forward, iter_batches, prepare, to_input
+    from .store import StoreWriter
+
+    plan = prepare(dataset, data_dir, encoder, weights=weights, pretrained=pretrained, image_size=image_size,
+                   batch_size=batch_size, device=device, precision=precision, limit=num_images, dtype=dtype,
+                   num_workers=num_workers, splits=(split,))
+    data = plan.splits[split]
+    n = len(data)
+    # prepared inputs of the same batches (the forward-only side), and one warm-up forward
+    inputs = [to_input(plan, x) for x, _ in iter_batches(plan, split)]
+    forward(plan, inputs[0])
+    _sync(plan.device)
+
+    def time_forward() -> float:
+        t = time.perf_counter()
+        for x in inputs:
+            forward(plan, x)
+        _sync(plan.device)
+        return time.perf_counter() - t
+
+    fwd1 = time_forward()
+    with tempfile.TemporaryDirectory(prefix="fedhead-bench-") as tmp:
+        out = Path(tmp) / "bench.h5"
+        t = time.perf_counter()
+        with StoreWriter(out, request={"bench": True}, sizes={split: n}, feature_dim=plan.encoder.feature_dim,
+                         class_names=data.class_names, attrs={}, dtype=dtype) as w:
+            for x, y in iter_batches(plan, split):
+                w.append(split, forward(plan, to_input(plan, x)), y)
+            w.finish()
+        _sync(plan.device)
+        ext = time.perf_counter() - t
+    fwd2 = time_forward()
+    fwd = (fwd1 + fwd2) / 2
+    return {
+        "bench_dataset": plan.request["dataset"], "bench_split": split, "bench_encoder": encoder,
+        "bench_image_size": plan.encoder.preprocessing.image_size, "bench_batch_size": batch_size,
+        "bench_num_images": n, "bench_device": str(plan.device), "bench_precision": precision,
+        "bench_dtype": dtype, "bench_num_workers": plan.num_workers, "bench_in_memory": data.in_memory,
+        "bench_torch_threads": torch.get_num_threads(), "bench_feature_dim": plan.encoder.feature_dim,
+        "extract_seconds": round(ext, 4), "extract_images_per_sec": round(n / ext, 2),
+        "forward_seconds": round(fwd, 4), "forward_images_per_sec": round(n / fwd, 2),
+        "forward_images_per_sec_before": round(n / fwd1, 2), "forward_images_per_sec_after": round(n / fwd2, 2),
+        "extract_fraction_of_forward": round(fwd / ext, 4),
+    }
+
+
+def measure_extraction(dataset: str = "digits", data_dir=None, encoder: str = "tf_efficientnet_lite0", *,
+                       weights=None, pretrained: bool = False, image_size: Optional[int] = 96,
+                       batch_size: int = 64, device: str = "auto", precision: str = "fp32", num_images: int = 512,
+                       num_workers: Optional[int] = None, dtype: str = "float16", split: str = "train") -> dict:
+    """Images/s of the extraction pipeline and of the bare forward on the same batches (flat dict).
+
+    Retries with half the batch size after an out-of-memory error (``bench_batch_size`` is the size used).
+    """
+    import torch
+
+    validate("--num-images", num_images, Interval(1, None, integer=True))
+    bs = batch_size
+    while True:
+        try:
+            return _measure_once(dataset, data_dir, encoder, weights=weights, pretrained=pretrained,
+                                 image_size=image_size, batch_size=bs, device=device, precision=precision,
+                                 num_images=num_images, num_workers=num_workers, dtype=dtype, split=split)
+        except (torch.cuda.OutOfMemoryError, MemoryError):
+            if bs <= 1:
+                raise
+            bs //= 2
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+@cli_errors
+def bench_extract_cmd(
+    dataset: str = typer.Option("digits", "--dataset"),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir"),
+    encoder: str = typer.Option("tf_efficientnet_lite0", "--encoder"),
+    weights: Optional[str] = typer.Option(None, "--weights", help="Checkpoint file or 'registry' (speed does not "
+                                          "depend on the weights; default random init)."),
+    pretrained: bool = typer.Option(False, "--pretrained/--no-pretrained"),
+    image_size: Optional[int] = typer.Option(96, "--image-size"),
+    batch_size: int = typer.Option(64, "--batch-size"),
+    device: str = typer.Option("auto", "--device"),
+    precision: str = typer.Option("fp32", "--precision"),
+    num_images: int = typer.Option(512, "--num-images", help="Images of the split to time (seeded selection)."),
+    num_workers: Optional[int] = typer.Option(None, "--num-workers"),
+    out: Optional[Path] = typer.Option(None, "--out", help="JSON file for the record (default: stdout only)."),
+) -> None:
+    """Extraction throughput vs the bare encoder forward on the same batches (images/s)."""
+    from rich.table import Table
+
+    from fedhead.util import atomic_write_json, stdout_console
+
+    rec = measure_extraction(dataset, data_dir, encoder, weights=weights, pretrained=pretrained,
+                             image_size=image_size, batch_size=batch_size, device=device, precision=precision,
+                             num_images=num_images, num_workers=num_workers)
+    t = Table(title=f"extraction vs forward: {rec['bench_encoder']} @ {rec['bench_image_size']}px, "
+                    f"{rec['bench_dataset']}, {rec['bench_device']}, {rec['bench_num_images']} images")
+    t.add_column("measure")
+    t.add_column("images/s", justify="right")
+    t.add_row("forward only (same batches)", f"{rec['forward_images_per_sec']:.1f}")
+    t.add_row("full extraction pipeline", f"{rec['extract_images_per_sec']:.1f}")
+    t.add_row("extraction / forward", f"{rec['extract_fraction_of_forward']:.3f}")
+    stdout_console().print(t)
+    if out is not None:
+        atomic_write_json(out, rec)
+        stdout_console().print(str(out))
+    else:
+        stdout_console().print(json.dumps(rec), soft_wrap=True)

@@ -1,0 +1,76 @@
+"""``fedhead extract`` and ``fedhead info``: thin typer wrappers over extract.run / extract.store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from fedhead.errors import cli_errors
+
+
+@cli_errors
+def extract_cmd(
+    dataset: str = typer.Option(..., "--dataset", help="cifar10, cifar100, mnist, fashion-mnist, tinyimagenet, "
+                                "imagefolder or digits."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Dataset folder (not needed for digits)."),
+    encoder: str = typer.Option(..., "--encoder", help="timm model name or clip:MODEL/PRETRAINED."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="Local checkpoint file (timm, open_clip or "
+                                          "EfficientNet-PyTorch format); 'registry' = installed weights package."),
+    pretrained: bool = typer.Option(True, "--pretrained/--no-pretrained", help="--no-pretrained: random init "
+                                    "(seed 0), for tests."),
+    image_size: Optional[int] = typer.Option(None, "--image-size", help="Input resolution (default: the "
+                                             "encoder's own)."),
+    batch_size: int = typer.Option(64, "--batch-size"),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 or fp16 (autocast)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Keep N images per split (seeded class-"
+                                        "stratified selection)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Store path (default cache/<dataset>/<encoder>[-<size>].h5)."),
+    dtype: str = typer.Option("float16", "--dtype", help="float16 or float32 features."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing store made by another request."),
+    download: bool = typer.Option(False, "--download", help="Download torchvision datasets if missing."),
+    num_workers: Optional[int] = typer.Option(None, "--num-workers", help="DataLoader workers for image files."),
+) -> None:
+    """Encode a dataset with a frozen encoder into an HDF5 feature store (resumable)."""
+    from fedhead.util import stdout_console
+
+    from .run import extract_features
+
+    path = extract_features(dataset, data_dir, encoder, weights=weights, pretrained=pretrained,
+                            image_size=image_size, batch_size=batch_size, device=device, precision=precision,
+                            limit=limit, out=out, dtype=dtype, overwrite=overwrite, download=download,
+                            num_workers=num_workers)
+    stdout_console().print(str(path), soft_wrap=True)
+
+
+@cli_errors
+def info_cmd(store: Path = typer.Argument(..., help="A feature store written by 'fedhead extract'.")) -> None:
+    """Print a feature store's metadata and shapes."""
+    from fedhead.util import stdout_console
+
+    from .store import open_store
+
+    stdout_console().print(info_table(open_store(store, "STORE")), soft_wrap=True)
+
+
+def info_table(info):
+    """A rich table of a StoreInfo: shapes first, then every attribute (JSON values pretty-printed)."""
+    import json
+
+    from rich.table import Table
+
+    t = Table(title=str(info.path), show_header=True)
+    t.add_column("key", style="bold")
+    t.add_column("value", overflow="fold")
+    for k, shape in info.shapes.items():
+        t.add_row(k, " x ".join(str(s) for s in shape))
+    names = ", ".join(info.class_names)
+    t.add_row("class_names", f"{info.num_classes}: {names[:200]}{'...' if len(names) > 200 else ''}")
+    for k in sorted(info.attrs):
+        v = info.attrs[k]
+        if k == "request":
+            continue
+        t.add_row(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v))
+    return t
