@@ -242,7 +242,8 @@ class Engine:
         counts = torch.as_tensor(self.data.counts[np.asarray(block)[order]], device=dev, dtype=torch.float32)
         present = counts > 0
 
-        w = theta.to(torch.float32).expand(K, C, D1).contiguous()
+        w = torch.empty(K, C, D1, device=dev, dtype=torch.float32)
+        w.copy_(theta)                     # a real copy per client (expand() would alias theta when K == 1)
         grad = torch.empty_like(w)
         opt = make_stacked_optimizer(self.optim, (K, C, D1), dev)
         loss_sum = torch.zeros(K, device=dev, dtype=torch.float64)
