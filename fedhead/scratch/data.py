@@ -144,12 +144,6 @@ def _idx_dataset(name: str, sub: str, classes: list[str], mean: float, std: floa
 
 register_dataset("mnist", "MNIST idx files (<data-dir>/MNIST/raw)")(
     _idx_dataset("mnist", "MNIST", [str(i) for i in range(10)], 0.1307, 0.3081))
-register_dataset("fashion-mnist", "Fashion-MNIST idx files (<data-dir>/FashionMNIST/raw)")(
-    _idx_dataset("fashion-mnist", "FashionMNIST",
-                 ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
-                  "Ankle boot"], 0.2860, 0.3530))
-
-
 # ---------------------------------------------------------------- CIFAR-10 (image folders or python batches)
 
 
@@ -175,39 +169,77 @@ def _image_folder(root: Path, classes: list[str] | None = None):
                   "cifar-10-batches-py")
 def _cifar10(root: Path, cache: Path) -> ScratchData:
     mean, std = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-    py = root / "cifar-10-batches-py" if (root / "cifar-10-batches-py").exists() else root
-    if (py / "data_batch_1").exists():
-        import pickle
-
-        def batch(names):
-            xs, ys = [], []
-            for n in names:
-                with open(py / n, "rb") as f:
-                    d = pickle.load(f, encoding="bytes")
-                xs.append(np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
-                ys.append(np.asarray(d[b"labels"], dtype=np.int64))
-            return np.concatenate(xs), np.concatenate(ys)
-        trx, try_ = batch([f"data_batch_{i}" for i in range(1, 6)])
-        tex, tey = batch(["test_batch"])
-        classes = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
-    elif (root / "train").is_dir() and (root / "test").is_dir():
-        path = cache / f"cifar10-{_cache_key(root, 'folders')}.npz"
-        if path.exists():
-            z = np.load(path)
-            trx, try_, tex, tey = z["train_x"], z["train_y"], z["test_x"], z["test_y"]
-            classes = [str(c) for c in z["classes"]]
-        else:
-            trx, try_, classes = _image_folder(root / "train")
-            tex, tey, _ = _image_folder(root / "test", classes)
-            from ..util import atomic_path
-            with atomic_path(path) as tmp:
-                with open(tmp, "wb") as f:
-                    np.savez(f, train_x=trx, train_y=try_, test_x=tex, test_y=tey, classes=np.array(classes))
+    if not ((root / "train").is_dir() and (root / "test").is_dir()):
+        return _extract_loader("cifar10", rgb=True)(root, cache)  # cifar-10-batches-py layout
+    path = cache / f"cifar10-{_cache_key(root, 'folders')}.npz"
+    if path.exists():
+        z = np.load(path)
+        trx, try_, tex, tey = z["train_x"], z["train_y"], z["test_x"], z["test_y"]
+        classes = [str(c) for c in z["classes"]]
     else:
-        raise FedheadError(f"The '--data-dir' parameter must hold CIFAR-10 as train/ and test/ image folders "
-                           f"or cifar-10-batches-py. Got {str(root)!r} instead.")
+        trx, try_, classes = _image_folder(root / "train")
+        tex, tey, _ = _image_folder(root / "test", classes)
+        from ..util import atomic_path
+        with atomic_path(path) as tmp:
+            with open(tmp, "wb") as f:
+                np.savez(f, train_x=trx, train_y=try_, test_x=tex, test_y=tey, classes=np.array(classes))
     return ScratchData("cifar10", torch.from_numpy(trx), try_, torch.from_numpy(tex), tey, classes, mean, std,
                        "image")
+
+
+# ---------------------------------------------------------------- other image datasets via extract.datasets
+
+
+def _extract_loader(name: str, rgb: bool):
+    """Adapter for the shared image-dataset registry (``extract.datasets``): decoded once into uint8
+    [N, C, H, W]; path-based datasets (imagefolder, tinyimagenet) are cached as .npz."""
+
+    def load(root: Path, cache: Path) -> ScratchData:
+        from extract import datasets as X
+
+        def arr(split) -> np.ndarray:
+            if split.in_memory:
+                imgs = split.images
+            else:
+                first = split.image(0).shape
+                imgs = np.empty((len(split), *first), dtype=np.uint8)
+                for i in range(len(split)):
+                    im = split.image(i)
+                    if im.shape != first:
+                        raise FedheadError(f"The '--data-dir' parameter holds images of different sizes "
+                                           f"({first} and {im.shape}). Got {str(root)!r} instead. The scratch "
+                                           f"path needs one image size; resize the copy first.")
+                    imgs[i] = im
+            return np.ascontiguousarray(imgs.transpose(0, 3, 1, 2))
+
+        tr, te = X.load_dataset(name, root, "train", rgb=rgb), X.load_dataset(name, root, "test", rgb=rgb)
+        path = cache / f"{name}-{_cache_key(root, 'extract')}.npz"
+        if not tr.in_memory and path.exists():
+            z = np.load(path)
+            trx, tex = z["train_x"], z["test_x"]
+        else:
+            trx, tex = arr(tr), arr(te)
+            if not tr.in_memory:
+                from ..util import atomic_path
+                with atomic_path(path) as tmp:
+                    with open(tmp, "wb") as f:
+                        np.savez(f, train_x=trx, test_x=tex)
+        sample = torch.from_numpy(trx[:10000]).float() / 255.0
+        mean = tuple(float(v) for v in sample.mean(dim=(0, 2, 3)))
+        std = tuple(float(v) for v in sample.std(dim=(0, 2, 3)).clamp(min=1e-3))
+        return ScratchData(name, torch.from_numpy(trx), np.asarray(tr.labels, dtype=np.int64),
+                           torch.from_numpy(tex), np.asarray(te.labels, dtype=np.int64), list(tr.class_names),
+                           mean, std, "image", {"loader": "extract.datasets"})
+    return load
+
+
+for _name, _rgb, _help in (
+        ("fashion-mnist", False, "Fashion-MNIST (<data-dir>/FashionMNIST/raw), via extract.datasets"),
+        ("cifar100", True, "CIFAR-100 (cifar-100-python), via extract.datasets"),
+        ("tinyimagenet", True, "Tiny ImageNet 64x64 (tiny-imagenet-200), via extract.datasets; cached .npz"),
+        ("imagefolder", True, "train/<class>/* and test/<class>/* of one image size, via extract.datasets"),
+        ("digits", False, "scikit-learn 8x8 digits (no data dir needed; pass any folder), via extract.datasets")):
+    register_dataset(_name, _help)(_extract_loader(_name, _rgb))
 
 
 # ---------------------------------------------------------------- Speech Commands -> MFCC
