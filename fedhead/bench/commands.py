@@ -1,0 +1,823 @@
+"""Typer commands ``fedhead bench ablation|partitions|encoders|noise|participation|geometry``.
+
+Each builds a grid of ``fedhead train`` runs (same engine, same run directories), runs it with reuse and
+resume (:func:`fedhead.bench.report.run_grid`), and writes one report folder (see
+:mod:`fedhead.bench.report`). ``geometry`` trains nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+import typer
+
+from ..config import PAPER_SEEDS, TrainConfig
+from ..errors import FedheadError, Interval, OneOf, cli_errors, validate
+from . import plots as P
+from .report import (STANDARD_NONIID, Cell, CellResult, Stat, StoreCache, check_head, command_line,
+                     comm_kb_per_client_round, md_table, mean_curve, ratio_curve, resolve_partition, run_grid,
+                     with_iid, write_bench_json, write_curves, write_report, write_results)
+
+# The paper's numbers printed next to ours (SPEC section 1; CIFAR-100, ViT-L/16, round 50).
+PAPER_RATIO = {"softmax": 56.3, "ova": 95.4, "ova2": 95.9}
+PAPER_NOISE = {"symmetric": (0.3, 88.78, {0.4: 0.76, 0.5: 2.35, 0.6: 4.52, 0.7: 10.35}),
+               "asymmetric": (0.2, 89.28, {0.3: 0.63, 0.4: 1.53})}
+PAPER_GEOMETRY = {"pretrained": {"alignment": (1.366, 0.006), "intra": (0.818, 0.002), "inter": (0.840, 0.004),
+                                 "ratio": (0.974, 0.007)},
+                  "random-init": {"alignment": (1.761, 0.008), "intra": (0.917, 0.004), "inter": (0.487, 0.008),
+                                  "ratio": (1.885, 0.038)}}
+QUICK_ROUNDS = 10
+PAPER_ROUNDS = 50
+
+# ---------------------------------------------------------------- shared options
+
+FEATURES_OPT = typer.Option(..., "--features", help="HDF5 feature store written by 'fedhead extract'.")
+SEEDS_OPT = typer.Option(None, "--seeds", help="seeds, repeated or comma-separated [paper's 0,42,777,1337,15254; "
+                                               "--quick: 0]")
+QUICK_OPT = typer.Option(False, "--quick", help=f"one seed and {QUICK_ROUNDS} rounds (unless given)")
+ROUNDS_OPT = typer.Option(None, "--rounds", help=f"communication rounds [{PAPER_ROUNDS}; --quick: {QUICK_ROUNDS}]")
+OUT_OPT = typer.Option(None, "--out", help="report folder [reports/<command>-<timestamp>]; re-run with the same "
+                                           "--out to reuse finished runs and resume an interrupted one")
+RECIPE_HELP = "paper (SPEC literal AdamW) | default (the trainer's) | both"
+LE_OPT = typer.Option(3, "--local-epochs", help="local epochs per round")
+BS_OPT = typer.Option(50, "--batch-size", help="local batch size")
+DEV_OPT = typer.Option("auto", "--device", help="auto | cpu | cuda")
+OPTIM_OPT = typer.Option(None, "--optimizer", help="adamw | sgd [recipe]")
+LR_OPT = typer.Option(None, "--lr", help="local learning rate [recipe]")
+WD_OPT = typer.Option(None, "--weight-decay", help="weight decay [recipe]")
+MOM_OPT = typer.Option(None, "--momentum", help="SGD momentum [recipe]")
+AGG_OPT = typer.Option(None, "--aggregate", help="fedavg | grouped [recipe]")
+CENTER_OPT = typer.Option(None, "--center/--no-center", help="federated feature centering [recipe]")
+SCALE_OPT = typer.Option(None, "--scale", help="none | rms [recipe]")
+BLOCK_OPT = typer.Option(None, "--block-clients", help="clients trained at once [from memory budget]")
+
+
+@dataclass
+class Common:
+    command: str
+    seeds: list
+    rounds: int
+    clients: int
+    out: Path
+    train: dict               # TrainConfig fields passed through to every run
+
+    def cfg(self, features, **kw) -> TrainConfig:
+        return TrainConfig(features=str(features), clients=self.clients, rounds=self.rounds, seeds=list(self.seeds),
+                           **{**self.train, **kw})
+
+    def describe(self) -> dict:
+        return {"command": self.command, "seeds": self.seeds, "rounds": self.rounds, "clients": self.clients,
+                "out": str(self.out), **self.train}
+
+
+def parse_seeds(seeds: Optional[List[str]], quick: bool) -> list[int]:
+    if not seeds:
+        return [0] if quick else list(PAPER_SEEDS)
+    out = []
+    for item in seeds:
+        for tok in str(item).replace(",", " ").split():
+            try:
+                v = int(tok)
+            except ValueError:
+                raise FedheadError(f"The '--seeds' parameter must be integers >= 0. Got {tok!r} instead. "
+                                   "Use e.g. --seeds 0,42,777.") from None
+            validate("--seeds", v, Interval(0, None, integer=True))
+            if v not in out:
+                out.append(v)
+    return out
+
+
+def parse_rates(param: str, text: str, low_closed: bool = True, high: float = 1.0,
+                high_closed: bool = False) -> list[float]:
+    closed = {(True, False): "left", (True, True): "both", (False, True): "right", (False, False): "neither"}
+    rates = []
+    for tok in str(text).replace(",", " ").split():
+        try:
+            v = float(tok)
+        except ValueError:
+            raise FedheadError(f"The '{param}' parameter must be a comma-separated list of numbers. Got {tok!r} "
+                               "instead.") from None
+        validate(param, v, Interval(0, high, closed=closed[(low_closed, high_closed)]))
+        if v not in rates:
+            rates.append(v)
+    if not rates:
+        raise FedheadError(f"The '{param}' parameter needs at least one value. Got {text!r} instead.")
+    return rates
+
+
+def recipes_of(recipe: str) -> list[str]:
+    validate("--recipe", recipe, OneOf(("paper", "default", "both")))
+    return ["paper", "default"] if recipe == "both" else [recipe]
+
+
+def make_common(command: str, *, seeds, quick, rounds, clients, out, local_epochs, batch_size, device,
+                optimizer, lr, weight_decay, momentum, aggregate, center, scale, block_clients) -> Common:
+    seeds_l = parse_seeds(seeds, quick)
+    if rounds is None:
+        rounds = QUICK_ROUNDS if quick else PAPER_ROUNDS
+    validate("--rounds", rounds, Interval(1, None, integer=True))
+    validate("--clients", clients, Interval(1, None, integer=True))
+    out = Path(out) if out else Path("reports") / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
+    train = dict(local_epochs=local_epochs, batch_size=batch_size, device=device, optimizer=optimizer, lr=lr,
+                 weight_decay=weight_decay, momentum=momentum, aggregate=aggregate, center=center, scale=scale,
+                 block_clients=block_clients)
+    return Common(command, seeds_l, int(rounds), int(clients), out, train)
+
+
+def _announce(common: Common) -> None:
+    from ..util import stderr_console
+
+    stderr_console().print(f"report folder: {common.out} (re-run with --out {common.out} to reuse/resume)")
+
+
+def _pct(stat: Stat, digits: int = 2) -> str:
+    return stat.fmt(100, digits)
+
+
+def _print_report(path: Path, sections: list[str]) -> None:
+    from rich.markdown import Markdown
+
+    from ..util import stdout_console
+
+    con = stdout_console()
+    con.print(Markdown("\n\n".join(sections)))
+    con.print(f"report: {path}")
+
+
+# ---------------------------------------------------------------- heterogeneity (ablation, partitions, encoders)
+
+
+def _store_tags(paths: list[Path]) -> list[str]:
+    tags = []
+    for p in paths:
+        t = Path(p).name
+        for suf in (".h5", ".hdf5"):
+            t = t[: -len(suf)] if t.endswith(suf) else t
+        base, i = t, 2
+        while t in tags:
+            t, i = f"{base}-{i}", i + 1
+        tags.append(t)
+    return tags
+
+
+def hetero_cells(common: Common, stores: list[tuple[str, Path]], heads: list[str], partitions: list[str],
+                 recipes: list[str], participation: float = 1.0) -> list[Cell]:
+    """For each store, recipe and head: the IID run and one run per non-IID partition."""
+    cells = []
+    parts = ["iid"] + [p for p in partitions if p != "iid"]
+    for tag, path in stores:
+        for recipe in recipes:
+            for head in heads:
+                for label in parts:
+                    name, params = resolve_partition(label)
+                    run = f"{head}-{label}-{recipe}"
+                    labels = {"head": head, "partition": label, "recipe": recipe}
+                    if len(stores) > 1:
+                        run = f"{tag}--{run}"
+                        labels = {"store": tag, **labels}
+                    cells.append(Cell(run, labels, common.cfg(path, head=head, partition=name,
+                                                              partition_params=params, recipe=recipe,
+                                                              participation=participation)))
+    return cells
+
+
+def _group_key(r: CellResult, drop=("partition",)) -> tuple:
+    return tuple((k, v) for k, v in r.cell.labels.items() if k not in drop)
+
+
+def pair_with_iid(results: list[CellResult], drop=("partition",), iid_test=None) -> dict[str, CellResult | None]:
+    """Each run's IID reference: the IID run of its group (same labels except ``drop``)."""
+    iid_test = iid_test or (lambda r: r.cell.labels.get("partition") == "iid")
+    iids = {_group_key(r, drop): r for r in results if iid_test(r)}
+    out = {}
+    for r in results:
+        ref = iids.get(_group_key(r, drop))
+        out[r.cell.name] = ref
+        if ref is not None:
+            with_iid(r, ref)
+    return out
+
+
+def _sel_rounds(rounds: int) -> list[int]:
+    return sorted({r for r in (1, 2, 3, 5, 10, 20, 30, 40, 50, rounds) if r <= rounds})
+
+
+def final_table(results: list[CellResult], lead: list[str]) -> str:
+    hdr = lead + ["final acc (%)", "ratio to IID (%)", "Acc@95 (rounds)", "Acc@95 vs IID", "client ms",
+                  "server ms", "KB up/client/round", "total MB"]
+    rows = []
+    for r in results:
+        d = r.derived
+        rows.append([r.cell.labels.get(k, "") for k in lead] + [
+            _pct(Stat.of(r.per_seed("final_accuracy"))),
+            _pct(d["final_ratio_to_iid"], 1) if "final_ratio_to_iid" in d else "–",
+            Stat.of(r.per_seed("acc95_round")).fmt(1, 1),
+            d["acc95_round_vs_iid"].fmt(1, 1) if "acc95_round_vs_iid" in d else "–",
+            Stat.of(r.per_seed("client_ms")).fmt(1, 2), Stat.of(r.per_seed("server_ms")).fmt(1, 2),
+            f"{comm_kb_per_client_round(r):.1f}", Stat.of(r.per_seed("bytes_total")).fmt(1 / 2**20, 2)])
+    return md_table(hdr, rows)
+
+
+def mean_noniid(results: list[CellResult], partitions: list[str]) -> tuple[list[str], Stat | None]:
+    """Mean final ratio over the standard non-IID partitions present (else all non-IID): per seed the mean
+    over partitions, then mean ± std over seeds."""
+    present = [p for p in STANDARD_NONIID if any(r.cell.labels.get("partition") == p for r in results)]
+    if not present:
+        present = [p for p in partitions if p != "iid"]
+    per_seed: dict[int, list] = {}
+    for r in results:
+        if r.cell.labels.get("partition") not in present or "final_ratio_to_iid" not in r.derived:
+            continue
+        for s, v in zip(r.seeds, r.derived["final_ratio_to_iid"].values):
+            per_seed.setdefault(s, []).append(v)
+    vals = [float(np.mean(v)) for v in per_seed.values() if len(v) == len(present)]
+    return present, (Stat.of(vals) if vals else None)
+
+
+def ratio_round_table(results: list[CellResult], iid_of: dict, lead: list[str], rounds: int) -> str:
+    sel = _sel_rounds(rounds)
+    rows = []
+    for r in results:
+        iid = iid_of.get(r.cell.name)
+        if iid is None or r.cell.labels.get("partition") == "iid":
+            continue
+        rr, m, s = ratio_curve(r, iid)
+        at = dict(zip(rr.tolist(), zip(m.tolist(), s.tolist())))
+        cells = []
+        for k in sel:
+            if k in at:
+                mm, ss = at[k]
+                cells.append(f"{100 * mm:.1f}" + (f" ± {100 * ss:.1f}" if len(r.seeds) > 1 else ""))
+            else:
+                cells.append("–")
+        rows.append([r.cell.labels.get(k, "") for k in lead] + cells)
+    return md_table(lead + [f"r{k}" for k in sel], rows)
+
+
+def hetero_plots(out: Path, results: list[CellResult], iid_of: dict, heads: list[str], group_by: list[str],
+                 suffix: str) -> list[Path]:
+    """accuracy and ratio-to-IID curves (a panel per head, IID drawn for reference) and final-ratio bars."""
+    made = []
+    acc_panels, ratio_panels = [], []
+    for head in heads:
+        rs = [r for r in results if r.cell.labels["head"] == head]
+        if not rs:
+            continue
+        ap, rp = P.Panel(head), P.Panel(head, hline=(1.0, "IID"))
+        for r in rs:
+            x, m, s = mean_curve(r)
+            iid = r.cell.labels["partition"] == "iid"
+            ap.lines.append(P.Line("IID" if iid else r.cell.labels["partition"], x, m, s,
+                                   style="--" if iid else "-", color="black" if iid else None))
+            if not iid and iid_of.get(r.cell.name) is not None:
+                x, m, s = ratio_curve(r, iid_of[r.cell.name])
+                rp.lines.append(P.Line(r.cell.labels["partition"], x, m, s))
+        acc_panels.append(ap)
+        ratio_panels.append(rp)
+    made.append(P.write_curves(out / f"accuracy{suffix}.png", acc_panels, "round", "test accuracy",
+                               f"accuracy per round {suffix.strip('-')}"))
+    made.append(P.write_curves(out / f"ratio-to-iid{suffix}.png", ratio_panels, "round", "accuracy / IID accuracy",
+                               f"ratio to IID per round {suffix.strip('-')}"))
+    parts = list(dict.fromkeys(r.cell.labels["partition"] for r in results if r.cell.labels["partition"] != "iid"))
+    series = {}
+    for head in heads:
+        ms, ss = [], []
+        for p in parts:
+            rr = [r for r in results if r.cell.labels["head"] == head and r.cell.labels["partition"] == p
+                  and "final_ratio_to_iid" in r.derived]
+            ms.append(rr[0].derived["final_ratio_to_iid"].mean if rr else float("nan"))
+            ss.append(rr[0].derived["final_ratio_to_iid"].std if rr else float("nan"))
+        series[head] = (ms, ss)
+    if parts:
+        made.append(P.write_bars(out / f"final-ratio{suffix}.png", parts, series, "final accuracy / IID",
+                                 f"final ratio to IID per partition {suffix.strip('-')}", hline=(1.0, "IID")))
+    return made
+
+
+def hetero_sections(results: list[CellResult], iid_of: dict, heads: list[str], partitions: list[str],
+                    common: Common, split_by: list[str], paper: bool = True) -> list[str]:
+    """Per group (recipe, and store when several): the final table, the non-IID mean, the per-round ratios."""
+    sections = []
+    groups: dict[tuple, list[CellResult]] = {}
+    for r in results:
+        groups.setdefault(tuple(r.cell.labels.get(k) for k in split_by), []).append(r)
+    for key, rs in groups.items():
+        what = ", ".join(f"{k} {v}" for k, v in zip(split_by, key))
+        lead = ["head", "partition"]
+        s = [f"## {what}: round {common.rounds}, {common.clients} clients, seeds {', '.join(map(str, common.seeds))}",
+             "", final_table(rs, lead), ""]
+        mrows = []
+        present = []
+        for head in heads:
+            present, st = mean_noniid([r for r in rs if r.cell.labels["head"] == head], partitions)
+            mrows.append([head, _pct(st, 1) if st else "–"] + ([f"{PAPER_RATIO[head]:.1f}" if head in PAPER_RATIO
+                                                                else "–"] if paper else []))
+        s += [f"### Mean final ratio to IID over {', '.join(present)} (%)", "",
+              md_table(["head", "ours"] + (["paper (CIFAR-100, ViT-L/16)"] if paper else []), mrows), ""]
+        s += [f"### Ratio to IID per round (%; all rounds in curves.csv)", "",
+              ratio_round_table(rs, iid_of, lead, common.rounds), ""]
+        sections.append("\n".join(s))
+    return sections
+
+
+def _run_hetero(common: Common, command: str, title: str, stores: list[Path], heads: list[str],
+                partitions: list[str], recipes: list[str], extra_config: dict) -> tuple[Path, list[str]]:
+    for h in heads:
+        check_head(h)
+    for p in partitions:
+        resolve_partition(p)
+    heads = list(dict.fromkeys(heads))
+    partitions = list(dict.fromkeys(partitions))
+    tags = _store_tags(stores)
+    cells = hetero_cells(common, list(zip(tags, stores)), heads, partitions, recipes)
+    cache = StoreCache()
+    config = {**common.describe(), "heads": heads, "partitions": partitions, "recipes": recipes,
+              "features": [str(s) for s in stores], **extra_config}
+    common.out.mkdir(parents=True, exist_ok=True)
+    cmd = command_line()
+    write_bench_json(common.out, cmd, cells, config)
+    _announce(common)
+    results = run_grid(cells, common.out, cache)
+    iid_of = pair_with_iid(results)
+    split_by = (["store"] if len(stores) > 1 else []) + ["recipe"]
+    sections = hetero_sections(results, iid_of, heads, partitions, common, split_by)
+    plots = []
+    for key in dict.fromkeys(tuple(r.cell.labels.get(k) for k in split_by) for r in results):
+        rs = [r for r in results if tuple(r.cell.labels.get(k) for k in split_by) == key]
+        plots += hetero_plots(common.out, rs, iid_of, heads, split_by, "-" + "-".join(map(str, key)))
+    extra_sections = []
+    if len(stores) > 1:
+        extra_sections, more = encoder_comparison(common.out, results, tags, heads, partitions, recipes)
+        plots += more
+    write_results(common.out, results, command)
+    write_curves(common.out, results, iid_of)
+    note = ("Ratios to IID are computed against the IID run of the same head, recipe and store with the same "
+            "seeds (per seed and round: accuracy / IID accuracy; then mean ± std over seeds). Acc@95 = first "
+            "round reaching 95% of the run's own final accuracy; 'vs IID' = of the IID run's final accuracy. "
+            "client ms = mean local compute per client per round; server ms = aggregation per round; "
+            "total MB = bytes up and down over all rounds and clients (measured by the trainer).")
+    path = write_report(common.out, title, cmd, config, extra_sections + sections + [note], results, plots)
+    return path, extra_sections + sections
+
+
+def encoder_comparison(out: Path, results, tags, heads, partitions, recipes) -> tuple[list[str], list[Path]]:
+    """Absolute accuracy and ratio to IID side by side per store (Fig. 6)."""
+    sections, plots = [], []
+    parts = ["iid"] + [p for p in partitions if p != "iid"]
+    for recipe in recipes:
+        for head in heads:
+            hdr = ["partition"] + [x for t in tags for x in (f"{t} acc (%)", f"{t} ratio (%)")]
+            rows, acc_series, ratio_series = [], {t: ([], []) for t in tags}, {t: ([], []) for t in tags}
+            for p in parts:
+                row = [p]
+                for t in tags:
+                    rr = [r for r in results if r.cell.labels == {"store": t, "head": head, "partition": p,
+                                                                  "recipe": recipe}]
+                    if not rr:
+                        row += ["–", "–"]
+                        continue
+                    r = rr[0]
+                    acc = Stat.of(r.per_seed("final_accuracy"))
+                    rat = r.derived.get("final_ratio_to_iid")
+                    row += [_pct(acc), _pct(rat, 1) if rat else "–"]
+                    acc_series[t][0].append(acc.mean)
+                    acc_series[t][1].append(acc.std)
+                    if p != "iid":
+                        ratio_series[t][0].append(rat.mean if rat else float("nan"))
+                        ratio_series[t][1].append(rat.std if rat else float("nan"))
+                rows.append(row)
+            sections.append(f"## Encoders side by side: head {head}, recipe {recipe}\n\n" + md_table(hdr, rows))
+            plots.append(P.write_bars(out / f"encoders-accuracy-{head}-{recipe}.png", parts, acc_series,
+                                      "final test accuracy", f"absolute accuracy, {head}, {recipe}"))
+            plots.append(P.write_bars(out / f"encoders-ratio-{head}-{recipe}.png", parts[1:], ratio_series,
+                                      "final accuracy / IID", f"ratio to IID, {head}, {recipe}", hline=(1.0, "IID")))
+    return sections, plots
+
+
+# ---------------------------------------------------------------- commands: heterogeneity
+
+
+@cli_errors
+def ablation_cmd(
+    features: Path = FEATURES_OPT,
+    head: List[str] = typer.Option(["softmax", "ova", "ova2"], "--head", help="heads (repeat)"),
+    partition: List[str] = typer.Option(list(STANDARD_NONIID), "--partition",
+                                        help="non-IID partitions (repeat); IID is always run"),
+    recipe: str = typer.Option("both", "--recipe", help=RECIPE_HELP),
+    seeds: Optional[List[str]] = SEEDS_OPT, quick: bool = QUICK_OPT, rounds: Optional[int] = ROUNDS_OPT,
+    clients: int = typer.Option(100, "--clients", help="clients"), out: Optional[Path] = OUT_OPT,
+    local_epochs: int = LE_OPT, batch_size: int = BS_OPT, device: str = DEV_OPT,
+    optimizer: Optional[str] = OPTIM_OPT, lr: Optional[float] = LR_OPT, weight_decay: Optional[float] = WD_OPT,
+    momentum: Optional[float] = MOM_OPT, aggregate: Optional[str] = AGG_OPT, center: Optional[bool] = CENTER_OPT,
+    scale: Optional[str] = SCALE_OPT, block_clients: Optional[int] = BLOCK_OPT,
+):
+    """Heads x partitions x recipes (the paper's Table 1 / Fig. 3): ratio to IID, Acc@95, cost."""
+    common = make_common("ablation", seeds=seeds, quick=quick, rounds=rounds, clients=clients, out=out,
+                         local_epochs=local_epochs, batch_size=batch_size, device=device, optimizer=optimizer,
+                         lr=lr, weight_decay=weight_decay, momentum=momentum, aggregate=aggregate, center=center,
+                         scale=scale, block_clients=block_clients)
+    path, sections = _run_hetero(common, "ablation", "fedhead bench ablation (OvA-LP Table 1 / Fig. 3)",
+                                 [features], list(head), list(partition), recipes_of(recipe), {})
+    _print_report(path, sections)
+
+
+@cli_errors
+def partitions_cmd(
+    features: Path = FEATURES_OPT,
+    head: List[str] = typer.Option(["ova2"], "--head", help="heads (repeat)"),
+    partition: List[str] = typer.Option(["shard-1", "shard-2", "bernoulli-dirichlet", "zipf", "kmeans"],
+                                        "--partition", help="non-IID partitions (repeat); IID is always run"),
+    recipe: str = typer.Option("default", "--recipe", help=RECIPE_HELP),
+    seeds: Optional[List[str]] = SEEDS_OPT, quick: bool = QUICK_OPT, rounds: Optional[int] = ROUNDS_OPT,
+    clients: int = typer.Option(100, "--clients", help="clients"), out: Optional[Path] = OUT_OPT,
+    local_epochs: int = LE_OPT, batch_size: int = BS_OPT, device: str = DEV_OPT,
+    optimizer: Optional[str] = OPTIM_OPT, lr: Optional[float] = LR_OPT, weight_decay: Optional[float] = WD_OPT,
+    momentum: Optional[float] = MOM_OPT, aggregate: Optional[str] = AGG_OPT, center: Optional[bool] = CENTER_OPT,
+    scale: Optional[str] = SCALE_OPT, block_clients: Optional[int] = BLOCK_OPT,
+):
+    """Five heterogeneity patterns against IID (the paper's Fig. 5)."""
+    common = make_common("partitions", seeds=seeds, quick=quick, rounds=rounds, clients=clients, out=out,
+                         local_epochs=local_epochs, batch_size=batch_size, device=device, optimizer=optimizer,
+                         lr=lr, weight_decay=weight_decay, momentum=momentum, aggregate=aggregate, center=center,
+                         scale=scale, block_clients=block_clients)
+    path, sections = _run_hetero(common, "partitions", "fedhead bench partitions (OvA-LP Fig. 5)", [features],
+                                 list(head), list(partition), recipes_of(recipe), {})
+    _print_report(path, sections)
+
+
+def check_same_dataset(stores: list[Path]) -> None:
+    """Stores compared by ``encoders`` must hold the same dataset (name and class names)."""
+    from extract.store import open_store
+
+    infos = [open_store(p) for p in stores]
+    first = infos[0]
+    for info in infos[1:]:
+        if info.dataset != first.dataset:
+            raise FedheadError(f"The '--features' stores must hold the same dataset: {str(first.path)!r} is "
+                               f"{first.dataset!r} but {str(info.path)!r} is {info.dataset!r}. Compare encoders "
+                               "on stores extracted from one dataset.")
+        if info.class_names != first.class_names:
+            raise FedheadError(f"The '--features' stores must hold the same dataset: {str(first.path)!r} and "
+                               f"{str(info.path)!r} are both {info.dataset!r} but their class names differ "
+                               f"({first.num_classes} vs {info.num_classes} classes). Compare encoders on stores "
+                               "extracted from one dataset.")
+
+
+@cli_errors
+def encoders_cmd(
+    features: List[Path] = typer.Option(..., "--features", help="stores of one dataset made by different encoders "
+                                                                 "(repeat)"),
+    head: List[str] = typer.Option(["ova2"], "--head", help="heads (repeat)"),
+    partition: List[str] = typer.Option(list(STANDARD_NONIID), "--partition",
+                                        help="non-IID partitions (repeat); IID is always run"),
+    recipe: str = typer.Option("default", "--recipe", help=RECIPE_HELP),
+    seeds: Optional[List[str]] = SEEDS_OPT, quick: bool = QUICK_OPT, rounds: Optional[int] = ROUNDS_OPT,
+    clients: int = typer.Option(100, "--clients", help="clients"), out: Optional[Path] = OUT_OPT,
+    local_epochs: int = LE_OPT, batch_size: int = BS_OPT, device: str = DEV_OPT,
+    optimizer: Optional[str] = OPTIM_OPT, lr: Optional[float] = LR_OPT, weight_decay: Optional[float] = WD_OPT,
+    momentum: Optional[float] = MOM_OPT, aggregate: Optional[str] = AGG_OPT, center: Optional[bool] = CENTER_OPT,
+    scale: Optional[str] = SCALE_OPT, block_clients: Optional[int] = BLOCK_OPT,
+):
+    """The same protocol over stores made by different encoders (the paper's Fig. 6)."""
+    common = make_common("encoders", seeds=seeds, quick=quick, rounds=rounds, clients=clients, out=out,
+                         local_epochs=local_epochs, batch_size=batch_size, device=device, optimizer=optimizer,
+                         lr=lr, weight_decay=weight_decay, momentum=momentum, aggregate=aggregate, center=center,
+                         scale=scale, block_clients=block_clients)
+    stores = list(features)
+    check_same_dataset(stores)
+    path, sections = _run_hetero(common, "encoders", "fedhead bench encoders (OvA-LP Fig. 6)", stores,
+                                 list(head), list(partition), recipes_of(recipe), {})
+    _print_report(path, sections)
+
+
+# ---------------------------------------------------------------- noise
+
+
+def noise_name(head: str, kind: str, rate: float, recipe: str) -> str:
+    if rate == 0:
+        return f"{head}-clean-{recipe}"
+    return f"{head}-{'sym' if kind == 'symmetric' else 'asym'}{rate:g}-{recipe}"
+
+
+def noise_sections(results: dict[tuple, CellResult], heads, kinds: dict[str, list[float]], recipe: str,
+                   common: Common) -> tuple[list[str], dict]:
+    """Table 2 layout: accuracy at the lowest rate, declines (points and %), share retained; per kind."""
+    sections, curves = [], {}
+    for kind, rates in kinds.items():
+        rates = sorted(rates)
+        base, higher = rates[0], rates[1:]
+        pbase, pacc, pdec = PAPER_NOISE[kind]
+        acc_rows, pts_rows, rel_rows, share_rows, realised_rows = [], [], [], [], []
+        share_means: dict[str, dict[float, float]] = {}
+        for head in heads:
+            per = {r: dict(zip(results[(head, kind, r)].seeds, results[(head, kind, r)].per_seed("final_accuracy")))
+                   for r in rates}
+            seeds = [s for s in per[base] if all(s in per[r] for r in rates)]
+            a0 = Stat.of(per[base][s] for s in seeds)
+            accs = {r: Stat.of(per[r][s] for s in seeds) for r in rates}
+            pts = {r: Stat.of(100 * (per[base][s] - per[r][s]) for s in seeds) for r in higher}
+            rel = {r: Stat.of(100 * (per[base][s] - per[r][s]) / per[base][s] for s in seeds) for r in higher}
+            share = {r: Stat.of(per[r][s] / per[base][s] for s in seeds) for r in higher}
+            share_means[head] = {r: share[r].mean for r in higher}
+            curves[(kind, head)] = ([r for r in rates], [accs[r].mean for r in rates], [accs[r].std for r in rates],
+                                    [1.0] + [share[r].mean for r in higher], [0.0] + [share[r].std for r in higher])
+            acc_rows.append([head] + [_pct(accs[r]) for r in rates])
+            pts_rows.append([head, _pct(a0)] + [pts[r].fmt(1, 2) for r in higher])
+            rel_rows.append([head, _pct(a0)] + [rel[r].fmt(1, 2) for r in higher])
+            share_rows.append([head] + [_pct(share[r], 1) for r in higher])
+            realised_rows.append([head] + [Stat.of(results[(head, kind, r)].per_seed("realised_noise_rate")).fmt(1, 3)
+                                           for r in rates])
+        # the paper's OvA-LP row, only at the rates it reports
+        def paper_cell(r, how):
+            if base != pbase or r not in pdec:
+                return "–"
+            d = pdec[r]
+            return {"pts": f"{d:.2f}", "rel": f"{100 * d / pacc:.2f}", "share": f"{100 * (1 - d / pacc):.1f}"}[how]
+        prow_base = f"{pacc:.2f}" if base == pbase else "–"
+        pts_rows.append(["OvA-LP (paper, CIFAR-100)", prow_base] + [paper_cell(r, "pts") for r in higher])
+        rel_rows.append(["OvA-LP (paper, CIFAR-100)", prow_base] + [paper_cell(r, "rel") for r in higher])
+        share_rows.append(["OvA-LP (paper, from its declines)"] + [paper_cell(r, "share") for r in higher])
+        hdr = ["head", f"acc @ {base:g} (%)"] + [f"decline @ {r:g}" for r in higher]
+        s = [f"## {kind} noise, recipe {recipe}: {common.clients} clients IID, round {common.rounds}, "
+             f"seeds {', '.join(map(str, common.seeds))}", "",
+             "### Accuracy (%)", "", md_table(["head"] + [f"{r:g}" for r in rates], acc_rows), "",
+             "### Decline from the lowest rate, absolute (percentage points)", "", md_table(hdr, pts_rows), "",
+             "### Decline from the lowest rate, relative (% of the lowest-rate accuracy)", "",
+             md_table(hdr, rel_rows), "",
+             f"### Share of accuracy retained relative to rate {base:g} (%)", "",
+             md_table(["head"] + [f"{r:g}" for r in higher], share_rows), ""]
+        if "ova2" in share_means and "softmax" in share_means and higher:
+            worse = [r for r in higher if not share_means["ova2"][r] > share_means["softmax"][r]]
+            s += [f"ova2 retains a higher share than softmax at every rate: "
+                  f"**{'yes' if not worse else 'no'}**" + (f" (not at {', '.join(f'{r:g}' for r in worse)})"
+                                                          if worse else ""), ""]
+        s += ["Realised flip fraction (measured over all clients):", "",
+              md_table(["head"] + [f"{r:g}" for r in rates], realised_rows), ""]
+        if base != pbase:
+            s += [f"(The paper's row is printed only when the lowest rate is {pbase:g}, as in its table.)", ""]
+        sections.append("\n".join(s))
+    return sections, curves
+
+
+@cli_errors
+def noise_cmd(
+    features: Path = FEATURES_OPT,
+    head: List[str] = typer.Option(["softmax", "ova", "ova2"], "--head", help="heads (repeat)"),
+    sym_rates: str = typer.Option("0.3,0.4,0.5,0.6,0.7", "--sym-rates", help="symmetric flip rates in [0, 1) "
+                                                                           "('' for none)"),
+    asym_rates: str = typer.Option("0.2,0.3,0.4", "--asym-rates", help="asymmetric flip rates in [0, 1) "
+                                                                       "('' for none)"),
+    asym_map: str = typer.Option("auto", "--asym-map", help="asymmetric map: auto (the dataset's) | cyclic"),
+    partition: str = typer.Option("iid", "--partition", help="partition (FedLTF protocol: iid)"),
+    recipe: str = typer.Option("default", "--recipe", help=RECIPE_HELP),
+    seeds: Optional[List[str]] = SEEDS_OPT, quick: bool = QUICK_OPT, rounds: Optional[int] = ROUNDS_OPT,
+    clients: int = typer.Option(20, "--clients", help="clients (FedLTF protocol: 20)"), out: Optional[Path] = OUT_OPT,
+    local_epochs: int = LE_OPT, batch_size: int = BS_OPT, device: str = DEV_OPT,
+    optimizer: Optional[str] = OPTIM_OPT, lr: Optional[float] = LR_OPT, weight_decay: Optional[float] = WD_OPT,
+    momentum: Optional[float] = MOM_OPT, aggregate: Optional[str] = AGG_OPT, center: Optional[bool] = CENTER_OPT,
+    scale: Optional[str] = SCALE_OPT, block_clients: Optional[int] = BLOCK_OPT,
+):
+    """Label-noise robustness, FedLTF protocol (the paper's Table 2): declines from the lowest rate."""
+    common = make_common("noise", seeds=seeds, quick=quick, rounds=rounds, clients=clients, out=out,
+                         local_epochs=local_epochs, batch_size=batch_size, device=device, optimizer=optimizer,
+                         lr=lr, weight_decay=weight_decay, momentum=momentum, aggregate=aggregate, center=center,
+                         scale=scale, block_clients=block_clients)
+    heads = list(dict.fromkeys(check_head(h) for h in head))
+    kinds = {}
+    if sym_rates.strip():
+        kinds["symmetric"] = parse_rates("--sym-rates", sym_rates)
+    if asym_rates.strip():
+        kinds["asymmetric"] = parse_rates("--asym-rates", asym_rates)
+    if not kinds:
+        raise FedheadError("The '--sym-rates' and '--asym-rates' parameters are both empty. Got '' instead. "
+                           "Give at least one rate.")
+    pname, pparams = resolve_partition(partition)
+    recipes = recipes_of(recipe)
+    cells: dict[str, Cell] = {}
+    key_of: dict[tuple, str] = {}
+    for rec in recipes:
+        for h in heads:
+            for kind, rates in kinds.items():
+                for r in rates:
+                    name = noise_name(h, kind, r, rec)
+                    key_of[(rec, h, kind, r)] = name
+                    if name not in cells:
+                        cells[name] = Cell(name, {"head": h, "noise": kind if r else "none", "rate": r,
+                                                  "recipe": rec},
+                                           common.cfg(features, head=h, partition=pname, partition_params=pparams,
+                                                      recipe=rec, noise=kind if r else "none", noise_rate=r,
+                                                      asym_rule=asym_map))
+    config = {**common.describe(), "heads": heads, "rates": kinds, "asym_map": asym_map, "partition": partition,
+              "recipes": recipes, "features": str(features)}
+    common.out.mkdir(parents=True, exist_ok=True)
+    cmd = command_line()
+    write_bench_json(common.out, cmd, list(cells.values()), config)
+    _announce(common)
+    results = run_grid(list(cells.values()), common.out, StoreCache())
+    by_name = {r.cell.name: r for r in results}
+    sections, plots = [], []
+    for rec in recipes:
+        res = {(h, k, r): by_name[key_of[(rec, h, k, r)]] for h in heads for k, rs in kinds.items() for r in rs}
+        secs, curves = noise_sections(res, heads, kinds, rec, common)
+        sections += secs
+        acc_panels, share_panels = [], []
+        for kind in kinds:
+            ap, sp = P.Panel(kind), P.Panel(kind, hline=(1.0, "lowest rate"))
+            for h in heads:
+                x, m, s, sh, shs = curves[(kind, h)]
+                ap.lines.append(P.Line(h, x, m, s, marker="o"))
+                sp.lines.append(P.Line(h, x, sh, shs, marker="o"))
+            pbase, pacc, pdec = PAPER_NOISE[kind]
+            px = [pbase] + sorted(pdec)
+            ap.lines.append(P.Line("OvA-LP (paper, CIFAR-100)", px, [pacc / 100] + [(pacc - pdec[r]) / 100
+                                                                                    for r in sorted(pdec)],
+                                   style=":", color="gray", marker="x"))
+            sp.lines.append(P.Line("OvA-LP (paper)", px, [1.0] + [1 - pdec[r] / pacc for r in sorted(pdec)],
+                                   style=":", color="gray", marker="x"))
+            acc_panels.append(ap)
+            share_panels.append(sp)
+        plots.append(P.write_curves(common.out / f"noise-accuracy-{rec}.png", acc_panels, "flip rate",
+                                    "final test accuracy", f"accuracy under label noise ({rec})"))
+        plots.append(P.write_curves(common.out / f"noise-retained-{rec}.png", share_panels, "flip rate",
+                                    "accuracy / accuracy at the lowest rate", f"share retained ({rec})"))
+    write_results(common.out, results, "noise")
+    write_curves(common.out, results, {})
+    note = ("Declines are per seed (accuracy at the lowest rate minus accuracy at the rate; relative = that over "
+            "the lowest-rate accuracy), then mean ± std over seeds. The paper's row is OvA-LP on (probably) "
+            "CIFAR-100 with ViT-L/16, declines as printed (read as percentage points; relative and share derived "
+            "from them).")
+    path = write_report(common.out, "fedhead bench noise (OvA-LP Table 2, FedLTF protocol)", cmd, config,
+                        sections + [note], results, plots)
+    _print_report(path, sections)
+
+
+# ---------------------------------------------------------------- participation
+
+
+@cli_errors
+def participation_cmd(
+    features: Path = FEATURES_OPT,
+    head: List[str] = typer.Option(["ova2"], "--head", help="heads (repeat)"),
+    rates: str = typer.Option("0.1,0.4,0.7,1.0", "--rates", help="participation fractions in (0, 1]"),
+    partition: str = typer.Option("bernoulli-dirichlet", "--partition",
+                                  help="non-IID partition (the paper's 'Dirichlet' is FedCorr's = "
+                                       "bernoulli-dirichlet)"),
+    recipe: str = typer.Option("default", "--recipe", help=RECIPE_HELP),
+    seeds: Optional[List[str]] = SEEDS_OPT, quick: bool = QUICK_OPT, rounds: Optional[int] = ROUNDS_OPT,
+    clients: int = typer.Option(100, "--clients", help="clients"), out: Optional[Path] = OUT_OPT,
+    local_epochs: int = LE_OPT, batch_size: int = BS_OPT, device: str = DEV_OPT,
+    optimizer: Optional[str] = OPTIM_OPT, lr: Optional[float] = LR_OPT, weight_decay: Optional[float] = WD_OPT,
+    momentum: Optional[float] = MOM_OPT, aggregate: Optional[str] = AGG_OPT, center: Optional[bool] = CENTER_OPT,
+    scale: Optional[str] = SCALE_OPT, block_clients: Optional[int] = BLOCK_OPT,
+):
+    """Client participation sweep under Dirichlet (the paper's Fig. 9); IID at full participation as reference."""
+    common = make_common("participation", seeds=seeds, quick=quick, rounds=rounds, clients=clients, out=out,
+                         local_epochs=local_epochs, batch_size=batch_size, device=device, optimizer=optimizer,
+                         lr=lr, weight_decay=weight_decay, momentum=momentum, aggregate=aggregate, center=center,
+                         scale=scale, block_clients=block_clients)
+    heads = list(dict.fromkeys(check_head(h) for h in head))
+    fracs = sorted(parse_rates("--rates", rates, low_closed=False, high_closed=True), reverse=True)
+    pname, pparams = resolve_partition(partition)
+    recipes = recipes_of(recipe)
+    cells = []
+    for rec in recipes:
+        for h in heads:
+            cells.append(Cell(f"{h}-iid-p1-{rec}", {"head": h, "partition": "iid", "participation": 1.0, "recipe": rec},
+                              common.cfg(features, head=h, partition="iid", recipe=rec)))
+            for f in fracs:
+                cells.append(Cell(f"{h}-{partition}-p{f:g}-{rec}",
+                                  {"head": h, "partition": partition, "participation": f, "recipe": rec},
+                                  common.cfg(features, head=h, partition=pname, partition_params=pparams, recipe=rec,
+                                             participation=f)))
+    config = {**common.describe(), "heads": heads, "participation": fracs, "partition": partition,
+              "recipes": recipes, "features": str(features)}
+    common.out.mkdir(parents=True, exist_ok=True)
+    cmd = command_line()
+    write_bench_json(common.out, cmd, cells, config)
+    _announce(common)
+    results = run_grid(cells, common.out, StoreCache())
+    iid_of = pair_with_iid(results, drop=("partition", "participation"))
+    sections, plots = [], []
+    for rec in recipes:
+        rs = [r for r in results if r.cell.labels["recipe"] == rec]
+        lead = ["head", "partition", "participation"]
+        s = [f"## recipe {rec}: {partition}, {common.clients} clients, round {common.rounds}, "
+             f"seeds {', '.join(map(str, common.seeds))}", "",
+             "Ratio and Acc@95 vs IID refer to the IID run at full participation.", "",
+             final_table(rs, lead), "", "### Ratio to IID (full participation) per round (%)", "",
+             ratio_round_table(rs, iid_of, lead, common.rounds), ""]
+        sections.append("\n".join(s))
+        acc_panels, ratio_panels = [], []
+        for h in heads:
+            ap, rp = P.Panel(h), P.Panel(h, hline=(1.0, "IID (p=1)"))
+            for r in [x for x in rs if x.cell.labels["head"] == h]:
+                x, m, sd = mean_curve(r)
+                iid = r.cell.labels["partition"] == "iid"
+                ap.lines.append(P.Line("IID, p=1" if iid else f"p={r.cell.labels['participation']:g}", x, m, sd,
+                                       style="--" if iid else "-", color="black" if iid else None))
+                if not iid and iid_of.get(r.cell.name) is not None:
+                    x, m, sd = ratio_curve(r, iid_of[r.cell.name])
+                    rp.lines.append(P.Line(f"p={r.cell.labels['participation']:g}", x, m, sd))
+            acc_panels.append(ap)
+            ratio_panels.append(rp)
+        plots.append(P.write_curves(common.out / f"participation-accuracy-{rec}.png", acc_panels, "round",
+                                    "test accuracy", f"participation sweep, {partition} ({rec})"))
+        plots.append(P.write_curves(common.out / f"participation-ratio-{rec}.png", ratio_panels, "round",
+                                    "accuracy / IID accuracy", f"ratio to IID ({rec})"))
+    write_results(common.out, results, "participation")
+    write_curves(common.out, results, iid_of)
+    path = write_report(common.out, "fedhead bench participation (OvA-LP Fig. 9)", cmd, config, sections, results,
+                        plots)
+    _print_report(path, sections)
+
+
+# ---------------------------------------------------------------- geometry
+
+
+def _weights_kind(info) -> str:
+    """extract records ``random-init:seed=0`` for --no-pretrained, ``file:``/``hub:``/``state_dict`` else."""
+    src = str(info.attrs.get("weights_source", "")).lower()
+    if src.startswith("random-init"):
+        return "random-init"
+    if src.startswith(("file:", "hub:", "state_dict")):
+        return "pretrained"
+    return "n/a"
+
+
+@cli_errors
+def geometry_cmd(
+    features: List[Path] = typer.Option(..., "--features", help="stores to compare, e.g. pretrained and "
+                                                                 "--no-pretrained extractions (repeat)"),
+    split: str = typer.Option("train", "--split", help="train | test"),
+    samples_per_class: int = typer.Option(500, "--samples-per-class",
+                                          help="samples drawn per class and seed (0 = all)"),
+    seeds: Optional[List[str]] = SEEDS_OPT, quick: bool = QUICK_OPT, out: Optional[Path] = OUT_OPT,
+):
+    """Feature geometry (the paper's Fig. 2): alignment, intra, inter and intra/inter ratio. No training."""
+    from extract.store import load_store, open_store
+
+    from ..rundir import write_csv
+    from .geometry import METRICS, store_geometry
+
+    validate("--split", split, OneOf(("train", "test")))
+    validate("--samples-per-class", samples_per_class, Interval(0, None, integer=True))
+    seeds_l = parse_seeds(seeds, quick)
+    out = Path(out) if out else Path("reports") / f"geometry-{time.strftime('%Y%m%d-%H%M%S')}"
+    infos = [open_store(p) for p in features]
+    tags = _store_tags(list(features))
+    rows, table, series = [], [], {}
+    per_class = samples_per_class or None
+    stats_of = {}
+    for tag, info in zip(tags, infos):
+        f = load_store(info.path)
+        x, y = (f.train_x, f.train_y) if split == "train" else (f.test_x, f.test_y)
+        per_seed = store_geometry(x, y, seeds_l, per_class)
+        stats = {m: Stat.of(p[m] for p in per_seed) for m in METRICS}
+        stats_of[tag] = (info, stats)
+        kind = _weights_kind(info)
+        table.append([tag, info.encoder, kind, info.dataset] + [stats[m].fmt(1, 3) for m in METRICS])
+        series[tag] = ([stats[m].mean for m in METRICS], [stats[m].std for m in METRICS])
+        row = {"bench_command": "geometry", "bench_store": tag, "store_path": str(info.path),
+               "store_dataset": info.dataset, "store_encoder": info.encoder,
+               "store_weights_source": info.attrs.get("weights_source", ""), "store_weights_kind": kind,
+               "cfg_split": split, "cfg_samples_per_class": samples_per_class,
+               "cfg_seeds": " ".join(map(str, seeds_l)), "res_num_samples": per_seed[0]["n"]}
+        for m in METRICS:
+            row[f"res_{m}"], row[f"res_{m}_std"] = stats[m].mean, stats[m].std
+        rows.append(row)
+    for kind, vals in PAPER_GEOMETRY.items():
+        table.append([f"paper ({kind})", "ViT (paper)", kind, "CIFAR-100?"] +
+                     [f"{vals[m][0]:.3f} ± {vals[m][1]:.3f}" for m in METRICS])
+    datasets = sorted({i.dataset for i in infos})
+    s = [f"## Feature geometry ({split} split, up to {samples_per_class or 'all'} samples per class, seeds "
+         f"{', '.join(map(str, seeds_l))})", "",
+         md_table(["store", "encoder", "weights", "dataset"] + list(METRICS), table), ""]
+    pre = [t for t, (i, _) in stats_of.items() if _weights_kind(i) == "pretrained"]
+    rnd = [t for t, (i, _) in stats_of.items() if _weights_kind(i) == "random-init"]
+    for a in pre:
+        for b in rnd:
+            ra, rb = stats_of[a][1]["ratio"].mean, stats_of[b][1]["ratio"].mean
+            same = stats_of[a][0].dataset == stats_of[b][0].dataset and stats_of[a][0].encoder == stats_of[b][0].encoder
+            s.append(f"- {a} (pretrained) vs {b} (random-init){'' if same else ' [different encoder or dataset]'}: "
+                     f"intra/inter {ra:.3f} vs {rb:.3f} → pretrained lower: **{'yes' if ra < rb else 'no'}**")
+    if len(datasets) > 1:
+        s.append(f"\nNote: the stores hold different datasets ({', '.join(datasets)}); geometry is comparable only "
+                 "on the same images.")
+    from .geometry import __doc__ as gdoc
+    s += ["", "Definitions (features L2-normalised):", "", "```", gdoc.strip(), "```"]
+    sections = ["\n".join(s)]
+    out.mkdir(parents=True, exist_ok=True)
+    plots = [P.write_bars(out / "geometry.png", list(METRICS), series, "value",
+                          "feature geometry (lower alignment/intra/ratio, higher inter = better)")]
+    write_csv(out / "results.csv", rows)
+    cmd = command_line()
+    config = {"command": "geometry", "features": [str(p) for p in features], "split": split,
+              "samples_per_class": samples_per_class, "seeds": seeds_l, "out": str(out)}
+    path = write_report(out, "fedhead bench geometry (OvA-LP Fig. 2)", cmd, config, sections, (), plots)
+    _print_report(path, sections[:1])
