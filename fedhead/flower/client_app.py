@@ -1,0 +1,232 @@
+"""The fedhead ClientApp: local training of the head on the node's own feature store.
+
+Node config (``flower-supernode --node-config``; Flower's simulation sets the last two itself):
+
+``feature-store``   path of this node's HDF5 feature store (written by ``fedhead extract`` on its own images)
+``partition-id``    this node's client id (the server samples participation by it)
+``num-partitions``  optional: the store is shared and this node takes slice ``partition-id`` of
+                    ``num-partitions``, made with the same partitioner, seed and label noise as
+                    ``fedhead train`` (:func:`fedhead.train.build_federation`). Without it the node's whole
+                    training split is its local data.
+``device``          optional: auto | cpu | cuda (default auto)
+
+Local training is the simulator's own code: ``Engine.train_block(theta, [partition-id], seed, round)``, whose
+batch order is keyed by (seed, round, client, epoch), so a Flower client reproduces the simulated client's
+update. The store is read once per process and cached (module-level cache keyed by path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .common import require_flower
+
+require_flower()
+
+import torch  # noqa: E402
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
+
+from extract.store import Features, load_store  # noqa: E402
+from ..engine import ClientSet, Engine, LocalConfig, OptimConfig  # noqa: E402
+from ..errors import FedheadError  # noqa: E402
+from ..heads import create_head  # noqa: E402
+from ..noise import apply_noise  # noqa: E402
+from ..partitions import class_counts  # noqa: E402
+from ..train import FeatureStats, build_federation, noise_dataset_name, prepare  # noqa: E402
+from ..util import resolve_device  # noqa: E402
+from .common import check_fingerprint, config_from_json, crash_rounds, store_fingerprint  # noqa: E402
+
+_STORES: dict[str, Features] = {}
+_LOCAL: dict[tuple, "LocalData"] = {}
+
+
+@dataclass
+class NodeSettings:
+    store: str
+    pid: int
+    num_partitions: int | None
+    device: str = "auto"
+
+
+@dataclass
+class LocalData:
+    """One node's view of the federation for one (config, seed): its slice, labels after noise, counts."""
+
+    store: Features
+    pid: int
+    parts: list                    # client id -> indices; only entry ``pid`` is this node's (others empty
+    labels: np.ndarray             # in own-store mode)
+    counts: np.ndarray             # [len(parts), C]
+    device: torch.device
+    engines: dict = field(default_factory=dict)
+
+    @property
+    def mine(self) -> np.ndarray:
+        return self.parts[self.pid]
+
+    def stats_message(self) -> tuple[np.ndarray, float, int]:
+        """Feature sum (float64), sum of squared norms and count over this node's samples."""
+        xp = self.store.train_x[self.mine].astype(np.float64)
+        return xp.sum(0), float((xp * xp).sum()), len(self.mine)
+
+    def engine(self, cfg, stats: FeatureStats) -> Engine:
+        key = (None if stats.mean is None else hashlib.sha1(stats.mean.tobytes()).hexdigest(), stats.scale,
+               cfg.head, tuple(sorted(cfg.head_params.items())), cfg.optimizer, cfg.lr, cfg.weight_decay,
+               cfg.momentum, cfg.local_epochs, cfg.batch_size, cfg.backend)
+        eng = self.engines.get(key)
+        if eng is None:
+            x = prepare(self.store.train_x, stats, self.device)
+            data = ClientSet(x=x, y=torch.as_tensor(self.labels, device=self.device), parts=self.parts,
+                             counts=self.counts, num_classes=self.store.info.num_classes)
+            eng = Engine(data, create_head(cfg.head, **cfg.head_params),
+                         OptimConfig(name=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                     momentum=cfg.momentum),
+                         LocalConfig(epochs=cfg.local_epochs, batch_size=cfg.batch_size), backend=cfg.backend,
+                         block_clients=1)
+            self.engines = {key: eng}      # one prepared copy per process is enough
+        return eng
+
+
+def node_settings(context: Context, default_store: str | None = None) -> NodeSettings:
+    nc = dict(context.node_config)
+    store = nc.get("feature-store") or context.run_config.get("client-feature-store") or default_store
+    if not store and nc.get("num-partitions", "") != "":
+        # Flower's simulation: every virtual node slices the one shared store the server also uses
+        store = context.run_config.get("feature-store", "")
+    if not store:
+        raise FedheadError("This SuperNode has no feature store. Start it with --node-config "
+                           "\"feature-store='PATH' partition-id=N\" (PATH written by 'fedhead extract').")
+    if "partition-id" not in nc:
+        raise FedheadError("This SuperNode has no partition id. Start it with --node-config "
+                           "\"feature-store='PATH' partition-id=N\" (N = 0 .. clients-1, unique per node).")
+    try:
+        pid = int(nc["partition-id"])
+        nparts = int(nc["num-partitions"]) if nc.get("num-partitions", "") != "" else None
+    except (TypeError, ValueError):
+        raise FedheadError(f"The node config 'partition-id'/'num-partitions' must be integers. Got "
+                           f"{nc.get('partition-id')!r}/{nc.get('num-partitions')!r} instead.") from None
+    return NodeSettings(str(store), pid, nparts, str(nc.get("device", "auto")))
+
+
+def open_node_store(path: str) -> Features:
+    key = str(Path(path).resolve())
+    if key not in _STORES:
+        _STORES[key] = load_store(path, param="feature-store (node config)")
+    return _STORES[key]
+
+
+def local_data(ns: NodeSettings, cfg, seed: int) -> LocalData:
+    key = (str(Path(ns.store).resolve()), ns.pid, ns.num_partitions, cfg.identity(), seed, ns.device)
+    if key in _LOCAL:
+        return _LOCAL[key]
+    store = open_node_store(ns.store)
+    C = store.info.num_classes
+    if ns.num_partitions is not None:
+        if ns.num_partitions != cfg.clients:
+            raise FedheadError(f"The node config 'num-partitions' must equal the server's --clients "
+                               f"({cfg.clients}). Got {ns.num_partitions} instead.")
+        if not 0 <= ns.pid < ns.num_partitions:
+            raise FedheadError(f"The node config 'partition-id' must be in [0, {ns.num_partitions}). "
+                               f"Got {ns.pid} instead.")
+        fed = build_federation(store, cfg, seed, cfg.partition, cfg.partition_params)
+        parts, labels, counts = fed.parts, fed.labels, fed.counts
+    else:
+        # own store: all of its training split is this node's data; noise keyed by (seed, partition id)
+        empty = np.zeros(0, dtype=np.int64)
+        parts = [empty] * ns.pid + [np.arange(len(store.train_y))]
+        noisy, _ = apply_noise(cfg.noise, cfg.noise_rate, [store.train_y[p] for p in parts], C,
+                               dataset=noise_dataset_name(store, cfg), seed=seed, asym_rule=cfg.asym_rule)
+        labels = noisy[ns.pid]
+        counts = class_counts(parts, labels, C)
+    if len(_LOCAL) > 8:
+        _LOCAL.clear()
+    ld = LocalData(store, ns.pid, parts, labels, counts, resolve_device(ns.device))
+    _LOCAL[key] = ld
+    return ld
+
+
+def _fedhead_errors(fn):
+    """Mark fedhead's own one-line errors so the server can quote them cleanly: ``[[message]]``."""
+
+    def wrapper(msg: Message, context: Context) -> Message:
+        try:
+            return fn(msg, context)
+        except FedheadError as exc:
+            raise FedheadError(f"[[{exc}]]") from None
+
+    wrapper.__name__ = fn.__name__
+    return wrapper
+
+
+def make_client_app(default_store: str | None = None) -> "ClientApp":
+    """A ClientApp; ``default_store`` is used by nodes whose node config names no store (simulation)."""
+    app = ClientApp()
+
+    @app.query()
+    @_fedhead_errors
+    def hello(msg: Message, context: Context) -> Message:
+        c = msg.content["config"]
+        cfg = config_from_json(str(c["train-config"]))
+        ns = node_settings(context, default_store)
+        store = open_node_store(ns.store)
+        check_fingerprint(store_fingerprint(store.info), _json(c["server-store"]),
+                          f"The feature store {ns.store!r} of node partition {ns.pid}")
+        ld = local_data(ns, cfg, int(c["seed"]))
+        flipped = int((ld.labels[ld.mine] != store.train_y[ld.mine]).sum())
+        metrics = {"partition-id": ns.pid, "num-examples": int(len(ld.mine)), "noise-flipped": flipped}
+        arrays = {"class-counts": Array(np.asarray(ld.counts[ns.pid], dtype=np.int64))}
+        if bool(c["want-stats"]):
+            s, sq, n = ld.stats_message()
+            arrays["feature-sum"] = Array(s)
+            metrics["feature-sq"] = sq
+            metrics["feature-count"] = n
+        return Message(RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics)}),
+                       reply_to=msg)
+
+    @app.train()
+    @_fedhead_errors
+    def train(msg: Message, context: Context) -> Message:
+        c = msg.content["config"]
+        cfg = config_from_json(str(c["train-config"]))
+        seed, rnd = int(c["seed"]), int(c["round"])
+        ns = node_settings(context, default_store)
+        ld = local_data(ns, cfg, seed)
+        if rnd in crash_rounds(ns.pid):
+            raise RuntimeError(f"injected crash of partition {ns.pid} in round {rnd} (FEDHEAD_FLOWER_CRASH)")
+        mean = np.asarray(c["stats-mean"], dtype=np.float64) if "stats-mean" in c else None
+        stats = FeatureStats(mean, float(c["stats-scale"]), 0, 0)
+        theta = torch.as_tensor(msg.content["arrays"]["head"].numpy(), dtype=torch.float32, device=ld.device)
+        n = len(ld.mine)
+        if n == 0:
+            w, holds, loss, ms = theta, torch.zeros(theta.shape[0], dtype=torch.bool), 0.0, 0.0
+        else:
+            eng = ld.engine(cfg, stats)
+            t0 = time.perf_counter()
+            ws, sizes, hs, losses = eng.train_block(theta, [ns.pid], seed, rnd)
+            if ld.device.type == "cuda":
+                torch.cuda.synchronize()
+            ms = 1000 * (time.perf_counter() - t0)
+            w, holds, loss = ws[0], hs[0], float(losses[0])
+        arrays = ArrayRecord({"head": Array(w.detach().cpu().numpy()),
+                              "holds": Array(holds.cpu().numpy().astype(np.uint8))})
+        metrics = MetricRecord({"partition-id": ns.pid, "num-examples": int(n), "train-loss": loss,
+                                "client-ms": ms})
+        return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+
+    return app
+
+
+def _json(v):
+    import json
+
+    return json.loads(str(v))
+
+
+# ``flwr run`` / ``flower-supernode`` load this object ([tool.flwr.app.components] clientapp).
+app = make_client_app()

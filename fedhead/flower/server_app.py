@@ -1,0 +1,60 @@
+"""The fedhead ServerApp: runs :class:`~fedhead.flower.strategy.FedheadStrategy` over the Grid.
+
+``app`` (registered in pyproject ``[tool.flwr.app.components]``) reads its configuration from the Flower run
+config (``[tool.flwr.app.config]`` plus ``flwr run -c`` overrides; see :mod:`fedhead.flower.common`).
+:func:`make_server_app` builds one from a :class:`fedhead.config.TrainConfig` (``fedhead flower simulate``).
+"""
+
+from __future__ import annotations
+
+from .common import require_flower
+
+require_flower()
+
+from flwr.app import Context  # noqa: E402
+from flwr.serverapp import Grid, ServerApp  # noqa: E402
+
+from extract.store import load_store  # noqa: E402
+from ..config import TrainConfig  # noqa: E402
+from .common import config_from_run_config  # noqa: E402
+from .strategy import FedheadStrategy, RunOutcome, ServerSettings, validate_server_config  # noqa: E402
+
+
+def settings_from_run_config(rc: dict) -> ServerSettings:
+    return ServerSettings(out=str(rc.get("run-dir", "")) or None, resume=bool(rc.get("resume", False)),
+                          round_timeout=float(rc.get("round-timeout", 600.0)),
+                          wait_timeout=float(rc.get("wait-timeout", 120.0)))
+
+
+def run_server(grid: Grid, cfg: TrainConfig, settings: ServerSettings) -> RunOutcome:
+    store = load_store(cfg.features, param="feature-store")
+    cfg = validate_server_config(cfg, store)
+    return FedheadStrategy(cfg, store, settings).start(grid)
+
+
+def make_server_app(cfg: TrainConfig, settings: ServerSettings, results: list | None = None) -> ServerApp:
+    """A ServerApp for a fixed configuration; the outcome is appended to ``results`` (same process)."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        try:
+            out = run_server(grid, cfg, settings)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, which re-raises it
+            if results is None:
+                raise
+            results.append(exc)
+            return
+        if results is not None:
+            results.append(out)
+
+    return app
+
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    rc = dict(context.run_config)
+    run_server(grid, config_from_run_config(rc), settings_from_run_config(rc))

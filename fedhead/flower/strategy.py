@@ -1,0 +1,452 @@
+"""FedheadStrategy: a Flower Strategy whose every decision is fedhead's own.
+
+- participation: :func:`fedhead.train.sample_clients` by (seed, round) over partition ids, not Flower's
+  random node sampling; a partition id is mapped to the node that announced it in the ``query`` exchange;
+- aggregation: :class:`fedhead.aggregate.Accumulator` (``fedavg`` size-weighted, or ``grouped`` by class holds)
+  over the replies in partition-id order, exactly as the simulator adds its clients;
+- two-stage heads: every train message carries the round (the head's stage is a function of it) and the stage;
+- feature centring/scaling: one real exchange of per-node feature sums before round 1, combined in partition
+  order in float64 (bit-identical to :func:`fedhead.train.federated_feature_stats`), sent back each round;
+- central evaluation of the global head on the server store's test split every round;
+- the run directory of ``fedhead train`` (config.json, rounds.csv with extra ``failures`` columns,
+  summary.json via :func:`fedhead.train.summarize`, clients.csv, head-seed<S>.pt), a checkpoint after every
+  round and ``resume`` after a server restart;
+- faults: a node that raises or does not answer within ``round_timeout`` is recorded as a failure of that
+  round and the round completes with the others; a node without a store or with a store from another
+  encoder refuses the run before round 1 and the server stops with that node's one-line error.
+
+:meth:`FedheadStrategy.start` replaces :meth:`flwr.serverapp.strategy.Strategy.start` (which always starts
+at round 1) so that the query exchange, checkpoints and resume fit around the same configure/aggregate calls.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from .common import require_flower
+
+require_flower()
+
+import torch  # noqa: E402
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
+from flwr.serverapp import Grid  # noqa: E402
+from flwr.serverapp.strategy import Strategy  # noqa: E402
+
+from extract.store import Features  # noqa: E402
+from .. import __version__  # noqa: E402
+from ..aggregate import Accumulator  # noqa: E402
+from ..config import TrainConfig  # noqa: E402
+from ..engine import evaluate  # noqa: E402
+from ..errors import FedheadError  # noqa: E402
+from ..heads import create_head, resolve_head_params  # noqa: E402
+from ..partitions import resolve_partition_params  # noqa: E402
+from ..rundir import ROUND_FIELDS, default_run_dir, read_csv, write_clients, write_config, write_csv, write_summary  # noqa: E402
+from ..train import CHECKPOINT, FeatureStats, prepare, sample_clients, summarize, write_clients_all  # noqa: E402
+from ..util import atomic_torch_save, resolve_device  # noqa: E402
+from .common import ServerStopped, config_to_json, stop_after, store_fingerprint  # noqa: E402
+
+LOG = logging.getLogger("flwr")
+FLOWER_ROUND_FIELDS = ROUND_FIELDS + ["run", "partition", "clients_trained", "failures", "failed_clients",
+                                      "failure_reason"]
+
+
+@dataclass
+class ServerSettings:
+    out: str | None = None             # run directory [runs/<stamp>-flower-<head>-<partition>]
+    resume: bool = False               # continue the run in ``out`` from its checkpoint
+    round_timeout: float = 600.0       # seconds to wait for a round's replies (late nodes = failures)
+    wait_timeout: float = 120.0        # seconds to wait for ``clients`` nodes to connect / answer the query
+    runs_root: str = "runs"
+
+
+@dataclass
+class RunOutcome:
+    run_dir: Path
+    summary: dict
+    rows: list[dict]
+
+
+@dataclass
+class _Round:
+    """What aggregate_train learnt about one round (read by the run loop for its row)."""
+
+    trained: int = 0
+    loss_sum: float = 0.0
+    client_ms: list = field(default_factory=list)
+    server_s: float = 0.0
+    failed: dict = field(default_factory=dict)     # partition id -> reason
+
+
+def _marked(reason: str) -> str | None:
+    m = re.search(r"\[\[(.*?)\]\]", reason or "", re.S)
+    return m.group(1).strip() if m else None
+
+
+def _short(reason: str) -> str:
+    inner = _marked(reason)
+    if inner:
+        return inner
+    m = re.search(r"<class '([\w.]+)'>:<'(.*?)'>", reason or "", re.S)
+    text = f"{m.group(1).split('.')[-1]}: {m.group(2)}" if m else (reason or "unknown error")
+    return " ".join(text.split())[:300]
+
+
+def validate_server_config(cfg: TrainConfig, store: Features) -> TrainConfig:
+    """Like :func:`fedhead.train.validate_config`, but the server's store may hold only the test split."""
+    cfg = cfg.resolved()
+    resolve_head_params(cfg.head, **cfg.head_params)
+    resolve_partition_params(cfg.partition, **cfg.partition_params)
+    if cfg.iid_reference:
+        raise FedheadError("The '--iid-reference' option is not supported on Flower. Got True instead. "
+                           "Run the IID reference with 'fedhead train --iid-reference'.")
+    if len(store.test_y) == 0:
+        raise FedheadError(f"The 'feature-store' of the server ({cfg.features!r}) has an empty test split, "
+                           "which central evaluation needs. Extract the test images into it.")
+    return cfg
+
+
+class FedheadStrategy(Strategy):
+    """See the module docstring. ``cfg`` is resolved; ``store`` is the server's (test split used)."""
+
+    def __init__(self, cfg: TrainConfig, store: Features, settings: ServerSettings):
+        self.cfg, self.store, self.settings = cfg, store, settings
+        self.device = resolve_device(cfg.device)
+        self.head = create_head(cfg.head, **cfg.head_params)
+        self.fingerprint = json.dumps(store_fingerprint(store.info), sort_keys=True)
+        self.cfg_json = config_to_json(cfg)
+        self.seed = cfg.seeds[0]
+        self.node_of: dict[int, int] = {}          # partition id -> node id
+        self.stats = FeatureStats(None, 1.0, 0, 0)
+        self.theta: torch.Tensor | None = None
+        self.last = _Round()
+
+    # ---------------------------------------------------------------- Strategy interface
+
+    def summary(self) -> None:
+        c = self.cfg
+        LOG.log(INFO, "FedheadStrategy: head=%s partition=%s clients=%s rounds=%s aggregate=%s "
+                "participation=%s seeds=%s", c.head, c.partition, c.clients, c.rounds, c.aggregate,
+                c.participation, c.seeds)
+
+    def _round_config(self, server_round: int) -> ConfigRecord:
+        cr = ConfigRecord({"train-config": self.cfg_json, "server-store": self.fingerprint,
+                           "seed": int(self.seed), "round": int(server_round),
+                           "stage": self.head.stage(server_round), "stats-scale": float(self.stats.scale)})
+        if self.stats.mean is not None:
+            cr["stats-mean"] = [float(v) for v in self.stats.mean]
+        return cr
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        sel = sample_clients(self.cfg.clients, self.cfg.participation, self.seed, server_round)
+        self.last = _Round()
+        self._selected = [int(k) for k in sel]
+        cfg_rec = self._round_config(server_round)
+        for k, v in config.items():
+            cfg_rec[k] = v
+        msgs = []
+        for pid in self._selected:
+            node = self.node_of.get(pid)
+            if node is None:
+                self.last.failed[pid] = "no connected SuperNode has this partition id"
+                continue
+            msgs.append(Message(RecordDict({"arrays": arrays, "config": cfg_rec}), dst_node_id=node,
+                                message_type=MessageType.TRAIN, group_id=str(server_round)))
+        return msgs
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        pid_of = {n: p for p, n in self.node_of.items()}
+        good = []
+        answered = set()
+        for r in replies:
+            pid = pid_of.get(r.metadata.src_node_id)
+            if pid is None:
+                continue
+            answered.add(pid)
+            if r.has_error():
+                self.last.failed[pid] = _short(r.error.reason)
+                continue
+            m = r.content["metrics"]
+            if int(m["num-examples"]) == 0:
+                continue                          # an empty client is skipped, as in the simulator
+            good.append((pid, r))
+        for pid in self._selected:
+            if pid not in answered and pid not in self.last.failed:
+                self.last.failed[pid] = f"no reply within {self.settings.round_timeout:g} s"
+        if not good:
+            return None, MetricRecord({"clients-trained": 0, "failures": len(self.last.failed)})
+        good.sort(key=lambda t: t[0])             # partition order = the simulator's order
+        t0 = time.perf_counter()
+        heads = torch.stack([torch.as_tensor(r.content["arrays"]["head"].numpy(), dtype=torch.float32)
+                             for _, r in good]).to(self.device)
+        holds = torch.stack([torch.as_tensor(r.content["arrays"]["holds"].numpy()).bool()
+                             for _, r in good]).to(self.device)
+        sizes = torch.as_tensor([int(r.content["metrics"]["num-examples"]) for _, r in good], device=self.device)
+        acc = Accumulator(self.cfg.aggregate, tuple(self.theta.shape), self.device)
+        acc.add(heads, sizes, holds)
+        theta = acc.finish(self.theta)
+        self.last.server_s = time.perf_counter() - t0
+        self.last.trained = len(good)
+        self.last.loss_sum = float(sum(float(r.content["metrics"]["train-loss"]) for _, r in good))
+        self.last.client_ms = [float(r.content["metrics"]["client-ms"]) for _, r in good]
+        self.theta = theta
+        return (ArrayRecord({"head": Array(theta.cpu().numpy())}),
+                MetricRecord({"clients-trained": len(good), "failures": len(self.last.failed),
+                              "train-loss": self.last.loss_sum / len(good)}))
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return []                                 # evaluation is central, on the server's test split
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
+
+    # ---------------------------------------------------------------- nodes and the query exchange
+
+    def _wait_for_nodes(self, grid: Grid) -> list[int]:
+        n, t0 = self.cfg.clients, time.monotonic()
+        while True:
+            ids = list(grid.get_node_ids())
+            if len(ids) >= n:
+                return ids
+            if time.monotonic() - t0 > self.settings.wait_timeout:
+                raise FedheadError(
+                    f"Only {len(ids)} of {n} SuperNodes connected after {self.settings.wait_timeout:g} s. Start "
+                    f"one 'fedhead flower supernode' per client (partition-id 0..{n - 1}), or lower --clients.")
+            time.sleep(0.5)
+
+    def _query(self, grid: Grid, node_ids: list[int], want_stats: bool) -> list[tuple[int, Message]]:
+        cr = ConfigRecord({"train-config": self.cfg_json, "server-store": self.fingerprint,
+                           "seed": int(self.seed), "want-stats": bool(want_stats)})
+        msgs = [Message(RecordDict({"config": cr}), dst_node_id=n, message_type=MessageType.QUERY,
+                        group_id="query") for n in node_ids]
+        replies = list(grid.send_and_receive(msgs, timeout=self.settings.wait_timeout))
+        out = []
+        for r in replies:
+            node = r.metadata.src_node_id
+            if r.has_error():
+                raise FedheadError(f"SuperNode {node} refused the run before round 1: {_short(r.error.reason)}")
+            out.append((node, r))
+        return out
+
+    def connect(self, grid: Grid, need_stats: bool) -> dict:
+        """Query every node: partition ids, sizes, class counts and (once) the feature statistics."""
+        ids = self._wait_for_nodes(grid)
+        replies = self._query(grid, ids, need_stats)
+        K = self.cfg.clients
+        if len(replies) < len(ids):
+            missing = sorted(set(ids) - {n for n, _ in replies})
+            raise FedheadError(f"SuperNodes {missing} did not answer the query within "
+                               f"{self.settings.wait_timeout:g} s. Check that they are running.")
+        node_of, info = {}, {}
+        for node, r in replies:
+            m = r.content["metrics"]
+            pid = int(m["partition-id"])
+            if not 0 <= pid < K:
+                raise FedheadError(f"SuperNode {node} has partition-id {pid}, but the run has --clients {K}. "
+                                   f"Give the nodes partition ids 0..{K - 1}.")
+            if pid in node_of:
+                raise FedheadError(f"SuperNodes {node_of[pid]} and {node} both have partition-id {pid}. "
+                                   "Give every node its own partition id.")
+            node_of[pid] = node
+            info[pid] = r
+        missing = sorted(set(range(K)) - set(node_of))
+        if missing:
+            raise FedheadError(f"No connected SuperNode has partition-id {missing[0]} (missing: {missing}). "
+                               f"Start one node per partition id 0..{K - 1}.")
+        self.node_of = node_of
+        return info
+
+    def refresh_nodes(self, grid: Grid) -> None:
+        """Nodes that (re)joined since the last query: learn their partition ids (no statistics)."""
+        known = set(self.node_of.values())
+        new = [n for n in grid.get_node_ids() if n not in known]
+        if not new:
+            return
+        try:
+            replies = self._query(grid, new, False)
+        except FedheadError as exc:
+            LOG.log(WARNING, "a rejoining node was refused: %s", exc)
+            return
+        for node, r in replies:
+            pid = int(r.content["metrics"]["partition-id"])
+            if 0 <= pid < self.cfg.clients:
+                self.node_of[pid] = node
+
+    def combine_stats(self, info: dict) -> FeatureStats:
+        """The server half of :func:`fedhead.train.federated_feature_stats`, in partition order."""
+        cfg = self.cfg
+        if not cfg.center and cfg.scale == "none":
+            return FeatureStats(None, 1.0, 0, 0)
+        d = self.store.test_x.shape[1]
+        total = np.zeros(d, dtype=np.float64)
+        sq, n = 0.0, 0
+        for pid in range(cfg.clients):
+            r = info[pid]
+            total += r.content["arrays"]["feature-sum"].numpy()
+            sq += float(r.content["metrics"]["feature-sq"])
+            n += int(r.content["metrics"]["feature-count"])
+        mean = total / max(1, n)
+        s = 1.0
+        if cfg.scale == "rms":
+            var = sq / max(1, n) - (float(mean @ mean) if cfg.center else 0.0)
+            s = float(np.sqrt(max(var, 1e-12)))
+        return FeatureStats(mean if cfg.center else None, s, (d + 2) * 4, (d + 1) * 4)
+
+    # ---------------------------------------------------------------- the run
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
+              timeout: float | None = None, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None, evaluate_fn=None) -> RunOutcome:
+        cfg, st = self.cfg, self.settings
+        if timeout is not None:
+            st.round_timeout = timeout
+        rounds = num_rounds or cfg.rounds
+        run_dir = Path(st.out) if st.out else default_run_dir(st.runs_root, "flower", cfg.head, cfg.partition)
+        ckpt_path = run_dir / CHECKPOINT
+        ckpt = self._load_resume(run_dir, ckpt_path)
+        if isinstance(ckpt, RunOutcome):
+            return ckpt
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_config(run_dir, {
+            "identity": cfg.identity(), "config": cfg.to_dict(),
+            "head_params": resolve_head_params(cfg.head, **cfg.head_params),
+            "partition_params": resolve_partition_params(cfg.partition, **cfg.partition_params),
+            "store": {"path": str(self.store.info.path), **self.store.info.attrs,
+                      "shapes": {k: list(v) for k, v in self.store.info.shapes.items()}},
+            "device": str(self.device), "torch_version": torch.__version__, "runtime": "flower",
+            "flower_version": _flwr_version(), "round_timeout_s": st.round_timeout,
+            "randomness": "numpy default_rng keyed by (seed, round[, client, epoch]); no global seeding"})
+        self.summary()
+
+        rows: list[dict] = list(ckpt["rows"]) if ckpt else []
+        done: set = set(ckpt["done_seeds"]) if ckpt else set()
+        realised: dict = dict(ckpt.get("realised", {})) if ckpt else {}
+        client_rows: list = list(ckpt.get("client_rows", [])) if ckpt else []
+        wall0 = time.perf_counter() - (ckpt["wall_s"] if ckpt else 0.0)
+        C, D = self.store.info.num_classes, self.store.test_x.shape[1]
+        y_test = torch.as_tensor(self.store.test_y, device=self.device)
+        stop = stop_after()
+        for seed in cfg.seeds:
+            if seed in done:
+                continue
+            self.seed = seed
+            resuming = ckpt is not None and ckpt["current"] == seed
+            info = self.connect(grid, need_stats=not resuming)
+            if resuming:
+                s = ckpt["stats"]
+                self.stats = FeatureStats(None if s["mean"] is None else np.asarray(s["mean"]), s["scale"],
+                                          s["up"], s["down"])
+                self.theta = ckpt["theta"].to(self.device)
+                start = int(ckpt["round"]) + 1
+            else:
+                self.stats = self.combine_stats(info)
+                self.theta = torch.zeros(C, D + 1, device=self.device)
+                start = 1
+                counts = [info[p].content["arrays"]["class-counts"].numpy().tolist() for p in range(cfg.clients)]
+                client_rows = [r for r in client_rows if r["seed"] != seed]
+                client_rows.append({"seed": seed, "sizes": [int(sum(c)) for c in counts], "counts": counts})
+                flipped = sum(int(info[p].content["metrics"].get("noise-flipped", 0)) for p in range(cfg.clients))
+                total = sum(int(info[p].content["metrics"]["num-examples"]) for p in range(cfg.clients))
+                realised[f"{seed}:main"] = flipped / total if total else 0.0
+            xt = prepare(self.store.test_x, self.stats, self.device)
+            head_bytes = self.theta.numel() * self.theta.element_size()
+            for rnd in range(start, rounds + 1):
+                if rnd > start:
+                    self.refresh_nodes(grid)
+                arrays = ArrayRecord({"head": Array(self.theta.cpu().numpy())})
+                replies = grid.send_and_receive(self.configure_train(rnd, arrays, ConfigRecord(), grid),
+                                                timeout=st.round_timeout)
+                self.aggregate_train(rnd, replies)
+                lr = self.last
+                evaluate_now = rnd % cfg.eval_every == 0 or rnd == rounds
+                acc = evaluate(self.theta, xt, y_test) if evaluate_now else float("nan")
+                extra_up = self.stats.bytes_up_per_client if rnd == 1 else 0
+                extra_down = self.stats.bytes_down_per_client if rnd == 1 else 0
+                stats_clients = cfg.clients if rnd == 1 else 0
+                failed = sorted(lr.failed)
+                rows.append({
+                    "seed": seed, "round": rnd, "stage": self.head.stage(rnd), "accuracy": acc,
+                    "train_loss": lr.loss_sum / max(1, lr.trained),
+                    "client_ms": float(np.mean(lr.client_ms)) if lr.client_ms else 0.0,
+                    "server_ms": 1000 * lr.server_s,
+                    "bytes_up_per_client": head_bytes + extra_up,
+                    "bytes_total": len(self._selected) * 2 * head_bytes + stats_clients * (extra_up + extra_down),
+                    "ratio_to_iid": None, "run": "main", "partition": cfg.partition, "clients_trained": lr.trained,
+                    "failures": len(failed), "failed_clients": " ".join(map(str, failed)),
+                    "failure_reason": lr.failed[failed[0]] if failed else "",
+                })
+                LOG.log(INFO, "[fedhead] seed %s round %s/%s: accuracy %.4f, %s clients trained%s", seed, rnd,
+                        rounds, acc, lr.trained,
+                        f", {len(failed)} failed ({lr.failed[failed[0]]})" if failed else "")
+                atomic_torch_save({"identity": cfg.identity(), "current": seed, "round": rnd,
+                                   "theta": self.theta.cpu(), "rows": rows, "done_seeds": sorted(done),
+                                   "realised": realised, "client_rows": client_rows,
+                                   "stats": {"mean": self.stats.mean, "scale": self.stats.scale,
+                                             "up": self.stats.bytes_up_per_client,
+                                             "down": self.stats.bytes_down_per_client},
+                                   "wall_s": time.perf_counter() - wall0}, ckpt_path)
+                write_csv(run_dir / "rounds.csv", rows, FLOWER_ROUND_FIELDS)
+                if stop is not None and rnd == stop:
+                    raise ServerStopped(f"server stopped after round {rnd} ({'FEDHEAD_FLOWER_STOP_AFTER'})")
+            ckpt = None
+            done.add(seed)
+            torch.save(self.theta.cpu(), run_dir / f"head-seed{seed}.pt")
+
+        write_csv(run_dir / "rounds.csv", rows, FLOWER_ROUND_FIELDS)
+        if len(client_rows) == 1:
+            write_clients(run_dir, np.array(client_rows[0]["sizes"]), np.array(client_rows[0]["counts"]))
+        else:
+            write_clients_all(run_dir, client_rows)
+        summary = summarize(rows, cfg, realised, time.perf_counter() - wall0)
+        summary["runtime"] = "flower"
+        summary["failures"] = int(sum(r["failures"] for r in rows))
+        write_summary(run_dir, summary)
+        if ckpt_path.exists():
+            ckpt_path.unlink()
+        return RunOutcome(run_dir, summary, rows)
+
+    def _load_resume(self, run_dir: Path, ckpt_path: Path):
+        cfg = self.cfg
+        if not self.settings.resume:
+            if run_dir.exists() and any(run_dir.iterdir()):
+                raise FedheadError(f"The 'run-dir' parameter names {str(run_dir)!r}, which already holds files. "
+                                   "Use resume=true to continue that run, or choose another run-dir.")
+            return None
+        if not ckpt_path.exists():
+            if (run_dir / "summary.json").exists() and (run_dir / "config.json").exists():
+                prev = json.loads((run_dir / "config.json").read_text())
+                if prev.get("identity") != cfg.identity():
+                    raise FedheadError(f"The 'resume' option found a run in {str(run_dir)!r} with a different "
+                                       "configuration. Use the same options, or a new run-dir.")
+                return RunOutcome(run_dir, json.loads((run_dir / "summary.json").read_text()),
+                                  read_csv(run_dir / "rounds.csv"))
+            if run_dir.exists() and any(run_dir.iterdir()):
+                raise FedheadError(f"The 'resume' option needs a checkpoint in {str(run_dir)!r}, but none "
+                                   "exists. Run without resume, or name the run's directory.")
+            return None                    # nothing there yet: a fresh run
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        if ckpt.get("identity") != cfg.identity():
+            raise FedheadError(f"The 'resume' option found a run in {str(run_dir)!r} with a different "
+                               "configuration. Use the same options as the interrupted run, or a new run-dir.")
+        LOG.log(INFO, "[fedhead] resuming %s after round %s of seed %s", run_dir, ckpt["round"], ckpt["current"])
+        return ckpt
+
+
+def _flwr_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("flwr")
+    except Exception:  # noqa: BLE001
+        return "unknown"
