@@ -7,6 +7,16 @@ short. Clients are sorted by their number of steps, so the clients still trainin
 prefix ``[:K_t]`` and every update works on views, never on copies. Forward, loss, backward (``dW = G^T X``)
 and the optimizer step are each one batched call for the whole block.
 
+Speed (``fedhead bench speed`` measures it). The per-client optimizer state is as large as the head, so a
+step over a large block streams ``W``, ``m``, ``v`` and ``G`` through main memory, while a per-client loop keeps
+one client's state in cache for all its steps. On CPU a block is therefore trained in *tiles* of a few clients
+whose state fits in cache (``tile_mb``), each tile running all its steps before the next starts; on CUDA a tile
+is the whole block. The optimizer step is torch's fused multi-tensor kernel (``torch._fused_adamw_`` /
+``torch._fused_sgd_``, one pass over the state, per-client step counts) with the plain in-place tensor math as
+the fallback. Batches are gathered with ``index_select`` into a preallocated buffer. A head may offer
+``loss_and_grad(logits, y, mask, ctx) -> (loss [K], dloss/dlogits [K, B, C])`` in closed form; the engine
+uses it when present and autograd otherwise.
+
 Heads differ only in the loss they hand the engine (:mod:`fedhead.heads`). The ``loop`` backend trains one
 client after another with ``torch.optim`` and autograd, as research code does; both backends use the same
 batch plan, so they give the same global head to float tolerance (tested).
@@ -76,23 +86,71 @@ def client_plan(part: np.ndarray, seed: int, rnd: int, cid: int, epochs: int) ->
 # ---------------------------------------------------------------- stacked optimizers
 
 
-class StackedAdamW:
-    """torch.optim.AdamW's math on ``[K, ...]`` stacks with a per-client step count, updated in place."""
+def _fused_available(name: str, device) -> bool:
+    """Whether torch's fused optimizer kernel runs on ``device`` (checked once per device type)."""
+    key = (name, torch.device(device).type)
+    if key not in _FUSED_OK:
+        try:
+            w = [torch.zeros(2, device=device)]
+            g = [torch.ones(2, device=device)]
+            if name == "adamw":
+                torch._fused_adamw_(w, g, [torch.zeros(2, device=device)], [torch.zeros(2, device=device)], [],
+                                    [torch.ones((), device=device)], lr=0.1, beta1=0.9, beta2=0.999,
+                                    weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+            else:
+                torch._fused_sgd_(w, g, [torch.zeros(2, device=device)], weight_decay=0.0, momentum=0.9,
+                                  lr=0.1, dampening=0.0, nesterov=False, maximize=False, is_first_step=False)
+            _FUSED_OK[key] = bool(torch.isfinite(w[0]).all()) and float(w[0][0]) < 0
+        except (AttributeError, RuntimeError, NotImplementedError, TypeError):
+            _FUSED_OK[key] = False
+    return _FUSED_OK[key]
 
-    def __init__(self, cfg: OptimConfig, shape: tuple, device, dtype=torch.float32):
+
+_FUSED_OK: dict = {}
+
+
+class StackedAdamW:
+    """torch.optim.AdamW's math on ``[K, ...]`` stacks with a per-client step count, updated in place.
+
+    The state is preallocated for ``shape[0]`` clients; :meth:`bind` points it at the tile being trained,
+    :meth:`step` updates the first ``k`` clients (the active prefix). The step counts live in the optimizer
+    (one per client, reset by :meth:`bind`), as in torch.optim."""
+
+    def __init__(self, cfg: OptimConfig, shape: tuple, device, dtype=torch.float32, fused: bool | None = None):
         self.cfg = cfg
         self.m = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.tmp = torch.empty(shape, device=device, dtype=dtype)
+        self.count = torch.zeros(shape[0], device=device, dtype=torch.float32)
+        self.fused = _fused_available("adamw", device) if fused is None else fused
+        self.tmp = None if self.fused else torch.empty(shape, device=device, dtype=dtype)
+        self.count64 = torch.zeros(shape[0], device=device, dtype=torch.float64)
 
-    def reset(self, k: int) -> None:
+    def bind(self, w: torch.Tensor, g: torch.Tensor) -> None:
+        """Start fresh state for the clients of ``w [k, ...]`` with gradients written to ``g [k, ...]``."""
+        k = w.shape[0]
+        self.w, self.g = w, g
         self.m[:k].zero_()
         self.v[:k].zero_()
+        self.count[:k].zero_()
+        self.count64[:k].zero_()
+        if self.fused:
+            self.lists = (list(w.unbind(0)), list(g.unbind(0)), list(self.m[:k].unbind(0)),
+                          list(self.v[:k].unbind(0)), list(self.count[:k].unbind(0)))
 
-    def step(self, w: torch.Tensor, g: torch.Tensor, k: int, steps: torch.Tensor) -> None:
+    def step(self, k: int) -> None:
+        """One step for the first ``k`` bound clients, from the gradients in ``g[:k]``."""
         c = self.cfg
         b1, b2 = c.betas
+        if self.fused:
+            ws, gs, ms, vs, cs = self.lists
+            self.count[:k].add_(1.0)
+            torch._fused_adamw_(ws[:k], gs[:k], ms[:k], vs[:k], [], cs[:k], lr=c.lr, beta1=b1, beta2=b2,
+                                weight_decay=c.weight_decay, eps=c.eps, amsgrad=False, maximize=False)
+            return
+        w, g = self.w[:k], self.g[:k]
         m, v, tmp = self.m[:k], self.v[:k], self.tmp[:k]
+        steps = self.count64[:k]
+        steps.add_(1.0)
         if c.weight_decay:
             w.mul_(1.0 - c.lr * c.weight_decay)
         m.lerp_(g, 1.0 - b1)
@@ -111,16 +169,29 @@ class StackedAdamW:
 class StackedSGD:
     """torch.optim.SGD (momentum, L2 weight decay, no dampening) on ``[K, ...]`` stacks, in place."""
 
-    def __init__(self, cfg: OptimConfig, shape: tuple, device, dtype=torch.float32):
+    def __init__(self, cfg: OptimConfig, shape: tuple, device, dtype=torch.float32, fused: bool | None = None):
         self.cfg = cfg
         self.buf = torch.zeros(shape, device=device, dtype=dtype) if cfg.momentum else None
+        self.fused = _fused_available("sgd", device) if fused is None else fused
 
-    def reset(self, k: int) -> None:
+    def bind(self, w: torch.Tensor, g: torch.Tensor) -> None:
+        k = w.shape[0]
+        self.w, self.g = w, g
         if self.buf is not None:
-            self.buf[:k].zero_()
+            self.buf[:k].zero_()          # zero momentum: the first step's buffer is the gradient, as in torch
+        if self.fused:
+            self.lists = (list(w.unbind(0)), list(g.unbind(0)),
+                          list(self.buf[:k].unbind(0)) if self.buf is not None else None)
 
-    def step(self, w: torch.Tensor, g: torch.Tensor, k: int, steps: torch.Tensor) -> None:
+    def step(self, k: int) -> None:
         c = self.cfg
+        if self.fused:
+            ws, gs, bs = self.lists
+            torch._fused_sgd_(ws[:k], gs[:k], bs[:k] if bs is not None else [], weight_decay=c.weight_decay,
+                              momentum=c.momentum, lr=c.lr, dampening=0.0, nesterov=False, maximize=False,
+                              is_first_step=False)
+            return
+        w, g = self.w[:k], self.g[:k]
         if c.weight_decay:
             g.add_(w, alpha=c.weight_decay)
         if self.buf is not None:
@@ -130,8 +201,8 @@ class StackedSGD:
         w.sub_(g, alpha=c.lr)
 
 
-def make_stacked_optimizer(cfg: OptimConfig, shape, device):
-    return (StackedAdamW if cfg.name == "adamw" else StackedSGD)(cfg, shape, device)
+def make_stacked_optimizer(cfg: OptimConfig, shape, device, fused: bool | None = None):
+    return (StackedAdamW if cfg.name == "adamw" else StackedSGD)(cfg, shape, device, fused=fused)
 
 
 def make_torch_optimizer(cfg: OptimConfig, params):
@@ -161,6 +232,7 @@ class ClientSet:
 
 
 BACKENDS = ("vectorized", "loop")
+DEFAULT_TILE_MB = 8.0      # CPU: optimizer state (head, gradient, two moments) of one tile of clients
 
 
 class Engine:
@@ -168,14 +240,30 @@ class Engine:
 
     def __init__(self, data: ClientSet, head: Head, optim: OptimConfig, local: LocalConfig, *,
                  backend: str = "vectorized", block_clients: int | None = None,
-                 memory_budget_mb: float = 1536.0):
+                 memory_budget_mb: float = 1536.0, tile_clients: int | None = None,
+                 tile_mb: float = DEFAULT_TILE_MB, fused: bool | None = None, closed_form: bool = True):
         validate("--backend", backend, OneOf(BACKENDS))
         self.data, self.head, self.optim, self.local, self.backend = data, head, optim, local, backend
         self.device = data.x.device
         C, D1 = data.num_classes, data.x.shape[1]
-        per_client = (5 * C * D1 + 2 * local.batch_size * D1 + 4 * local.batch_size * C) * 4
-        auto = max(1, int(memory_budget_mb * 2**20 // per_client))
+        state = C * D1 * 4                                   # one client's head in bytes
+        B, E = local.batch_size, local.epochs
+        steps = int(max((-(-len(p) // B) for p in data.parts), default=1))
+        plan = E * steps * B * (8 + 4 + 4)                   # idx, mask, uniforms
+        if self.device.type == "cpu":
+            # the block holds the trained heads (and their reordered copy); the optimizer state is per tile
+            self.tile_clients = tile_clients or max(1, int(tile_mb * 2**20 // (4 * state)))
+            per_client = 2 * state + plan
+            fixed = self.tile_clients * (4 * state + B * D1 * 4 + 4 * B * C * 4)
+        else:
+            # one tile = the whole block: heads, copy, gradient, two moments
+            self.tile_clients = tile_clients
+            per_client = 5 * state + plan + B * D1 * 4 + 4 * B * C * 4
+            fixed = 0
+        auto = max(1, int((memory_budget_mb * 2**20 - fixed) // per_client))
         self.block_clients = block_clients or auto
+        self.fused = fused                                   # None: torch's fused kernel where it runs
+        self.closed_form = closed_form and callable(getattr(head, "loss_and_grad", None))
 
     # -- public --------------------------------------------------------------------------------------
 
@@ -233,40 +321,53 @@ class Engine:
             idx[j, :, :n] = pi
             msk[j, :, :n] = 1.0
             uu[j, :, :n] = pu
+        # one host->device copy per block; per step only views of these
         idx_t = torch.from_numpy(idx).to(dev)
         msk_t = torch.from_numpy(msk).to(dev)
         u_t = torch.from_numpy(uu).to(dev)
         steps_sorted = steps[order]
-        active = [int((steps_sorted > t).sum()) for t in range(S)]
         steps_t = torch.as_tensor(steps_sorted, device=dev, dtype=torch.float64)
         counts = torch.as_tensor(self.data.counts[np.asarray(block)[order]], device=dev, dtype=torch.float32)
         present = counts > 0
 
-        w = torch.empty(K, C, D1, device=dev, dtype=torch.float32)
-        w.copy_(theta)                     # a real copy per client (expand() would alias theta when K == 1)
-        grad = torch.empty_like(w)
-        opt = make_stacked_optimizer(self.optim, (K, C, D1), dev)
+        T = min(K, self.tile_clients or K)
+        w = torch.empty((K, C, D1), device=dev, dtype=torch.float32)
+        w.copy_(theta.expand(K, C, D1))      # a fresh copy (expand(1, ...).contiguous() would alias theta)
+        grad = torch.empty((T, C, D1), device=dev, dtype=torch.float32)
+        xbuf = torch.empty((T * B, D1), device=dev, dtype=self.data.x.dtype)
+        opt = make_stacked_optimizer(self.optim, (T, C, D1), dev, fused=self.fused)
         loss_sum = torch.zeros(K, device=dev, dtype=torch.float64)
-        x, y = self.data.x, self.data.y
-        for e in range(E):
-            for t in range(S):
-                k = active[t]
-                sl = slice(t * B, (t + 1) * B)
-                it = idx_t[:k, e, sl]
-                xb = x[it]                                      # [k, B, D1]
-                yb = y[it]
-                logits = torch.bmm(xb, w[:k].transpose(1, 2)).requires_grad_(True)
-                ctx = LossContext(round=rnd, present=present[:k], counts=counts[:k], u=u_t[:k, e, sl])
-                with torch.enable_grad():
-                    lk = self.head.loss(logits, yb, msk_t[:k, e, sl], ctx)
-                    (gl,) = torch.autograd.grad(lk.sum(), logits)
-                torch.bmm(gl.transpose(1, 2), xb, out=grad[:k])
-                loss_sum[:k] += lk.detach()
-                opt.step(w[:k], grad[:k], k, e * steps_t[:k] + t + 1)
-        inv = np.argsort(order)
-        inv_t = torch.as_tensor(inv, device=dev)
+        x, y, head = self.data.x, self.data.y, self.head
+        for j0 in range(0, K, T):                             # tiles: all steps of a few clients at a time
+            j1 = min(K, j0 + T)
+            wt = w[j0:j1]
+            opt.bind(wt, grad[:j1 - j0])
+            active = [int((steps_sorted[j0:j1] > t).sum()) for t in range(S)]
+            ls = loss_sum[j0:j1]
+            for e in range(E):
+                for t in range(S):
+                    k = active[t]
+                    sl = slice(t * B, (t + 1) * B)
+                    it = idx_t[j0:j0 + k, e, sl].reshape(-1)
+                    xb = torch.index_select(x, 0, it, out=xbuf[:k * B]).view(k, B, D1)   # [k, B, D1]
+                    yb = y.index_select(0, it).view(k, B)
+                    mk = msk_t[j0:j0 + k, e, sl]
+                    ctx = LossContext(round=rnd, present=present[j0:j0 + k], counts=counts[j0:j0 + k],
+                                      u=u_t[j0:j0 + k, e, sl])
+                    logits = torch.bmm(xb, wt[:k].transpose(1, 2))
+                    if self.closed_form:
+                        lk, gl = head.loss_and_grad(logits, yb, mk, ctx)
+                    else:
+                        logits.requires_grad_(True)
+                        with torch.enable_grad():
+                            lk = head.loss(logits, yb, mk, ctx)
+                            (gl,) = torch.autograd.grad(lk.sum(), logits)
+                    torch.bmm(gl.transpose(1, 2), xb, out=grad[:k])
+                    ls[:k] += lk.detach()
+                    opt.step(k)
+        inv_t = torch.as_tensor(np.argsort(order), device=dev)
         mean_loss = (loss_sum / (steps_t * E))[inv_t]
-        return w[inv_t], mean_loss
+        return w.index_select(0, inv_t), mean_loss
 
     # -- loop backend --------------------------------------------------------------------------------
 
