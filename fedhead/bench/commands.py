@@ -22,7 +22,7 @@ from ..errors import FedheadError, Interval, OneOf, cli_errors, validate
 from . import plots as P
 from .report import (STANDARD_NONIID, Cell, CellResult, Stat, StoreCache, check_head, command_line,
                      comm_kb_per_client_round, md_table, mean_curve, ratio_curve, resolve_partition, run_grid,
-                     with_iid, write_bench_json, write_curves, write_report, write_results)
+                     validate_cells, with_iid, write_bench_json, write_curves, write_report, write_results)
 
 # The paper's numbers printed next to ours (SPEC section 1; CIFAR-100, ViT-L/16, round 50).
 PAPER_RATIO = {"softmax": 56.3, "ova": 95.4, "ova2": 95.9}
@@ -130,10 +130,17 @@ def make_common(command: str, *, seeds, quick, rounds, clients, out, local_epoch
     return Common(command, seeds_l, int(rounds), int(clients), out, train)
 
 
-def _announce(common: Common) -> None:
-    from ..util import stderr_console
+def start_report(common: Common, cells: list[Cell], cache: StoreCache, config: dict) -> str:
+    """Validate every run first (nothing is written on bad input), then create the folder and bench.json."""
+    import sys
 
-    stderr_console().print(f"report folder: {common.out} (re-run with --out {common.out} to reuse/resume)")
+    validate_cells(cells, cache)
+    common.out.mkdir(parents=True, exist_ok=True)
+    cmd = command_line()
+    write_bench_json(common.out, cmd, cells, config)
+    print(f"report folder: {common.out} (re-run with --out {common.out} to reuse finished runs and resume)",
+          file=sys.stderr)
+    return cmd
 
 
 def _pct(stat: Stat, digits: int = 2) -> str:
@@ -339,10 +346,7 @@ def _run_hetero(common: Common, command: str, title: str, stores: list[Path], he
     cache = StoreCache()
     config = {**common.describe(), "heads": heads, "partitions": partitions, "recipes": recipes,
               "features": [str(s) for s in stores], **extra_config}
-    common.out.mkdir(parents=True, exist_ok=True)
-    cmd = command_line()
-    write_bench_json(common.out, cmd, cells, config)
-    _announce(common)
+    cmd = start_report(common, cells, cache, config)
     results = run_grid(cells, common.out, cache)
     iid_of = pair_with_iid(results)
     split_by = (["store"] if len(stores) > 1 else []) + ["recipe"]
@@ -615,11 +619,9 @@ def noise_cmd(
                                                       asym_rule=asym_map))
     config = {**common.describe(), "heads": heads, "rates": kinds, "asym_map": asym_map, "partition": partition,
               "recipes": recipes, "features": str(features)}
-    common.out.mkdir(parents=True, exist_ok=True)
-    cmd = command_line()
-    write_bench_json(common.out, cmd, list(cells.values()), config)
-    _announce(common)
-    results = run_grid(list(cells.values()), common.out, StoreCache())
+    cache = StoreCache()
+    cmd = start_report(common, list(cells.values()), cache, config)
+    results = run_grid(list(cells.values()), common.out, cache)
     by_name = {r.cell.name: r for r in results}
     sections, plots = [], []
     for rec in recipes:
@@ -697,11 +699,9 @@ def participation_cmd(
                                              participation=f)))
     config = {**common.describe(), "heads": heads, "participation": fracs, "partition": partition,
               "recipes": recipes, "features": str(features)}
-    common.out.mkdir(parents=True, exist_ok=True)
-    cmd = command_line()
-    write_bench_json(common.out, cmd, cells, config)
-    _announce(common)
-    results = run_grid(cells, common.out, StoreCache())
+    cache = StoreCache()
+    cmd = start_report(common, cells, cache, config)
+    results = run_grid(cells, common.out, cache)
     iid_of = pair_with_iid(results, drop=("partition", "participation"))
     sections, plots = [], []
     for rec in recipes:

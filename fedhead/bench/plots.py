@@ -57,6 +57,8 @@ def write_curves(path: Path, panels: Sequence[Panel], xlabel: str, ylabel: str, 
                       markersize=3.5)
             if ln.color:
                 kw["color"] = ln.color
+            if ln.style != "-":      # references (IID, paper) on top of the results
+                kw["zorder"] = 4
             h = ax.plot(x, y, **kw)[0]
             if ln.err is not None and len(ln.err) == len(y):
                 e = np.asarray(ln.err, float)

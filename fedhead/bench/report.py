@@ -363,12 +363,31 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def command_line() -> str:
+    """The command being run, rebuilt from the parsed options (non-default values), so it can be re-run."""
     import shlex
 
-    argv = list(sys.argv)
-    if argv and argv[0].endswith(("fedhead", "cli.py", "__main__.py")):
-        argv[0] = "fedhead"
-    return " ".join(shlex.quote(a) for a in argv)
+    import click
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return " ".join(shlex.quote(a) for a in ["fedhead", *sys.argv[1:]])
+    words = ["fedhead", *ctx.command_path.split()[1:]]
+    for p in ctx.command.params:
+        if not isinstance(p, click.Option) or p.name not in ctx.params:
+            continue
+        v, d = ctx.params[p.name], p.default
+        norm = (lambda x: [str(i) for i in x] if isinstance(x, (list, tuple)) else x)
+        if v is None or norm(v) == norm(d):
+            continue
+        if p.is_flag:
+            if p.secondary_opts and not v:
+                words.append(p.secondary_opts[0])
+            elif v:
+                words.append(p.opts[0])
+            continue
+        for item in (v if isinstance(v, (list, tuple)) else [v]):
+            words += [p.opts[0], str(item)]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def write_report(out: Path, title: str, command: str, config: dict, sections: Sequence[str],
