@@ -142,6 +142,9 @@ def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:
     if cfg.clients > n:
         raise FedheadError(f"The '--clients' parameter must be <= the number of training samples ({n}). "
                            f"Got {cfg.clients} instead. Use fewer clients.")
+    OptimConfig(name=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum)
+    if not PARTITIONS[cfg.partition].needs_features:   # cheap: catches shard/dirichlet errors before writing
+        create_partition(cfg.partition, store.train_y, cfg.clients, seed=cfg.seeds[0], **cfg.partition_params)
     if cfg.noise != "none":   # catches a missing asymmetric map before the run starts
         apply_noise(cfg.noise, cfg.noise_rate, [store.train_y[:1]], store.info.num_classes,
                     dataset=noise_dataset_name(store, cfg), seed=0, asym_rule=cfg.asym_rule)

@@ -71,9 +71,12 @@ def stderr_console():
 
 
 def stdout_console():
+    """Results console; wide enough for the result tables when stdout is a pipe or a file."""
+    import sys
+
     from rich.console import Console
 
-    return Console()
+    return Console() if sys.stdout.isatty() else Console(width=160)
 
 
 def make_progress(transient: bool = False):
