@@ -35,7 +35,7 @@ from fedhead.errors import FedheadError, Interval, OneOf, unknown_name, validate
 
 from . import datasets as D
 from .encoders import Encoder, load_encoder, preprocess_batch, resize_crop
-from .store import StoreWriter, open_store
+from .store import StoreWriter, open_store, partial_path
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = ("float16", "float32")
@@ -221,6 +221,22 @@ def forward(plan: Plan, x):
 # ---------------------------------------------------------------- the command's API
 
 
+def _drop_broken_partial(out: Path, splits: list[str]) -> None:
+    """A .partial killed while it was being created lacks its split groups: start it afresh."""
+    import h5py
+
+    tmp = partial_path(out)
+    if not tmp.exists():
+        return
+    try:
+        with h5py.File(tmp, "r") as f:
+            ok = all(s in f and "features" in f[s] and "labels" in f[s] for s in splits) and "class_names" in f
+    except OSError:
+        ok = False
+    if not ok:
+        tmp.unlink()
+
+
 def extract_features(dataset: str, data_dir, encoder: str, *, weights=None, pretrained: bool = True,
                      image_size=None, batch_size: int = 64, device: str = "auto", precision: str = "fp32",
                      limit=None, out=None, dtype: str = "float16", overwrite: bool = False, download: bool = False,
@@ -261,6 +277,7 @@ def extract_features(dataset: str, data_dir, encoder: str, *, weights=None, pret
             raise FedheadError(f"The '--out' parameter names {str(out)!r}, a store made by a different request "
                                f"(differs in: {', '.join(diff) or 'format'}). Pass --overwrite to replace it "
                                "or choose another --out.")
+    _drop_broken_partial(out, list(plan.splits))
     kill_after = int(os.environ.get(KILL_ENV, "0") or 0)
     written = 0
     sizes = {s: len(v) for s, v in plan.splits.items()}
