@@ -1,0 +1,411 @@
+"""``fedhead flower simulate|superlink|supernode`` and ``fedhead bench flower``.
+
+This module does not import flwr at import time (the core CLI registers it without the extra); each command
+calls :func:`fedhead.flower.common.require_flower` first.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ..config import TrainConfig
+from ..errors import FedheadError, Interval, cli_errors, validate
+from .common import RUN_CONFIG_FIELDS, require_flower
+
+# ---------------------------------------------------------------- the options of `fedhead train`
+
+_O = typer.Option
+TRAIN_OPTIONS = [
+    ("features", Path, _O(..., "--features", help="HDF5 feature store (the server's: central evaluation; in "
+                                                   "simulation also the store every virtual client slices).")),
+    ("head", str, _O("ova2", help="softmax | ova | ova2 | fedabc | fedrs")),
+    ("partition", str, _O("iid", help="iid | shard | dirichlet | bernoulli-dirichlet | zipf | kmeans")),
+    ("shards_per_client", Optional[int], _O(None, help="shard: shards (labels) per client [2]")),
+    ("distinct_labels", Optional[bool], _O(None, "--distinct-labels/--no-distinct-labels",
+                                           help="shard: force s different labels per client")),
+    ("alpha", Optional[float], _O(None, help="dirichlet [0.5] / bernoulli-dirichlet [10] concentration")),
+    ("p", Optional[float], _O(None, "--p", help="bernoulli-dirichlet: class inclusion probability [0.7]")),
+    ("zipf_s", Optional[float], _O(None, help="zipf: size exponent [1.0]")),
+    ("min_size", Optional[int], _O(None, help="dirichlet [10] / zipf [1]: minimum client size")),
+    ("clients", int, _O(100, help="number of clients (= virtual or real SuperNodes)")),
+    ("rounds", int, _O(50, help="communication rounds")),
+    ("local_epochs", int, _O(3, help="local epochs per round")),
+    ("batch_size", int, _O(50, help="local batch size")),
+    ("recipe", str, _O("default", help="default (robust, measured) | paper (SPEC to the letter)")),
+    ("optimizer", Optional[str], _O(None, help="adamw | sgd [recipe]")),
+    ("lr", Optional[float], _O(None, help="local learning rate [recipe]")),
+    ("weight_decay", Optional[float], _O(None, help="weight decay [recipe]")),
+    ("momentum", Optional[float], _O(None, help="SGD momentum [recipe]")),
+    ("aggregate", Optional[str], _O(None, help="fedavg | grouped [recipe]")),
+    ("center", Optional[bool], _O(None, "--center/--no-center", help="federated feature centering [recipe]")),
+    ("scale", Optional[str], _O(None, help="none | rms feature scaling [recipe]")),
+    ("stage1_rounds", Optional[int], _O(None, help="ova2: rounds of positive-only stage 1 [1]")),
+    ("positive_keep", Optional[float], _O(None, help="ova2: keep probability of positive terms [1.0]")),
+    ("fedabc_margins", Optional[str], _O(None, help="fedabc: mp,mn,mnn [0.85,0.2,0.3]")),
+    ("focal_gamma", Optional[float], _O(None, help="fedabc: focal gamma [2]")),
+    ("fedrs_alpha", Optional[float], _O(None, help="fedrs: absent-class logit scale [0.5]")),
+    ("participation", float, _O(1.0, help="fraction of clients per round (fedhead's seeded sampling)")),
+    ("noise", str, _O("none", help="none | symmetric | asymmetric")),
+    ("noise_rate", float, _O(0.0, help="label flip rate in [0, 1)")),
+    ("asym_map", str, _O("auto", help="asymmetric map: auto (dataset's) | cyclic (y -> y+1 mod C)")),
+    ("seed", List[int], _O([0], "--seed", help="seed; repeat for several")),
+    ("backend", str, _O("vectorized", help="vectorized | loop (local training backend)")),
+    ("device", str, _O("cpu", help="auto | cpu | cuda (server and simulated clients)")),
+    ("out", Optional[Path], _O(None, help="run directory [runs/<timestamp>-flower-<head>-<partition>]")),
+    ("resume", bool, _O(False, "--resume", help="continue an interrupted run in --out from its checkpoint")),
+    ("round_timeout", float, _O(600.0, help="seconds to wait for a round's replies (late nodes = failures)")),
+]
+_TRAIN_NAMES = [n for n, _, _ in TRAIN_OPTIONS]
+
+
+def with_train_options(fn=None, *, skip: tuple = ()):
+    """Give a command the options of ``fedhead train`` (plus --out/--resume/--round-timeout) after its own."""
+    if fn is None:
+        return functools.partial(with_train_options, skip=skip)
+    own = [p for p in inspect.signature(fn).parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    opts = [(n, t, o) for n, t, o in TRAIN_OPTIONS if n not in skip]
+    extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=o, annotation=t) for n, t, o in opts]
+
+    @functools.wraps(fn)
+    def wrapper(**kw):
+        return fn(**kw)
+
+    wrapper.__signature__ = inspect.Signature([p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+                                              + extra)
+    wrapper.__annotations__ = {**{p.name: p.annotation for p in own}, **{n: t for n, t, _ in opts}}
+    del wrapper.__wrapped__
+    return wrapper
+
+
+def train_config(kw: dict) -> TrainConfig:
+    """The TrainConfig of ``fedhead train`` built from the shared options."""
+    if kw.get("features") is None:
+        raise FedheadError("The '--features' parameter is required. Got none. Name the server's feature store.")
+    return TrainConfig(
+        features=str(kw["features"]), head=kw["head"], partition=kw["partition"],
+        partition_params={k: kw[k] for k in ("shards_per_client", "distinct_labels", "alpha", "p", "zipf_s",
+                                             "min_size") if kw.get(k) is not None},
+        head_params={k: kw[k] for k in ("stage1_rounds", "positive_keep", "fedabc_margins", "focal_gamma",
+                                        "fedrs_alpha") if kw.get(k) is not None},
+        clients=kw["clients"], rounds=kw["rounds"], local_epochs=kw["local_epochs"], batch_size=kw["batch_size"],
+        recipe=kw["recipe"], optimizer=kw["optimizer"], lr=kw["lr"], weight_decay=kw["weight_decay"],
+        momentum=kw["momentum"], aggregate=kw["aggregate"], center=kw["center"], scale=kw["scale"],
+        participation=kw["participation"], noise=kw["noise"], noise_rate=kw["noise_rate"],
+        asym_rule=kw["asym_map"], seeds=list(kw["seed"]), backend=kw["backend"], device=kw["device"])
+
+
+def run_config_of(cfg: TrainConfig, out: Path, resume: bool, round_timeout: float, wait_timeout: float) -> dict:
+    """The Flower run config (``[tool.flwr.app.config]`` keys) for a TrainConfig: what ``flwr run -c`` gets."""
+    import json
+
+    rc = {"feature-store": str(Path(cfg.features).resolve()), "run-dir": str(out.resolve()), "resume": resume,
+          "round-timeout": float(round_timeout), "wait-timeout": float(wait_timeout),
+          "partition-params": json.dumps(cfg.partition_params), "head-params": json.dumps(cfg.head_params),
+          "seeds": " ".join(str(s) for s in cfg.seeds)}
+    for key, field in RUN_CONFIG_FIELDS.items():
+        v = getattr(cfg, field)
+        if v is not None:
+            rc[key] = v
+    return rc
+
+
+# ---------------------------------------------------------------- simulation
+
+
+def simulate(cfg: TrainConfig, out: Path | None = None, resume: bool = False, round_timeout: float = 600.0,
+             num_cpus: int | None = None, client_cpus: float = 1.0, client_store: str | None = None):
+    """Run ``cfg`` on Flower's simulation engine (Ray), one virtual SuperNode per client; returns RunOutcome."""
+    require_flower()
+    from flwr.simulation import run_simulation
+
+    from .client_app import make_client_app
+    from .server_app import make_server_app
+    from .strategy import ServerSettings
+
+    validate("--clients", cfg.clients, Interval(1, None, integer=True))
+    results: list = []
+    settings = ServerSettings(out=str(out) if out else None, resume=resume, round_timeout=round_timeout)
+    ncpu = num_cpus or os.cpu_count() or 1
+    backend = {"client_resources": {"num_cpus": float(client_cpus), "num_gpus": 0.0},
+               "init_args": {"num_cpus": int(ncpu), "include_dashboard": False, "logging_level": "ERROR",
+                             "log_to_driver": True}}
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    run_simulation(make_server_app(cfg, settings, results),
+                   make_client_app(client_store if client_store is not None else cfg.features),
+                   num_supernodes=cfg.clients, backend_config=backend)
+    if not results:
+        raise FedheadError("The Flower simulation ended without a result (see the log above). "
+                           "Re-run with FEDHEAD_DEBUG=1 for details.")
+    if isinstance(results[0], BaseException):
+        raise results[0]
+    return results[0]
+
+
+def _print_summary(title: str, summary: dict) -> None:
+    from ..commands import SUMMARY_COLUMNS, results_table
+    from ..util import stdout_console
+
+    cols = SUMMARY_COLUMNS + [("failures", "failures")]
+    stdout_console().print(results_table(title, [summary], cols))
+
+
+@cli_errors
+@with_train_options
+def simulate_cmd(
+    num_cpus: Optional[int] = typer.Option(None, help="CPUs Ray may use [all]"),
+    client_cpus: float = typer.Option(1.0, help="CPUs per virtual client (Ray actor)"),
+    **kw,
+):
+    """Run the same job as 'fedhead train' on Flower's simulation engine (one virtual SuperNode per client)."""
+    cfg = train_config(kw)
+    if kw["resume"] and kw["out"] is None:
+        raise FedheadError("The '--resume' option needs --out naming the interrupted run's directory. Got none.")
+    res = simulate(cfg, kw["out"], kw["resume"], kw["round_timeout"], num_cpus, client_cpus)
+    _print_summary(f"fedhead flower simulate — {res.run_dir}", res.summary)
+
+
+# ---------------------------------------------------------------- deployment
+
+
+def flower_env(flwr_home: Path | None = None) -> dict:
+    """Environment for Flower's processes: the venv's bin first on PATH (they spawn flower-superexec etc.)."""
+    env = dict(os.environ)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    if flwr_home is not None:
+        env["FLWR_HOME"] = str(flwr_home)
+    return env
+
+
+def _exe(name: str) -> str:
+    path = Path(sys.executable).parent / name
+    if path.exists():
+        return str(path)
+    found = shutil.which(name)
+    if not found:
+        raise FedheadError(f"The '{name}' program was not found. Install the extra: pip install 'fedhead[flower]'")
+    return found
+
+
+def _tls_args(insecure: bool, certfile, keyfile, ca_certfile) -> list[str]:
+    if certfile or keyfile:
+        if not (certfile and keyfile):
+            raise FedheadError("The '--ssl-certfile' and '--ssl-keyfile' options go together. Got only one.")
+        args = ["--ssl-certfile", str(certfile), "--ssl-keyfile", str(keyfile)]
+        return args + (["--ssl-ca-certfile", str(ca_certfile)] if ca_certfile else [])
+    if not insecure:
+        raise FedheadError("The '--insecure' option is off but no certificate was given. Pass --ssl-certfile "
+                           "and --ssl-keyfile, or --insecure (loopback/tests only).")
+    return ["--insecure"]
+
+
+def _wait_port(host: str, port: int, timeout: float, proc: subprocess.Popen) -> None:
+    import socket
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise FedheadError(f"flower-superlink exited with code {proc.returncode} before listening on "
+                               f"{host}:{port}. Is the port free?")
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.3)
+    raise FedheadError(f"flower-superlink did not listen on {host}:{port} within {timeout:g} s.")
+
+
+def _stop(proc: subprocess.Popen | None, grace: float = 10.0) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def superlink_command(host: str, port: int, tls: list[str], database: Optional[str]) -> list[str]:
+    cmd = [_exe("flower-superlink"), *tls, "--host", host, "--port", str(port),
+           "--disable-runtime-dependency-installation"]
+    if database:
+        cmd += ["--database", database]
+    return cmd
+
+
+def submit_run(address: str, rc: dict, tls_insecure: bool, root_cert: Optional[str] = None,
+               app_dir: Path | None = None, env: dict | None = None) -> int:
+    """``flwr run <fedhead> <connection> --run-config <toml> --stream`` against ``address`` (waits for the end)."""
+    import tomli_w
+
+    app_dir = app_dir or Path(__file__).resolve().parents[2]
+    if not (app_dir / "pyproject.toml").exists():
+        raise FedheadError(f"The fedhead Flower app needs its source tree (pyproject.toml) to build the FAB; "
+                           f"none in {str(app_dir)!r}. Install fedhead from its repository (pip install -e).")
+    with tempfile.TemporaryDirectory(prefix="fedhead-flwr-") as home:
+        conn = {"address": address}
+        if tls_insecure:
+            conn["insecure"] = True
+        if root_cert:
+            conn["root-certificates"] = str(root_cert)
+        Path(home, "config.toml").write_text(tomli_w.dumps({"superlink": {"default": "fedhead",
+                                                                           "fedhead": conn}}))
+        Path(home, "run.toml").write_text(tomli_w.dumps(rc))
+        cmd = [_exe("flwr"), "run", str(app_dir), "fedhead", "--run-config", str(Path(home, "run.toml")), "--stream"]
+        e = dict(env or flower_env())
+        e["FLWR_HOME"] = home
+        return subprocess.call(cmd, env=e)
+
+
+@cli_errors
+@with_train_options(skip=("features",))
+def superlink_cmd(
+    host: str = typer.Option("0.0.0.0", help="address the SuperLink listens on (nodes and flwr run connect)"),
+    port: int = typer.Option(9093, help="the SuperLink's HTTP port (Fleet, Control and ServerApp APIs)"),
+    insecure: bool = typer.Option(False, "--insecure", help="no TLS (loopback and tests only)"),
+    ssl_certfile: Optional[Path] = typer.Option(None, help="TLS certificate of the SuperLink"),
+    ssl_keyfile: Optional[Path] = typer.Option(None, help="TLS private key of the SuperLink"),
+    ssl_ca_certfile: Optional[Path] = typer.Option(None, help="CA certificate (given to flwr run as root)"),
+    database: Optional[str] = typer.Option(None, help="SuperLink state file [in memory]"),
+    features: Optional[Path] = typer.Option(None, "--features",
+                                            help="the server's store: with it, also submit the training run "
+                                                 "(same options as 'fedhead flower simulate') and stop when done"),
+    wait_timeout: float = typer.Option(300.0, help="seconds to wait for --clients SuperNodes to connect"),
+    **kw,
+):
+    """Start a Flower SuperLink; with --features, also run the training job on the connected SuperNodes."""
+    require_flower()
+    tls = _tls_args(insecure, ssl_certfile, ssl_keyfile, ssl_ca_certfile)
+    env = flower_env()
+    cmd = superlink_command(host, port, tls, database)
+    if features is None:
+        os.execve(cmd[0], cmd, env)          # serve in the foreground; runs come from 'flwr run'
+    kw["features"] = features
+    cfg = train_config(kw)
+    from extract.store import open_store
+
+    open_store(cfg.features, "--features")
+    cfg.resolved()
+    out = kw["out"] or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-flower-{cfg.head}-{cfg.partition}")
+    rc = run_config_of(cfg, Path(out), kw["resume"], kw["round_timeout"], wait_timeout)
+    proc = subprocess.Popen(cmd, env=env)
+    prev = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        _wait_port(client_host, port, 60.0, proc)
+        code = submit_run(f"{client_host}:{port}", rc, not ssl_certfile, ssl_ca_certfile, env=env)
+    finally:
+        signal.signal(signal.SIGTERM, prev)
+        _stop(proc)
+    summary_path = Path(out) / "summary.json"
+    if code != 0 or not summary_path.exists():
+        raise FedheadError(f"The Flower run failed (flwr run exit code {code}); its log is above. "
+                           f"Partial results and the checkpoint are in {str(out)!r} (resume with --resume).")
+    import json
+
+    _print_summary(f"fedhead flower superlink — {out}", json.loads(summary_path.read_text()))
+
+
+@cli_errors
+def supernode_cmd(
+    superlink: str = typer.Option(..., help="the SuperLink's address HOST:PORT"),
+    features: Path = typer.Option(..., "--features", help="this node's own feature store ('fedhead extract')"),
+    partition_id: int = typer.Option(..., help="this node's client id, 0 .. clients-1, unique per node"),
+    num_partitions: Optional[int] = typer.Option(None, help="slice a shared store like 'fedhead train' "
+                                                            "(= --clients); omit to use the whole store"),
+    host: str = typer.Option("127.0.0.1", help="address of this node's local runtime API"),
+    port: int = typer.Option(9094, help="port of this node's local runtime API (one per node per machine)"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda for local training"),
+    insecure: bool = typer.Option(False, "--insecure", help="no TLS (loopback and tests only)"),
+    root_certificates: Optional[Path] = typer.Option(None, help="CA certificate of the SuperLink's TLS"),
+):
+    """Start a Flower SuperNode that trains the head on this machine's own feature store."""
+    require_flower()
+    from extract.store import open_store
+
+    info = open_store(features, "--features")        # refuse a missing/partial/foreign file right here
+    validate("--partition-id", partition_id, Interval(0, None, integer=True))
+    if num_partitions is not None:
+        validate("--num-partitions", num_partitions, Interval(1, None, integer=True))
+        validate("--partition-id", partition_id, Interval(0, num_partitions - 1, integer=True))
+    if not insecure and root_certificates is None:
+        raise FedheadError("The '--insecure' option is off but no --root-certificates was given. Pass the "
+                           "SuperLink's CA certificate, or --insecure (loopback/tests only).")
+    node_config = f"feature-store={str(Path(info.path).resolve())!r} partition-id={partition_id} device={device!r}"
+    if num_partitions is not None:
+        node_config += f" num-partitions={num_partitions}"
+    cmd = [_exe("flower-supernode"), *(["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]),
+           "--superlink", superlink, "--host", host, "--port", str(port), "--node-config", node_config]
+    os.execve(cmd[0], cmd, flower_env())
+
+
+# ---------------------------------------------------------------- benchmark
+
+
+@cli_errors
+def bench_cmd(
+    clients: int = typer.Option(100, help="clients (virtual SuperNodes)"),
+    rounds: int = typer.Option(20, help="rounds"),
+    num_classes: int = typer.Option(10, help="classes of the synthetic store"),
+    train_per_class: int = typer.Option(100, help="training samples per class"),
+    dim: int = typer.Option(32, help="feature dimension"),
+    head: str = typer.Option("ova2", help="head"),
+    partition: str = typer.Option("shard", help="partition"),
+    local_epochs: int = typer.Option(1, help="local epochs"),
+    batch_size: int = typer.Option(50, help="local batch size"),
+    num_cpus: Optional[int] = typer.Option(None, help="CPUs Ray may use [all]"),
+    out: Path = typer.Option(Path("reports/bench-flower"), help="directory for the store, both runs and bench.json"),
+):
+    """Time the same job in 'fedhead train' and in Flower's simulation engine; print both wall times."""
+    require_flower()
+    import json
+
+    import numpy as np
+
+    from ..synthetic import write_synthetic
+    from ..train import run_training
+    from ..util import atomic_write_json, stdout_console
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FedheadError(f"The '--out' parameter names {str(out)!r}, which already holds files. Choose another.")
+    store = write_synthetic(out / "store.h5", num_classes=num_classes, train_per_class=train_per_class,
+                            test_per_class=20, dim=dim)
+    cfg = TrainConfig(features=str(store), head=head, partition=partition, clients=clients, rounds=rounds,
+                      local_epochs=local_epochs, batch_size=batch_size, device="cpu")
+    t0 = time.perf_counter()
+    a = run_training(cfg, out=out / "train", progress=False)
+    t_train = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    b = simulate(cfg, out / "flower", num_cpus=num_cpus)
+    t_flower = time.perf_counter() - t0
+    acc_a = np.array([r["accuracy"] for r in a.rows], dtype=float)
+    acc_b = np.array([r["accuracy"] for r in b.rows], dtype=float)
+    result = {"clients": clients, "rounds": rounds, "num_classes": num_classes, "dim": dim, "head": head,
+              "partition": partition, "local_epochs": local_epochs, "train_wall_s": t_train,
+              "flower_wall_s": t_flower, "ratio_flower_over_train": t_flower / t_train,
+              "final_accuracy_train": float(acc_a[-1]), "final_accuracy_flower": float(acc_b[-1]),
+              "max_round_accuracy_diff": float(np.abs(acc_a - acc_b).max()),
+              "cpus": os.cpu_count()}
+    atomic_write_json(out / "bench.json", result)
+    from ..commands import results_table
+
+    stdout_console().print(results_table(
+        f"fedhead bench flower — {clients} clients, {rounds} rounds", [result],
+        [("train_wall_s", "fedhead train s"), ("flower_wall_s", "Flower simulation s"),
+         ("ratio_flower_over_train", "ratio"), ("final_accuracy_train", "acc train"),
+         ("final_accuracy_flower", "acc flower"), ("max_round_accuracy_diff", "max |Δacc|")]))
+    typer.echo(json.dumps(result))
