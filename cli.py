@@ -27,6 +27,7 @@ def _register() -> None:
         ("extract.commands", "info_cmd", "info", app),
         ("fedhead.commands", "train_cmd", "train", app),
         ("fedhead.commands", "synth_cmd", "synth", app),
+        ("fedhead.commands", "demo_cmd", "demo", app),
         ("fedhead.scratch.commands", "scratch_cmd", "scratch", app),
         ("extract.bench", "bench_extract_cmd", "extract", bench_app),
         ("fedhead.bench.commands", "ablation_cmd", "ablation", bench_app),
