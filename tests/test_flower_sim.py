@@ -1,0 +1,234 @@
+"""fedhead on Flower: parity with 'fedhead train' on Flower's simulation engine, the feature-statistics
+exchange, and the fault cases (no store, foreign encoder, a crashing client, a server restart).
+
+The fault cases run the real ServerApp strategy and ClientApp with Flower's Message/Record types over
+``LocalGrid``, a synchronous in-process Grid (no Ray start-up: seconds, not minutes); the parity test uses
+Flower's simulation engine and tests/test_flower_deploy.py real processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+flwr = pytest.importorskip("flwr", reason="Flower is not installed (pip install 'fedhead[flower]')")
+
+from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
+from flwr.serverapp import Grid  # noqa: E402
+
+from extract.store import load_store, write_store  # noqa: E402
+from fedhead.config import TrainConfig  # noqa: E402
+from fedhead.errors import FedheadError  # noqa: E402
+from fedhead.flower.client_app import make_client_app  # noqa: E402
+from fedhead.flower.commands import run_config_of, simulate  # noqa: E402
+from fedhead.flower.common import CRASH_ENV, STOP_ENV, ServerStopped, config_from_run_config  # noqa: E402
+from fedhead.flower.server_app import run_server  # noqa: E402
+from fedhead.flower.strategy import FedheadStrategy, ServerSettings  # noqa: E402
+from fedhead.rundir import read_csv  # noqa: E402
+from fedhead.synthetic import write_synthetic  # noqa: E402
+from fedhead.train import build_federation, run_training  # noqa: E402
+
+
+class LocalGrid(Grid):
+    """Delivers each message to the ClientApp of its node synchronously; an exception becomes an error reply
+    with Flower's own reason format, as the SuperNode runtime makes it."""
+
+    def __init__(self, app, node_configs: list[dict], run_config: dict | None = None):
+        self.app = app
+        self.ctx = {1000 + i: Context(run_id=1, node_id=1000 + i, node_config=nc, state=RecordDict(),
+                                      run_config=run_config or {}) for i, nc in enumerate(node_configs)}
+
+    def set_run(self, run_id):
+        pass
+
+    @property
+    def run(self):
+        return None
+
+    def create_message(self, *a, **k):
+        raise NotImplementedError
+
+    def get_node_ids(self):
+        return list(self.ctx)
+
+    def push_messages(self, messages):
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):
+        raise NotImplementedError
+
+    def send_and_receive(self, messages, *, timeout=None):
+        out = []
+        for m in messages:
+            try:
+                out.append(self.app(m, self.ctx[m.metadata.dst_node_id]))
+            except Exception as ex:  # noqa: BLE001
+                out.append(Message(Error(code=1, reason=str(type(ex)) + ":<'" + str(ex) + "'>"), reply_to=m))
+        return out
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    """Flower's Message constructor reads the process's task identity (a SuperLink sets it; so do we)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = 1, 1, 1
+    yield
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return write_synthetic(tmp_path_factory.mktemp("flower") / "s.h5", num_classes=6, train_per_class=20,
+                           test_per_class=10, dim=16)
+
+
+def cfg_of(store, **kw) -> TrainConfig:
+    base = dict(features=str(store), head="ova2", partition="shard", partition_params={"shards_per_client": 2},
+                clients=4, rounds=3, local_epochs=2, batch_size=10, device="cpu")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def sim_nodes(k: int) -> list[dict]:
+    return [{"partition-id": i, "num-partitions": k} for i in range(k)]
+
+
+def local_run(cfg, out, store_for_clients=None, nodes=None, resume=False):
+    app = make_client_app(str(store_for_clients or cfg.features))
+    grid = LocalGrid(app, nodes or sim_nodes(cfg.clients))
+    return run_server(grid, cfg, ServerSettings(out=str(out), resume=resume, wait_timeout=5))
+
+
+def accs(rows):
+    return [float(r["accuracy"]) for r in rows]
+
+
+# ---------------------------------------------------------------- parity on Flower's simulation engine
+
+
+@pytest.mark.slow
+def test_simulation_engine_matches_fedhead_train(store, tmp_path):
+    cfg = cfg_of(store, participation=0.75)          # 3 of 4 clients per round, centred features, two stages
+    ref = run_training(cfg, out=tmp_path / "train", progress=False)
+    res = simulate(cfg, tmp_path / "flower", num_cpus=2)
+    assert len(res.rows) == len(ref.rows) == 3
+    np.testing.assert_allclose(accs(res.rows), accs(ref.rows), atol=1e-9)
+    for a, b in zip(res.rows, ref.rows):
+        assert a["stage"] == b["stage"] and a["clients_trained"] == b["clients_trained"]
+        assert a["bytes_total"] == b["bytes_total"] and a["failures"] == 0
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+    torch.testing.assert_close(torch.load(tmp_path / "flower" / "head-seed0.pt"),
+                               torch.load(tmp_path / "train" / "head-seed0.pt"), atol=1e-5, rtol=1e-5)
+    assert read_csv(tmp_path / "flower" / "clients.csv") == read_csv(tmp_path / "train" / "clients.csv")
+    s = json.loads((tmp_path / "flower" / "summary.json").read_text())
+    assert s["final_accuracy"] == pytest.approx(ref.summary["final_accuracy"]) and s["runtime"] == "flower"
+
+
+# ---------------------------------------------------------------- the same code paths, in process
+
+
+def test_grouped_noise_rms_parity_in_process(store, tmp_path):
+    cfg = cfg_of(store, aggregate="grouped", noise="symmetric", noise_rate=0.2, scale="rms", head="ova")
+    ref = run_training(cfg, out=tmp_path / "train", progress=False)
+    res = local_run(cfg, tmp_path / "flower")
+    np.testing.assert_allclose(accs(res.rows), accs(ref.rows), atol=1e-9)
+    assert res.summary["realised_noise_rate"] == pytest.approx(ref.summary["realised_noise_rate"])
+    assert res.summary["realised_noise_rate"] > 0
+
+
+def test_stats_exchange_is_bit_identical(store):
+    cfg = cfg_of(store, scale="rms").resolved()
+    s = load_store(store)
+    fed = build_federation(s, cfg, 0, cfg.partition, cfg.partition_params)
+    strat = FedheadStrategy(cfg, s, ServerSettings(wait_timeout=5))
+    info = strat.connect(LocalGrid(make_client_app(str(store)), sim_nodes(4)), need_stats=True)
+    mine = strat.combine_stats(info)
+    assert np.array_equal(mine.mean, fed.stats.mean) and mine.scale == fed.stats.scale
+    assert (mine.bytes_up_per_client, mine.bytes_down_per_client) == (fed.stats.bytes_up_per_client,
+                                                                      fed.stats.bytes_down_per_client)
+
+
+def test_node_without_store_is_refused_before_round_one(store, tmp_path):
+    cfg = cfg_of(store)
+    nodes = [{"partition-id": i} for i in range(4)]
+    with pytest.raises(FedheadError, match=r"refused the run before round 1: This SuperNode has no feature store"):
+        run_server(LocalGrid(make_client_app(None), nodes), cfg, ServerSettings(out=str(tmp_path / "r"), wait_timeout=5))
+    assert not (tmp_path / "r" / "rounds.csv").exists()
+
+
+def test_store_from_another_encoder_is_refused(store, tmp_path):
+    s = load_store(store)
+    attrs = {k: s.info.attrs[k] for k in ("dataset", "weights_source", "weights_sha256", "preprocessing", "image_size")}
+    other = write_store(tmp_path / "other.h5", train=(s.train_x, s.train_y), test=(s.test_x, s.test_y),
+                        class_names=s.info.class_names, attrs={**attrs, "encoder": "vit_b16"})
+    with pytest.raises(FedheadError, match=r"extracted with encoder 'vit_b16'.*server's store with 'synthetic'"):
+        local_run(cfg_of(store), tmp_path / "r", store_for_clients=other)
+
+
+def test_crashing_client_is_recorded_and_the_round_completes(store, tmp_path, monkeypatch):
+    monkeypatch.setenv(CRASH_ENV, "2@2")
+    res = local_run(cfg_of(store), tmp_path / "r")
+    rows = read_csv(tmp_path / "r" / "rounds.csv")
+    assert [r["failures"] for r in rows] == ["0", "1", "0"]
+    assert rows[1]["failed_clients"] == "2" and rows[1]["clients_trained"] == "3"
+    assert "injected crash of partition 2 in round 2" in rows[1]["failure_reason"]
+    assert rows[2]["clients_trained"] == "4" and res.summary["failures"] == 1
+
+
+def test_server_restart_resumes_from_checkpoint(store, tmp_path, monkeypatch):
+    cfg = cfg_of(store)
+    ref = run_training(cfg, out=tmp_path / "train", progress=False)
+    monkeypatch.setenv(STOP_ENV, "2")
+    with pytest.raises(ServerStopped):
+        local_run(cfg, tmp_path / "r")
+    assert (tmp_path / "r" / "checkpoint.pt").exists() and len(read_csv(tmp_path / "r" / "rounds.csv")) == 2
+    monkeypatch.delenv(STOP_ENV)
+    with pytest.raises(FedheadError, match="already holds files"):
+        local_run(cfg, tmp_path / "r")
+    res = local_run(cfg, tmp_path / "r", resume=True)
+    np.testing.assert_allclose(accs(res.rows), accs(ref.rows), atol=1e-9)
+    assert not (tmp_path / "r" / "checkpoint.pt").exists()
+    with pytest.raises(FedheadError, match="different configuration"):
+        local_run(cfg_of(store, rounds=4), tmp_path / "r", resume=True)
+
+
+def test_duplicate_partition_ids_are_refused(store, tmp_path):
+    nodes = sim_nodes(4)
+    nodes[3] = {"partition-id": 2, "num-partitions": 4}
+    with pytest.raises(FedheadError, match="both have partition-id 2"):
+        local_run(cfg_of(store), tmp_path / "r", nodes=nodes)
+
+
+# ---------------------------------------------------------------- configuration and packaging
+
+
+def test_run_config_round_trip_and_pyproject_defaults(store, tmp_path):
+    import tomllib
+
+    cfg = cfg_of(store, lr=0.05, center=False, seeds=[0, 42], noise="symmetric", noise_rate=0.1)
+    back = config_from_run_config(run_config_of(cfg, tmp_path, False, 60, 60))
+    assert back.resolved().to_dict() == {**cfg.resolved().to_dict(), "features": str(Path(store).resolve())}
+    pp = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    app = pp["tool"]["flwr"]["app"]
+    assert app["components"] == {"serverapp": "fedhead.flower.server_app:app",
+                                 "clientapp": "fedhead.flower.client_app:app"}
+    defaults = dict(app["config"], **{"feature-store": str(store)})
+    config_from_run_config(defaults).resolved()
+
+
+def test_core_does_not_import_flwr_and_missing_extra_is_one_line(monkeypatch):
+    code = ("import sys, cli, fedhead.train, fedhead.commands, fedhead.flower.commands; "
+            "assert 'flwr' not in sys.modules, 'flwr imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+    from fedhead.flower import common
+
+    monkeypatch.setitem(sys.modules, "flwr", None)
+    with pytest.raises(FedheadError, match=r"pip install 'fedhead\[flower\]'"):
+        common.require_flower()
