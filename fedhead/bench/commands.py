@@ -773,11 +773,12 @@ def geometry_cmd(
     tags = _store_tags(list(features))
     rows, table, series = [], [], {}
     per_class = samples_per_class or None
-    stats_of = {}
+    stats_of, max_class = {}, []
     for tag, info in zip(tags, infos):
         f = load_store(info.path)
         x, y = (f.train_x, f.train_y) if split == "train" else (f.test_x, f.test_y)
         per_seed = store_geometry(x, y, seeds_l, per_class)
+        max_class.append(int(np.bincount(y).max()))
         stats = {m: Stat.of(p[m] for p in per_seed) for m in METRICS}
         stats_of[tag] = (info, stats)
         kind = _weights_kind(info)
@@ -806,6 +807,9 @@ def geometry_cmd(
             same = stats_of[a][0].dataset == stats_of[b][0].dataset and stats_of[a][0].encoder == stats_of[b][0].encoder
             s.append(f"- {a} (pretrained) vs {b} (random-init){'' if same else ' [different encoder or dataset]'}: "
                      f"intra/inter {ra:.3f} vs {rb:.3f} → pretrained lower: **{'yes' if ra < rb else 'no'}**")
+    if per_class is None or max(max_class) <= per_class:
+        s.append(f"\nNote: every class has at most {samples_per_class or 'all'} samples, so every seed uses the "
+                 "same samples and the ± over seeds is 0; lower --samples-per-class to see sampling variation.")
     if len(datasets) > 1:
         s.append(f"\nNote: the stores hold different datasets ({', '.join(datasets)}); geometry is comparable only "
                  "on the same images.")
