@@ -14,7 +14,8 @@ from ..errors import cli_errors
 @cli_errors
 def scratch_cmd(
     algo: str = typer.Argument(..., help="fedavg | fedova | fedabc | dnc"),
-    dataset: str = typer.Option(..., "--dataset", help="mnist | fashion-mnist | cifar10 | speech-commands"),
+    dataset: str = typer.Option(..., "--dataset", help="mnist | fashion-mnist | cifar10 | cifar100 | tinyimagenet | "
+                                 "imagefolder | digits | speech-commands"),
     data_dir: Path = typer.Option(..., "--data-dir", help="Folder holding the dataset."),
     model: Optional[str] = typer.Option(None, "--model", help="cnn | fedabc-mlp | fedabc-convnet | vgg11 | vgg9 | "
                                         "kws-cnn (default depends on algorithm and dataset)."),
