@@ -4,9 +4,12 @@
 benchmark (extract/bench.py):
 
 * in-memory datasets (CIFAR pickles, MNIST idx, digits) are sliced as uint8 [B,H,W,C] batches and
-  resized/cropped/normalised on the device with batched ``interpolate`` (no per-image Python work);
+  resized/cropped/normalised with batched ``interpolate`` (no per-image Python work);
 * file datasets (imagefolder, tinyimagenet) are decoded in DataLoader workers; same-size images are
-  stacked as uint8 and resized on the device, mixed sizes are resized per image in the worker;
+  stacked as uint8 and resized as a batch, mixed sizes are resized per image in the worker;
+* CPU: one DataLoader worker does the decoding and the whole preprocessing of the next batches while
+  the main process runs the forward (so the forward is the bottleneck); GPU: uint8 batches go to the
+  device and are resized there;
 * GPU: pinned memory, non-blocking copies, channels_last, autocast bf16/fp16 (``--precision``);
   CPU: the same code with torch's intra-op threads set to the core count.
 
@@ -116,10 +119,10 @@ def prepare(dataset: str, data_dir, encoder: str, *, weights=None, pretrained: b
         enc.model.to(memory_format=torch.channels_last)
     if num_workers is None:
         paths = any(not data[s].in_memory for s in splits)
-        if dev.type == "cuda":
+        if dev.type == "cuda":  # decode in workers, resize on the GPU; in-memory data needs no workers
             num_workers = min(8, os.cpu_count() or 1) if paths else 0
-        else:
-            num_workers = 1 if paths and (os.cpu_count() or 1) > 1 else 0
+        else:  # one worker decodes and preprocesses the next batches while the main process runs the forward
+            num_workers = 1 if (os.cpu_count() or 1) > 1 else 0
     label = dataset_label(dataset, data_dir)
     class_names = data[splits[0]].class_names
     pre = enc.preprocessing.as_dict()
@@ -163,41 +166,70 @@ class _FileImages:
     def __getitem__(self, i):
         import torch
 
-        return torch.from_numpy(np.ascontiguousarray(self.split.image(self.start + i)))
+        return torch.from_numpy(self.split.image(self.start + i))
 
 
 class _Collate:
-    """Stack same-size images as uint8 [B,H,W,C]; resize mixed sizes per image to float [B,3,S,S]."""
+    """Worker-side batching. ``full``: return finished encoder inputs (float [B,3,S,S], resized and
+    normalised; the CPU path, so the main process only runs the forward). Otherwise same-size images
+    stay uint8 [B,H,W,C] for resizing on the device, and only mixed sizes are finished here."""
 
-    def __init__(self, pre):
-        self.pre = pre
+    def __init__(self, pre, full: bool):
+        self.pre, self.full = pre, full
 
     def __call__(self, items):
         import torch
 
         if all(t.shape == items[0].shape for t in items):
-            return torch.stack(items)
-        out = [resize_crop(t.permute(2, 0, 1)[None].float().div(255.0).expand(-1, 3, -1, -1), self.pre)[0]
-               for t in items]
-        return torch.stack(out)
+            x = torch.stack(items)
+            return preprocess_batch(x, self.pre) if self.full else x
+        return torch.cat([preprocess_batch(t[None], self.pre) for t in items])
+
+
+class _MemoryBatches:
+    """torch Dataset whose item b is batch b of an in-memory split (uint8 slice, or finished inputs)."""
+
+    def __init__(self, split, start: int, batch_size: int, pre, full: bool):
+        self.split, self.start, self.bs, self.pre, self.full = split, start, batch_size, pre, full
+
+    def __len__(self):
+        return -(-(len(self.split) - self.start) // self.bs)
+
+    def __getitem__(self, b):
+        import torch
+
+        i = self.start + b * self.bs
+        x = torch.from_numpy(self.split.images[i:i + self.bs])
+        return preprocess_batch(x, self.pre) if self.full else x
 
 
 def iter_batches(plan: Plan, split: str, start: int = 0) -> Iterator[tuple[object, np.ndarray]]:
-    """Yield (raw batch tensor on CPU, labels) for ``split`` from row ``start`` on, in dataset order."""
+    """Yield (batch tensor, labels) for ``split`` from row ``start`` on, in dataset order.
+
+    A batch is uint8 [B,H,W,C] (finished on the device by :func:`to_input`) or, when the DataLoader
+    workers do the preprocessing (CPU with workers), float [B,3,S,S] encoder inputs."""
     import torch
 
     data = plan.splits[split]
     bs = plan.batch_size
     pin = plan.device.type == "cuda"
+    workers = plan.num_workers
+    full = plan.device.type == "cpu" and workers > 0
+    pre = plan.encoder.preprocessing
     if data.in_memory:
-        for i in range(start, len(data), bs):
-            x = torch.from_numpy(data.images[i:i + bs])
-            yield (x.pin_memory() if pin else x), data.labels[i:i + bs]
-        return
-    loader = torch.utils.data.DataLoader(
-        _FileImages(data, start), batch_size=bs, shuffle=False, num_workers=plan.num_workers,
-        collate_fn=_Collate(plan.encoder.preprocessing), pin_memory=pin,
-        prefetch_factor=4 if plan.num_workers > 0 else None, persistent_workers=False)
+        if workers == 0:
+            for i in range(start, len(data), bs):
+                x = torch.from_numpy(data.images[i:i + bs])
+                yield (x.pin_memory() if pin else x), data.labels[i:i + bs]
+            return
+        ds = _MemoryBatches(data, start, bs, pre, full)
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=workers,
+                                             pin_memory=pin, prefetch_factor=4)
+    else:
+        loader = torch.utils.data.DataLoader(
+            _FileImages(data, start), batch_size=bs, shuffle=False, num_workers=workers,
+            collate_fn=_Collate(pre, full), pin_memory=pin,
+            prefetch_factor=4 if workers > 0 else None, persistent_workers=False)
     i = start
     for x in loader:
         yield x, data.labels[i:i + len(x)]
@@ -205,8 +237,14 @@ def iter_batches(plan: Plan, split: str, start: int = 0) -> Iterator[tuple[objec
 
 
 def to_input(plan: Plan, x):
-    """Raw batch -> normalised encoder input on the device."""
-    return preprocess_batch(x, plan.encoder.preprocessing, device=plan.device, channels_last=plan.channels_last)
+    """Batch from :func:`iter_batches` -> normalised encoder input on the device."""
+    import torch
+
+    if x.dtype == torch.uint8:
+        return preprocess_batch(x, plan.encoder.preprocessing, device=plan.device,
+                                channels_last=plan.channels_last)
+    x = x.to(plan.device, non_blocking=True)
+    return x.contiguous(memory_format=torch.channels_last) if plan.channels_last else x
 
 
 def forward(plan: Plan, x):

@@ -482,3 +482,23 @@ def test_broken_partial_is_restarted(tmp_path):
         h.attrs["format"] = "fedhead-features"
     p = extract_features("digits", None, TINY, pretrained=False, image_size=SIZE, limit=10, out=out, progress=False)
     assert load_store(p).train_x.shape[0] == 10
+
+
+@pytest.mark.parametrize("name", ["imagefolder", "cifar10"])
+def test_worker_and_main_process_paths_agree(tmp_path, data_root, name):
+    """CPU with a worker preprocesses in the worker; without workers the main process does it."""
+    kw = dict(pretrained=False, image_size=SIZE, batch_size=4, progress=False)
+    a = load_store(extract_features(name, data_root[name], TINY, num_workers=0, out=tmp_path / "a.h5", **kw))
+    b = load_store(extract_features(name, data_root[name], TINY, num_workers=1, out=tmp_path / "b.h5", **kw))
+    assert np.array_equal(a.train_y, b.train_y)
+    np.testing.assert_allclose(a.train_x, b.train_x, rtol=1e-3, atol=1e-3)
+
+
+def test_mixed_image_sizes(tmp_path):
+    root = make_imagefolder(tmp_path / "mixed", classes=("a", "b"), n_train=3, n_test=2)
+    Image.fromarray(np.full((20, 30, 3), 200, np.uint8)).save(root / "train" / "a" / "wide.png")
+    Image.fromarray(np.full((40, 12), 90, np.uint8)).save(root / "train" / "b" / "tall_gray.png")
+    for workers in (0, 1):
+        f = load_store(extract_features("imagefolder", root, TINY, pretrained=False, image_size=SIZE, batch_size=8,
+                                        num_workers=workers, out=tmp_path / f"m{workers}.h5", progress=False))
+        assert f.train_x.shape[0] == 8 and np.isfinite(f.train_x).all()
