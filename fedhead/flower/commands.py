@@ -134,7 +134,11 @@ def simulate(cfg: TrainConfig, out: Path | None = None, resume: bool = False, ro
     from .server_app import make_server_app
     from .strategy import ServerSettings
 
+    from extract.store import open_store
+
     validate("--clients", cfg.clients, Interval(1, None, integer=True))
+    open_store(cfg.features, "--features")          # refuse a bad store before Ray starts
+    cfg.resolved()
     results: list = []
     settings = ServerSettings(out=str(out) if out else None, resume=resume, round_timeout=round_timeout)
     ncpu = num_cpus or os.cpu_count() or 1
