@@ -94,10 +94,11 @@ def unknown_name(param: str, value: str, valid: Iterable[str], what: str = "name
     valid = sorted(valid)
     close = difflib.get_close_matches(value, valid, n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
-    listing = ", ".join(valid) if len(valid) <= 30 else ", ".join(valid[:30]) + ", ..."
-    return FedheadError(
-        f"The '{param}' parameter must be a known {what}. Got {value!r} instead.{hint} Valid: {listing}."
-    )
+    if len(valid) <= 30:
+        listing = f" Valid: {', '.join(valid)}."
+    else:
+        listing = f" ({len(valid)} known names.)"
+    return FedheadError(f"The '{param}' parameter must be a known {what}. Got {value!r} instead.{hint}{listing}")
 
 
 # ---------------------------------------------------------------- command wrapper
