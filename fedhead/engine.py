@@ -109,6 +109,19 @@ def _fused_available(name: str, device) -> bool:
 _FUSED_OK: dict = {}
 
 
+def _groups(ends: list[int], *stacks, contiguous: bool = False) -> dict:
+    """For every prefix length ``k`` in ``ends``: per stack, the list of slices the fused kernel updates.
+
+    ``contiguous``: a prefix is one slice ``[:k]``; otherwise one slice per run ``[ends[i-1]:ends[i]]``
+    (clients of a run share their step count). A stack of ``None`` stays ``None``."""
+    out = {}
+    for i, k in enumerate(ends):
+        bounds = [(0, k)] if contiguous else list(zip([0] + ends[:i], ends[:i + 1]))
+        out[k] = tuple(None if st is None else [st[a:b] if st.dim() > 1 else st[a] for a, b in bounds]
+                       for st in stacks)
+    return out
+
+
 class StackedAdamW:
     """torch.optim.AdamW's math on ``[K, ...]`` stacks with a per-client step count, updated in place.
 
@@ -125,8 +138,11 @@ class StackedAdamW:
         self.tmp = None if self.fused else torch.empty(shape, device=device, dtype=dtype)
         self.count64 = torch.zeros(shape[0], device=device, dtype=torch.float64)
 
-    def bind(self, w: torch.Tensor, g: torch.Tensor) -> None:
-        """Start fresh state for the clients of ``w [k, ...]`` with gradients written to ``g [k, ...]``."""
+    def bind(self, w: torch.Tensor, g: torch.Tensor, runs: list[int] | None = None) -> None:
+        """Start fresh state for the clients of ``w [k, ...]`` with gradients written to ``g [k, ...]``.
+
+        ``runs``: end offsets of groups of consecutive clients that always step together (same number of
+        steps), so the fused kernel sees one tensor per group instead of one per client."""
         k = w.shape[0]
         self.w, self.g = w, g
         self.m[:k].zero_()
@@ -134,17 +150,16 @@ class StackedAdamW:
         self.count[:k].zero_()
         self.count64[:k].zero_()
         if self.fused:
-            self.lists = (list(w.unbind(0)), list(g.unbind(0)), list(self.m[:k].unbind(0)),
-                          list(self.v[:k].unbind(0)), list(self.count[:k].unbind(0)))
+            self.groups = _groups(runs or list(range(1, k + 1)), w, g, self.m[:k], self.v[:k], self.count[:k])
 
     def step(self, k: int) -> None:
         """One step for the first ``k`` bound clients, from the gradients in ``g[:k]``."""
         c = self.cfg
         b1, b2 = c.betas
         if self.fused:
-            ws, gs, ms, vs, cs = self.lists
+            ws, gs, ms, vs, cs = self.groups[k]
             self.count[:k].add_(1.0)
-            torch._fused_adamw_(ws[:k], gs[:k], ms[:k], vs[:k], [], cs[:k], lr=c.lr, beta1=b1, beta2=b2,
+            torch._fused_adamw_(ws, gs, ms, vs, [], cs, lr=c.lr, beta1=b1, beta2=b2,
                                 weight_decay=c.weight_decay, eps=c.eps, amsgrad=False, maximize=False)
             return
         w, g = self.w[:k], self.g[:k]
@@ -174,20 +189,21 @@ class StackedSGD:
         self.buf = torch.zeros(shape, device=device, dtype=dtype) if cfg.momentum else None
         self.fused = _fused_available("sgd", device) if fused is None else fused
 
-    def bind(self, w: torch.Tensor, g: torch.Tensor) -> None:
+    def bind(self, w: torch.Tensor, g: torch.Tensor, runs: list[int] | None = None) -> None:
         k = w.shape[0]
         self.w, self.g = w, g
         if self.buf is not None:
             self.buf[:k].zero_()          # zero momentum: the first step's buffer is the gradient, as in torch
         if self.fused:
-            self.lists = (list(w.unbind(0)), list(g.unbind(0)),
-                          list(self.buf[:k].unbind(0)) if self.buf is not None else None)
+            # SGD has no step count: every prefix is one tensor
+            self.groups = _groups(list(range(1, k + 1)), w, g, self.buf[:k] if self.buf is not None else None,
+                                  contiguous=True)
 
     def step(self, k: int) -> None:
         c = self.cfg
         if self.fused:
-            ws, gs, bs = self.lists
-            torch._fused_sgd_(ws[:k], gs[:k], bs[:k] if bs is not None else [], weight_decay=c.weight_decay,
+            ws, gs, bs = self.groups[k]
+            torch._fused_sgd_(ws, gs, bs if bs is not None else [], weight_decay=c.weight_decay,
                               momentum=c.momentum, lr=c.lr, dampening=0.0, nesterov=False, maximize=False,
                               is_first_step=False)
             return
@@ -232,7 +248,7 @@ class ClientSet:
 
 
 BACKENDS = ("vectorized", "loop")
-DEFAULT_TILE_MB = 8.0      # CPU: optimizer state (head, gradient, two moments) of one tile of clients
+DEFAULT_TILE_MB = 16.0     # CPU: optimizer state (head, gradient, two moments) of one tile of clients
 
 
 class Engine:
@@ -341,12 +357,13 @@ class Engine:
         for j0 in range(0, K, T):                             # tiles: all steps of a few clients at a time
             j1 = min(K, j0 + T)
             wt = w[j0:j1]
-            opt.bind(wt, grad[:j1 - j0])
-            active = [int((steps_sorted[j0:j1] > t).sum()) for t in range(S)]
+            st = steps_sorted[j0:j1]
+            runs = [i + 1 for i in range(len(st)) if i + 1 == len(st) or st[i + 1] != st[i]]
+            opt.bind(wt, grad[:j1 - j0], runs)
+            active = [int((st > t).sum()) for t in range(int(st.max()))]   # this tile's own step count
             ls = loss_sum[j0:j1]
             for e in range(E):
-                for t in range(S):
-                    k = active[t]
+                for t, k in enumerate(active):
                     sl = slice(t * B, (t + 1) * B)
                     it = idx_t[j0:j0 + k, e, sl].reshape(-1)
                     xb = torch.index_select(x, 0, it, out=xbuf[:k * B]).view(k, B, D1)   # [k, B, D1]
