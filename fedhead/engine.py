@@ -248,7 +248,7 @@ class ClientSet:
 
 
 BACKENDS = ("vectorized", "loop")
-DEFAULT_TILE_MB = 16.0     # CPU: optimizer state (head, gradient, two moments) of one tile of clients
+DEFAULT_TILE_MB = 256.0    # CPU: optimizer state (head, gradient, two moments) of one tile of clients
 
 
 class Engine:
@@ -280,6 +280,7 @@ class Engine:
         self.block_clients = block_clients or auto
         self.fused = fused                                   # None: torch's fused kernel where it runs
         self.closed_form = closed_form and callable(getattr(head, "loss_and_grad", None))
+        self._work: dict = {}                                # workspace reused across blocks and rounds
 
     # -- public --------------------------------------------------------------------------------------
 
@@ -292,7 +293,7 @@ class Engine:
         for b in range(0, len(active), self.block_clients):
             block = active[b:b + self.block_clients]
             t0 = time.perf_counter()
-            w, sizes, holds, losses = self.train_block(theta, block, seed, rnd)
+            w, sizes, holds, losses = self._block(theta, block, seed, rnd, reuse=True)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             t1 = time.perf_counter()
@@ -312,15 +313,39 @@ class Engine:
 
     def train_block(self, theta: torch.Tensor, block: list[int], seed: int, rnd: int):
         """Return the locally trained heads ``[K, C, D+1]`` (block order), sizes, holds and mean losses."""
-        fn = self._train_vectorized if self.backend == "vectorized" else self._train_loop
-        w, losses = fn(theta, block, seed, rnd)
+        return self._block(theta, block, seed, rnd, reuse=False)
+
+    def _block(self, theta, block, seed, rnd, reuse: bool):
+        # reuse: the heads may live in the engine's workspace (valid until the next block; run_round only)
+        if self.backend == "vectorized":
+            w, losses = self._train_vectorized(theta, block, seed, rnd, reuse)
+        else:
+            w, losses = self._train_loop(theta, block, seed, rnd)
         counts = torch.as_tensor(self.data.counts[block], device=self.device)
         sizes = counts.sum(1)
         return w, sizes, counts > 0, losses
 
     # -- vectorized backend --------------------------------------------------------------------------
 
-    def _train_vectorized(self, theta, block, seed, rnd):
+    def _buffer(self, name: str, shape: tuple, dtype=torch.float32) -> torch.Tensor:
+        """A workspace tensor kept across blocks and rounds (fresh large allocations page-fault on CPU)."""
+        n = math.prod(shape)
+        buf = self._work.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            self._work[name] = buf = None                     # free before allocating the larger one
+            buf = self._work[name] = torch.empty(n, device=self.device, dtype=dtype)
+        return buf[:n].view(shape)
+
+    def _optimizer(self, T: int, C: int, D1: int):
+        opt = self._work.get("opt")
+        if opt is None or opt.capacity < T or opt.shape != (C, D1):
+            self._work["opt"] = None
+            opt = make_stacked_optimizer(self.optim, (T, C, D1), self.device, fused=self.fused)
+            opt.capacity, opt.shape = T, (C, D1)
+            self._work["opt"] = opt
+        return opt
+
+    def _train_vectorized(self, theta, block, seed, rnd, reuse=False):
         dev, B, E = self.device, self.local.batch_size, self.local.epochs
         K, (C, D1) = len(block), theta.shape
         sizes = np.array([len(self.data.parts[k]) for k in block])
@@ -347,11 +372,11 @@ class Engine:
         present = counts > 0
 
         T = min(K, self.tile_clients or K)
-        w = torch.empty((K, C, D1), device=dev, dtype=torch.float32)
-        w.copy_(theta.expand(K, C, D1))      # a fresh copy (expand(1, ...).contiguous() would alias theta)
-        grad = torch.empty((T, C, D1), device=dev, dtype=torch.float32)
-        xbuf = torch.empty((T * B, D1), device=dev, dtype=self.data.x.dtype)
-        opt = make_stacked_optimizer(self.optim, (T, C, D1), dev, fused=self.fused)
+        w = self._buffer("w", (K, C, D1))
+        w.copy_(theta.expand(K, C, D1))      # a real copy per client (expand(1, ...).contiguous() would alias theta)
+        grad = self._buffer("grad", (T, C, D1))
+        xbuf = self._buffer("x", (T * B, D1), self.data.x.dtype)
+        opt = self._optimizer(T, C, D1)
         loss_sum = torch.zeros(K, device=dev, dtype=torch.float64)
         x, y, head = self.data.x, self.data.y, self.head
         for j0 in range(0, K, T):                             # tiles: all steps of a few clients at a time
@@ -384,7 +409,11 @@ class Engine:
                     opt.step(k)
         inv_t = torch.as_tensor(np.argsort(order), device=dev)
         mean_loss = (loss_sum / (steps_t * E))[inv_t]
-        return w.index_select(0, inv_t), mean_loss
+        if not reuse:
+            return w.index_select(0, inv_t), mean_loss
+        if np.array_equal(order, np.arange(K)):
+            return w, mean_loss
+        return torch.index_select(w, 0, inv_t, out=self._buffer("out", (K, C, D1))), mean_loss
 
     # -- loop backend --------------------------------------------------------------------------------
 
