@@ -7,15 +7,18 @@ short. Clients are sorted by their number of steps, so the clients still trainin
 prefix ``[:K_t]`` and every update works on views, never on copies. Forward, loss, backward (``dW = G^T X``)
 and the optimizer step are each one batched call for the whole block.
 
-Speed (``fedhead bench speed`` measures it). The per-client optimizer state is as large as the head, so a
-step over a large block streams ``W``, ``m``, ``v`` and ``G`` through main memory, while a per-client loop keeps
-one client's state in cache for all its steps. On CPU a block is therefore trained in *tiles* of a few clients
-whose state fits in cache (``tile_mb``), each tile running all its steps before the next starts; on CUDA a tile
-is the whole block. The optimizer step is torch's fused multi-tensor kernel (``torch._fused_adamw_`` /
-``torch._fused_sgd_``, one pass over the state, per-client step counts) with the plain in-place tensor math as
-the fallback. Batches are gathered with ``index_select`` into a preallocated buffer. A head may offer
-``loss_and_grad(logits, y, mask, ctx) -> (loss [K], dloss/dlogits [K, B, C])`` in closed form; the engine
-uses it when present and autograd otherwise.
+Speed (``fedhead bench speed`` measures it). Per step a block costs two batched matmuls (logits and the weight
+gradient ``G^T X``), the loss and one optimizer pass over state as large as the heads. The optimizer step is
+torch's fused multi-tensor kernel (``torch._fused_adamw_`` / ``torch._fused_sgd_``: one pass over W, G, m, v)
+called with one tensor per group of clients that share their step count, with the plain in-place tensor math
+as the fallback. Batches are gathered with ``index_select`` into a preallocated buffer, and the heads, the
+gradient, the optimizer state and the gather buffer are workspace tensors kept across blocks and rounds
+(fresh large allocations page-fault on every round on CPU). On CPU a block is trained in tiles of clients
+whose optimizer state fits ``tile_mb`` (each tile runs all its steps before the next starts), which bounds
+the state's memory; cache-sized tiles (~16 MB) were measured slower than whole-block tiles at paper scale
+(per-step overhead outweighs the cache gain), hence the large default. On CUDA a tile is the whole block. A
+head may offer ``loss_and_grad(logits, y, mask, ctx) -> (loss [K], dloss/dlogits [K, B, C])`` in closed
+form; the engine uses it when present and autograd on ``loss`` otherwise.
 
 Heads differ only in the loss they hand the engine (:mod:`fedhead.heads`). The ``loop`` backend trains one
 client after another with ``torch.optim`` and autograd, as research code does; both backends use the same
