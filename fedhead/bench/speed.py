@@ -173,6 +173,12 @@ def run_config(cfg: dict) -> dict:
                closed_form_loss=eng.closed_form)
     rec["matmul_gflops"] = flops / rec["s_per_round"] / 1e9
     rec["optimizer_gb_per_s"] = opt_bytes / rec["s_per_round"] / 1e9
+    if cfg.get("profile") and eng.closed_form:
+        # the head's closed-form loss gradient against autograd on its loss, same rounds
+        auto = Engine(data, head, optim, LocalConfig(E, B), backend="vectorized", closed_form=False)
+        _, at = timed(auto, cfg["rounds"])
+        rec["autograd_loss_s_per_round"] = float(np.median(at))
+        del auto
     if cfg.get("profile"):
         split = _profile_split(eng, theta, sel, 2, dev)
         rec.update(split)
@@ -180,15 +186,13 @@ def run_config(cfg: dict) -> dict:
             rec["bmm_gflops"] = flops / split["profile_matmul_s"] / 1e9
         if split["profile_optimizer_s"] > 0:
             rec["optimizer_only_gb_per_s"] = opt_bytes / split["profile_optimizer_s"] / 1e9
-    if dev.type == "cuda":
-        rec["peak_mb"] = torch.cuda.max_memory_allocated(dev) / 2**20
+    # peak of the vectorized engine alone (the loop backend below stacks all its clients' heads)
+    rec["peak_mb"] = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else _peak_rss_mb()
     if cfg.get("loop_rounds"):
         loop = Engine(data, head, optim, LocalConfig(E, B), backend="loop")
         _, lt = timed(loop, cfg["loop_rounds"])
         rec["loop_s_per_round"] = float(np.median(lt))
         rec["loop_rounds_timed"] = len(lt)
-    if dev.type != "cuda":
-        rec["peak_mb"] = _peak_rss_mb()
     return rec
 
 
@@ -312,7 +316,8 @@ def speed_table(rec: dict):
                       note)
 
     row("trainer s/round", "trainer_s_per_round", note=f"{rec.get('trainer_clients')} clients, "
-        f"tile {rec.get('trainer_tile_clients')}, block {rec.get('trainer_block_clients')}")
+        f"tile {rec.get('trainer_tile_clients')}, block {rec.get('trainer_block_clients')}, "
+        f"closed-form loss {rec.get('trainer_closed_form_loss')}, fused opt {rec.get('trainer_fused_optimizer')}")
     row("est. 50 rounds (s)", "trainer_est_50_rounds_s", "{:.1f}", "goal < 90")
     row("trainer matmul GFLOP/s", "trainer_matmul_gflops", "{:.1f}",
         f"{rec.get('trainer_matmul_gflop_per_round', 0):.1f} GFLOP/round over the whole round")
@@ -326,6 +331,8 @@ def speed_table(rec: dict):
     for part in ("matmul", "optimizer", "gather", "loss_other"):
         row(f"profile: {part}", f"trainer_profile_{part}_fraction", "{:.1%}",
             f"{rec.get(f'trainer_profile_{part}_s', 0):.2f} s")
+    row("trainer with autograd loss s/round", "trainer_autograd_loss_s_per_round",
+        note="the head's closed-form loss_and_grad switched off")
     row("loop s/round", "loop_s_per_round", note="per-client torch.optim loop")
     for key in sorted(k for k in rec if k.startswith("speedup_vs_loop_")):
         n = key.rsplit("_", 1)[1]
