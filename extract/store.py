@@ -59,7 +59,9 @@ class StoreWriter:
         if self.tmp.exists():
             try:
                 f = h5py.File(self.tmp, "r+")
-                same = f.attrs.get("format") == FORMAT and f.attrs.get("request") == req
+                same = (f.attrs.get("format") == FORMAT and f.attrs.get("request") == req
+                        and "class_names" in f and all(s in f and "features" in f[s] and "labels" in f[s]
+                                                       for s in sizes))
             except OSError:
                 f, same = None, False
             if same:

@@ -112,3 +112,24 @@ def test_accumulator_in_blocks_equals_pure_function(kind):
     got = acc.finish(prev)
     want = fedavg(stacked, sizes) if kind == "fedavg" else grouped(stacked, holds, prev)
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_store_writer_restarts_a_partial_killed_during_creation(tmp_path):
+    import h5py
+    import numpy as np
+
+    from extract.store import FORMAT, StoreWriter, load_store, partial_path
+
+    out = tmp_path / "s.h5"
+    req = {"a": 1}
+    with h5py.File(partial_path(out), "w") as f:     # header written, groups never created
+        f.attrs["format"] = FORMAT
+        f.attrs["request"] = '{"a": 1}'
+    x = np.ones((3, 2), dtype=np.float32)
+    y = np.arange(3)
+    with StoreWriter(out, request=req, sizes={"train": 3, "test": 3}, feature_dim=2, class_names=["a", "b", "c"],
+                     attrs={"dataset": "t"}, dtype="float32") as w:
+        w.append("train", x, y)
+        w.append("test", x, y)
+        w.finish()
+    assert load_store(out).train_x.shape == (3, 2)
