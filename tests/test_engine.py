@@ -28,7 +28,8 @@ def test_vectorized_equals_loop(head, optim):
     for backend in BACKENDS:
         eng = Engine(data, h, OptimConfig(name=optim), LocalConfig(epochs=2, batch_size=16),
                      backend=backend, block_clients=4)
-        theta = torch.zeros(data.num_classes, data.x.shape[1])
+        # small random init (see test_engine_speed.train: AdamW amplifies rounding where a gradient is exactly 0)
+        theta = 0.1 * torch.randn(data.num_classes, data.x.shape[1], generator=torch.Generator().manual_seed(3))
         for rnd in (1, 2):
             theta, stats = eng.run_round(theta, np.arange(len(data.parts)), 0, rnd, "fedavg")
         out[backend] = theta

@@ -27,7 +27,11 @@ def clients(n=260, d=10, c=6, k=9, seed=1):
 
 def train(data, head, optim, backend, rounds=(1, 2, 3), aggregate="fedavg", theta=None, **kw):
     eng = Engine(data, head, OptimConfig(name=optim), LocalConfig(epochs=2, batch_size=12), backend=backend, **kw)
-    theta = torch.zeros(data.num_classes, data.x.shape[1]) if theta is None else theta
+    if theta is None:
+        # a small random head: from zero init AdamW turns rounding noise on coordinates whose exact gradient is
+        # zero (e.g. a balanced batch's softmax bias) into lr-sized steps, which no two summation orders share
+        g = torch.Generator().manual_seed(3)
+        theta = 0.1 * torch.randn(data.num_classes, data.x.shape[1], generator=g)
     for rnd in rounds:
         theta, stats = eng.run_round(theta, np.arange(len(data.parts)), 7, rnd, aggregate)
     return theta, eng
