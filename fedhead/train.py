@@ -156,8 +156,7 @@ def run_training(cfg: TrainConfig, out: str | Path | None = None, resume: bool =
     store = store or load_store(cfg.features)
     cfg = validate_config(cfg, store)
     device = resolve_device(cfg.device)
-    if device.type == "cpu":
-        set_cpu_threads()
+    threads = set_cpu_threads() if device.type == "cpu" else None
 
     run_dir = Path(out) if out else default_run_dir(runs_root, cfg.head, cfg.partition)
     ckpt_path = run_dir / CHECKPOINT
@@ -189,7 +188,7 @@ def run_training(cfg: TrainConfig, out: str | Path | None = None, resume: bool =
                      "partition_params": resolve_partition_params(cfg.partition, **cfg.partition_params),
                      "store": {"path": str(store.info.path), **store.info.attrs,
                                "shapes": {k: list(v) for k, v in store.info.shapes.items()}},
-                     "device": str(device), "torch_version": torch.__version__,
+                     "device": str(device), "cpu_threads": threads, "torch_version": torch.__version__,
                      "randomness": "numpy default_rng keyed by (seed, round[, client, epoch]); no global seeding"}
     write_config(run_dir, config_record)
 
