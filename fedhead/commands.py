@@ -39,10 +39,6 @@ SUMMARY_COLUMNS = [("head", "head"), ("partition", "partition"), ("final_accurac
                    ("server_ms", "server ms"), ("wall_seconds", "wall s")]
 
 
-def _parse_margins(v: Optional[str]) -> Optional[str]:
-    return v
-
-
 @cli_errors
 def train_cmd(
     features: Path = typer.Option(..., "--features", help="HDF5 feature store written by 'fedhead extract'."),

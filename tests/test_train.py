@@ -186,3 +186,16 @@ def test_debug_variable_shows_traceback(tiny_store, tmp_path):
     assert plain.returncode == 2 and "Traceback" not in plain.stderr
     debug = subprocess.run(cmd, capture_output=True, text=True, env={**__import__("os").environ, "FEDHEAD_DEBUG": "1"})
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_synth_cli_writes_a_store_and_refuses_bad_sizes(tmp_path):
+    out = tmp_path / "s.h5"
+    r = runner.invoke(app, ["synth", "--out", str(out), "--num-classes", "5", "--train-per-class", "20",
+                            "--test-per-class", "10", "--dim", "8"])
+    assert r.exit_code == 0, r.output
+    assert "probe accuracy" in r.output
+    s = load_store(out)
+    assert s.train_x.shape == (100, 8) and s.test_x.shape == (50, 8) and (s.train_x >= 0).all()
+    r = runner.invoke(app, ["synth", "--out", str(tmp_path / "bad.h5"), "--num-classes", "1"])
+    assert r.exit_code == 2 and "'--num-classes'" in r.output
+    assert not (tmp_path / "bad.h5").exists()
