@@ -564,10 +564,12 @@ def preprocess_batch(x, pre: Preprocessing, *, device=None, channels_last: bool 
     if device is not None:
         x = x.to(device, non_blocking=True)
     if x.dtype == torch.uint8:
+        # NCHW-contiguous before the float conversion: bicubic interpolate on the permuted (NHWC-strided)
+        # tensor measured 2x slower on CPU (52 vs 26 ms for 64 images 32 -> 109 px), same result
         x = x.permute(0, 3, 1, 2)
         if x.shape[1] == 1:
             x = x.expand(-1, 3, -1, -1)
-        x = x.float().div_(255.0)
+        x = x.contiguous().float().div_(255.0)
         x = resize_crop(x, pre)
     mean = torch.tensor(pre.mean, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
     std = torch.tensor(pre.std, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
