@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fedhead.errors import FedheadError, Interval, OneOf, param_error, unknown_name, validate
+from fedhead.registry import Param  # the declared-parameter record shared with the head registry
 
 __all__ = [
     "PARTITIONS",
@@ -32,17 +33,6 @@ __all__ = [
     "class_counts",
     "describe_partition",
 ]
-
-
-@dataclass
-class Param:
-    """A declared partition parameter."""
-
-    name: str  # python name, e.g. "alpha"
-    default: Any  # used when the caller passes None
-    constraint: Interval | OneOf | None  # checked by fedhead.errors.validate
-    help: str  # help text for the CLI option
-    flag: str  # CLI flag, e.g. "--alpha"
 
 
 @dataclass
