@@ -381,7 +381,6 @@ class TimmFamily(EncoderFamily):
 
     def build(self, cfg):
         import timm
-        import torch
         from timm.data import resolve_model_data_config
 
         kind = cfg.weights_kind()
@@ -490,7 +489,6 @@ class ClipFamily(EncoderFamily):
 
     def build(self, cfg):
         import open_clip
-        import torch
 
         kind = cfg.weights_kind()
         if kind == "hub" and cfg.tag is None:
@@ -559,7 +557,6 @@ def preprocess_batch(x, pre: Preprocessing, *, device=None, channels_last: bool 
     ``resize_size`` (antialiased when shrinking), centre crop ``image_size``, scale to [0,1], normalise.
     """
     import torch
-    import torch.nn.functional as F
 
     if device is not None:
         x = x.to(device, non_blocking=True)

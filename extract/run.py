@@ -33,11 +33,10 @@ from typing import Iterator
 
 import numpy as np
 
-from fedhead import __version__
 from fedhead.errors import FedheadError, Interval, OneOf, unknown_name, validate
 
 from . import datasets as D
-from .encoders import Encoder, load_encoder, preprocess_batch, resize_crop
+from .encoders import Encoder, load_encoder, preprocess_batch
 from .store import StoreWriter, open_store, partial_path
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -284,7 +283,6 @@ def extract_features(dataset: str, data_dir, encoder: str, *, weights=None, pret
     An existing complete store with the same request is reused; a different one is an error unless
     ``overwrite``. A ``.partial`` store of the same request is resumed.
     """
-    import torch
 
     from fedhead.util import make_progress, stderr_console
 

@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .aggregate import Accumulator
-from .errors import FedheadError, OneOf, validate
+from .errors import OneOf, validate
 from .heads import Head, LossContext
 
 

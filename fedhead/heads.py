@@ -12,7 +12,6 @@ tensors ``present [K, C]`` (classes with local positives), ``counts [K, C]`` (lo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

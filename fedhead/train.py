@@ -25,7 +25,7 @@ from .engine import ClientSet, Engine, LocalConfig, OptimConfig, evaluate
 from .errors import FedheadError
 from .heads import create_head, resolve_head_params
 from .noise import apply_noise
-from .partitions import PARTITIONS, class_counts, create_partition, describe_partition, resolve_partition_params
+from .partitions import PARTITIONS, class_counts, create_partition, resolve_partition_params
 from .rundir import (acc95_round, default_run_dir, mean_std, write_clients, write_config, write_rounds,
                      write_summary)
 from .util import atomic_torch_save, make_progress, resolve_device, set_cpu_threads

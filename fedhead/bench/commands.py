@@ -7,8 +7,6 @@ resume (:func:`fedhead.bench.report.run_grid`), and writes one report folder (se
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path

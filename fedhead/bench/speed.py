@@ -100,7 +100,6 @@ def _federation(clients: int, samples: int, dim: int, classes: int, device, seed
 
 def _profile_split(engine, theta, sel, rnd, dev) -> dict:
     """Seconds of one round by kind of work, from torch.profiler's self times."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])

@@ -42,7 +42,6 @@ from flwr.serverapp import Grid  # noqa: E402
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
 from extract.store import Features  # noqa: E402
-from .. import __version__  # noqa: E402
 from ..aggregate import Accumulator  # noqa: E402
 from ..config import TrainConfig  # noqa: E402
 from ..engine import evaluate  # noqa: E402
