@@ -104,14 +104,19 @@ def _none(labels, rate, num_classes, rng, amap):
     return labels.copy()
 
 
+def _chosen(labels, rate, rng) -> np.ndarray:
+    """The floor(r*n) sample positions (drawn without replacement) whose labels go through the noise."""
+    m = int(np.floor(rate * len(labels)))
+    return rng.choice(len(labels), size=m, replace=False) if m else np.empty(0, dtype=np.int64)
+
+
 @register_noise("symmetric")
 def _symmetric(labels, rate, num_classes, rng, amap):
     """Exactly floor(r*n) samples flip to a label drawn uniformly from the other C-1."""
     out = labels.copy()
-    m = int(np.floor(rate * len(labels)))
-    if m:
-        idx = rng.choice(len(labels), size=m, replace=False)
-        out[idx] = (labels[idx] + rng.integers(1, num_classes, size=m)) % num_classes
+    idx = _chosen(labels, rate, rng)
+    if len(idx):
+        out[idx] = (labels[idx] + rng.integers(1, num_classes, size=len(idx))) % num_classes
     return out
 
 
@@ -119,10 +124,8 @@ def _symmetric(labels, rate, num_classes, rng, amap):
 def _asymmetric(labels, rate, num_classes, rng, amap):
     """floor(r*n) samples drawn from all classes go through the class map."""
     out = labels.copy()
-    m = int(np.floor(rate * len(labels)))
-    if m:
-        idx = rng.choice(len(labels), size=m, replace=False)
-        out[idx] = amap[labels[idx]]
+    idx = _chosen(labels, rate, rng)
+    out[idx] = amap[labels[idx]]
     return out
 
 

@@ -73,18 +73,34 @@ def write_summary(run_dir: str | Path, summary: dict) -> None:
     atomic_write_json(Path(run_dir) / "summary.json", summary)
 
 
-def write_clients(run_dir: str | Path, sizes: np.ndarray, class_counts: np.ndarray,
-                  extra: dict[str, Sequence] | None = None) -> None:
-    """``class_counts`` is [K, C]; the compact form lists only non-zero classes as ``c:n`` pairs."""
+def _client_rows(sizes, class_counts, extra: dict[str, Sequence] | None = None, **fixed) -> list[dict]:
+    """One row per client; the compact form lists only non-zero classes as ``c:n`` pairs."""
     rows = []
     for k, (n, counts) in enumerate(zip(sizes, class_counts)):
+        counts = np.asarray(counts)
         nz = np.flatnonzero(counts)
-        row = {"client": k, "size": int(n), "num_classes": int(len(nz)),
+        row = {**fixed, "client": k, "size": int(n), "num_classes": int(len(nz)),
                "class_counts": " ".join(f"{c}:{int(counts[c])}" for c in nz)}
         for key, vals in (extra or {}).items():
             row[key] = vals[k]
         rows.append(row)
-    write_csv(Path(run_dir) / "clients.csv", rows, ["client", "size", "num_classes", "class_counts"])
+    return rows
+
+
+def write_clients(run_dir: str | Path, sizes: np.ndarray, class_counts: np.ndarray,
+                  extra: dict[str, Sequence] | None = None) -> None:
+    """``class_counts`` is [K, C]: one row per client."""
+    write_csv(Path(run_dir) / "clients.csv", _client_rows(sizes, class_counts, extra),
+              ["client", "size", "num_classes", "class_counts"])
+
+
+def write_clients_per_seed(run_dir: str | Path, groups: Sequence[dict]) -> None:
+    """``groups``: ``{"seed", "sizes", "counts"}`` per seed; a ``seed`` column appears when there are several."""
+    if len(groups) == 1:
+        write_clients(run_dir, groups[0]["sizes"], groups[0]["counts"])
+        return
+    rows = [r for g in groups for r in _client_rows(g["sizes"], g["counts"], seed=g["seed"])]
+    write_csv(Path(run_dir) / "clients.csv", rows, ["seed", "client", "size", "num_classes", "class_counts"])
 
 
 # ---------------------------------------------------------------- metrics (SPEC section 7)

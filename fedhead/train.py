@@ -26,8 +26,8 @@ from .errors import FedheadError
 from .heads import create_head, resolve_head_params
 from .noise import apply_noise
 from .partitions import PARTITIONS, class_counts, create_partition, resolve_partition_params
-from .rundir import (acc95_round, default_run_dir, mean_std, write_clients, write_config, write_rounds,
-                     write_summary)
+from .rundir import (acc95_round, default_run_dir, mean_std, write_clients_per_seed, write_config,
+                     write_rounds, write_summary)
 from .util import atomic_torch_save, make_progress, resolve_device, set_cpu_threads
 
 CHECKPOINT = "checkpoint.pt"
@@ -274,28 +274,12 @@ def run_training(cfg: TrainConfig, out: str | Path | None = None, resume: bool =
 
     rows = _with_ratios(rows)
     write_rounds(run_dir, rows)
-    cr = client_rows[0]
-    if len(client_rows) == 1:
-        write_clients(run_dir, np.array(cr["sizes"]), np.array(cr["counts"]))
-    else:
-        write_clients_all(run_dir, client_rows)
+    write_clients_per_seed(run_dir, client_rows)
     summary = summarize(rows, cfg, realised, time.perf_counter() - wall0)
     write_summary(run_dir, summary)
     if ckpt_path.exists():
         ckpt_path.unlink()
     return RunResult(run_dir, summary, rows)
-
-
-def write_clients_all(run_dir: Path, client_rows: list) -> None:
-    from .rundir import write_csv
-
-    rows = []
-    for cr in client_rows:
-        for k, (n, counts) in enumerate(zip(cr["sizes"], cr["counts"])):
-            nz = [c for c, v in enumerate(counts) if v]
-            rows.append({"seed": cr["seed"], "client": k, "size": n, "num_classes": len(nz),
-                         "class_counts": " ".join(f"{c}:{counts[c]}" for c in nz)})
-    write_csv(run_dir / "clients.csv", rows, ["seed", "client", "size", "num_classes", "class_counts"])
 
 
 def _with_ratios(rows: list[dict]) -> list[dict]:

@@ -48,8 +48,8 @@ from ..engine import evaluate  # noqa: E402
 from ..errors import FedheadError  # noqa: E402
 from ..heads import create_head, resolve_head_params  # noqa: E402
 from ..partitions import resolve_partition_params  # noqa: E402
-from ..rundir import ROUND_FIELDS, default_run_dir, read_csv, write_clients, write_config, write_csv, write_summary  # noqa: E402
-from ..train import CHECKPOINT, FeatureStats, prepare, sample_clients, summarize, write_clients_all  # noqa: E402
+from ..rundir import ROUND_FIELDS, default_run_dir, read_csv, write_clients_per_seed, write_config, write_csv, write_summary  # noqa: E402
+from ..train import CHECKPOINT, FeatureStats, prepare, sample_clients, summarize  # noqa: E402
 from ..util import atomic_torch_save, resolve_device  # noqa: E402
 from .common import ServerStopped, config_to_json, stop_after, store_fingerprint  # noqa: E402
 
@@ -403,10 +403,7 @@ class FedheadStrategy(Strategy):
             torch.save(self.theta.cpu(), run_dir / f"head-seed{seed}.pt")
 
         write_csv(run_dir / "rounds.csv", rows, FLOWER_ROUND_FIELDS)
-        if len(client_rows) == 1:
-            write_clients(run_dir, np.array(client_rows[0]["sizes"]), np.array(client_rows[0]["counts"]))
-        else:
-            write_clients_all(run_dir, client_rows)
+        write_clients_per_seed(run_dir, client_rows)
         summary = summarize(rows, cfg, realised, time.perf_counter() - wall0)
         summary["runtime"] = "flower"
         summary["failures"] = int(sum(r["failures"] for r in rows))
