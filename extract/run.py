@@ -4,12 +4,12 @@
 benchmark (extract/bench.py):
 
 * in-memory datasets (CIFAR pickles, MNIST idx, digits) are sliced as uint8 [B,H,W,C] batches and
-  resized/cropped/normalised with batched ``interpolate`` (no per-image Python work);
-* file datasets (imagefolder, tinyimagenet) are decoded in DataLoader workers; same-size images are
-  stacked as uint8 and resized as a batch, mixed sizes are resized per image in the worker;
-* CPU: one DataLoader worker does the decoding and the whole preprocessing of the next batches while
-  the main process runs the forward (so the forward is the bottleneck); GPU: uint8 batches go to the
-  device and are resized there;
+  resized/cropped/normalised as whole batches (no per-image Python work);
+* file datasets (imagefolder, tinyimagenet) are decoded in DataLoader workers (CPU: one, so that the
+  forward keeps the other cores; GPU: up to 8); same-size images are stacked as uint8 and resized as a
+  batch on the device, mixed sizes are finished per image in the worker;
+* the resize + crop of small images is two GEMMs (encoders.preprocess_batch), a few ms per batch of
+  64: on the CPU the forward is the bottleneck and in-memory datasets need no worker at all;
 * GPU: pinned memory, non-blocking copies, channels_last, autocast bf16/fp16 (``--precision``);
   CPU: the same code with torch's intra-op threads set to the core count.
 
@@ -120,8 +120,8 @@ def prepare(dataset: str, data_dir, encoder: str, *, weights=None, pretrained: b
         paths = any(not data[s].in_memory for s in splits)
         if dev.type == "cuda":  # decode in workers, resize on the GPU; in-memory data needs no workers
             num_workers = min(8, os.cpu_count() or 1) if paths else 0
-        else:  # one worker decodes and preprocesses the next batches while the main process runs the forward
-            num_workers = 1 if (os.cpu_count() or 1) > 1 else 0
+        else:  # one worker decodes the next images while the main process preprocesses and runs the forward
+            num_workers = 1 if paths and (os.cpu_count() or 1) > 1 else 0
     label = dataset_label(dataset, data_dir)
     class_names = data[splits[0]].class_names
     pre = enc.preprocessing.as_dict()
@@ -169,27 +169,26 @@ class _FileImages:
 
 
 class _Collate:
-    """Worker-side batching. ``full``: return finished encoder inputs (float [B,3,S,S], resized and
-    normalised; the CPU path, so the main process only runs the forward). Otherwise same-size images
-    stay uint8 [B,H,W,C] for resizing on the device, and only mixed sizes are finished here."""
+    """Worker-side batching: same-size images stay uint8 [B,H,W,C] (finished in the main process, on the
+    device: 48x smaller to pass between processes than finished float inputs at 32 -> 96 px); mixed
+    sizes are finished here, one image at a time."""
 
-    def __init__(self, pre, full: bool):
-        self.pre, self.full = pre, full
+    def __init__(self, pre):
+        self.pre = pre
 
     def __call__(self, items):
         import torch
 
         if all(t.shape == items[0].shape for t in items):
-            x = torch.stack(items)
-            return preprocess_batch(x, self.pre) if self.full else x
+            return torch.stack(items)
         return torch.cat([preprocess_batch(t[None], self.pre) for t in items])
 
 
 class _MemoryBatches:
-    """torch Dataset whose item b is batch b of an in-memory split (uint8 slice, or finished inputs)."""
+    """torch Dataset whose item b is batch b of an in-memory split (a uint8 slice)."""
 
-    def __init__(self, split, start: int, batch_size: int, pre, full: bool):
-        self.split, self.start, self.bs, self.pre, self.full = split, start, batch_size, pre, full
+    def __init__(self, split, start: int, batch_size: int):
+        self.split, self.start, self.bs = split, start, batch_size
 
     def __len__(self):
         return -(-(len(self.split) - self.start) // self.bs)
@@ -198,22 +197,20 @@ class _MemoryBatches:
         import torch
 
         i = self.start + b * self.bs
-        x = torch.from_numpy(self.split.images[i:i + self.bs])
-        return preprocess_batch(x, self.pre) if self.full else x
+        return torch.from_numpy(self.split.images[i:i + self.bs])
 
 
 def iter_batches(plan: Plan, split: str, start: int = 0) -> Iterator[tuple[object, np.ndarray]]:
     """Yield (batch tensor, labels) for ``split`` from row ``start`` on, in dataset order.
 
-    A batch is uint8 [B,H,W,C] (finished on the device by :func:`to_input`) or, when the DataLoader
-    workers do the preprocessing (CPU with workers), float [B,3,S,S] encoder inputs."""
+    A batch is uint8 [B,H,W,C] (finished on the device by :func:`to_input`) or, for a batch of mixed
+    image sizes, float [B,3,S,S] encoder inputs finished in the worker."""
     import torch
 
     data = plan.splits[split]
     bs = plan.batch_size
     pin = plan.device.type == "cuda"
     workers = plan.num_workers
-    full = plan.device.type == "cpu" and workers > 0
     pre = plan.encoder.preprocessing
     if data.in_memory:
         if workers == 0:
@@ -221,13 +218,13 @@ def iter_batches(plan: Plan, split: str, start: int = 0) -> Iterator[tuple[objec
                 x = torch.from_numpy(data.images[i:i + bs])
                 yield (x.pin_memory() if pin else x), data.labels[i:i + bs]
             return
-        ds = _MemoryBatches(data, start, bs, pre, full)
+        ds = _MemoryBatches(data, start, bs)
         loader = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=workers,
                                              pin_memory=pin, prefetch_factor=4)
     else:
         loader = torch.utils.data.DataLoader(
             _FileImages(data, start), batch_size=bs, shuffle=False, num_workers=workers,
-            collate_fn=_Collate(pre, full), pin_memory=pin,
+            collate_fn=_Collate(pre), pin_memory=pin,
             prefetch_factor=4 if workers > 0 else None, persistent_workers=False)
     i = start
     for x in loader:
