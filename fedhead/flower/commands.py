@@ -140,7 +140,10 @@ def simulate(cfg: TrainConfig, out: Path | None = None, resume: bool = False, ro
     open_store(cfg.features, "--features")          # refuse a bad store before Ray starts
     cfg.resolved()
     results: list = []
-    settings = ServerSettings(out=str(out) if out else None, resume=resume, round_timeout=round_timeout)
+    # virtual SuperNodes are Ray actors started by the first message (imports included: over 2 minutes on
+    # a loaded 2-core machine), so the first query gets the round's time limit, not the connect limit
+    settings = ServerSettings(out=str(out) if out else None, resume=resume, round_timeout=round_timeout,
+                              wait_timeout=round_timeout)
     ncpu = num_cpus or os.cpu_count() or 1
     backend = {"client_resources": {"num_cpus": float(client_cpus), "num_gpus": 0.0},
                "init_args": {"num_cpus": int(ncpu), "include_dashboard": False, "logging_level": "ERROR",
