@@ -5,9 +5,9 @@ benchmark (extract/bench.py):
 
 * in-memory datasets (CIFAR pickles, MNIST idx, digits) are sliced as uint8 [B,H,W,C] batches and
   resized/cropped/normalised as whole batches (no per-image Python work);
-* file datasets (imagefolder, tinyimagenet) are decoded in DataLoader workers (CPU: one, so that the
-  forward keeps the other cores; GPU: up to 8); same-size images are stacked as uint8 and resized as a
-  batch on the device, mixed sizes are finished per image in the worker;
+* file datasets (imagefolder, tinyimagenet) are decoded in DataLoader workers (CPU: one, and only when a
+  core is left over by the forward's threads, else inline; GPU: up to 8); same-size images are stacked as
+  uint8 and resized as a batch on the device, mixed sizes are finished per image in the worker;
 * the resize + crop of small images is two GEMMs (encoders.preprocess_batch), a few ms per batch of
   64: on the CPU the forward is the bottleneck and in-memory datasets need no worker at all;
 * GPU: pinned memory, non-blocking copies, channels_last, autocast bf16/fp16 (``--precision``);
@@ -104,8 +104,7 @@ def prepare(dataset: str, data_dir, encoder: str, *, weights=None, pretrained: b
     if dataset not in D.DATASETS:
         raise unknown_name("--dataset", dataset, D.DATASETS, "dataset")
     dev = resolve_device(device)
-    if dev.type == "cpu":
-        set_cpu_threads()
+    threads = set_cpu_threads() if dev.type == "cpu" else 0
     data = {s: D.load_dataset(dataset, data_dir, s, download=download) for s in splits}
     for s in splits:
         if limit is not None:
@@ -120,8 +119,11 @@ def prepare(dataset: str, data_dir, encoder: str, *, weights=None, pretrained: b
         paths = any(not data[s].in_memory for s in splits)
         if dev.type == "cuda":  # decode in workers, resize on the GPU; in-memory data needs no workers
             num_workers = min(8, os.cpu_count() or 1) if paths else 0
-        else:  # one worker decodes the next images while the main process preprocesses and runs the forward
-            num_workers = 1 if paths and (os.cpu_count() or 1) > 1 else 0
+        else:
+            # One worker decodes the next images only on a core the forward's threads leave free: a worker
+            # sharing a core with an OpenMP thread stalls the whole forward at its barriers (measured on
+            # 2 cores, 2 threads: extraction/forward 0.79-0.86 with a worker, 0.91-0.95 decoding inline).
+            num_workers = 1 if paths and (os.cpu_count() or 1) > threads else 0
     label = dataset_label(dataset, data_dir)
     class_names = data[splits[0]].class_names
     pre = enc.preprocessing.as_dict()

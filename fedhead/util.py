@@ -117,22 +117,43 @@ def resolve_device(device: str):
     return torch.device(device)
 
 
+def busy_cores(window: float = 0.1) -> float:
+    """Cores that other processes keep busy right now: ``/proc/stat`` sampled ``window`` seconds apart (this
+    process sleeps meanwhile), else the 1-minute load average. The load average alone lags by a minute, so
+    a job started right after another one of ours took the finished job's core as busy."""
+    import time
+
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v[:8]), v[3] + v[4]  # total and idle+iowait jiffies (user..steal)
+
+    try:
+        t0, i0 = sample()
+        time.sleep(window)
+        t1, i1 = sample()
+        if t1 > t0:
+            return (os.cpu_count() or 1) * (1.0 - (i1 - i0) / (t1 - t0))
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
 def set_cpu_threads(n: int | None = None) -> int:
-    """Intra-op threads on CPU: ``FEDHEAD_THREADS`` if set, else the cores not already busy.
+    """Intra-op threads on CPU: ``n``, else ``FEDHEAD_THREADS`` if set, else the cores not already busy.
 
     OpenMP threads that must share cores with other busy processes wait on each other: measured here, a
     round took 2-4x longer with 2 threads than with 1 when the 2 cores were already loaded. So the default
-    leaves out the cores that the 1-minute load average says are taken (at least one thread)."""
+    leaves out the cores that other processes use now (:func:`busy_cores`; at least one thread)."""
     import torch
 
     if n is None:
         n = int(os.environ.get("FEDHEAD_THREADS", "0"))
     if not n:
         cores = os.cpu_count() or 1
-        try:
-            busy = int(os.getloadavg()[0] + 0.5)
-        except OSError:
-            busy = 0
-        n = max(1, cores - busy)
+        n = max(1, cores - int(busy_cores() + 0.5))
     torch.set_num_threads(max(1, n))
     return torch.get_num_threads()
