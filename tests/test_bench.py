@@ -261,10 +261,11 @@ def test_noise_table_declines_from_runs(stores, tmp_path):
     ok(bench("noise", "--features", stores["a"], "--head", "softmax", "--head", "ova2", "--sym-rates", "0.3,0.5",
              "--asym-rates", "0.2,0.4", "--asym-map", "cyclic", *SMALL, "--out", out))
     rows = results(out)
-    assert len(rows) == 8 and {r["cfg_clients"] for r in rows} == {"10"}
+    assert len(rows) == 10 and {r["cfg_clients"] for r in rows} == {"10"}   # 2 heads x (4 rates + clean)
     assert {r["cfg_asym_rule"] for r in rows} == {"cyclic"}
     acc = {(r["bench_head"], r["bench_noise"], float(r["bench_rate"])): summary(r["run_dir"])["final_accuracy"]
            for r in rows}
+    assert {(r["cfg_noise"], float(r["cfg_noise_rate"])) for r in rows if r["bench_noise"] == "none"} == {("none", 0)}
     md = (out / "report.md").read_text()
     sym_pts = table_rows(md, "## symmetric noise")
     # first table after the heading is accuracy; find the declines table explicitly
@@ -279,11 +280,29 @@ def test_noise_table_declines_from_runs(stores, tmp_path):
         assert pts[i][2] == f"{100 * (a0 - a1):.2f}"
         assert rel[i][2] == f"{100 * (a0 - a1) / a0:.2f}"
         assert share[i][1] == f"{100 * a1 / a0:.1f}"
-    assert re.search(r"ova2 retains a higher share than softmax at every rate: \*\*(yes|no)\*\*", md)
+    kept = table_rows(md[md.index("## symmetric noise"):], "Share of the noise-free accuracy retained")
+    assert [k[0] for k in kept] == ["softmax", "ova2"]
+    for i, h in enumerate(["softmax", "ova2"]):
+        c = acc[(h, "none", 0.0)]
+        assert kept[i][1:] == [f"{100 * c:.2f}", f"{100 * acc[(h, 'symmetric', 0.3)] / c:.1f}",
+                               f"{100 * acc[(h, 'symmetric', 0.5)] / c:.1f}"]
+    for what in ("relative to rate 0.3", "relative to no noise"):
+        assert re.search(rf"ova2 retains a higher share than softmax at every rate \({what}\): \*\*(yes|no)\*\*", md)
     asym = table_rows(md[md.index("## asymmetric noise"):], "absolute (percentage points)")
     assert [p[0] for p in asym][:2] == ["softmax", "ova2"] and asym[2][1] == "89.28"
-    assert_pngs(out, 2)
+    assert_pngs(out, 3)
     assert sym_pts  # the accuracy table exists
+
+
+def test_noise_rate_zero_is_the_clean_run_and_no_clean_skips_it(stores, tmp_path):
+    ok(bench("noise", "--features", stores["a"], "--head", "ova2", "--sym-rates", "0,0.3", "--asym-rates", "",
+             "--no-clean", *SMALL, "--out", tmp_path / "z"))
+    assert sorted((r["bench_noise"], float(r["bench_rate"])) for r in results(tmp_path / "z")) == [
+        ("none", 0.0), ("symmetric", 0.3)]
+    ok(bench("noise", "--features", stores["a"], "--head", "ova2", "--sym-rates", "0.3", "--asym-rates", "",
+             "--no-clean", *SMALL, "--out", tmp_path / "n"))
+    assert [r["bench_noise"] for r in results(tmp_path / "n")] == ["symmetric"]
+    assert "noise-free" not in (tmp_path / "n" / "report.md").read_text()
 
 
 def test_noise_asymmetric_without_map_is_the_trainers_error(stores, tmp_path):
@@ -343,6 +362,7 @@ def test_geometry_command(stores, tmp_path):
     (["partitions", "--features", "{a}", "--head", "ova3"], "--head"),
     (["noise", "--features", "{a}", "--sym-rates", "0.3,1.0"], "--sym-rates"),
     (["noise", "--features", "{a}", "--asym-rates", "-0.1"], "--asym-rates"),
+    (["noise", "--features", "{a}", "--sym-rates", "0", "--asym-rates", ""], "--sym-rates"),
     (["participation", "--features", "{a}", "--rates", "0"], "--rates"),
     (["ablation", "--features", "{a}", "--recipe", "fancy"], "--recipe"),
     (["ablation", "--features", "{a}", "--seeds", "x"], "--seeds"),

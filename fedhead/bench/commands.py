@@ -507,20 +507,45 @@ def noise_name(head: str, kind: str, rate: float, recipe: str) -> str:
     return f"{head}-{'sym' if kind == 'symmetric' else 'asym'}{rate:g}-{recipe}"
 
 
+def _final_by_seed(r: CellResult) -> dict[int, float]:
+    return dict(zip(r.seeds, r.per_seed("final_accuracy")))
+
+
+def _verdict(what: str, means: dict[str, dict[float, float]], rates: list[float]) -> list[str]:
+    """'ova2 retains a higher share than softmax at every rate' from per-head mean shares."""
+    if "ova2" not in means or "softmax" not in means or not rates:
+        return []
+    worse = [r for r in rates if not means["ova2"][r] > means["softmax"][r]]
+    return [f"ova2 retains a higher share than softmax at every rate ({what}): **{'yes' if not worse else 'no'}**"
+            + (f" (not at {', '.join(f'{r:g}' for r in worse)})" if worse else ""), ""]
+
+
 def noise_sections(results: dict[tuple, CellResult], heads, kinds: dict[str, list[float]], recipe: str,
-                   common: Common) -> tuple[list[str], dict]:
-    """Table 2 layout: accuracy at the lowest rate, declines (points and %), share retained; per kind."""
+                   common: Common, clean: dict[str, CellResult] | None = None) -> tuple[list[str], dict]:
+    """Table 2 layout: accuracy at the lowest rate, declines (points and %), share retained; per kind. With
+    ``clean`` (head -> its noise-free run) also the share of the clean accuracy kept at every rate."""
+    clean = clean or {}
     sections, curves = [], {}
     for kind, rates in kinds.items():
-        rates = sorted(rates)
+        rates = sorted(r for r in rates if r > 0)
         base, higher = rates[0], rates[1:]
         pbase, pacc, pdec = PAPER_NOISE[kind]
-        acc_rows, pts_rows, rel_rows, share_rows, realised_rows = [], [], [], [], []
+        acc_rows, pts_rows, rel_rows, share_rows, realised_rows, kept_rows = [], [], [], [], [], []
         share_means: dict[str, dict[float, float]] = {}
+        kept_means: dict[str, dict[float, float]] = {}
         for head in heads:
-            per = {r: dict(zip(results[(head, kind, r)].seeds, results[(head, kind, r)].per_seed("final_accuracy")))
-                   for r in rates}
+            per = {r: _final_by_seed(results[(head, kind, r)]) for r in rates}
             seeds = [s for s in per[base] if all(s in per[r] for r in rates)]
+            c_acc = None
+            if head in clean:
+                c = _final_by_seed(clean[head])
+                c_seeds = [s for s in seeds if s in c]
+                c_acc = Stat.of(c[s] for s in c_seeds)
+                kept = {r: Stat.of(per[r][s] / c[s] for s in c_seeds) for r in rates}
+                kept_means[head] = {r: kept[r].mean for r in rates}
+                curves[(kind, head, "clean")] = ([0.0] + rates, [1.0] + [kept[r].mean for r in rates],
+                                                 [0.0] + [kept[r].std for r in rates], c_acc)
+                kept_rows.append([head, _pct(c_acc)] + [_pct(kept[r], 1) for r in rates])
             a0 = Stat.of(per[base][s] for s in seeds)
             accs = {r: Stat.of(per[r][s] for s in seeds) for r in rates}
             pts = {r: Stat.of(100 * (per[base][s] - per[r][s]) for s in seeds) for r in higher}
@@ -529,7 +554,7 @@ def noise_sections(results: dict[tuple, CellResult], heads, kinds: dict[str, lis
             share_means[head] = {r: share[r].mean for r in higher}
             curves[(kind, head)] = ([r for r in rates], [accs[r].mean for r in rates], [accs[r].std for r in rates],
                                     [1.0] + [share[r].mean for r in higher], [0.0] + [share[r].std for r in higher])
-            acc_rows.append([head] + [_pct(accs[r]) for r in rates])
+            acc_rows.append([head] + ([_pct(c_acc) if c_acc else "–"] if clean else []) + [_pct(accs[r]) for r in rates])
             pts_rows.append([head, _pct(a0)] + [pts[r].fmt(1, 2) for r in higher])
             rel_rows.append([head, _pct(a0)] + [rel[r].fmt(1, 2) for r in higher])
             share_rows.append([head] + [_pct(share[r], 1) for r in higher])
@@ -548,17 +573,19 @@ def noise_sections(results: dict[tuple, CellResult], heads, kinds: dict[str, lis
         hdr = ["head", f"acc @ {base:g} (%)"] + [f"decline @ {r:g}" for r in higher]
         s = [f"## {kind} noise, recipe {recipe}: {common.clients} clients IID, round {common.rounds}, "
              f"seeds {', '.join(map(str, common.seeds))}", "",
-             "### Accuracy (%)", "", md_table(["head"] + [f"{r:g}" for r in rates], acc_rows), "",
+             "### Accuracy (%)", "", md_table(["head"] + (["no noise"] if clean else []) + [f"{r:g}" for r in rates],
+                                              acc_rows), "",
              "### Decline from the lowest rate, absolute (percentage points)", "", md_table(hdr, pts_rows), "",
              "### Decline from the lowest rate, relative (% of the lowest-rate accuracy)", "",
              md_table(hdr, rel_rows), "",
              f"### Share of accuracy retained relative to rate {base:g} (%)", "",
              md_table(["head"] + [f"{r:g}" for r in higher], share_rows), ""]
-        if "ova2" in share_means and "softmax" in share_means and higher:
-            worse = [r for r in higher if not share_means["ova2"][r] > share_means["softmax"][r]]
-            s += [f"ova2 retains a higher share than softmax at every rate: "
-                  f"**{'yes' if not worse else 'no'}**" + (f" (not at {', '.join(f'{r:g}' for r in worse)})"
-                                                          if worse else ""), ""]
+        s += _verdict(f"relative to rate {base:g}", share_means, higher)
+        if kept_rows:
+            s += ["### Share of the noise-free accuracy retained (%)", "",
+                  "Per seed: accuracy at the rate / accuracy of the same head trained on clean labels.", "",
+                  md_table(["head", "no-noise acc (%)"] + [f"{r:g}" for r in rates], kept_rows), ""]
+            s += _verdict("relative to no noise", kept_means, rates)
         s += ["Realised flip fraction (measured over all clients):", "",
               md_table(["head"] + [f"{r:g}" for r in rates], realised_rows), ""]
         if base != pbase:
@@ -577,6 +604,8 @@ def noise_cmd(
                                                                        "('' for none)"),
     asym_map: str = typer.Option("auto", "--asym-map", help="asymmetric map: auto (the dataset's) | cyclic"),
     partition: str = typer.Option("iid", "--partition", help="partition (FedLTF protocol: iid)"),
+    clean: bool = typer.Option(True, "--clean/--no-clean", help="also train each head on clean labels and report "
+                                                                 "the share of that accuracy kept at every rate"),
     recipe: str = typer.Option("default", "--recipe", help=RECIPE_HELP),
     seeds: Optional[List[str]] = SEEDS_OPT, quick: bool = QUICK_OPT, rounds: Optional[int] = ROUNDS_OPT,
     clients: int = typer.Option(20, "--clients", help="clients (FedLTF protocol: 20)"), out: Optional[Path] = OUT_OPT,
@@ -592,10 +621,14 @@ def noise_cmd(
                          scale=scale, block_clients=block_clients)
     heads = list(dict.fromkeys(check_head(h) for h in head))
     kinds = {}
-    if sym_rates.strip():
-        kinds["symmetric"] = parse_rates("--sym-rates", sym_rates)
-    if asym_rates.strip():
-        kinds["asymmetric"] = parse_rates("--asym-rates", asym_rates)
+    for kind, param, text in (("symmetric", "--sym-rates", sym_rates), ("asymmetric", "--asym-rates", asym_rates)):
+        if text.strip():
+            rates = parse_rates(param, text)
+            clean = clean or 0.0 in rates  # a rate of 0 is the noise-free run
+            kinds[kind] = [r for r in rates if r > 0]
+            if not kinds[kind]:
+                raise FedheadError(f"The '{param}' parameter needs a rate > 0. Got {text!r} instead. Give e.g. 0.3 "
+                                   "(the noise-free run is --clean).")
     if not kinds:
         raise FedheadError("The '--sym-rates' and '--asym-rates' parameters are both empty. Got '' instead. "
                            "Give at least one rate.")
@@ -605,18 +638,15 @@ def noise_cmd(
     key_of: dict[tuple, str] = {}
     for rec in recipes:
         for h in heads:
-            for kind, rates in kinds.items():
-                for r in rates:
-                    name = noise_name(h, kind, r, rec)
-                    key_of[(rec, h, kind, r)] = name
-                    if name not in cells:
-                        cells[name] = Cell(name, {"head": h, "noise": kind if r else "none", "rate": r,
-                                                  "recipe": rec},
-                                           common.cfg(features, head=h, partition=pname, partition_params=pparams,
-                                                      recipe=rec, noise=kind if r else "none", noise_rate=r,
-                                                      asym_rule=asym_map))
-    config = {**common.describe(), "heads": heads, "rates": kinds, "asym_map": asym_map, "partition": partition,
-              "recipes": recipes, "features": str(features)}
+            points = [(kind, r) for kind, rates in kinds.items() for r in rates]
+            for kind, r in points + ([("none", 0.0)] if clean else []):
+                name = noise_name(h, kind, r, rec)
+                key_of[(rec, h, kind, r)] = name
+                cells[name] = Cell(name, {"head": h, "noise": kind, "rate": r, "recipe": rec},
+                                   common.cfg(features, head=h, partition=pname, partition_params=pparams,
+                                              recipe=rec, noise=kind, noise_rate=r, asym_rule=asym_map))
+    config = {**common.describe(), "heads": heads, "rates": kinds, "clean": clean, "asym_map": asym_map,
+              "partition": partition, "recipes": recipes, "features": str(features)}
     cache = StoreCache()
     cmd = start_report(common, list(cells.values()), cache, config)
     results = run_grid(list(cells.values()), common.out, cache)
@@ -624,15 +654,21 @@ def noise_cmd(
     sections, plots = [], []
     for rec in recipes:
         res = {(h, k, r): by_name[key_of[(rec, h, k, r)]] for h in heads for k, rs in kinds.items() for r in rs}
-        secs, curves = noise_sections(res, heads, kinds, rec, common)
+        clean_of = {h: by_name[key_of[(rec, h, "none", 0.0)]] for h in heads} if clean else {}
+        secs, curves = noise_sections(res, heads, kinds, rec, common, clean_of)
         sections += secs
-        acc_panels, share_panels = [], []
+        acc_panels, share_panels, kept_panels = [], [], []
         for kind in kinds:
             ap, sp = P.Panel(kind), P.Panel(kind, hline=(1.0, "lowest rate"))
+            kp = P.Panel(kind, hline=(1.0, "no noise"))
             for h in heads:
                 x, m, s, sh, shs = curves[(kind, h)]
-                ap.lines.append(P.Line(h, x, m, s, marker="o"))
                 sp.lines.append(P.Line(h, x, sh, shs, marker="o"))
+                if clean:  # the noise-free accuracy drawn at rate 0
+                    kx, km, ks, c = curves[(kind, h, "clean")]
+                    x, m, s = [0.0] + x, [c.mean] + m, [c.std] + s
+                    kp.lines.append(P.Line(h, kx, km, ks, marker="o"))
+                ap.lines.append(P.Line(h, x, m, s, marker="o"))
             pbase, pacc, pdec = PAPER_NOISE[kind]
             px = [pbase] + sorted(pdec)
             ap.lines.append(P.Line("OvA-LP (paper, CIFAR-100)", px, [pacc / 100] + [(pacc - pdec[r]) / 100
@@ -642,10 +678,14 @@ def noise_cmd(
                                    style=":", color="gray", marker="x"))
             acc_panels.append(ap)
             share_panels.append(sp)
+            kept_panels.append(kp)
         plots.append(P.write_curves(common.out / f"noise-accuracy-{rec}.png", acc_panels, "flip rate",
                                     "final test accuracy", f"accuracy under label noise ({rec})"))
         plots.append(P.write_curves(common.out / f"noise-retained-{rec}.png", share_panels, "flip rate",
                                     "accuracy / accuracy at the lowest rate", f"share retained ({rec})"))
+        if clean:
+            plots.append(P.write_curves(common.out / f"noise-retained-vs-clean-{rec}.png", kept_panels, "flip rate",
+                                        "accuracy / noise-free accuracy", f"share of clean accuracy kept ({rec})"))
     write_results(common.out, results, "noise")
     write_curves(common.out, results, {})
     note = ("Declines are per seed (accuracy at the lowest rate minus accuracy at the rate; relative = that over "
