@@ -40,7 +40,7 @@ SEEDS_OPT = typer.Option(None, "--seeds", help="seeds, repeated or comma-separat
                                                "--quick: 0]")
 QUICK_OPT = typer.Option(False, "--quick", help=f"one seed and {QUICK_ROUNDS} rounds (unless given)")
 ROUNDS_OPT = typer.Option(None, "--rounds", help=f"communication rounds [{PAPER_ROUNDS}; --quick: {QUICK_ROUNDS}]")
-OUT_OPT = typer.Option(None, "--out", help="report folder [reports/<command>-<timestamp>]; re-run with the same "
+OUT_OPT = typer.Option(None, "--out", help="report folder (default reports/<command>-<timestamp>); re-run with the same "
                                            "--out to reuse finished runs and resume an interrupted one")
 RECIPE_HELP = "paper (SPEC literal AdamW) | default (the trainer's) | both"
 LE_OPT = typer.Option(3, "--local-epochs", help="local epochs per round")
@@ -126,6 +126,43 @@ def make_common(command: str, *, seeds, quick, rounds, clients, out, local_epoch
                  weight_decay=weight_decay, momentum=momentum, aggregate=aggregate, center=center, scale=scale,
                  block_clients=block_clients)
     return Common(command, seeds_l, int(rounds), int(clients), out, train)
+
+
+# The options every grid command shares (all go to make_common): name -> (annotation, typer option);
+# each command sets its own --clients default (grid_command).
+GRID_OPTIONS = {
+    "seeds": (Optional[List[str]], SEEDS_OPT), "quick": (bool, QUICK_OPT), "rounds": (Optional[int], ROUNDS_OPT),
+    "clients": (int, None), "out": (Optional[Path], OUT_OPT), "local_epochs": (int, LE_OPT), "batch_size": (int, BS_OPT),
+    "device": (str, DEV_OPT), "optimizer": (Optional[str], OPTIM_OPT), "lr": (Optional[float], LR_OPT),
+    "weight_decay": (Optional[float], WD_OPT), "momentum": (Optional[float], MOM_OPT),
+    "aggregate": (Optional[str], AGG_OPT), "center": (Optional[bool], CENTER_OPT), "scale": (Optional[str], SCALE_OPT),
+    "block_clients": (Optional[int], BLOCK_OPT),
+}
+
+
+def grid_command(command: str, clients: int = 100, clients_help: str = "clients"):
+    """Decorate a grid command ``fn(<own options>, common)``: typer sees its own options followed by
+    ``--clients`` and :data:`GRID_OPTIONS`; they reach ``fn`` resolved as one :class:`Common`."""
+    import functools
+    import inspect
+
+    shared = {**GRID_OPTIONS, "clients": (int, typer.Option(clients, "--clients", help=clients_help))}
+
+    def deco(fn):
+        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "common"]
+        params = own + [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=t)
+                        for n, (t, opt) in shared.items()]
+
+        @functools.wraps(fn)
+        def wrapper(**kw):
+            common = make_common(command, **{n: kw.pop(n) for n in shared})
+            return fn(**kw, common=common)
+
+        wrapper.__signature__ = inspect.Signature(params)
+        wrapper.__annotations__ = {p.name: p.annotation for p in params}
+        return cli_errors(wrapper)
+
+    return deco
 
 
 def start_report(common: Common, cells: list[Cell], cache: StoreCache, config: dict) -> str:
@@ -405,49 +442,31 @@ def encoder_comparison(out: Path, results, tags, heads, partitions, recipes) -> 
 # ---------------------------------------------------------------- commands: heterogeneity
 
 
-@cli_errors
+@grid_command("ablation")
 def ablation_cmd(
     features: Path = FEATURES_OPT,
     head: List[str] = typer.Option(["softmax", "ova", "ova2"], "--head", help="heads (repeat)"),
     partition: List[str] = typer.Option(list(STANDARD_NONIID), "--partition",
                                         help="non-IID partitions (repeat); IID is always run"),
     recipe: str = typer.Option("both", "--recipe", help=RECIPE_HELP),
-    seeds: Optional[List[str]] = SEEDS_OPT, quick: bool = QUICK_OPT, rounds: Optional[int] = ROUNDS_OPT,
-    clients: int = typer.Option(100, "--clients", help="clients"), out: Optional[Path] = OUT_OPT,
-    local_epochs: int = LE_OPT, batch_size: int = BS_OPT, device: str = DEV_OPT,
-    optimizer: Optional[str] = OPTIM_OPT, lr: Optional[float] = LR_OPT, weight_decay: Optional[float] = WD_OPT,
-    momentum: Optional[float] = MOM_OPT, aggregate: Optional[str] = AGG_OPT, center: Optional[bool] = CENTER_OPT,
-    scale: Optional[str] = SCALE_OPT, block_clients: Optional[int] = BLOCK_OPT,
+    *, common: Common,
 ):
     """Heads x partitions x recipes (the paper's Table 1 / Fig. 3): ratio to IID, Acc@95, cost."""
-    common = make_common("ablation", seeds=seeds, quick=quick, rounds=rounds, clients=clients, out=out,
-                         local_epochs=local_epochs, batch_size=batch_size, device=device, optimizer=optimizer,
-                         lr=lr, weight_decay=weight_decay, momentum=momentum, aggregate=aggregate, center=center,
-                         scale=scale, block_clients=block_clients)
     path, sections = _run_hetero(common, "ablation", "fedhead bench ablation (OvA-LP Table 1 / Fig. 3)",
                                  [features], list(head), list(partition), recipes_of(recipe), {})
     _print_report(path, sections)
 
 
-@cli_errors
+@grid_command("partitions")
 def partitions_cmd(
     features: Path = FEATURES_OPT,
     head: List[str] = typer.Option(["ova2"], "--head", help="heads (repeat)"),
     partition: List[str] = typer.Option(["shard-1", "shard-2", "bernoulli-dirichlet", "zipf", "kmeans"],
                                         "--partition", help="non-IID partitions (repeat); IID is always run"),
     recipe: str = typer.Option("default", "--recipe", help=RECIPE_HELP),
-    seeds: Optional[List[str]] = SEEDS_OPT, quick: bool = QUICK_OPT, rounds: Optional[int] = ROUNDS_OPT,
-    clients: int = typer.Option(100, "--clients", help="clients"), out: Optional[Path] = OUT_OPT,
-    local_epochs: int = LE_OPT, batch_size: int = BS_OPT, device: str = DEV_OPT,
-    optimizer: Optional[str] = OPTIM_OPT, lr: Optional[float] = LR_OPT, weight_decay: Optional[float] = WD_OPT,
-    momentum: Optional[float] = MOM_OPT, aggregate: Optional[str] = AGG_OPT, center: Optional[bool] = CENTER_OPT,
-    scale: Optional[str] = SCALE_OPT, block_clients: Optional[int] = BLOCK_OPT,
+    *, common: Common,
 ):
     """Five heterogeneity patterns against IID (the paper's Fig. 5)."""
-    common = make_common("partitions", seeds=seeds, quick=quick, rounds=rounds, clients=clients, out=out,
-                         local_epochs=local_epochs, batch_size=batch_size, device=device, optimizer=optimizer,
-                         lr=lr, weight_decay=weight_decay, momentum=momentum, aggregate=aggregate, center=center,
-                         scale=scale, block_clients=block_clients)
     path, sections = _run_hetero(common, "partitions", "fedhead bench partitions (OvA-LP Fig. 5)", [features],
                                  list(head), list(partition), recipes_of(recipe), {})
     _print_report(path, sections)
@@ -471,7 +490,7 @@ def check_same_dataset(stores: list[Path]) -> None:
                                "extracted from one dataset.")
 
 
-@cli_errors
+@grid_command("encoders")
 def encoders_cmd(
     features: List[Path] = typer.Option(..., "--features", help="stores of one dataset made by different encoders "
                                                                  "(repeat)"),
@@ -479,18 +498,9 @@ def encoders_cmd(
     partition: List[str] = typer.Option(list(STANDARD_NONIID), "--partition",
                                         help="non-IID partitions (repeat); IID is always run"),
     recipe: str = typer.Option("default", "--recipe", help=RECIPE_HELP),
-    seeds: Optional[List[str]] = SEEDS_OPT, quick: bool = QUICK_OPT, rounds: Optional[int] = ROUNDS_OPT,
-    clients: int = typer.Option(100, "--clients", help="clients"), out: Optional[Path] = OUT_OPT,
-    local_epochs: int = LE_OPT, batch_size: int = BS_OPT, device: str = DEV_OPT,
-    optimizer: Optional[str] = OPTIM_OPT, lr: Optional[float] = LR_OPT, weight_decay: Optional[float] = WD_OPT,
-    momentum: Optional[float] = MOM_OPT, aggregate: Optional[str] = AGG_OPT, center: Optional[bool] = CENTER_OPT,
-    scale: Optional[str] = SCALE_OPT, block_clients: Optional[int] = BLOCK_OPT,
+    *, common: Common,
 ):
     """The same protocol over stores made by different encoders (the paper's Fig. 6)."""
-    common = make_common("encoders", seeds=seeds, quick=quick, rounds=rounds, clients=clients, out=out,
-                         local_epochs=local_epochs, batch_size=batch_size, device=device, optimizer=optimizer,
-                         lr=lr, weight_decay=weight_decay, momentum=momentum, aggregate=aggregate, center=center,
-                         scale=scale, block_clients=block_clients)
     stores = list(features)
     check_same_dataset(stores)
     path, sections = _run_hetero(common, "encoders", "fedhead bench encoders (OvA-LP Fig. 6)", stores,
@@ -594,7 +604,7 @@ def noise_sections(results: dict[tuple, CellResult], heads, kinds: dict[str, lis
     return sections, curves
 
 
-@cli_errors
+@grid_command("noise", clients=20, clients_help="clients (FedLTF protocol: 20)")
 def noise_cmd(
     features: Path = FEATURES_OPT,
     head: List[str] = typer.Option(["softmax", "ova", "ova2"], "--head", help="heads (repeat)"),
@@ -607,18 +617,9 @@ def noise_cmd(
     clean: bool = typer.Option(True, "--clean/--no-clean", help="also train each head on clean labels and report "
                                                                  "the share of that accuracy kept at every rate"),
     recipe: str = typer.Option("default", "--recipe", help=RECIPE_HELP),
-    seeds: Optional[List[str]] = SEEDS_OPT, quick: bool = QUICK_OPT, rounds: Optional[int] = ROUNDS_OPT,
-    clients: int = typer.Option(20, "--clients", help="clients (FedLTF protocol: 20)"), out: Optional[Path] = OUT_OPT,
-    local_epochs: int = LE_OPT, batch_size: int = BS_OPT, device: str = DEV_OPT,
-    optimizer: Optional[str] = OPTIM_OPT, lr: Optional[float] = LR_OPT, weight_decay: Optional[float] = WD_OPT,
-    momentum: Optional[float] = MOM_OPT, aggregate: Optional[str] = AGG_OPT, center: Optional[bool] = CENTER_OPT,
-    scale: Optional[str] = SCALE_OPT, block_clients: Optional[int] = BLOCK_OPT,
+    *, common: Common,
 ):
     """Label-noise robustness, FedLTF protocol (the paper's Table 2): declines from the lowest rate."""
-    common = make_common("noise", seeds=seeds, quick=quick, rounds=rounds, clients=clients, out=out,
-                         local_epochs=local_epochs, batch_size=batch_size, device=device, optimizer=optimizer,
-                         lr=lr, weight_decay=weight_decay, momentum=momentum, aggregate=aggregate, center=center,
-                         scale=scale, block_clients=block_clients)
     heads = list(dict.fromkeys(check_head(h) for h in head))
     kinds = {}
     for kind, param, text in (("symmetric", "--sym-rates", sym_rates), ("asymmetric", "--asym-rates", asym_rates)):
@@ -700,7 +701,7 @@ def noise_cmd(
 # ---------------------------------------------------------------- participation
 
 
-@cli_errors
+@grid_command("participation")
 def participation_cmd(
     features: Path = FEATURES_OPT,
     head: List[str] = typer.Option(["ova2"], "--head", help="heads (repeat)"),
@@ -709,18 +710,9 @@ def participation_cmd(
                                   help="non-IID partition (the paper's 'Dirichlet' is FedCorr's = "
                                        "bernoulli-dirichlet)"),
     recipe: str = typer.Option("default", "--recipe", help=RECIPE_HELP),
-    seeds: Optional[List[str]] = SEEDS_OPT, quick: bool = QUICK_OPT, rounds: Optional[int] = ROUNDS_OPT,
-    clients: int = typer.Option(100, "--clients", help="clients"), out: Optional[Path] = OUT_OPT,
-    local_epochs: int = LE_OPT, batch_size: int = BS_OPT, device: str = DEV_OPT,
-    optimizer: Optional[str] = OPTIM_OPT, lr: Optional[float] = LR_OPT, weight_decay: Optional[float] = WD_OPT,
-    momentum: Optional[float] = MOM_OPT, aggregate: Optional[str] = AGG_OPT, center: Optional[bool] = CENTER_OPT,
-    scale: Optional[str] = SCALE_OPT, block_clients: Optional[int] = BLOCK_OPT,
+    *, common: Common,
 ):
     """Client participation sweep under Dirichlet (the paper's Fig. 9); IID at full participation as reference."""
-    common = make_common("participation", seeds=seeds, quick=quick, rounds=rounds, clients=clients, out=out,
-                         local_epochs=local_epochs, batch_size=batch_size, device=device, optimizer=optimizer,
-                         lr=lr, weight_decay=weight_decay, momentum=momentum, aggregate=aggregate, center=center,
-                         scale=scale, block_clients=block_clients)
     heads = list(dict.fromkeys(check_head(h) for h in head))
     fracs = sorted(parse_rates("--rates", rates, low_closed=False, high_closed=True), reverse=True)
     pname, pparams = resolve_partition(partition)
