@@ -330,6 +330,8 @@ def test_geometry_metrics_exact_on_toy():
     # ||(.5,.5) - (-1,0)|| = sqrt(2.25 + .25)
     assert m["inter"] == pytest.approx(math.sqrt(2.5))
     assert m["ratio"] == pytest.approx(m["intra"] / m["inter"])
+    # global mean (-.25, .25): distances to it sqrt(1.625), sqrt(.625), sqrt(.625), sqrt(.625)
+    assert m["spread"] == pytest.approx((math.sqrt(1.625) + 3 * math.sqrt(0.625)) / 4)
     # scale invariance: features are L2-normalised first
     assert geometry_metrics(3 * x, y)["ratio"] == pytest.approx(m["ratio"])
 
@@ -350,6 +352,7 @@ def test_geometry_command(stores, tmp_path):
     md = (out / "report.md").read_text()
     t = table_rows(md, "## Feature geometry")
     assert [c[0] for c in t] == ["a", "b", "paper (pretrained)", "paper (random-init)"]
+    assert float(t[0][-1].split(" ± ")[0]) == pytest.approx(np.mean([p["spread"] for p in per]), abs=1e-3)
     assert_pngs(out, 1)
 
 

@@ -9,6 +9,9 @@ not re-normalised):
 - intra     = mean over samples of ||z - mu_y||               (compactness of each class)
 - inter     = mean over class pairs c != c' of ||mu_c - mu_c'|| (separation of the centroids)
 - ratio     = intra / inter                                   (smaller = better geometry)
+- spread    = mean over samples of ||z - mu||, mu the mean of all z (not in the paper: how far the features
+  fan out on the sphere; features crowded in a narrow cone have small distances of every kind, so
+  alignment, intra and inter compare only between stores of similar spread, the ratio always)
 
 (The paper's values agree: Ratio 0.974 = 0.818 / 0.840 and 1.885 ~ 0.917 / 0.487; alignment 1.366 ~
 2 x intra^2.) Smaller alignment, intra and ratio and larger inter indicate stronger geometry. Each seed
@@ -54,8 +57,9 @@ def geometry_metrics(x: np.ndarray, y: np.ndarray, normalized: bool = True) -> d
     else:
         inter = float("nan")
     alignment = pair_sum / pairs if pairs else float("nan")
+    spread = float(np.linalg.norm(z - z.mean(0), axis=1).mean())
     return {"alignment": alignment, "intra": intra, "inter": inter,
-            "ratio": intra / inter if inter and inter == inter else float("nan")}
+            "ratio": intra / inter if inter and inter == inter else float("nan"), "spread": spread}
 
 
 def subsample(y: np.ndarray, per_class: int | None, seed: int) -> np.ndarray:
