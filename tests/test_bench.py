@@ -288,6 +288,11 @@ def test_noise_table_declines_from_runs(stores, tmp_path):
                                f"{100 * acc[(h, 'symmetric', 0.5)] / c:.1f}"]
     for what in ("relative to rate 0.3", "relative to no noise"):
         assert re.search(rf"ova2 retains a higher share than softmax at every rate \({what}\): \*\*(yes|no)\*\*", md)
+    # the paired gap at 0.5 relative to 0.3, in points of share, from the same runs
+    gap = 100 * (acc[("ova2", "symmetric", 0.5)] / acc[("ova2", "symmetric", 0.3)]
+                 - acc[("softmax", "symmetric", 0.5)] / acc[("softmax", "symmetric", 0.3)])
+    line = next(x for x in md.splitlines() if x.startswith("Paired gap"))
+    assert f"0.5: {gap:.2f} ({int(gap > 0)}/1 seeds)" in line
     asym = table_rows(md[md.index("## asymmetric noise"):], "absolute (percentage points)")
     assert [p[0] for p in asym][:2] == ["softmax", "ova2"] and asym[2][1] == "89.28"
     assert_pngs(out, 3)

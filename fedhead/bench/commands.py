@@ -521,13 +521,23 @@ def _final_by_seed(r: CellResult) -> dict[int, float]:
     return dict(zip(r.seeds, r.per_seed("final_accuracy")))
 
 
-def _verdict(what: str, means: dict[str, dict[float, float]], rates: list[float]) -> list[str]:
-    """'ova2 retains a higher share than softmax at every rate' from per-head mean shares."""
-    if "ova2" not in means or "softmax" not in means or not rates:
+def _verdict(what: str, by_seed: dict[str, dict[float, dict]], rates: list[float]) -> list[str]:
+    """'ova2 retains a higher share than softmax at every rate' from per-head, per-rate, per-seed shares,
+    with the paired gap (ova2 - softmax, points of share, mean ± std over shared seeds) and the seed count."""
+    if "ova2" not in by_seed or "softmax" not in by_seed or not rates:
         return []
-    worse = [r for r in rates if not means["ova2"][r] > means["softmax"][r]]
+    o, m = by_seed["ova2"], by_seed["softmax"]
+    mean = lambda d: float(np.mean(list(d.values())))  # noqa: E731
+    worse = [r for r in rates if not mean(o[r]) > mean(m[r])]
+    gaps = []
+    for r in rates:
+        seeds = [k for k in o[r] if k in m[r]]
+        d = [100 * (o[r][k] - m[r][k]) for k in seeds]
+        gaps.append(f"{r:g}: {Stat.of(d).fmt(1, 2)} ({sum(x > 0 for x in d)}/{len(d)} seeds)")
     return [f"ova2 retains a higher share than softmax at every rate ({what}): **{'yes' if not worse else 'no'}**"
-            + (f" (not at {', '.join(f'{r:g}' for r in worse)})" if worse else ""), ""]
+            + (f" (not at {', '.join(f'{r:g}' for r in worse)})" if worse else ""), "",
+            f"Paired gap ova2 - softmax in points of share (mean ± std over seeds; seeds where ova2 is higher): "
+            f"{'; '.join(gaps)}.", ""]
 
 
 def noise_sections(results: dict[tuple, CellResult], heads, kinds: dict[str, list[float]], recipe: str,
@@ -541,8 +551,8 @@ def noise_sections(results: dict[tuple, CellResult], heads, kinds: dict[str, lis
         base, higher = rates[0], rates[1:]
         pbase, pacc, pdec = PAPER_NOISE[kind]
         acc_rows, pts_rows, rel_rows, share_rows, realised_rows, kept_rows = [], [], [], [], [], []
-        share_means: dict[str, dict[float, float]] = {}
-        kept_means: dict[str, dict[float, float]] = {}
+        share_seeds: dict[str, dict[float, dict]] = {}
+        kept_seeds: dict[str, dict[float, dict]] = {}
         for head in heads:
             per = {r: _final_by_seed(results[(head, kind, r)]) for r in rates}
             seeds = [s for s in per[base] if all(s in per[r] for r in rates)]
@@ -552,7 +562,7 @@ def noise_sections(results: dict[tuple, CellResult], heads, kinds: dict[str, lis
                 c_seeds = [s for s in seeds if s in c]
                 c_acc = Stat.of(c[s] for s in c_seeds)
                 kept = {r: Stat.of(per[r][s] / c[s] for s in c_seeds) for r in rates}
-                kept_means[head] = {r: kept[r].mean for r in rates}
+                kept_seeds[head] = {r: {k: per[r][k] / c[k] for k in c_seeds} for r in rates}
                 curves[(kind, head, "clean")] = ([0.0] + rates, [1.0] + [kept[r].mean for r in rates],
                                                  [0.0] + [kept[r].std for r in rates], c_acc)
                 kept_rows.append([head, _pct(c_acc)] + [_pct(kept[r], 1) for r in rates])
@@ -561,7 +571,7 @@ def noise_sections(results: dict[tuple, CellResult], heads, kinds: dict[str, lis
             pts = {r: Stat.of(100 * (per[base][s] - per[r][s]) for s in seeds) for r in higher}
             rel = {r: Stat.of(100 * (per[base][s] - per[r][s]) / per[base][s] for s in seeds) for r in higher}
             share = {r: Stat.of(per[r][s] / per[base][s] for s in seeds) for r in higher}
-            share_means[head] = {r: share[r].mean for r in higher}
+            share_seeds[head] = {r: {k: per[r][k] / per[base][k] for k in seeds} for r in higher}
             curves[(kind, head)] = ([r for r in rates], [accs[r].mean for r in rates], [accs[r].std for r in rates],
                                     [1.0] + [share[r].mean for r in higher], [0.0] + [share[r].std for r in higher])
             acc_rows.append([head] + ([_pct(c_acc) if c_acc else "–"] if clean else []) + [_pct(accs[r]) for r in rates])
@@ -590,12 +600,12 @@ def noise_sections(results: dict[tuple, CellResult], heads, kinds: dict[str, lis
              md_table(hdr, rel_rows), "",
              f"### Share of accuracy retained relative to rate {base:g} (%)", "",
              md_table(["head"] + [f"{r:g}" for r in higher], share_rows), ""]
-        s += _verdict(f"relative to rate {base:g}", share_means, higher)
+        s += _verdict(f"relative to rate {base:g}", share_seeds, higher)
         if kept_rows:
             s += ["### Share of the noise-free accuracy retained (%)", "",
                   "Per seed: accuracy at the rate / accuracy of the same head trained on clean labels.", "",
                   md_table(["head", "no-noise acc (%)"] + [f"{r:g}" for r in rates], kept_rows), ""]
-            s += _verdict("relative to no noise", kept_means, rates)
+            s += _verdict("relative to no noise", kept_seeds, rates)
         s += ["Realised flip fraction (measured over all clients):", "",
               md_table(["head"] + [f"{r:g}" for r in rates], realised_rows), ""]
         if base != pbase:
