@@ -561,8 +561,8 @@ def noise_sections(results: dict[tuple, CellResult], heads, kinds: dict[str, lis
                 c = _final_by_seed(clean[head])
                 c_seeds = [s for s in seeds if s in c]
                 c_acc = Stat.of(c[s] for s in c_seeds)
-                kept = {r: Stat.of(per[r][s] / c[s] for s in c_seeds) for r in rates}
                 kept_seeds[head] = {r: {k: per[r][k] / c[k] for k in c_seeds} for r in rates}
+                kept = {r: Stat.of(kept_seeds[head][r].values()) for r in rates}
                 curves[(kind, head, "clean")] = ([0.0] + rates, [1.0] + [kept[r].mean for r in rates],
                                                  [0.0] + [kept[r].std for r in rates], c_acc)
                 kept_rows.append([head, _pct(c_acc)] + [_pct(kept[r], 1) for r in rates])
@@ -570,8 +570,8 @@ def noise_sections(results: dict[tuple, CellResult], heads, kinds: dict[str, lis
             accs = {r: Stat.of(per[r][s] for s in seeds) for r in rates}
             pts = {r: Stat.of(100 * (per[base][s] - per[r][s]) for s in seeds) for r in higher}
             rel = {r: Stat.of(100 * (per[base][s] - per[r][s]) / per[base][s] for s in seeds) for r in higher}
-            share = {r: Stat.of(per[r][s] / per[base][s] for s in seeds) for r in higher}
             share_seeds[head] = {r: {k: per[r][k] / per[base][k] for k in seeds} for r in higher}
+            share = {r: Stat.of(share_seeds[head][r].values()) for r in higher}
             curves[(kind, head)] = ([r for r in rates], [accs[r].mean for r in rates], [accs[r].std for r in rates],
                                     [1.0] + [share[r].mean for r in higher], [0.0] + [share[r].std for r in higher])
             acc_rows.append([head] + ([_pct(c_acc) if c_acc else "–"] if clean else []) + [_pct(accs[r]) for r in rates])
