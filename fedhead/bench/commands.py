@@ -803,7 +803,7 @@ def geometry_cmd(
     from extract.store import load_store, open_store
 
     from ..rundir import write_csv
-    from .geometry import METRICS, store_geometry
+    from .geometry import COLUMNS, METRICS, store_geometry
 
     validate("--split", split, OneOf(("train", "test")))
     validate("--samples-per-class", samples_per_class, Interval(0, None, integer=True))
@@ -819,36 +819,35 @@ def geometry_cmd(
         x, y = (f.train_x, f.train_y) if split == "train" else (f.test_x, f.test_y)
         per_seed = store_geometry(x, y, seeds_l, per_class)
         max_class.append(int(np.bincount(y).max()))
-        stats = {m: Stat.of(p[m] for p in per_seed) for m in METRICS + ("spread",)}
+        stats = {m: Stat.of(p[m] for p in per_seed) for m in COLUMNS}
         stats_of[tag] = (info, stats)
         kind = _weights_kind(info)
-        table.append([tag, info.encoder, kind, info.dataset] +
-                     [stats[m].fmt(1, 3) for m in METRICS + ("spread",)])
+        table.append([tag, info.encoder, kind, info.dataset] + [stats[m].fmt(1, 3) for m in COLUMNS])
         series[tag] = ([stats[m].mean for m in METRICS], [stats[m].std for m in METRICS])
         row = {"bench_command": "geometry", "bench_store": tag, "store_path": str(info.path),
                "store_dataset": info.dataset, "store_encoder": info.encoder,
                "store_weights_source": info.attrs.get("weights_source", ""), "store_weights_kind": kind,
                "cfg_split": split, "cfg_samples_per_class": samples_per_class,
                "cfg_seeds": " ".join(map(str, seeds_l)), "res_num_samples": per_seed[0]["n"]}
-        for m in METRICS + ("spread",):
+        for m in COLUMNS:
             row[f"res_{m}"], row[f"res_{m}_std"] = stats[m].mean, stats[m].std
         rows.append(row)
     for kind, vals in PAPER_GEOMETRY.items():
         table.append([f"paper ({kind})", "ViT (paper)", kind, "not stated"] +
-                     [f"{vals[m][0]:.3f} ± {vals[m][1]:.3f}" for m in METRICS] + ["–"])
+                     [f"{vals[m][0]:.3f} ± {vals[m][1]:.3f}" if m in vals else "–" for m in COLUMNS])
     datasets = sorted({i.dataset for i in infos})
     s = [f"## Feature geometry ({split} split, up to {samples_per_class or 'all'} samples per class, seeds "
          f"{', '.join(map(str, seeds_l))})", "",
-         md_table(["store", "encoder", "weights", "dataset"] + list(METRICS) + ["spread"], table), ""]
+         md_table(["store", "encoder", "weights", "dataset"] + list(COLUMNS), table), ""]
     pre = [t for t, (i, _) in stats_of.items() if _weights_kind(i) == "pretrained"]
     rnd = [t for t, (i, _) in stats_of.items() if _weights_kind(i) == "random-init"]
     for a in pre:
         for b in rnd:
-            ra, rb = stats_of[a][1]["ratio"].mean, stats_of[b][1]["ratio"].mean
+            sa, sb = stats_of[a][1], stats_of[b][1]
+            ra, rb = sa["ratio"].mean, sb["ratio"].mean
             same = stats_of[a][0].dataset == stats_of[b][0].dataset and stats_of[a][0].encoder == stats_of[b][0].encoder
             s.append(f"- {a} (pretrained) vs {b} (random-init){'' if same else ' [different encoder or dataset]'}: "
                      f"intra/inter {ra:.3f} vs {rb:.3f} → pretrained lower: **{'yes' if ra < rb else 'no'}**")
-            sa, sb = stats_of[a][1], stats_of[b][1]
             as_paper = [f"{m} {'yes' if (sa[m].mean > sb[m].mean if m == 'inter' else sa[m].mean < sb[m].mean) else 'no'}"
                         f" ({sa[m].mean:.3f} vs {sb[m].mean:.3f})" for m in ("alignment", "intra", "inter")]
             s.append(f"  - the paper's direction (pretrained smaller alignment and intra, larger inter): "

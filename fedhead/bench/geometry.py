@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 METRICS = ("alignment", "intra", "inter", "ratio")
+COLUMNS = METRICS + ("spread",)  # what a report shows: the paper's four metrics and the spread
 
 
 def normalize(x: np.ndarray) -> np.ndarray:
