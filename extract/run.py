@@ -146,6 +146,8 @@ def prepare(dataset: str, data_dir, encoder: str, *, weights=None, pretrained: b
         "limit": -1 if limit is None else int(limit),
         "limit_selection": "seeded class-stratified round-robin (seed 0), dataset order" if limit else "all",
         "device": str(dev), "torch_version": str(torch.__version__),
+        # the CPU thread count changes the last bits of the features: a resumed store reuses this one
+        "cpu_threads": int(threads),
     }
     return Plan(dataset=dataset, encoder=enc, splits=data, device=dev, precision=precision, dtype=dtype,
                 batch_size=batch_size, num_workers=num_workers, channels_last=channels_last, request=request,
@@ -273,6 +275,17 @@ def _drop_broken_partial(out: Path, splits: list[str]) -> None:
         tmp.unlink()
 
 
+def _reuse_threads(plan: Plan, w: StoreWriter) -> None:
+    """A resumed store continues with the CPU thread count it was started with (recorded in its attributes):
+    the reduction order of the forward, and so the last bits of the features, follow the thread count."""
+    import torch
+
+    recorded = int(w.f.attrs.get("cpu_threads", 0))
+    if plan.device.type == "cpu" and recorded > 0 and recorded != torch.get_num_threads():
+        torch.set_num_threads(recorded)
+        plan.attrs["cpu_threads"] = recorded
+
+
 def extract_features(dataset: str, data_dir, encoder: str, *, weights=None, pretrained: bool = True,
                      image_size=None, batch_size: int = 64, device: str = "auto", precision: str = "fp32",
                      limit=None, out=None, dtype: str = "float16", overwrite: bool = False, download: bool = False,
@@ -318,6 +331,7 @@ def extract_features(dataset: str, data_dir, encoder: str, *, weights=None, pret
     sizes = {s: len(v) for s, v in plan.splits.items()}
     with StoreWriter(out, request=plan.request, sizes=sizes, feature_dim=enc.feature_dim,
                      class_names=plan.request["class_names"], attrs=plan.attrs, dtype=dtype) as w:
+        _reuse_threads(plan, w)
         prog = make_progress() if progress else contextlib.nullcontext()
         with prog:
             for split in plan.splits:

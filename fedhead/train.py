@@ -174,6 +174,8 @@ def run_training(cfg: TrainConfig, out: str | Path | None = None, resume: bool =
                                "configuration. Use the same options as the interrupted run, or a new --out.")
         if ckpt_path.exists():
             ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+            if threads is not None and prev.get("cpu_threads"):
+                threads = set_cpu_threads(int(prev["cpu_threads"]))   # the bits of a round follow the count
         else:
             summary = json.loads((run_dir / "summary.json").read_text())
             from .rundir import read_csv

@@ -386,7 +386,7 @@ def _cli(*args, env=None):
                           env={**os.environ, "FEDHEAD_NO_PROGRESS": "1", **(env or {})}, timeout=300)
 
 
-def test_resume_after_kill_gives_same_store(tmp_path, data_root):
+def test_resume_after_kill_gives_same_store(tmp_path, data_root, monkeypatch):
     out = tmp_path / "r.h5"
     args = ["extract", "--dataset", "imagefolder", "--data-dir", str(data_root["imagefolder"]), "--encoder", TINY,
             "--no-pretrained", "--image-size", str(SIZE), "--batch-size", "4", "--out", str(out)]
@@ -395,11 +395,18 @@ def test_resume_after_kill_gives_same_store(tmp_path, data_root):
     assert not out.exists()
     with h5py.File(str(out) + ".partial", "r") as h:
         assert int(h["train"].attrs["n_done"]) == 8 and not h.attrs["complete"]
+        killed_threads = int(h.attrs["cpu_threads"])
     from cli import app
 
+    # the resumed run reuses the killed run's thread count whatever the machine's load says now: choose
+    # another count for it and check that the store's count wins
+    monkeypatch.setenv("FEDHEAD_THREADS", str(3 - killed_threads if killed_threads in (1, 2) else 1))
     r = CliRunner().invoke(app, args)  # the same command again, in-process
     assert r.exit_code == 0, r.output
     assert out.exists() and not Path(str(out) + ".partial").exists()
+    assert load_store(out).info.attrs["cpu_threads"] == killed_threads
+    # bit for bit equal to an uninterrupted run with the same thread count (the count changes the last bits)
+    monkeypatch.setenv("FEDHEAD_THREADS", str(killed_threads))
     ref = extract_features("imagefolder", data_root["imagefolder"], TINY, pretrained=False, image_size=SIZE,
                            batch_size=4, out=tmp_path / "ref.h5", progress=False)
     a, b = load_store(out), load_store(ref)

@@ -90,6 +90,7 @@ def test_resume_equals_uninterrupted(tiny_store, tmp_path, monkeypatch):
     import fedhead.train as train
 
     kw = dict(head="ova2", partition="shard", rounds=4, seeds=[0, 1], iid_reference=True, participation=0.5)
+    monkeypatch.setenv("FEDHEAD_THREADS", "1")      # the uninterrupted and the interrupted run: one thread
     full = run_training(cfg_for(tiny_store, **kw), out=tmp_path / "full", progress=False)
 
     calls = {"n": 0}
@@ -107,7 +108,9 @@ def test_resume_equals_uninterrupted(tiny_store, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "evaluate", real)
     assert (tmp_path / "cut" / "checkpoint.pt").exists()
     assert not (tmp_path / "cut" / "summary.json").exists()
+    monkeypatch.setenv("FEDHEAD_THREADS", "2")      # the resumed run keeps the recorded count, not this one
     resumed = run_training(cfg_for(tiny_store, **kw), out=tmp_path / "cut", resume=True, progress=False)
+    assert json.loads((resumed.run_dir / "config.json").read_text())["cpu_threads"] == 1
     assert [r["accuracy"] for r in resumed.rows] == [r["accuracy"] for r in full.rows]
     for s in (0, 1):
         assert torch.equal(torch.load(full.run_dir / f"head-seed{s}.pt"),
