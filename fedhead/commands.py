@@ -9,6 +9,7 @@ import typer
 
 from .config import TrainConfig
 from .errors import FedheadError, cli_errors
+from .options import with_method_options
 
 
 def results_table(title: str, rows: list[dict], columns: list[tuple[str, str]]):
@@ -35,14 +36,17 @@ def results_table(title: str, rows: list[dict], columns: list[tuple[str, str]]):
 
 SUMMARY_COLUMNS = [("head", "head"), ("partition", "partition"), ("final_accuracy", "final acc"),
                    ("best_accuracy", "best acc"), ("acc95_round", "Acc@95 round"),
+                   ("central_accuracy", "central acc"), ("final_ratio_to_central", "ratio to central"),
                    ("final_ratio_to_iid", "ratio to IID"), ("client_ms", "client ms"),
                    ("server_ms", "server ms"), ("wall_seconds", "wall s")]
 
 
 @cli_errors
+@with_method_options
 def train_cmd(
     features: Path = typer.Option(..., "--features", help="HDF5 feature store written by 'fedhead extract'."),
-    head: str = typer.Option("ova2", help="softmax | ova | ova2 | fedabc | fedrs"),
+    head: str = typer.Option("ova2", help="softmax | ova | ova2 | fedabc | fedrs | fedlc; closed form: ncm | ridge | "
+                                          "cof | lda"),
     partition: str = typer.Option("iid", help="iid | shard | dirichlet | bernoulli-dirichlet | zipf | kmeans"),
     shards_per_client: Optional[int] = typer.Option(None, help="shard: shards (labels) per client [2]"),
     distinct_labels: Optional[bool] = typer.Option(None, "--distinct-labels/--no-distinct-labels",
@@ -79,6 +83,7 @@ def train_cmd(
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     out: Optional[Path] = typer.Option(None, help="run directory [runs/<timestamp>-<head>-<partition>]"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
+    method: dict = None,
 ):
     """Run federated rounds of a linear head over cached features and print the final numbers."""
     from .train import run_training
@@ -89,14 +94,15 @@ def train_cmd(
         partition_params={k: v for k, v in dict(shards_per_client=shards_per_client,
                                                  distinct_labels=distinct_labels, alpha=alpha, p=p,
                                                  zipf_s=zipf_s, min_size=min_size).items() if v is not None},
-        head_params={k: v for k, v in dict(stage1_rounds=stage1_rounds, positive_keep=positive_keep,
-                                            fedabc_margins=fedabc_margins, focal_gamma=focal_gamma,
-                                            fedrs_alpha=fedrs_alpha).items() if v is not None},
+        head_params={**{k: v for k, v in dict(stage1_rounds=stage1_rounds, positive_keep=positive_keep,
+                                               fedabc_margins=fedabc_margins, focal_gamma=focal_gamma,
+                                               fedrs_alpha=fedrs_alpha).items() if v is not None},
+                     **method["head_params"]},
         clients=clients, rounds=rounds, local_epochs=local_epochs, batch_size=batch_size, recipe=recipe,
         optimizer=optimizer, lr=lr, weight_decay=weight_decay, momentum=momentum, aggregate=aggregate,
         center=center, scale=scale, participation=participation, noise=noise, noise_rate=noise_rate,
         asym_rule=asym_map, seeds=list(seed), iid_reference=iid_reference, backend=backend,
-        block_clients=block_clients, device=device)
+        block_clients=block_clients, device=device, **{k: v for k, v in method.items() if k != "head_params"})
     if resume and out is None:
         raise FedheadError("The '--resume' option needs --out naming the interrupted run's directory. Got none.")
     res = run_training(cfg, out=out, resume=resume)

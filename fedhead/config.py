@@ -53,6 +53,19 @@ class TrainConfig:
     memory_budget_mb: float = 1536.0       # budget for the client-stacked tensors of one block
     device: str = "auto"                   # auto | cpu | cuda
     eval_every: int = 1                    # evaluate the global head every n rounds (and the last)
+    # -- closed-form start, classic baselines, the ceiling (README "Baselines"; SPEC section 8)
+    init: str | None = None                # ncm | ridge | cof | lda: round 1 exchanges statistics, solves the head
+    init_scale: float | None = None        # temperature the solved head is multiplied by [measured, per head]
+    central_reference: bool = False        # also train the head centrally on the pooled data -> ratio_to_central
+    prox_mu: float = 0.0                   # FedProx proximal term mu (0 = FedAvg)
+    scaffold: bool = False                 # SCAFFOLD control variates (option II)
+    server_opt: str = "fedavg"             # fedavg | fedavgm | fedadam | fedyogi | fedadagrad
+    server_lr: float | None = None         # server learning rate [Flower's default for server_opt]
+    server_momentum: float | None = None   # fedavgm momentum [Flower's default]
+    server_betas: tuple | None = None      # fedadam / fedyogi (beta1, beta2) [Flower's defaults]
+    server_tau: float | None = None        # adaptivity tau [Flower's default]
+    calibrate: str = "none"                # none | ccvr: calibrate the head on virtual features after the last round
+    ccvr_samples: int = 200                # ccvr: virtual features per class
 
     def resolved(self) -> "TrainConfig":
         """A copy with the recipe applied to every field left as None, validated."""
@@ -75,6 +88,13 @@ class TrainConfig:
         validate("--aggregate", c.aggregate, OneOf(("fedavg", "grouped")))
         validate("--scale", c.scale, OneOf(("none", "rms")))
         validate("--eval-every", c.eval_every, Interval(1, None, integer=True))
+        validate("--prox-mu", c.prox_mu, Interval(0, None))
+        validate("--calibrate", c.calibrate, OneOf(("none", "ccvr")))
+        validate("--ccvr-samples", c.ccvr_samples, Interval(1, None, integer=True))
+        if c.init_scale is not None:
+            validate("--init-scale", c.init_scale, Interval(0, None, closed="neither"))
+        if c.server_betas is not None:
+            c.server_betas = tuple(float(b) for b in c.server_betas)
         if not c.seeds:
             raise FedheadError("The '--seed' parameter needs at least one value. Got [] instead.")
         for s in c.seeds:

@@ -22,7 +22,9 @@ from extract.store import Features, load_store
 from . import __version__
 from .config import TrainConfig
 from .engine import ClientSet, Engine, LocalConfig, OptimConfig, evaluate
-from .errors import FedheadError
+from .errors import FedheadError, unknown_name
+from .central import central_reference, first_reach
+from .closedform import accumulate, is_closed_form, to_prepared
 from .heads import create_head, resolve_head_params
 from .noise import apply_noise
 from .partitions import PARTITIONS, class_counts, create_partition, resolve_partition_params
@@ -138,6 +140,7 @@ def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:
     cfg = cfg.resolved()
     resolve_head_params(cfg.head, **cfg.head_params)
     resolve_partition_params(cfg.partition, **cfg.partition_params)
+    validate_method(cfg)
     n = len(store.train_y)
     if cfg.clients > n:
         raise FedheadError(f"The '--clients' parameter must be <= the number of training samples ({n}). "
@@ -149,6 +152,32 @@ def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:
         apply_noise(cfg.noise, cfg.noise_rate, [store.train_y[:1]], store.info.num_classes,
                     dataset=noise_dataset_name(store, cfg), seed=0, asym_rule=cfg.asym_rule)
     return cfg
+
+
+def validate_method(cfg: TrainConfig) -> None:
+    """The method options (closed form, --init, FedProx, SCAFFOLD, server optimiser, CCVR) against the head;
+    a closed-form head needs no feature centring (its statistics carry the means), so it is switched off."""
+    if is_closed_form(cfg.head):
+        for flag, given in (("--init", cfg.init), ("--prox-mu", cfg.prox_mu), ("--scaffold", cfg.scaffold),
+                            ("--server-opt", cfg.server_opt != "fedavg" and cfg.server_opt),
+                            ("--calibrate", cfg.calibrate != "none" and cfg.calibrate)):
+            if given:
+                raise FedheadError(f"The '{flag}' parameter does not apply to the closed-form head {cfg.head!r} "
+                                   f"(solved once from statistics, no local training). Got {given!r} instead. "
+                                   "Drop it, or choose an iterative head (softmax, ova, ova2, ...).")
+        cfg.center, cfg.scale = False, "none"
+    if cfg.init is not None and not is_closed_form(cfg.init):
+        from .closedform import closed_form_names
+
+        raise unknown_name("--init", cfg.init, closed_form_names(), "closed-form head")
+    if cfg.init is not None:
+        resolve_head_params(cfg.init, **cfg.head_params)
+    if cfg.server_opt != "fedavg" or any(v is not None for v in (cfg.server_lr, cfg.server_momentum,
+                                                                 cfg.server_betas, cfg.server_tau)):
+        from .serveropt import ServerOptConfig
+
+        ServerOptConfig(name=cfg.server_opt, lr=cfg.server_lr, momentum=cfg.server_momentum,
+                        betas=cfg.server_betas, tau=cfg.server_tau).resolved()
 
 
 def run_training(cfg: TrainConfig, out: str | Path | None = None, resume: bool = False,
@@ -204,13 +233,20 @@ def run_training(cfg: TrainConfig, out: str | Path | None = None, resume: bool =
     done_runs: set = set(map(tuple, ckpt["done_runs"])) if ckpt else set()
     realised: dict = dict(ckpt.get("realised", {})) if ckpt else {}
     client_rows: list = list(ckpt.get("client_rows", [])) if ckpt else []
+    central: dict = dict(ckpt.get("central", {})) if ckpt else {}
+    extras: dict = dict(ckpt.get("extras", {})) if ckpt else {}
     wall0 = time.perf_counter() - (ckpt["wall_s"] if ckpt else 0.0)
     head = create_head(cfg.head, **cfg.head_params)
+    solver = create_head(cfg.head if is_closed_form(cfg.head) else cfg.init, **cfg.head_params) \
+        if (is_closed_form(cfg.head) or cfg.init) else None
+    last_round = 1 if is_closed_form(cfg.head) else cfg.rounds
     optim = OptimConfig(name=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum)
     local = LocalConfig(epochs=cfg.local_epochs, batch_size=cfg.batch_size)
     C, D = store.info.num_classes, store.train_x.shape[1]
     x_test_raw = store.test_x
     y_test = torch.as_tensor(store.test_y, device=device)
+    raw_train = torch.as_tensor(store.train_x, dtype=torch.float32)
+    raw_test = torch.as_tensor(store.test_x, dtype=torch.float32)
 
     with make_progress() as prog:
         total_runs = len(cfg.seeds) * len(variants)
@@ -229,44 +265,73 @@ def run_training(cfg: TrainConfig, out: str | Path | None = None, resume: bool =
                                         "counts": fed.counts.tolist()})
                 x = prepare(store.train_x, fed.stats, device)
                 xt = prepare(x_test_raw, fed.stats, device)
-                data = ClientSet(x=x, y=torch.as_tensor(fed.labels, device=device), parts=fed.parts,
-                                 counts=fed.counts, num_classes=C)
-                engine = Engine(data, head, optim, local, backend=cfg.backend, block_clients=cfg.block_clients,
-                                memory_budget_mb=cfg.memory_budget_mb)
+                labels = torch.as_tensor(fed.labels, device=device)
+                if cfg.central_reference and vname == "main" and str(seed) not in central:
+                    ref = central_reference(head, x_prepared=x, x_raw=raw_train, y=labels, x_test_prepared=xt,
+                                            x_test_raw=raw_test, y_test=y_test.cpu(), num_classes=C,
+                                            weight_decay=cfg.weight_decay)
+                    central[str(seed)] = {"accuracy": ref.accuracy, "iterations": ref.iterations}
+                data = ClientSet(x=x, y=labels, parts=fed.parts, counts=fed.counts, num_classes=C)
+                engine = None if is_closed_form(cfg.head) else Engine(
+                    data, head, optim, local, backend=cfg.backend, block_clients=cfg.block_clients,
+                    memory_budget_mb=cfg.memory_budget_mb)
+                server = ServerUpdate(cfg, (C, D + 1), device)
                 theta = torch.zeros(C, D + 1, device=device)
                 start = 1
                 if ckpt is not None and tuple(ckpt["current"]) == key:
                     theta = ckpt["theta"].to(device)
                     start = int(ckpt["round"]) + 1
+                    server.load_state_dict(ckpt.get("server", {}), device)
                 head_bytes = theta.numel() * theta.element_size()
-                rtask = prog.add_task(f"seed {seed} {vname} {part}", total=cfg.rounds, completed=start - 1,
+                rtask = prog.add_task(f"seed {seed} {vname} {part}", total=last_round, completed=start - 1,
                                       info="") if progress else None
-                for rnd in range(start, cfg.rounds + 1):
+                for rnd in range(start, last_round + 1):
                     sel = sample_clients(cfg.clients, cfg.participation, seed, rnd)
-                    theta, st = engine.run_round(theta, sel, seed, rnd, cfg.aggregate)
-                    evaluate_now = rnd % cfg.eval_every == 0 or rnd == cfg.rounds
-                    acc = evaluate(theta, xt, y_test) if evaluate_now else float("nan")
+                    nsel = len(sel)
                     extra_up = fed.stats.bytes_up_per_client if rnd == 1 else 0
                     extra_down = fed.stats.bytes_down_per_client if rnd == 1 else 0
-                    nsel = len(sel)
-                    stats_clients = len(fed.parts) if rnd == 1 else 0
-                    rows.append({
-                        "seed": seed, "round": rnd, "stage": head.stage(rnd), "accuracy": acc,
-                        "train_loss": st.loss_sum / max(1, st.clients),
-                        "client_ms": 1000 * st.compute_s / max(1, st.clients),
-                        "server_ms": 1000 * st.server_s,
-                        "bytes_up_per_client": head_bytes + extra_up,
-                        "bytes_total": nsel * 2 * head_bytes + stats_clients * (extra_up + extra_down),
-                        "ratio_to_iid": None, "run": vname, "partition": part, "clients_trained": st.clients,
-                    })
+                    stats_bytes = len(fed.parts) * (extra_up + extra_down) if rnd == 1 else 0
+                    if solver is not None and rnd == 1:
+                        # the statistics exchange: clients send sufficient statistics once, the server solves
+                        st, theta = statistics_round(solver, raw_train, fed.labels, fed.parts, sel, C, cfg, fed.stats,
+                                                     closed=is_closed_form(cfg.head), device=device)
+                        up_per_client = st["bytes_up"] / max(1, st["clients"]) + extra_up
+                        # a closed-form head is sent back once; an --init head goes down with round 2
+                        down = nsel * head_bytes if is_closed_form(cfg.head) else 0
+                        row = {"stage": "statistics", "train_loss": float("nan"), "client_ms": st["client_ms"],
+                               "server_ms": st["server_ms"], "bytes_up_per_client": up_per_client,
+                               "bytes_total": st["bytes_up"] + down + stats_bytes, "clients_trained": st["clients"]}
+                    else:
+                        prev = theta
+                        theta, st = engine.run_round(theta, sel, seed, rnd, cfg.aggregate, **server.engine_kwargs())
+                        t0 = time.perf_counter()
+                        theta = server.step(prev, theta)
+                        server_s = st.server_s + time.perf_counter() - t0
+                        mult = server.transfer_multiplier()
+                        row = {"stage": head.stage(rnd), "train_loss": st.loss_sum / max(1, st.clients),
+                               "client_ms": 1000 * st.compute_s / max(1, st.clients), "server_ms": 1000 * server_s,
+                               "bytes_up_per_client": mult * head_bytes + extra_up,
+                               "bytes_total": nsel * 2 * mult * head_bytes + stats_bytes,
+                               "clients_trained": st.clients}
+                    evaluate_now = rnd % cfg.eval_every == 0 or rnd == last_round
+                    acc = evaluate(theta, xt if not is_closed_form(cfg.head) else _with_ones(raw_test, device),
+                                   y_test) if evaluate_now else float("nan")
+                    rows.append({"seed": seed, "round": rnd, "accuracy": acc, **row, "ratio_to_iid": None,
+                                 "run": vname, "partition": part})
                     if rtask is not None:
                         prog.update(rtask, advance=1, info=f"acc {acc:.4f}")
                     atomic_torch_save({"identity": cfg.identity(), "current": list(key), "round": rnd,
                                        "theta": theta.cpu(), "rows": rows, "done_runs": [list(k) for k in done_runs],
-                                       "realised": realised, "client_rows": client_rows,
+                                       "realised": realised, "client_rows": client_rows, "central": central,
+                                       "extras": extras, "server": server.state_dict(),
                                        "wall_s": time.perf_counter() - wall0,
                                        "rng": "keyed by (seed, round, client, epoch)"}, ckpt_path)
-                    write_rounds(run_dir, _with_ratios(rows))
+                    write_rounds(run_dir, _with_ratios(rows, central))
+                if cfg.calibrate == "ccvr":
+                    theta, crow = ccvr_round(head, theta, x, fed.labels, fed.parts, C, cfg, seed, xt, y_test,
+                                             last_round + 1)
+                    rows.append({"seed": seed, **crow, "run": vname, "partition": part})
+                    write_rounds(run_dir, _with_ratios(rows, central))
                 done_runs.add(key)
                 torch.save(theta.cpu(), run_dir / (f"head-seed{seed}.pt" if vname == "main" else f"head-seed{seed}-iid.pt"))
                 if runs_task is not None:
@@ -274,17 +339,120 @@ def run_training(cfg: TrainConfig, out: str | Path | None = None, resume: bool =
                 if rtask is not None:
                     prog.remove_task(rtask)
 
-    rows = _with_ratios(rows)
+    rows = _with_ratios(rows, central)
     write_rounds(run_dir, rows)
     write_clients_per_seed(run_dir, client_rows)
-    summary = summarize(rows, cfg, realised, time.perf_counter() - wall0)
+    summary = summarize(rows, cfg, realised, time.perf_counter() - wall0, central)
     write_summary(run_dir, summary)
     if ckpt_path.exists():
         ckpt_path.unlink()
     return RunResult(run_dir, summary, rows)
 
 
-def _with_ratios(rows: list[dict]) -> list[dict]:
+def _with_ones(x: torch.Tensor, device) -> torch.Tensor:
+    return torch.cat([x, torch.ones(len(x), 1)], 1).to(device)
+
+
+# ---------------------------------------------------------------- the statistics exchange, server updates, CCVR
+
+
+INIT_SCALE = {"ncm": 1.0, "ridge": 10.0, "cof": 1.0, "lda": 1.0}   # measured, see README "Baselines"
+
+
+def statistics_round(solver, x_raw: torch.Tensor, labels: np.ndarray, parts: list[np.ndarray], sel: np.ndarray,
+                     num_classes: int, cfg: TrainConfig, stats: FeatureStats, *, closed: bool, device):
+    """Round 1 of a statistics head or an ``--init`` run: the selected clients' statistics, the solved head.
+
+    Returns the round's measurements and the head, on raw features for a closed-form head, else mapped to the
+    run's prepared features and multiplied by the init scale."""
+    t0 = time.perf_counter()
+    acc = accumulate(x_raw, torch.as_tensor(labels), [parts[k] for k in sel], num_classes,
+                     gram=solver.needs_gram, cof=solver.needs_client_means, per_client=cfg.backend == "loop")
+    t1 = time.perf_counter()
+    theta = solver.solve(acc)
+    if not closed:
+        scale = cfg.init_scale if cfg.init_scale is not None else INIT_SCALE[solver.name]
+        theta = to_prepared(theta, stats.mean, stats.scale) * scale
+    t2 = time.perf_counter()
+    return ({"client_ms": 1000 * (t1 - t0) / max(1, acc.clients), "server_ms": 1000 * (t2 - t1),
+             "bytes_up": acc.bytes_up, "clients": acc.clients}, theta.to(device=device, dtype=torch.float32))
+
+
+class ServerUpdate:
+    """What the server does with a round's aggregate beyond FedAvg: a server optimiser (FedAvgM, FedAdam, ...)
+    and SCAFFOLD's control variates; plus what the engine needs from it (FedProx's mu, the variates)."""
+
+    def __init__(self, cfg: TrainConfig, shape: tuple, device):
+        self.cfg = cfg
+        self.opt = None
+        if cfg.server_opt != "fedavg":
+            from .serveropt import ServerOptConfig, ServerOptimizer
+
+            scfg = ServerOptConfig(name=cfg.server_opt, lr=cfg.server_lr, momentum=cfg.server_momentum,
+                                   betas=cfg.server_betas, tau=cfg.server_tau).resolved()
+            self.opt = ServerOptimizer(scfg, shape, device)
+        self.scaffold = None
+        if cfg.scaffold:
+            from .engine import ScaffoldState
+
+            self.scaffold = ScaffoldState.zeros(cfg.clients, shape[0], shape[1], device)
+
+    def engine_kwargs(self) -> dict:
+        kw = {}
+        if self.cfg.prox_mu:
+            kw["prox_mu"] = self.cfg.prox_mu
+        if self.scaffold is not None:
+            kw["scaffold"] = self.scaffold
+        return kw
+
+    def step(self, previous: torch.Tensor, aggregated: torch.Tensor) -> torch.Tensor:
+        return aggregated if self.opt is None else self.opt.step(previous, aggregated)
+
+    def transfer_multiplier(self) -> int:
+        """Heads' worth of numbers each way per client and round (SCAFFOLD's variates travel with the head)."""
+        return 2 if self.scaffold is not None else 1
+
+    def state_dict(self) -> dict:
+        return {"opt": self.opt.state_dict() if self.opt is not None else None,
+                "scaffold": self.scaffold.state_dict() if self.scaffold is not None else None}
+
+    def load_state_dict(self, d: dict, device) -> None:
+        if self.opt is not None and d.get("opt") is not None:
+            self.opt.load_state_dict(d["opt"])
+        if self.scaffold is not None and d.get("scaffold") is not None:
+            self.scaffold.load_state_dict(d["scaffold"])
+
+
+def ccvr_round(head, theta: torch.Tensor, x: torch.Tensor, labels: np.ndarray, parts: list[np.ndarray],
+               num_classes: int, cfg: TrainConfig, seed: int, xt: torch.Tensor, y_test: torch.Tensor, rnd: int):
+    """CCVR after the last round: every client sends per-class means, covariances and counts of its (prepared)
+    features once; the server pools them, samples virtual features and retrains the head on them."""
+    from .ccvr import PooledStats, client_class_stats, retrain_head, sample_virtual
+
+    feats = x[:, :-1].cpu().numpy()
+    t0 = time.perf_counter()
+    pooled = PooledStats(num_classes, feats.shape[1])
+    up = 0
+    for p in parts:
+        if len(p):
+            cs = client_class_stats(feats[p], labels[p], num_classes)
+            up += cs.nbytes()
+            pooled.add(cs)
+    t1 = time.perf_counter()
+    counts, means, covs = pooled.finish()
+    xv, yv = sample_virtual(counts, means, covs, cfg.ccvr_samples, seed)
+    xv_t = torch.cat([torch.as_tensor(xv), torch.ones(len(xv), 1)], 1).to(theta.device)
+    new = retrain_head(theta, head, xv_t, torch.as_tensor(yv, device=theta.device), seed=seed)
+    t2 = time.perf_counter()
+    acc = evaluate(new, xt, y_test)
+    k = len(parts)
+    return new, {"round": rnd, "stage": "ccvr", "accuracy": acc, "train_loss": float("nan"),
+                 "client_ms": 1000 * (t1 - t0) / max(1, k), "server_ms": 1000 * (t2 - t1),
+                 "bytes_up_per_client": up / max(1, k), "bytes_total": up + k * theta.numel() * theta.element_size(),
+                 "ratio_to_iid": None, "clients_trained": 0}
+
+
+def _with_ratios(rows: list[dict], central: dict | None = None) -> list[dict]:
     iid = {(r["seed"], r["round"]): r["accuracy"] for r in rows if r.get("run") == "iid"}
     out = []
     for r in rows:
@@ -292,11 +460,14 @@ def _with_ratios(rows: list[dict]) -> list[dict]:
         ref = iid.get((r["seed"], r["round"]))
         if r.get("run") == "main" and ref:
             r["ratio_to_iid"] = r["accuracy"] / ref
+        c = (central or {}).get(str(r["seed"]))
+        if c and r.get("run") == "main" and c["accuracy"]:
+            r["ratio_to_central"] = r["accuracy"] / c["accuracy"]
         out.append(r)
     return out
 
 
-def summarize(rows: list[dict], cfg: TrainConfig, realised: dict, wall_s: float) -> dict:
+def summarize(rows: list[dict], cfg: TrainConfig, realised: dict, wall_s: float, central: dict | None = None) -> dict:
     per_seed = []
     for seed in cfg.seeds:
         main = [r for r in rows if r["seed"] == seed and r["run"] == "main"]
@@ -316,11 +487,21 @@ def summarize(rows: list[dict], cfg: TrainConfig, realised: dict, wall_s: float)
             rec["iid_final_accuracy"] = rec["final_accuracy"]
             rec["final_ratio_to_iid"] = 1.0
             rec["acc95_round_vs_iid"] = rec["acc95_round"]
+        c = (central or {}).get(str(seed))
+        if c:
+            rec["central_accuracy"] = c["accuracy"]
+            rec["final_ratio_to_central"] = rec["final_accuracy"] / c["accuracy"] if c["accuracy"] else None
+            rec["rounds_to_99_central"], rec["mb_per_client_to_99_central"] = first_reach(main, 0.99 * c["accuracy"])
+        if main[-1].get("stage") == "ccvr" and len(main) > 1:
+            rec["uncalibrated_accuracy"] = main[-2]["accuracy"]
+        rec["mb_per_client"] = float(sum(r["bytes_up_per_client"] for r in main)) / 1e6
         per_seed.append(rec)
     summary = {"head": cfg.head, "partition": cfg.partition, "recipe": cfg.recipe, "seeds": cfg.seeds,
-               "rounds": cfg.rounds, "clients": cfg.clients}
+               "rounds": 1 if is_closed_form(cfg.head) else cfg.rounds, "clients": cfg.clients}
     keys = ["final_accuracy", "best_accuracy", "acc95_round", "final_ratio_to_iid", "acc95_round_vs_iid",
-            "iid_final_accuracy", "realised_noise_rate", "client_ms", "server_ms", "bytes_total"]
+            "iid_final_accuracy", "realised_noise_rate", "client_ms", "server_ms", "bytes_total",
+            "central_accuracy", "final_ratio_to_central", "rounds_to_99_central", "mb_per_client_to_99_central",
+            "uncalibrated_accuracy", "mb_per_client"]
     for k in keys:
         vals = [r.get(k) for r in per_seed]
         if all(v is None for v in vals):

@@ -1,0 +1,79 @@
+"""The centralised ceiling (SPEC section 7): the same head trained on the pooled training set to convergence.
+
+Every federated number is compared to what one party holding all the (possibly noisy) training features
+would reach with the same head, the same feature preparation and the same regularisation:
+
+- an iterative head: its own local loss (:meth:`fedhead.heads.Head.loss`) on one "client" holding everything
+  (so ``present`` = every class, ``counts`` = the pooled class counts; a two-stage head in its last stage;
+  every positive term kept), plus ``weight_decay / 2 * ||theta||^2`` (the L2 penalty SGD's weight decay is the
+  gradient of; AdamW's decoupled decay has no exact objective, so the same penalty stands in for it), full
+  batch, L-BFGS with strong-Wolfe line search from zero until the gradient or the step stalls;
+- a closed-form head: its own solve on the pooled statistics (:meth:`ClosedFormHead.solve_central`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .closedform import is_closed_form
+from .engine import evaluate
+from .heads import Head, LossContext
+
+LAST_ROUND = 10**9      # a round number past any schedule: two-stage heads are in their last stage
+
+
+@dataclass
+class Central:
+    accuracy: float
+    theta: torch.Tensor          # [C, D+1] on the run's prepared features (closed form: raw features)
+    iterations: int
+
+
+def central_head(head: Head, x: torch.Tensor, y: torch.Tensor, num_classes: int, weight_decay: float,
+                 max_iter: int = 500, tol: float = 1e-7) -> tuple[torch.Tensor, int]:
+    """Minimise the head's pooled loss + wd/2 ||theta||^2 with full-batch L-BFGS; ``x [N, D+1]`` prepared."""
+    C, D1 = num_classes, x.shape[1]
+    counts = torch.bincount(y, minlength=C).to(x.dtype)[None]
+    ctx = LossContext(round=LAST_ROUND, present=counts > 0, counts=counts,
+                      u=torch.zeros(1, len(y), device=x.device, dtype=x.dtype))
+    mask = torch.ones(1, len(y), device=x.device, dtype=x.dtype)
+    theta = torch.zeros(C, D1, device=x.device, dtype=x.dtype, requires_grad=True)
+    opt = torch.optim.LBFGS([theta], lr=1.0, max_iter=max_iter, tolerance_grad=tol, tolerance_change=1e-12,
+                            history_size=20, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        logits = (x @ theta.T)[None]
+        loss = head.loss(logits, y[None], mask, ctx)[0] + 0.5 * weight_decay * (theta * theta).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    state = opt.state[opt._params[0]]
+    return theta.detach(), int(state.get("n_iter", 0))
+
+
+def central_reference(head: Head, *, x_prepared: torch.Tensor, x_raw: torch.Tensor, y: torch.Tensor,
+                      x_test_prepared: torch.Tensor, x_test_raw: torch.Tensor, y_test: torch.Tensor,
+                      num_classes: int, weight_decay: float) -> Central:
+    """The ceiling of ``head`` on the pooled training set, evaluated on the test set."""
+    if is_closed_form(head.name):
+        theta = head.solve_central(x_raw, y, num_classes).to(torch.float32)
+        xt = torch.cat([x_test_raw, torch.ones(len(x_test_raw), 1, dtype=x_test_raw.dtype)], 1)
+        return Central(evaluate(theta, xt, y_test), theta, 0)
+    theta, it = central_head(head, x_prepared, y, num_classes, weight_decay)
+    return Central(evaluate(theta, x_test_prepared, y_test), theta, it)
+
+
+def first_reach(rows: list[dict], target: float) -> tuple[int | None, float | None]:
+    """(round, cumulative MB uploaded per client up to it) of the first row at or above ``target``."""
+    mb = 0.0
+    for r in rows:
+        mb += r["bytes_up_per_client"] / 1e6
+        a = r["accuracy"]
+        if a == a and a >= target:
+            return int(r["round"]), mb
+    return None, None

@@ -1,0 +1,370 @@
+"""Statistics heads (SPEC section 8): each client sends sufficient statistics once, the server solves.
+
+One message type serves all four heads: the client's per-class feature sums and counts (only the classes it
+holds) and, for ``ridge`` and ``lda``, its Gram matrix ``Phi^T Phi`` of the features with a bias column (sent as
+the upper triangle). FedCOF's class means are the sums divided by the counts, so ``cof`` and ``ncm`` send the
+same numbers. Everything is accumulated in float64 on the server by :class:`StatsAccumulator`, which takes
+either one client's :class:`ClientStats` (what a Flower client sends) or a whole block of clients at once (the
+simulator: the block's Gram is one matrix product); both give the same sums to float64 rounding, in any order.
+
+The solved head ``theta [C, D+1]`` acts on RAW features with a trailing 1 (``[x, 1]``); :func:`to_prepared`
+maps it exactly to features that a run centred and scaled, ``x' = (x - m) / s``:
+``W x + b = (s W) x' + (W m + b)``.
+
+- ``ncm`` (FedNCM): rows ``mu_c / ||mu_c||``, zero bias: argmax of the cosine (the norm of ``x`` does not
+  change the argmax).
+- ``ridge`` (Fed3R): ``W = (sum Phi^T Phi + lambda I)^-1 sum Phi^T Y``, ``Phi = [x, 1]``, ``Y`` one-hot; Cholesky,
+  ``solve`` if that fails. ``ridge_normalize`` L2-normalises each row ``[w_c, b_c]`` as Fed3R's code does.
+- ``cof`` (FedCOF, the estimator of dipamgoswami/FedCOF ``server_aggregate``/``FedCOFServer``): class means
+  ``mu_c``; class covariances from the spread of the clients' class means,
+  ``Delta_c = sum_k n_kc (mu_kc - mu_c)(mu_kc - mu_c)^T / max(1, K_c - 1)`` (``K_c`` = clients holding c),
+  shrunk ``Delta_c + gamma I``; the Gram estimate ``G = sum_c (N_c - 1)(Delta_c + gamma I) + N g g^T`` with ``g``
+  the global mean; ``W = G^+ S`` with ``S`` the class sums, rows L2-normalised, no bias (as that code).
+  Streamed as ``sum_k M_k^T diag(a * n_k) M_k - sum_c a_c N_c mu_c mu_c^T`` with ``a_c = (N_c - 1)/max(1, K_c - 1)``,
+  so the server holds one ``D x D`` matrix, never one per class or per client.
+- ``lda``: shared covariance ``Sigma = (sum x x^T - sum_c N_c mu_c mu_c^T) / (N - C')`` (``C'`` classes present)
+  plus ``lda_shrinkage * trace(Sigma)/D * I``; rows ``Sigma^-1 mu_c``, bias ``-1/2 mu_c^T Sigma^-1 mu_c + log(N_c/N)``
+  (the empirical class prior of the training set).
+
+A class no client holds gets a zero row and zero bias in every head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import FedheadError, Interval
+from .heads import Head, register_head
+from .registry import Param
+
+F64 = torch.float64
+
+
+# ---------------------------------------------------------------- the client's message
+
+
+@dataclass
+class ClientStats:
+    """What one client sends once: the classes it holds, their counts and feature sums, and (``ridge``,
+    ``lda``) its Gram matrix of ``[x, 1]``."""
+
+    classes: np.ndarray            # [m] int
+    counts: np.ndarray             # [m] int64
+    sums: np.ndarray               # [m, D] float64
+    gram: np.ndarray | None        # [D+1, D+1] float64 (symmetric; sent as the upper triangle)
+
+    def nbytes(self) -> int:
+        return message_bytes(len(self.classes), self.sums.shape[1] if self.sums.ndim == 2 else 0,
+                             self.gram is not None)
+
+
+def message_bytes(num_classes_held: int, dim: int, gram: bool) -> int:
+    """Bytes on the wire: class ids int32, counts int64, sums float64, the Gram's upper triangle float64."""
+    b = num_classes_held * (4 + 8 + 8 * dim)
+    if gram:
+        d1 = dim + 1
+        b += 8 * d1 * (d1 + 1) // 2
+    return b
+
+
+def client_stats(x: np.ndarray | torch.Tensor, y: np.ndarray, num_classes: int, gram: bool) -> ClientStats:
+    """One client's message from its raw features ``x [n, D]`` and labels ``y [n]``."""
+    xt = torch.as_tensor(np.asarray(x), dtype=F64)
+    yt = torch.as_tensor(np.asarray(y), dtype=torch.int64)
+    sums = torch.zeros(num_classes, xt.shape[1], dtype=F64).index_add_(0, yt, xt)
+    counts = torch.bincount(yt, minlength=num_classes)
+    held = torch.nonzero(counts > 0).flatten()
+    g = None
+    if gram:
+        phi = torch.cat([xt, torch.ones(len(xt), 1, dtype=F64)], 1)
+        g = (phi.T @ phi).numpy()
+    return ClientStats(held.numpy().astype(np.int64), counts[held].numpy().astype(np.int64),
+                       sums[held].numpy(), g)
+
+
+def pack_upper(a: np.ndarray) -> np.ndarray:
+    """The upper triangle of a symmetric matrix, row by row (what travels)."""
+    return a[np.triu_indices(a.shape[0])]
+
+
+def unpack_upper(v: np.ndarray, n: int) -> np.ndarray:
+    out = np.zeros((n, n), dtype=v.dtype)
+    iu = np.triu_indices(n)
+    out[iu] = v
+    out.T[iu] = v
+    return out
+
+
+# ---------------------------------------------------------------- the server's sums
+
+
+class StatsAccumulator:
+    """Server-side float64 sums of the clients' messages (any order, client by client or block by block).
+
+    ``cof_counts [K, C]``: the clients' class counts (every message carries them; the server reads them
+    before the means) give FedCOF's per-class weights, so the spread of the class means streams into one
+    ``D x D`` matrix."""
+
+    def __init__(self, num_classes: int, dim: int, *, gram: bool = False, cof_counts: np.ndarray | None = None):
+        C, D = num_classes, dim
+        self.C, self.D = C, D
+        self.sums = torch.zeros(C, D, dtype=F64)
+        self.counts = torch.zeros(C, dtype=F64)
+        self.gram = torch.zeros(D + 1, D + 1, dtype=F64) if gram else None
+        self.cof_w = None
+        if cof_counts is not None:
+            cc = np.asarray(cof_counts)
+            n_c = cc.sum(0).astype(np.float64)
+            k_c = (cc > 0).sum(0).astype(np.float64)
+            self.cof_w = torch.as_tensor((n_c - 1.0).clip(0) / np.maximum(1.0, k_c - 1.0), dtype=F64)   # a_c
+            self.cof_k = torch.as_tensor(k_c, dtype=F64)
+            self.spread = torch.zeros(D, D, dtype=F64)
+        self.bytes_up = 0
+        self.clients = 0
+
+    def add(self, m: ClientStats) -> None:
+        """One client's message (the Flower server, the loop backend)."""
+        cls = torch.as_tensor(m.classes, dtype=torch.int64)
+        s = torch.as_tensor(m.sums, dtype=F64)
+        n = torch.as_tensor(m.counts, dtype=F64)
+        self.sums.index_add_(0, cls, s)
+        self.counts.index_add_(0, cls, n)
+        if self.gram is not None:
+            self.gram += torch.as_tensor(m.gram, dtype=F64)
+        if self.cof_w is not None and len(cls):
+            # n mu mu^T = s s^T / n, weighted by a_c
+            w = self.cof_w[cls] / n
+            self.spread += (s * w[:, None]).T @ s
+        self.bytes_up += m.nbytes()
+        self.clients += 1
+
+    def add_block(self, x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray]) -> None:
+        """The messages of a block of clients at once: ``x [N, D]`` raw features, ``y [N]`` labels, ``parts``
+        the block's clients' sample indices. Sums equal adding each client's :func:`client_stats`."""
+        C, D = self.C, self.D
+        idx = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        owner = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+        it = torch.as_tensor(idx, dtype=torch.int64)
+        xb = x.index_select(0, it).to(F64)
+        yb = y.index_select(0, it).to(torch.int64)
+        key = torch.as_tensor(owner, dtype=torch.int64) * C + yb
+        cnt = torch.bincount(key, minlength=len(parts) * C).to(F64)                  # per client and class
+        self.sums.index_add_(0, yb, xb)
+        self.counts += cnt.view(len(parts), C).sum(0)
+        if self.gram is not None:
+            self.gram[:D, :D] += xb.T @ xb
+            colsum = xb.sum(0)
+            self.gram[:D, D] += colsum
+            self.gram[D, :D] += colsum
+            self.gram[D, D] += float(len(xb))
+        if self.cof_w is not None:
+            per = torch.zeros(len(parts) * C, D, dtype=F64).index_add_(0, key, xb)    # the clients' class sums
+            w = (self.cof_w.repeat(len(parts)) / cnt.clamp_min(1.0)) * (cnt > 0)
+            self.spread += (per * w[:, None]).T @ per
+        held = (cnt.view(len(parts), C) > 0).sum(1)
+        self.bytes_up += sum(message_bytes(int(h), D, self.gram is not None) for h in held)
+        self.clients += len(parts)
+
+
+def accumulate(x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray], num_classes: int, *, gram: bool,
+               cof: bool, block_rows: int = 8192, per_client: bool = False) -> StatsAccumulator:
+    """Stream every client's message into a :class:`StatsAccumulator`, in blocks of about ``block_rows``
+    samples (``per_client``: one :func:`client_stats` message at a time, as a Flower server receives them)."""
+    counts = None
+    if cof:
+        yn = y.cpu().numpy()
+        counts = np.stack([np.bincount(yn[p], minlength=num_classes) for p in parts]) if parts else None
+    acc = StatsAccumulator(num_classes, x.shape[1], gram=gram, cof_counts=counts)
+    if per_client:
+        xn, yn = x.cpu().numpy(), y.cpu().numpy()
+        for p in parts:
+            acc.add(client_stats(xn[p], yn[p], num_classes, gram))
+        return acc
+    x, y = x.cpu(), y.cpu()
+    # cof keeps [clients x classes, D] float64 class sums of a block: bound them to about 256 MB
+    max_clients = max(1, (256 << 20) // (8 * num_classes * x.shape[1])) if cof else len(parts) + 1
+    block, rows = [], 0
+    for p in parts:
+        block.append(p)
+        rows += len(p)
+        if rows >= block_rows or len(block) >= max_clients:
+            acc.add_block(x, y, block)
+            block, rows = [], 0
+    if block:
+        acc.add_block(x, y, block)
+    return acc
+
+
+# ---------------------------------------------------------------- solvers
+
+
+def _spd_solve(a: torch.Tensor, b: torch.Tensor, param: str, fix: str) -> torch.Tensor:
+    """``a^-1 b`` for a symmetric positive (semi)definite ``a``: Cholesky, else LU solve, else a one-line error."""
+    L, info = torch.linalg.cholesky_ex(a)
+    if int(info) == 0:
+        d = L.diagonal().abs()
+        if float(d.min()) > 0 and float(d.max() / d.min()) ** 2 < 1e14:     # condition number under 1e14
+            return torch.cholesky_solve(b, L)
+    ev = torch.linalg.eigvalsh(a)
+    if float(ev.min()) <= 1e-14 * float(ev.abs().max().clamp_min(1e-300)):
+        raise FedheadError(f"The '{param}' parameter leaves the statistics too ill-conditioned to solve "
+                           f"(condition number over 1e14). {fix}")
+    return torch.linalg.solve(a, b)
+
+
+def _normalize_rows(t: torch.Tensor) -> torch.Tensor:
+    return t / t.norm(dim=1, keepdim=True).clamp_min(1e-300)
+
+
+def to_prepared(theta_raw: torch.Tensor, mean: np.ndarray | None, scale: float) -> torch.Tensor:
+    """Map a head on ``[x, 1]`` to the same scores on ``[(x - mean) / scale, 1]`` (exact)."""
+    W, b = theta_raw[:, :-1].to(F64), theta_raw[:, -1].to(F64)
+    if mean is not None:
+        b = b + W @ torch.as_tensor(mean, dtype=F64)
+    return torch.cat([W * scale, b[:, None]], 1)
+
+
+class ClosedFormHead(Head):
+    """A head solved once from statistics (no local training; :attr:`closed_form` tells the trainer)."""
+
+    closed_form = True
+    needs_gram = False
+    needs_client_means = False     # cof: the spread of the clients' class means
+
+    def per_sample(self, logits, y, ctx):
+        raise FedheadError(f"The '--head' parameter {self.name!r} is solved in closed form and has no local loss. "
+                           "Use it as --head, or as --init for an iterative head.")
+
+    def solve(self, acc: StatsAccumulator) -> torch.Tensor:
+        """``theta [C, D+1]`` (float64) on raw features with a trailing 1."""
+        raise NotImplementedError
+
+    def solve_central(self, x: torch.Tensor, y: torch.Tensor, num_classes: int) -> torch.Tensor:
+        """The same solve on the pooled training set held by one party (the head's centralised reference)."""
+        acc = accumulate(x, y, [np.arange(len(y))], num_classes, gram=self.needs_gram, cof=False)
+        return self.solve(acc)
+
+
+def _means(acc: StatsAccumulator) -> tuple[torch.Tensor, torch.Tensor]:
+    held = acc.counts > 0
+    mu = torch.zeros_like(acc.sums)
+    mu[held] = acc.sums[held] / acc.counts[held, None]
+    return mu, held
+
+
+@register_head("ncm")
+class NCMHead(ClosedFormHead):
+    """FedNCM: L2-normalised class means from per-class sums and counts; cosine scoring (closed form)."""
+
+    def solve(self, acc):
+        mu, held = _means(acc)
+        rows = torch.zeros_like(mu)
+        rows[held] = _normalize_rows(mu[held])
+        return torch.cat([rows, torch.zeros(acc.C, 1, dtype=F64)], 1)
+
+
+@register_head(
+    "ridge",
+    Param("ridge_lambda", 0.01, Interval(0, None, closed="neither"), "ridge: regulariser lambda (Fed3R: 0.01)"),
+    Param("ridge_normalize", False, None, "ridge: L2-normalise each solved row as Fed3R's code does"),
+)
+class RidgeHead(ClosedFormHead):
+    """Fed3R: ridge regression on one-hot targets from the clients' Phi^T Phi and Phi^T Y (closed form)."""
+
+    needs_gram = True
+
+    def solve(self, acc):
+        D = acc.D
+        lam = float(self.params["ridge_lambda"])
+        a = acc.gram + lam * torch.eye(D + 1, dtype=F64)
+        b = torch.cat([acc.sums, acc.counts[:, None]], 1).T                    # Phi^T Y  [D+1, C]
+        w = _spd_solve(a, b, "--ridge-lambda", f"Got {lam!r}; raise it, e.g. --ridge-lambda 1.").T.contiguous()
+        w[acc.counts == 0] = 0.0
+        return _normalize_rows(w) if self.params["ridge_normalize"] else w
+
+
+@register_head(
+    "cof",
+    Param("cof_gamma", 1.0, Interval(0, None), "cof: shrinkage gamma of the class covariances (FedCOF: 1)"),
+)
+class COFHead(ClosedFormHead):
+    """FedCOF: class covariances estimated from the spread of client class means; ridge-like solve (closed form)."""
+
+    needs_client_means = True
+
+    def solve(self, acc):
+        D = acc.D
+        gamma = float(self.params["cof_gamma"])
+        mu, held = _means(acc)
+        n = acc.counts
+        a_c = acc.cof_w
+        # sum_c (N_c - 1) Delta_c = spread - sum_c a_c N_c mu_c mu_c^T ; shrinkage adds gamma (N_c - 1) I per class
+        scatter = acc.spread - (mu * (a_c * n)[:, None]).T @ mu
+        N = float(n.sum())
+        g = acc.sums.sum(0) / max(N, 1.0)
+        G = scatter + gamma * float((n[held] - 1).sum()) * torch.eye(D, dtype=F64) + N * torch.outer(g, g)
+        L, info = torch.linalg.cholesky_ex(G)
+        if int(info) == 0:
+            w = torch.cholesky_solve(acc.sums.T, L).T
+        else:   # the reference code's pseudo-inverse (gamma = 0 with few clients per class)
+            w = (torch.linalg.pinv(G, hermitian=True) @ acc.sums.T).T
+        w = w.contiguous()
+        w[~held] = 0.0
+        w = _normalize_rows(w)
+        return torch.cat([w, torch.zeros(acc.C, 1, dtype=F64)], 1)
+
+    def solve_central(self, x, y, num_classes):
+        # The estimator with the true class covariances: every sample its own "client", so K_c = N_c, the
+        # weights a_c are 1 (N_c >= 2) and the spread is sum_i x_i x_i^T over classes with N_c >= 2.
+        yn = y.cpu().numpy()
+        n_c = np.bincount(yn, minlength=num_classes)
+        acc = StatsAccumulator(num_classes, x.shape[1], cof_counts=np.diag(n_c))   # a_c from counts only
+        acc.cof_w = torch.as_tensor((n_c >= 2).astype(np.float64))
+        x64 = x.cpu().to(F64)
+        acc.sums.index_add_(0, y.cpu().to(torch.int64), x64)
+        acc.counts += torch.as_tensor(n_c, dtype=F64)
+        keep = torch.as_tensor(n_c[yn] >= 2)
+        for i in range(0, len(yn), 8192):
+            xb = x64[i:i + 8192][keep[i:i + 8192]]
+            acc.spread += xb.T @ xb
+        return self.solve(acc)
+
+
+@register_head(
+    "lda",
+    Param("lda_shrinkage", 1e-4, Interval(0, None), "lda: ridge on the shared covariance, times trace/D"),
+)
+class LDAHead(ClosedFormHead):
+    """Shared-covariance Gaussian classifier (LDA) from class sums, counts and the pooled second moment (closed form)."""
+
+    needs_gram = True
+
+    def solve(self, acc):
+        D = acc.D
+        mu, held = _means(acc)
+        n = acc.counts
+        N = float(n.sum())
+        second = acc.gram[:D, :D]
+        within = (second - (mu * n[:, None]).T @ mu) / max(1.0, N - float(held.sum()))
+        shrink = float(self.params["lda_shrinkage"]) * float(torch.trace(within)) / D
+        sigma = within + shrink * torch.eye(D, dtype=F64)
+        w = _spd_solve(sigma, mu.T, "--lda-shrinkage", "Raise it, e.g. --lda-shrinkage 0.01.").T.contiguous()
+        bias = -0.5 * (w * mu).sum(1) + torch.log(n.clamp_min(1.0) / max(N, 1.0))
+        w[~held] = 0.0
+        bias[~held] = 0.0
+        return torch.cat([w, bias[:, None]], 1)
+
+
+def is_closed_form(name: str) -> bool:
+    from .heads import HEADS
+
+    return name in HEADS and bool(getattr(HEADS[name].cls, "closed_form", False))
+
+
+def closed_form_names() -> list[str]:
+    from .heads import HEADS
+
+    return sorted(n for n in HEADS if is_closed_form(n))
