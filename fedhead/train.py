@@ -181,7 +181,10 @@ def validate_method(cfg: TrainConfig) -> None:
 
 
 def run_training(cfg: TrainConfig, out: str | Path | None = None, resume: bool = False,
-                 progress: bool = True, store: Features | None = None, runs_root: str = "runs") -> RunResult:
+                 progress: bool = True, store: Features | None = None, runs_root: str = "runs",
+                 central_cache: dict | None = None) -> RunResult:
+    """Run (or resume) ``cfg`` into ``out``. ``central_cache``: a dict shared by several runs (a bench report)
+    that keeps each centralised ceiling, computed once per head, feature preparation and training labels."""
     store = store or load_store(cfg.features)
     cfg = validate_config(cfg, store)
     device = resolve_device(cfg.device)
@@ -267,10 +270,15 @@ def run_training(cfg: TrainConfig, out: str | Path | None = None, resume: bool =
                 xt = prepare(x_test_raw, fed.stats, device)
                 labels = torch.as_tensor(fed.labels, device=device)
                 if cfg.central_reference and vname == "main" and str(seed) not in central:
-                    ref = central_reference(head, x_prepared=x, x_raw=raw_train, y=labels, x_test_prepared=xt,
-                                            x_test_raw=raw_test, y_test=y_test.cpu(), num_classes=C,
-                                            weight_decay=cfg.weight_decay)
-                    central[str(seed)] = {"accuracy": ref.accuracy, "iterations": ref.iterations}
+                    ckey = _central_key(store, cfg, fed)
+                    if central_cache is None or ckey not in central_cache:
+                        ref = central_reference(head, x_prepared=x, x_raw=raw_train, y=labels, x_test_prepared=xt,
+                                                x_test_raw=raw_test, y_test=y_test.cpu(), num_classes=C,
+                                                weight_decay=cfg.weight_decay)
+                        found = {"accuracy": ref.accuracy, "iterations": ref.iterations}
+                        if central_cache is not None:
+                            central_cache[ckey] = found
+                    central[str(seed)] = dict(central_cache[ckey]) if central_cache is not None else found
                 data = ClientSet(x=x, y=labels, parts=fed.parts, counts=fed.counts, num_classes=C)
                 engine = None if is_closed_form(cfg.head) else Engine(
                     data, head, optim, local, backend=cfg.backend, block_clients=cfg.block_clients,
@@ -293,14 +301,14 @@ def run_training(cfg: TrainConfig, out: str | Path | None = None, resume: bool =
                     stats_bytes = len(fed.parts) * (extra_up + extra_down) if rnd == 1 else 0
                     if solver is not None and rnd == 1:
                         # the statistics exchange: clients send sufficient statistics once, the server solves
-                        st, theta = statistics_round(solver, raw_train, fed.labels, fed.parts, sel, C, cfg, fed.stats,
-                                                     closed=is_closed_form(cfg.head), device=device)
-                        up_per_client = st["bytes_up"] / max(1, st["clients"]) + extra_up
-                        # a closed-form head is sent back once; an --init head goes down with round 2
-                        down = nsel * head_bytes if is_closed_form(cfg.head) else 0
-                        row = {"stage": "statistics", "train_loss": float("nan"), "client_ms": st["client_ms"],
-                               "server_ms": st["server_ms"], "bytes_up_per_client": up_per_client,
-                               "bytes_total": st["bytes_up"] + down + stats_bytes, "clients_trained": st["clients"]}
+                        t0 = time.perf_counter()
+                        sacc = accumulate(raw_train, torch.as_tensor(fed.labels), [fed.parts[k] for k in sel], C,
+                                          gram=solver.needs_gram, cof=solver.needs_client_means,
+                                          per_client=cfg.backend == "loop")
+                        t1 = time.perf_counter()
+                        theta = solve_statistics(solver, sacc, cfg, fed.stats, device)
+                        row = statistics_row(sacc, t1 - t0, time.perf_counter() - t1, cfg, nsel, head_bytes,
+                                             extra_up, stats_bytes)
                     else:
                         prev = theta
                         theta, st = engine.run_round(theta, sel, seed, rnd, cfg.aggregate, **server.engine_kwargs())
@@ -349,6 +357,17 @@ def run_training(cfg: TrainConfig, out: str | Path | None = None, resume: bool =
     return RunResult(run_dir, summary, rows)
 
 
+def _central_key(store: Features, cfg: TrainConfig, fed: Federation) -> str:
+    """What the centralised ceiling depends on: store, head and its parameters, feature preparation,
+    regularisation and the (possibly noisy) training labels."""
+    import hashlib
+
+    h = hashlib.sha256(np.ascontiguousarray(fed.labels).tobytes())
+    h.update(json.dumps([str(store.info.path), cfg.head, resolve_head_params(cfg.head, **cfg.head_params),
+                         cfg.center, cfg.scale, cfg.weight_decay], sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
 def _with_ones(x: torch.Tensor, device) -> torch.Tensor:
     return torch.cat([x, torch.ones(len(x), 1)], 1).to(device)
 
@@ -359,23 +378,24 @@ def _with_ones(x: torch.Tensor, device) -> torch.Tensor:
 INIT_SCALE = {"ncm": 1.0, "ridge": 10.0, "cof": 1.0, "lda": 1.0}   # measured, see README "Baselines"
 
 
-def statistics_round(solver, x_raw: torch.Tensor, labels: np.ndarray, parts: list[np.ndarray], sel: np.ndarray,
-                     num_classes: int, cfg: TrainConfig, stats: FeatureStats, *, closed: bool, device):
-    """Round 1 of a statistics head or an ``--init`` run: the selected clients' statistics, the solved head.
-
-    Returns the round's measurements and the head, on raw features for a closed-form head, else mapped to the
-    run's prepared features and multiplied by the init scale."""
-    t0 = time.perf_counter()
-    acc = accumulate(x_raw, torch.as_tensor(labels), [parts[k] for k in sel], num_classes,
-                     gram=solver.needs_gram, cof=solver.needs_client_means, per_client=cfg.backend == "loop")
-    t1 = time.perf_counter()
+def solve_statistics(solver, acc, cfg: TrainConfig, stats: FeatureStats, device) -> torch.Tensor:
+    """The server's solve after the statistics exchange: a closed-form head on raw features, or an ``--init``
+    head mapped to the run's prepared features and multiplied by the init scale."""
     theta = solver.solve(acc)
-    if not closed:
+    if not is_closed_form(cfg.head):
         scale = cfg.init_scale if cfg.init_scale is not None else INIT_SCALE[solver.name]
         theta = to_prepared(theta, stats.mean, stats.scale) * scale
-    t2 = time.perf_counter()
-    return ({"client_ms": 1000 * (t1 - t0) / max(1, acc.clients), "server_ms": 1000 * (t2 - t1),
-             "bytes_up": acc.bytes_up, "clients": acc.clients}, theta.to(device=device, dtype=torch.float32))
+    return theta.to(device=device, dtype=torch.float32)
+
+
+def statistics_row(acc, client_s: float, server_s: float, cfg: TrainConfig, nsel: int, head_bytes: int,
+                   extra_up: int, stats_bytes: int) -> dict:
+    """The round-1 row of a statistics exchange (the simulator's and the Flower server's)."""
+    # a closed-form head is sent back once; an --init head goes down with round 2
+    down = nsel * head_bytes if is_closed_form(cfg.head) else 0
+    return {"stage": "statistics", "train_loss": float("nan"), "client_ms": 1000 * client_s / max(1, acc.clients),
+            "server_ms": 1000 * server_s, "bytes_up_per_client": acc.bytes_up / max(1, acc.clients) + extra_up,
+            "bytes_total": acc.bytes_up + down + stats_bytes, "clients_trained": acc.clients}
 
 
 class ServerUpdate:

@@ -232,3 +232,33 @@ def test_core_does_not_import_flwr_and_missing_extra_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "flwr", None)
     with pytest.raises(FedheadError, match=r"pip install 'fedhead\[flower\]'"):
         common.require_flower()
+
+
+# ---------------------------------------------------------------- closed-form heads and --init on Flower
+
+
+@pytest.mark.parametrize("kw", [dict(head="ridge"), dict(head="cof", partition="dirichlet",
+                                                         partition_params={"alpha": 0.3, "min_size": 2}),
+                                dict(head="softmax", init="ridge", rounds=3),
+                                dict(head="ova2", init="ncm", rounds=2, participation=0.75, server_opt="fedavgm",
+                                     server_momentum=0.9)])
+def test_statistics_exchange_matches_fedhead_train(store, tmp_path, kw):
+    """The statistics message and its sums are the simulator's (client by client over Flower's records); the
+    solve, the --init mapping and the server optimiser are one definition: per-round rows agree."""
+    cfg = cfg_of(store, **kw)
+    ref = run_training(cfg, out=tmp_path / "train", progress=False)
+    res = local_run(cfg_of(store, **kw), tmp_path / "flower")
+    assert len(res.rows) == len(ref.rows) == (1 if kw["head"] in ("ridge", "cof") else cfg.rounds)
+    np.testing.assert_allclose(accs(res.rows), accs(ref.rows), atol=1e-9)
+    for a, b in zip(res.rows, ref.rows):
+        assert a["stage"] == b["stage"] and a["clients_trained"] == b["clients_trained"]
+        assert a["bytes_total"] == b["bytes_total"]
+        assert a["bytes_up_per_client"] == pytest.approx(b["bytes_up_per_client"])
+    torch.testing.assert_close(torch.load(tmp_path / "flower" / "head-seed0.pt"),
+                               torch.load(tmp_path / "train" / "head-seed0.pt"), atol=1e-5, rtol=1e-5)
+
+
+def test_scaffold_and_ccvr_are_refused_on_flower(store, tmp_path):
+    for kw, flag in ((dict(scaffold=True), "--scaffold"), (dict(calibrate="ccvr"), "--calibrate")):
+        with pytest.raises(FedheadError, match=flag):
+            local_run(cfg_of(store, **kw), tmp_path / flag.strip("-"))

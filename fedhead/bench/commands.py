@@ -17,6 +17,7 @@ import typer
 
 from ..config import PAPER_SEEDS, TrainConfig
 from ..errors import FedheadError, Interval, OneOf, cli_errors, validate
+from ..options import METHOD_OPTIONS, method_fields
 from . import plots as P
 from .report import (STANDARD_NONIID, Cell, CellResult, Stat, StoreCache, check_head, command_line,
                      comm_kb_per_client_round, md_table, mean_curve, ratio_curve, resolve_partition, run_grid,
@@ -147,6 +148,7 @@ def grid_command(command: str, clients: int = 100, clients_help: str = "clients"
     import inspect
 
     shared = {**GRID_OPTIONS, "clients": (int, typer.Option(clients, "--clients", help=clients_help))}
+    shared.update(METHOD_OPTIONS)
 
     def deco(fn):
         own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "common"]
@@ -155,7 +157,11 @@ def grid_command(command: str, clients: int = 100, clients_help: str = "clients"
 
         @functools.wraps(fn)
         def wrapper(**kw):
-            common = make_common(command, **{n: kw.pop(n) for n in shared})
+            method = method_fields({n: kw.pop(n) for n in METHOD_OPTIONS})
+            common = make_common(command, **{n: kw.pop(n) for n in shared if n not in METHOD_OPTIONS})
+            common.train.update({k: v for k, v in method.items() if k != "head_params"})
+            if method["head_params"]:
+                common.train["head_params"] = method["head_params"]
             return fn(**kw, common=common)
 
         wrapper.__signature__ = inspect.Signature(params)

@@ -43,7 +43,7 @@ class Panel:
 
 
 def write_curves(path: Path, panels: Sequence[Panel], xlabel: str, ylabel: str, title: str = "",
-                 ylim: tuple[float, float] | None = None) -> Path:
+                 ylim: tuple[float, float] | None = None, xscale: str = "linear") -> Path:
     """One row of panels; each line with a shaded ±std band when ``err`` is given."""
     plt = _plt()
     n = max(1, len(panels))
@@ -66,6 +66,7 @@ def write_curves(path: Path, panels: Sequence[Panel], xlabel: str, ylabel: str, 
         if p.hline is not None:
             ax.axhline(p.hline[0], color="black", linestyle="--", linewidth=1, label=p.hline[1])
         ax.set_title(p.title, fontsize=10)
+        ax.set_xscale(xscale)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
         if ylim:

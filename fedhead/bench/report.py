@@ -170,9 +170,12 @@ def validate_cells(cells: Sequence[Cell], stores: StoreCache) -> None:
 def run_grid(cells: Sequence[Cell], out: Path, stores: StoreCache, progress: bool = True,
              runner=None) -> list[CellResult]:
     """Run (or reuse, or resume) every cell into ``out/runs/<name>``; one outer progress bar over runs."""
+    import functools
+
     from ..train import run_training
 
-    runner = runner or run_training
+    # one centralised ceiling per head, preparation and labels for the whole report
+    runner = runner or functools.partial(run_training, central_cache={})
     validate_cells(cells, stores)
     results = []
     with make_progress() as prog:

@@ -40,7 +40,9 @@ from ..noise import apply_noise  # noqa: E402
 from ..partitions import class_counts  # noqa: E402
 from ..train import FeatureStats, build_federation, noise_dataset_name, prepare  # noqa: E402
 from ..util import resolve_device  # noqa: E402
-from .common import check_fingerprint, config_from_json, crash_rounds, store_fingerprint  # noqa: E402
+from ..closedform import client_stats  # noqa: E402
+from .common import (check_fingerprint, client_stats_record, config_from_json, crash_rounds,  # noqa: E402
+                     store_fingerprint)
 
 _STORES: dict[str, Features] = {}
 _LOCAL: dict[tuple, "LocalData"] = {}
@@ -186,6 +188,13 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
             arrays["feature-sum"] = Array(s)
             metrics["feature-sq"] = sq
             metrics["feature-count"] = n
+        if str(c.get("closed-form", "")):
+            # the statistics exchange of a closed-form head / --init start: the simulator's client_stats
+            solver = create_head(str(c["closed-form"]), **cfg.head_params)
+            t0 = time.perf_counter()
+            m = client_stats(store.train_x[ld.mine], ld.labels[ld.mine], store.info.num_classes, solver.needs_gram)
+            metrics["stats-ms"] = 1000 * (time.perf_counter() - t0)
+            arrays.update(client_stats_record(m))
         return Message(RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics)}),
                        reply_to=msg)
 

@@ -22,6 +22,7 @@ import typer
 
 from ..config import TrainConfig
 from ..errors import FedheadError, Interval, cli_errors, validate
+from ..options import METHOD_OPTIONS, method_fields
 from .common import RUN_CONFIG_FIELDS, require_flower
 
 # ---------------------------------------------------------------- the options of `fedhead train`
@@ -30,7 +31,7 @@ _O = typer.Option
 TRAIN_OPTIONS = [
     ("features", Path, _O(..., "--features", help="HDF5 feature store (the server's: central evaluation; in "
                                                    "simulation also the store every virtual client slices).")),
-    ("head", str, _O("ova2", help="softmax | ova | ova2 | fedabc | fedrs")),
+    ("head", str, _O("ova2", help="softmax | ova | ova2 | fedabc | fedrs | fedlc; closed form: ncm | ridge | cof | lda")),
     ("partition", str, _O("iid", help="iid | shard | dirichlet | bernoulli-dirichlet | zipf | kmeans")),
     ("shards_per_client", Optional[int], _O(None, help="shard: shards (labels) per client [2]")),
     ("distinct_labels", Optional[bool], _O(None, "--distinct-labels/--no-distinct-labels",
@@ -67,6 +68,8 @@ TRAIN_OPTIONS = [
     ("resume", bool, _O(False, "--resume", help="continue an interrupted run in --out from its checkpoint")),
     ("round_timeout", float, _O(600.0, help="seconds to wait for a round's replies (late nodes = failures)")),
 ]
+# the method options of every training command (closed-form heads, --init, FedProx, server optimisers, ...)
+TRAIN_OPTIONS += [(n, t, o) for n, (t, o) in METHOD_OPTIONS.items()]
 _TRAIN_NAMES = [n for n, _, _ in TRAIN_OPTIONS]
 
 
@@ -93,12 +96,14 @@ def train_config(kw: dict) -> TrainConfig:
     """The TrainConfig of ``fedhead train`` built from the shared options."""
     if kw.get("features") is None:
         raise FedheadError("The '--features' parameter is required. Got none. Name the server's feature store.")
+    method = method_fields({n: kw[n] for n in METHOD_OPTIONS if n in kw})
     return TrainConfig(
         features=str(kw["features"]), head=kw["head"], partition=kw["partition"],
         partition_params={k: kw[k] for k in ("shards_per_client", "distinct_labels", "alpha", "p", "zipf_s",
                                              "min_size") if kw.get(k) is not None},
-        head_params={k: kw[k] for k in ("stage1_rounds", "positive_keep", "fedabc_margins", "focal_gamma",
-                                        "fedrs_alpha") if kw.get(k) is not None},
+        head_params={**{k: kw[k] for k in ("stage1_rounds", "positive_keep", "fedabc_margins", "focal_gamma",
+                                           "fedrs_alpha") if kw.get(k) is not None}, **method.pop("head_params")},
+        **method,
         clients=kw["clients"], rounds=kw["rounds"], local_epochs=kw["local_epochs"], batch_size=kw["batch_size"],
         recipe=kw["recipe"], optimizer=kw["optimizer"], lr=kw["lr"], weight_decay=kw["weight_decay"],
         momentum=kw["momentum"], aggregate=kw["aggregate"], center=kw["center"], scale=kw["scale"],

@@ -32,7 +32,9 @@ RUN_CONFIG_FIELDS = {
     "lr": "lr", "weight-decay": "weight_decay", "momentum": "momentum", "aggregate": "aggregate",
     "center": "center", "scale": "scale", "participation": "participation", "noise": "noise",
     "noise-rate": "noise_rate", "asym-map": "asym_rule", "backend": "backend", "device": "device",
-    "eval-every": "eval_every",
+    "eval-every": "eval_every", "init": "init", "init-scale": "init_scale", "prox-mu": "prox_mu",
+    "server-opt": "server_opt", "server-lr": "server_lr", "server-momentum": "server_momentum",
+    "server-tau": "server_tau",
 }
 
 # The test hooks (documented in DEPLOY.md): make a client raise in a given round, stop the server after a
@@ -148,3 +150,30 @@ def stop_after() -> int | None:
 
 class ServerStopped(RuntimeError):
     """Raised by the test hook ``FEDHEAD_FLOWER_STOP_AFTER``: the server 'dies' after a checkpoint."""
+
+
+# ---------------------------------------------------------------- the statistics message
+
+
+def client_stats_record(m) -> dict:
+    """A :class:`fedhead.closedform.ClientStats` as the arrays of a reply (the Gram as its upper triangle)."""
+    import numpy as np
+    from flwr.app import Array
+
+    from ..closedform import pack_upper
+
+    out = {"cf-classes": Array(np.asarray(m.classes, dtype=np.int64)),
+           "cf-counts": Array(np.asarray(m.counts, dtype=np.int64)),
+           "cf-sums": Array(np.ascontiguousarray(m.sums, dtype=np.float64).reshape(len(m.classes), -1))}
+    if m.gram is not None:
+        out["cf-gram"] = Array(pack_upper(m.gram))
+    return out
+
+
+def client_stats_from_record(arrays, dim: int):
+    """The inverse of :func:`client_stats_record`."""
+    from ..closedform import ClientStats, unpack_upper
+
+    gram = unpack_upper(arrays["cf-gram"].numpy(), dim + 1) if "cf-gram" in arrays else None
+    sums = arrays["cf-sums"].numpy().reshape(-1, dim)
+    return ClientStats(arrays["cf-classes"].numpy(), arrays["cf-counts"].numpy(), sums, gram)

@@ -47,9 +47,13 @@ from ..config import TrainConfig  # noqa: E402
 from ..engine import evaluate  # noqa: E402
 from ..errors import FedheadError  # noqa: E402
 from ..heads import create_head, resolve_head_params  # noqa: E402
+from ..train import validate_method  # noqa: E402
 from ..partitions import resolve_partition_params  # noqa: E402
 from ..rundir import ROUND_FIELDS, default_run_dir, read_csv, write_clients_per_seed, write_config, write_csv, write_summary  # noqa: E402
-from ..train import CHECKPOINT, FeatureStats, prepare, sample_clients, summarize  # noqa: E402
+from ..closedform import StatsAccumulator, is_closed_form  # noqa: E402
+from ..train import (CHECKPOINT, FeatureStats, ServerUpdate, prepare, sample_clients, solve_statistics,  # noqa: E402
+                     statistics_row, summarize)
+from .common import client_stats_from_record  # noqa: E402
 from ..util import atomic_torch_save, resolve_device  # noqa: E402
 from .common import ServerStopped, config_to_json, stop_after, store_fingerprint  # noqa: E402
 
@@ -104,6 +108,13 @@ def validate_server_config(cfg: TrainConfig, store: Features) -> TrainConfig:
     cfg = cfg.resolved()
     resolve_head_params(cfg.head, **cfg.head_params)
     resolve_partition_params(cfg.partition, **cfg.partition_params)
+    validate_method(cfg)
+    if cfg.scaffold:
+        raise FedheadError("The '--scaffold' option is not supported on Flower (its client control variates would "
+                           "have to live on the nodes between rounds). Got True instead. Use 'fedhead train --scaffold'.")
+    if cfg.calibrate != "none":
+        raise FedheadError(f"The '--calibrate' option is not supported on Flower. Got {cfg.calibrate!r} instead. "
+                           "Use 'fedhead train --calibrate ccvr'.")
     if cfg.iid_reference:
         raise FedheadError("The '--iid-reference' option is not supported on Flower. Got True instead. "
                            "Run the IID reference with 'fedhead train --iid-reference'.")
@@ -127,6 +138,10 @@ class FedheadStrategy(Strategy):
         self.stats = FeatureStats(None, 1.0, 0, 0)
         self.theta: torch.Tensor | None = None
         self.last = _Round()
+        closed = is_closed_form(cfg.head)
+        self.solver = create_head(cfg.head if closed else cfg.init, **cfg.head_params) \
+            if (closed or cfg.init) else None
+        self.server = ServerUpdate(cfg, (store.info.num_classes, store.test_x.shape[1] + 1), self.device)
 
     # ---------------------------------------------------------------- Strategy interface
 
@@ -193,7 +208,7 @@ class FedheadStrategy(Strategy):
         sizes = torch.as_tensor([int(r.content["metrics"]["num-examples"]) for _, r in good], device=self.device)
         acc = Accumulator(self.cfg.aggregate, tuple(self.theta.shape), self.device)
         acc.add(heads, sizes, holds)
-        theta = acc.finish(self.theta)
+        theta = self.server.step(self.theta, acc.finish(self.theta))
         self.last.server_s = time.perf_counter() - t0
         self.last.trained = len(good)
         self.last.loss_sum = float(sum(float(r.content["metrics"]["train-loss"]) for _, r in good))
@@ -226,7 +241,9 @@ class FedheadStrategy(Strategy):
 
     def _query(self, grid: Grid, node_ids: list[int], want_stats: bool) -> list[tuple[int, Message]]:
         cr = ConfigRecord({"train-config": self.cfg_json, "server-store": self.fingerprint,
-                           "seed": int(self.seed), "want-stats": bool(want_stats)})
+                           "seed": int(self.seed), "want-stats": bool(want_stats),
+                           # the statistics exchange of a closed-form head or an --init start (round 1)
+                           "closed-form": self.solver.name if (want_stats and self.solver is not None) else ""})
         msgs = [Message(RecordDict({"config": cr}), dst_node_id=n, message_type=MessageType.QUERY,
                         group_id="query") for n in node_ids]
         replies = list(grid.send_and_receive(msgs, timeout=self.settings.wait_timeout))
@@ -302,6 +319,21 @@ class FedheadStrategy(Strategy):
             s = float(np.sqrt(max(var, 1e-12)))
         return FeatureStats(mean if cfg.center else None, s, (d + 2) * 4, (d + 1) * 4)
 
+    def statistics(self, info: dict, pids: list[int]):
+        """The server half of the statistics exchange: the sampled clients' messages added in partition order
+        into the accumulator the simulator uses (:class:`fedhead.closedform.StatsAccumulator`)."""
+        C, D = self.store.info.num_classes, self.store.test_x.shape[1]
+        msgs = [client_stats_from_record(info[p].content["arrays"], D) for p in sorted(pids)]
+        counts = None
+        if self.solver.needs_client_means:
+            counts = np.zeros((len(msgs), C), dtype=np.int64)
+            for i, m in enumerate(msgs):
+                counts[i, m.classes] = m.counts
+        acc = StatsAccumulator(C, D, gram=self.solver.needs_gram, cof_counts=counts)
+        for m in msgs:
+            acc.add(m)
+        return acc
+
     # ---------------------------------------------------------------- the run
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
@@ -310,7 +342,7 @@ class FedheadStrategy(Strategy):
         cfg, st = self.cfg, self.settings
         if timeout is not None:
             st.round_timeout = timeout
-        rounds = num_rounds or cfg.rounds
+        rounds = 1 if is_closed_form(cfg.head) else (num_rounds or cfg.rounds)
         run_dir = Path(st.out) if st.out else default_run_dir(st.runs_root, "flower", cfg.head, cfg.partition)
         ckpt_path = run_dir / CHECKPOINT
         ckpt = self._load_resume(run_dir, ckpt_path)
@@ -348,6 +380,7 @@ class FedheadStrategy(Strategy):
                                           s["up"], s["down"])
                 self.theta = ckpt["theta"].to(self.device)
                 start = int(ckpt["round"]) + 1
+                self.server.load_state_dict(ckpt.get("server", {}), self.device)
             else:
                 self.stats = self.combine_stats(info)
                 self.theta = torch.zeros(C, D + 1, device=self.device)
@@ -361,27 +394,43 @@ class FedheadStrategy(Strategy):
             xt = prepare(self.store.test_x, self.stats, self.device)
             head_bytes = self.theta.numel() * self.theta.element_size()
             for rnd in range(start, rounds + 1):
-                if rnd > start:
-                    self.refresh_nodes(grid)
-                arrays = ArrayRecord({"head": Array(self.theta.cpu().numpy())})
-                replies = grid.send_and_receive(self.configure_train(rnd, arrays, ConfigRecord(), grid),
-                                                timeout=st.round_timeout)
-                self.aggregate_train(rnd, replies)
-                lr = self.last
-                evaluate_now = rnd % cfg.eval_every == 0 or rnd == rounds
-                acc = evaluate(self.theta, xt, y_test) if evaluate_now else float("nan")
                 extra_up = self.stats.bytes_up_per_client if rnd == 1 else 0
                 extra_down = self.stats.bytes_down_per_client if rnd == 1 else 0
                 stats_clients = cfg.clients if rnd == 1 else 0
+                if self.solver is not None and rnd == 1:
+                    # the statistics came with the query: sum the sampled clients' messages, solve
+                    sel = sample_clients(cfg.clients, cfg.participation, seed, 1)
+                    self._selected = [int(k) for k in sel]
+                    t0 = time.perf_counter()
+                    sacc = self.statistics(info, self._selected)
+                    t1 = time.perf_counter()
+                    self.theta = solve_statistics(self.solver, sacc, cfg, self.stats, self.device)
+                    row = statistics_row(sacc, 0.0, time.perf_counter() - t1, cfg, len(sel), head_bytes, extra_up,
+                                         stats_clients * (extra_up + extra_down))
+                    row["client_ms"] = float(np.mean([float(info[p].content["metrics"].get("stats-ms", 0.0))
+                                                      for p in self._selected]))
+                    row["server_ms"] = 1000 * (time.perf_counter() - t0)
+                    self.last = _Round(trained=sacc.clients)
+                    lr = self.last
+                else:
+                    if rnd > start:
+                        self.refresh_nodes(grid)
+                    arrays = ArrayRecord({"head": Array(self.theta.cpu().numpy())})
+                    replies = grid.send_and_receive(self.configure_train(rnd, arrays, ConfigRecord(), grid),
+                                                    timeout=st.round_timeout)
+                    self.aggregate_train(rnd, replies)
+                    lr = self.last
+                    row = {"stage": self.head.stage(rnd), "train_loss": lr.loss_sum / max(1, lr.trained),
+                           "client_ms": float(np.mean(lr.client_ms)) if lr.client_ms else 0.0,
+                           "server_ms": 1000 * lr.server_s, "bytes_up_per_client": head_bytes + extra_up,
+                           "bytes_total": len(self._selected) * 2 * head_bytes + stats_clients * (extra_up + extra_down),
+                           "clients_trained": lr.trained}
+                evaluate_now = rnd % cfg.eval_every == 0 or rnd == rounds
+                acc = evaluate(self.theta, xt, y_test) if evaluate_now else float("nan")
                 failed = sorted(lr.failed)
                 rows.append({
-                    "seed": seed, "round": rnd, "stage": self.head.stage(rnd), "accuracy": acc,
-                    "train_loss": lr.loss_sum / max(1, lr.trained),
-                    "client_ms": float(np.mean(lr.client_ms)) if lr.client_ms else 0.0,
-                    "server_ms": 1000 * lr.server_s,
-                    "bytes_up_per_client": head_bytes + extra_up,
-                    "bytes_total": len(self._selected) * 2 * head_bytes + stats_clients * (extra_up + extra_down),
-                    "ratio_to_iid": None, "run": "main", "partition": cfg.partition, "clients_trained": lr.trained,
+                    "seed": seed, "round": rnd, "accuracy": acc, **row,
+                    "ratio_to_iid": None, "run": "main", "partition": cfg.partition,
                     "failures": len(failed), "failed_clients": " ".join(map(str, failed)),
                     "failure_reason": lr.failed[failed[0]] if failed else "",
                 })
@@ -394,6 +443,7 @@ class FedheadStrategy(Strategy):
                                    "stats": {"mean": self.stats.mean, "scale": self.stats.scale,
                                              "up": self.stats.bytes_up_per_client,
                                              "down": self.stats.bytes_down_per_client},
+                                   "server": self.server.state_dict(),
                                    "wall_s": time.perf_counter() - wall0}, ckpt_path)
                 write_csv(run_dir / "rounds.csv", rows, FLOWER_ROUND_FIELDS)
                 if stop is not None and rnd == stop:

@@ -1,0 +1,191 @@
+"""``fedhead bench baselines``: every method for federated heads on frozen features, ranked against the
+centralised ceiling, in one report.
+
+A method is a name and the :class:`fedhead.config.TrainConfig` fields that make it (:data:`METHODS`): the
+closed-form statistics heads, closed-form start + fine-tuning, the iterative heads under FedAvg, FedProx,
+SCAFFOLD and server optimisers, FedLC, FedRS, FedABC and CCVR. Every run carries ``--central-reference``, so
+the report leads with the ratio to the ceiling of the same head (trained centrally on the pooled data to
+convergence); the ratio to the IID run of the same method stays beside it. Plots: accuracy per round, and
+accuracy against the cumulative MB each client uploaded (the communication frontier).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import typer
+
+from ..errors import FedheadError, unknown_name
+from . import plots as P
+from .commands import FEATURES_OPT, Common, _print_report, grid_command, pair_with_iid, start_report
+from .report import (Cell, CellResult, StoreCache, Stat, md_table, mean_curve, resolve_partition, run_grid,
+                     write_curves, write_report, write_results)
+
+# name -> (what it is, TrainConfig fields). FedProx mu 0.01 and FedAvgM momentum 0.9 are the values their
+# papers' head-to-head comparisons use most; FedAdam keeps Flower's defaults.
+METHODS: dict[str, tuple[str, dict]] = {
+    "ncm": ("FedNCM: normalised class means, one exchange", {"head": "ncm"}),
+    "ridge": ("Fed3R: ridge regression from Phi^T Phi, Phi^T Y, one exchange", {"head": "ridge"}),
+    "cof": ("FedCOF: class means + covariances from their spread, one exchange", {"head": "cof"}),
+    "lda": ("shared-covariance Gaussian classifier, one exchange", {"head": "lda"}),
+    "ncm+ft": ("FedNCM start, then softmax FedAvg", {"head": "softmax", "init": "ncm"}),
+    "ridge+ft": ("Fed3R start, then softmax FedAvg", {"head": "softmax", "init": "ridge"}),
+    "ridge+ova2": ("Fed3R start, then OvA FedAvg", {"head": "ova2", "init": "ridge"}),
+    "softmax": ("softmax head, FedAvg", {"head": "softmax"}),
+    "ova2": ("OvA-LP (two-stage OvA), FedAvg", {"head": "ova2"}),
+    "ova2-fedprox": ("OvA-LP with FedProx, mu 0.01", {"head": "ova2", "prox_mu": 0.01}),
+    "ova2-scaffold": ("OvA-LP with SCAFFOLD (option II)", {"head": "ova2", "scaffold": True}),
+    "ova2-fedadam": ("OvA-LP with FedAdam (Flower's defaults)", {"head": "ova2", "server_opt": "fedadam"}),
+    "ova2-fedavgm": ("OvA-LP with FedAvgM, server momentum 0.9", {"head": "ova2", "server_opt": "fedavgm",
+                                                                   "server_momentum": 0.9}),
+    "fedlc": ("FedLC: logits calibrated by local class counts", {"head": "fedlc"}),
+    "fedrs": ("FedRS: restricted softmax", {"head": "fedrs"}),
+    "fedabc": ("FedABC binary loss", {"head": "fedabc"}),
+    "softmax-ccvr": ("softmax FedAvg, then CCVR calibration", {"head": "softmax", "calibrate": "ccvr"}),
+}
+DEFAULT_PARTITIONS = ("iid", "shard-1", "shard-2", "dirichlet-0.1", "bernoulli-dirichlet")
+
+
+def _partition(label: str) -> tuple[str, dict]:
+    if label.startswith("dirichlet-"):
+        try:
+            return "dirichlet", {"alpha": float(label.split("-", 1)[1])}
+        except ValueError:
+            pass
+    return resolve_partition(label)
+
+
+def _csv(param: str, text: str) -> list[str]:
+    items = [t for t in str(text).replace(",", " ").split() if t]
+    if not items:
+        raise FedheadError(f"The '{param}' parameter needs at least one value. Got {text!r} instead.")
+    return list(dict.fromkeys(items))
+
+
+@grid_command("baselines")
+def baselines_cmd(
+    features: Path = FEATURES_OPT,
+    methods: str = typer.Option(",".join(METHODS), "--methods", help="comma-separated methods (see the report's "
+                                                                      "method table)"),
+    partitions: str = typer.Option(",".join(DEFAULT_PARTITIONS), "--partitions",
+                                   help="comma-separated partitions (presets, registry names, dirichlet-ALPHA)"),
+    recipe: str = typer.Option("default", "--recipe", help="training recipe of the iterative methods"),
+    *, common: Common,
+):
+    """Closed-form heads, closed-form + fine-tuning and the classic FL baselines against the central ceiling."""
+    names = _csv("--methods", methods)
+    for m in names:
+        if m not in METHODS:
+            raise unknown_name("--methods", m, METHODS, "method")
+    plabels = _csv("--partitions", partitions)
+    parts = {p: _partition(p) for p in plabels}
+    cells = []
+    for m in names:
+        for p in plabels:
+            pname, pparams = parts[p]
+            kw = {**METHODS[m][1], "partition": pname, "partition_params": pparams, "recipe": recipe,
+                  "central_reference": True}
+            cells.append(Cell(f"{m}--{p}", {"method": m, "partition": p}, common.cfg(features, **kw)))
+    config = {**common.describe(), "methods": {m: METHODS[m][0] for m in names}, "partitions": plabels,
+              "recipe": recipe, "features": str(features)}
+    cache = StoreCache()
+    cmd = start_report(common, cells, cache, config)
+    results = run_grid(cells, common.out, cache)
+    pair_with_iid(results)
+    sections = _sections(results, names, plabels, common)
+    plots = _plots(results, names, plabels, common)
+    write_results(common.out, results, "baselines")
+    write_curves(common.out, results, {})
+    path = write_report(common.out, "fedhead bench baselines: every method against the centralised ceiling", cmd,
+                        config, sections, results, plots)
+    _print_report(path, sections)
+
+
+def _stat(r: CellResult, key: str) -> Stat:
+    return Stat.of(r.per_seed(key))
+
+
+def _reached(r: CellResult, key: str, digits: int) -> str:
+    vals = r.per_seed(key)
+    got = [v for v in vals if v is not None]
+    if not got:
+        return "not reached"
+    s = Stat.of(got).fmt(1, digits)
+    return s if len(got) == len(vals) else f"{s} ({len(got)}/{len(vals)} seeds)"
+
+
+def _sections(results: list[CellResult], names: list[str], plabels: list[str], common: Common) -> list[str]:
+    by = {(r.cell.labels["method"], r.cell.labels["partition"]): r for r in results}
+    seeds = ", ".join(map(str, common.seeds))
+    out = []
+    # 1. ratio to the central ceiling, method x partition
+    rows = []
+    for m in names:
+        rows.append([m] + [_stat(by[(m, p)], "final_ratio_to_central").fmt(100, 1) for p in plabels])
+    out.append("\n".join([
+        f"## Ratio to the central ceiling (%), final round ({common.clients} clients, up to {common.rounds} rounds, "
+        f"seeds {seeds})", "",
+        "The ceiling is the same head trained centrally on the pooled training features to convergence (closed-form "
+        "heads: the same solve on pooled data). A closed-form head runs one round.", "",
+        md_table(["method"] + plabels, rows), ""]))
+    # 2. final accuracy and the ceilings
+    rows = [[m] + [_stat(by[(m, p)], "final_accuracy").fmt(100, 2) for p in plabels]
+            + [_stat(by[(m, plabels[0])], "central_accuracy").fmt(100, 2)] for m in names]
+    out.append("\n".join(["## Final test accuracy (%) and the method's central ceiling", "",
+                          md_table(["method"] + plabels + ["central"], rows), ""]))
+    # 3. rounds and MB per client to 99% of the ceiling
+    rows = [[m] + [f"{_reached(by[(m, p)], 'rounds_to_99_central', 1)} / "
+                   f"{_reached(by[(m, p)], 'mb_per_client_to_99_central', 2)}" for p in plabels] for m in names]
+    out.append("\n".join(["## Rounds / MB uploaded per client to reach 99% of the central ceiling", "",
+                          md_table(["method"] + plabels, rows), ""]))
+    # 4. ratio to IID, cost
+    rows = []
+    for m in names:
+        cells = [by[(m, p)] for p in plabels]
+        rows.append([m] + [r.derived.get("final_ratio_to_iid", Stat.of([])).fmt(100, 1) for r in cells]
+                    + [f"{np.nanmean([_stat(r, 'client_ms').mean for r in cells]):.2f}",
+                       f"{np.nanmean([_stat(r, 'server_ms').mean for r in cells]):.2f}",
+                       f"{np.nanmean([_stat(r, 'mb_per_client').mean for r in cells]):.3f}"])
+    out.append("\n".join(["## Ratio to the IID run of the same method (%), and cost", "",
+                          "client ms: per client and round (closed form: computing the statistics); server ms: per "
+                          "round; MB: uploaded per client over the whole run (mean over partitions).", "",
+                          md_table(["method"] + plabels + ["client ms", "server ms", "MB up/client"], rows), ""]))
+    out.append("\n".join(["## Methods", "", md_table(["method", "what"], [[m, METHODS[m][0]] for m in names]), ""]))
+    return out
+
+
+def _plots(results: list[CellResult], names: list[str], plabels: list[str], common: Common) -> list[Path]:
+    by = {(r.cell.labels["method"], r.cell.labels["partition"]): r for r in results}
+    acc_panels, mb_panels = [], []
+    for p in plabels:
+        ap, mp = P.Panel(p), P.Panel(p)
+        for m in names:
+            r = by[(m, p)]
+            x, y, sd = mean_curve(r)
+            if x.size == 0:
+                continue
+            mb = _mb_curve(r)
+            mp.lines.append(P.Line(m, mb[:len(y)], y[:len(mb)], marker="o" if len(mb) == 1 else None))
+            one = x.size == 1
+            if one:    # one exchange: a flat line over the rounds for comparison
+                x, y, sd = np.array([1, common.rounds]), np.repeat(y, 2), np.repeat(sd, 2)
+            ap.lines.append(P.Line(m, x, y, sd, style="--" if one else "-"))
+        acc_panels.append(ap)
+        mb_panels.append(mp)
+    return [P.write_curves(common.out / "baselines-accuracy.png", acc_panels, "round", "test accuracy",
+                           "accuracy per round (closed form: one exchange, dashed)"),
+            P.write_curves(common.out / "baselines-frontier.png", mb_panels, "MB uploaded per client (cumulative)",
+                           "test accuracy", "communication frontier", xscale="log")]
+
+
+def _mb_curve(r: CellResult) -> np.ndarray:
+    """Cumulative MB uploaded per client at each evaluated round, mean over seeds."""
+    per_seed: dict[int, list[float]] = {}
+    for row in r.rows:
+        if row.get("run", "main") != "main":
+            continue
+        per_seed.setdefault(int(row["seed"]), []).append(float(row["bytes_up_per_client"]) / 1e6)
+    mats = [np.cumsum(v) for v in per_seed.values()]
+    n = min(len(v) for v in mats) if mats else 0
+    return np.mean([v[:n] for v in mats], 0) if mats else np.array([])
