@@ -1,3 +1,32 @@
-"""fedhead: federated fine-tuning of linear heads on frozen foundation-model features."""
+"""fedhead: federated fine-tuning of linear heads on frozen foundation-model features.
+
+The Python API (imported on first use, so ``import fedhead`` stays light):
+
+- :func:`run` (``fedhead.train.run``): run a :class:`TrainConfig`, get the summary and per-round rows;
+- :func:`register_head`, :class:`Head`, :class:`ClosedFormHead`, :class:`Param`, :class:`LossContext`:
+  a head of one's own (a local loss, or a closed-form solve from client statistics);
+- :func:`register_method`: a named set of training options for ``fedhead bench baselines``.
+"""
 
 __version__ = "0.1.0"
+
+_API = {
+    "run": ("fedhead.train", "run"),
+    "TrainConfig": ("fedhead.config", "TrainConfig"),
+    "register_head": ("fedhead.heads", "register_head"),
+    "Head": ("fedhead.heads", "Head"),
+    "LossContext": ("fedhead.heads", "LossContext"),
+    "ClosedFormHead": ("fedhead.closedform", "ClosedFormHead"),
+    "Param": ("fedhead.registry", "Param"),
+    "register_method": ("fedhead.plugins", "register_method"),
+}
+__all__ = sorted(_API)
+
+
+def __getattr__(name):
+    if name in _API:
+        import importlib
+
+        module, attr = _API[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'fedhead' has no attribute {name!r}")

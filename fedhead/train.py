@@ -135,6 +135,14 @@ class RunResult:
     rows: list[dict]
 
 
+def run(cfg: TrainConfig, out: str | Path | None = None, *, resume: bool = False, progress: bool = False,
+        store: Features | None = None) -> RunResult:
+    """The Python entry point of ``fedhead train``: run ``cfg`` (every option of the command is a field of
+    :class:`TrainConfig`) into ``out`` (default ``runs/<stamp>-<head>-<partition>``) and return the
+    :class:`RunResult`: ``summary`` (what summary.json holds) and ``rows`` (rounds.csv, one dict per round)."""
+    return run_training(cfg, out=out, resume=resume, progress=progress, store=store)
+
+
 def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:
     """Resolve and validate everything before anything is written."""
     cfg = cfg.resolved()

@@ -1,0 +1,61 @@
+"""Users' own heads and methods, without editing fedhead.
+
+- A head: a class with a local loss (``per_sample``, or a closed-form ``solve`` from client statistics when
+  it subclasses :class:`fedhead.closedform.ClosedFormHead`), registered with :func:`fedhead.register_head`.
+  It then runs in ``fedhead train --head NAME``, every ``fedhead bench`` command, ``fedhead flower`` and
+  :func:`fedhead.run`, through the same engine, statistics exchange and Flower strategy as the built-in heads.
+- A method: a named set of training options (a head plus ``--init``, ``--prox-mu``, ``--server-opt``, ...)
+  registered with :func:`register_method`; ``fedhead bench baselines --methods NAME`` runs it.
+
+Where the registration code lives: a module named in ``FEDHEAD_PLUGINS`` (comma-separated module names,
+imported on first use), or a ``fedhead.methods`` entry point of an installed package (each entry point is
+loaded on first use). A Flower SuperNode needs the same plugin installed or named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+
+from .errors import FedheadError
+
+PLUGIN_ENV = "FEDHEAD_PLUGINS"
+ENTRY_POINT_GROUP = "fedhead.methods"
+_loaded: set[str] = set()
+
+
+def load_plugins() -> None:
+    """Import the modules named in ``FEDHEAD_PLUGINS`` and load the ``fedhead.methods`` entry points (once each)."""
+    for name in [m.strip() for m in os.environ.get(PLUGIN_ENV, "").split(",") if m.strip()]:
+        if name in _loaded:
+            continue
+        _loaded.add(name)
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise FedheadError(f"The '{PLUGIN_ENV}' variable names module {name!r}, which cannot be imported "
+                               f"({exc}). Put it on PYTHONPATH or fix the name.") from None
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        key = f"ep:{ep.value}"
+        if key not in _loaded:
+            _loaded.add(key)
+            ep.load()
+
+
+def register_method(name: str, description: str, **fields) -> None:
+    """A named method for ``fedhead bench baselines --methods NAME``: ``fields`` are TrainConfig fields
+    (``head``, ``init``, ``prox_mu``, ``server_opt``, ``head_params``, ...)."""
+    from .bench.baselines import METHODS
+    from .config import TrainConfig
+
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    bad = sorted(set(fields) - known)
+    if bad:
+        raise FedheadError(f"The method {name!r} sets {bad[0]!r}, which is not a training option. "
+                           f"Use TrainConfig field names, e.g. head, init, prox_mu, server_opt.")
+    if "head" not in fields:
+        raise FedheadError(f"The method {name!r} must name its head (head='...'). Got {sorted(fields)} instead.")
+    METHODS[name] = (description, dict(fields))
