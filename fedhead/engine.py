@@ -24,6 +24,14 @@ Heads differ only in the loss they hand the engine (:mod:`fedhead.heads`). The `
 client after another with ``torch.optim`` and autograd, as research code does; both backends use the same
 batch plan, so they give the same global head to float tolerance (tested).
 
+FedProx and SCAFFOLD are keyword options of :meth:`Engine.run_round` (both backends). FedProx adds
+``(mu/2) ||W - theta||^2`` (the whole head, bias column included) to each client's objective: the vectorized
+backend adds ``mu (W - theta)`` to the gradient before the optimizer step, the loop backend adds the term to the
+loss before ``backward``; ``mu = 0`` runs no extra operation (FedAvg bit for bit). SCAFFOLD (option II) adds
+``c - c_k`` to the gradient the optimizer sees and keeps the control variates in a :class:`ScaffoldState`
+(``N`` heads' worth, outside ``memory_budget_mb``); the vectorized backend gathers ``c - c_k`` per tile, in the
+tile's sorted order, into one more tile-sized workspace buffer (also not counted by the budget).
+
 Batch order and the per-sample uniforms (``positive_keep``) come from a generator keyed by
 ``(seed, round, client, epoch)``, so a client's local training does not depend on who else was sampled or on
 the backend, and a Flower client can reproduce it alone.
@@ -39,7 +47,7 @@ import numpy as np
 import torch
 
 from .aggregate import Accumulator
-from .errors import OneOf, validate
+from .errors import FedheadError, OneOf, validate
 from .heads import Head, LossContext
 
 
@@ -68,6 +76,93 @@ class RoundStats:
     clients: int = 0
     compute_s: float = 0.0        # wall seconds spent training (all blocks)
     server_s: float = 0.0         # wall seconds spent aggregating
+
+
+@dataclass(eq=False)
+class ScaffoldState:
+    """SCAFFOLD's control variates (Karimireddy et al. 2020, option II), updated in place by the engine.
+
+    ``c [C, D+1]`` is the server's variate, ``ck [N, C, D+1]`` the clients' (all clients of the federation,
+    indexed by client id; zeros at start). Every local step uses the gradient ``g + (c - c_k)`` (after the loss
+    gradient and FedProx's term). After client ``k`` trained ``K_k`` local steps (epochs x its number of batches)
+    with learning rate ``eta``, starting from ``theta`` and ending at ``w_k``:
+
+        c_k+ = c_k - c + (theta - w_k) / (K_k * eta)
+
+    and once all participating clients ``S`` are done the server sets
+
+        c <- c + (|S| / N) * mean_{k in S} (c_k+ - c_k) = c + sum_{k in S} (c_k+ - c_k) / N.
+
+    The client deltas are summed in float64 into ``pending`` by :meth:`client_update` and applied by
+    :meth:`server_update` (:meth:`Engine.run_round` does both; a caller of :meth:`Engine.train_block` calls
+    :meth:`server_update` after the round's last block). The model itself is aggregated as without SCAFFOLD.
+
+    Bytes: each participating client downloads the head and ``c`` and uploads its head and ``c_k+ - c_k``:
+    twice the head's bytes each way (:attr:`nbytes` is the extra each way per client).
+    """
+
+    c: torch.Tensor                     # [C, D+1] server control variate
+    ck: torch.Tensor                    # [N, C, D+1] client control variates
+    pending: torch.Tensor | None = None  # [C, D+1] float64: sum of client deltas not yet applied to c
+
+    def __post_init__(self):
+        if self.pending is None:
+            self.pending = torch.zeros(self.c.shape, device=self.c.device, dtype=torch.float64)
+
+    @classmethod
+    def zeros(cls, num_clients: int, C: int, D1: int, device, dtype=torch.float32) -> "ScaffoldState":
+        return cls(c=torch.zeros(C, D1, device=device, dtype=dtype),
+                   ck=torch.zeros(num_clients, C, D1, device=device, dtype=dtype))
+
+    @property
+    def num_clients(self) -> int:
+        return self.ck.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one control variate (``c`` down or ``c_k+ - c_k`` up), per client and direction."""
+        return self.c.numel() * self.c.element_size()
+
+    def state_dict(self) -> dict:
+        return {"c": self.c.detach().cpu().clone(), "ck": self.ck.detach().cpu().clone()}
+
+    def load_state_dict(self, d: dict) -> None:
+        for name in ("c", "ck"):
+            mine, got = getattr(self, name), d[name]
+            if tuple(got.shape) != tuple(mine.shape):
+                raise FedheadError(f"The checkpoint's SCAFFOLD variate '{name}' has shape {tuple(got.shape)}, but this "
+                                   f"run needs {tuple(mine.shape)}. Resume with the same --clients, features and "
+                                   f"head, or start a fresh --out directory.")
+            mine.copy_(got)
+        self.pending.zero_()
+
+    def correction(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``c - c_k`` for the clients ``ids`` (in that order), ``[len(ids), C, D+1]``."""
+        out = torch.index_select(self.ck, 0, ids, out=out) if out is not None else self.ck.index_select(0, ids)
+        return out.neg_().add_(self.c)
+
+    def client_update(self, ids: torch.Tensor, theta: torch.Tensor, w: torch.Tensor, steps, lr: float,
+                      out: torch.Tensor | None = None) -> None:
+        """``c_k <- c_k - c + (theta - w_k) / (steps_k * lr)`` in place for the clients ``ids`` trained to
+        ``w [len(ids), C, D+1]``; their deltas ``c_k+ - c_k`` are added to :attr:`pending`. Clients with no step
+        keep their variate. ``out``: optional scratch ``[len(ids), C, D+1]``."""
+        steps = np.asarray(steps, dtype=np.float64).reshape(-1)
+        keep = steps > 0
+        if not keep.all():
+            if not keep.any():
+                return
+            sel = torch.as_tensor(np.flatnonzero(keep), device=w.device)
+            ids, w, steps, out = ids[sel.to(ids.device)], w.index_select(0, sel), steps[keep], None
+        scale = torch.as_tensor(1.0 / (steps * lr), device=w.device).to(w.dtype).view(-1, 1, 1)
+        d = torch.sub(theta.to(w.dtype), w, out=out) if out is not None else theta.to(w.dtype) - w
+        d.mul_(scale).sub_(self.c)                              # c_k+ - c_k = (theta - w_k) / (K_k eta) - c
+        self.ck.index_add_(0, ids, d.to(self.ck.dtype))
+        self.pending += d.sum(0, dtype=torch.float64)
+
+    def server_update(self) -> None:
+        """``c <- c + pending / N`` (N = all clients), then clear ``pending``."""
+        self.c += (self.pending / self.num_clients).to(self.c.dtype)
+        self.pending.zero_()
 
 
 # ---------------------------------------------------------------- batch plan
@@ -287,15 +382,22 @@ class Engine:
     # -- public --------------------------------------------------------------------------------------
 
     def run_round(self, theta: torch.Tensor, selected: np.ndarray, seed: int, rnd: int,
-                  aggregator: str) -> tuple[torch.Tensor, RoundStats]:
-        """Local training of ``selected`` clients from ``theta [C, D+1]``; returns the aggregate and stats."""
+                  aggregator: str, *, prox_mu: float = 0.0,
+                  scaffold: ScaffoldState | None = None) -> tuple[torch.Tensor, RoundStats]:
+        """Local training of ``selected`` clients from ``theta [C, D+1]``; returns the aggregate and stats.
+
+        ``prox_mu``: FedProx's ``mu`` (0: plain local training, no extra operation). ``scaffold``: SCAFFOLD's
+        control variates, used by every local step and updated in place (the clients' ``c_k`` of the trained
+        clients, then the server's ``c``); the head is aggregated by ``aggregator`` as without it. Clients with
+        no sample do not train and count as not participating."""
+        self._check_scaffold(theta, scaffold)
         acc = Accumulator(aggregator, tuple(theta.shape), self.device)
         stats = RoundStats()
         active = [int(k) for k in selected if len(self.data.parts[k]) > 0]
         for b in range(0, len(active), self.block_clients):
             block = active[b:b + self.block_clients]
             t0 = time.perf_counter()
-            w, sizes, holds, losses = self._block(theta, block, seed, rnd, reuse=True)
+            w, sizes, holds, losses = self._block(theta, block, seed, rnd, True, prox_mu, scaffold)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             t1 = time.perf_counter()
@@ -308,21 +410,37 @@ class Engine:
             return theta.clone(), stats
         t1 = time.perf_counter()
         out = acc.finish(theta)
+        if scaffold is not None:
+            scaffold.server_update()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         stats.server_s += time.perf_counter() - t1
         return out, stats
 
-    def train_block(self, theta: torch.Tensor, block: list[int], seed: int, rnd: int):
-        """Return the locally trained heads ``[K, C, D+1]`` (block order), sizes, holds and mean losses."""
-        return self._block(theta, block, seed, rnd, reuse=False)
+    def train_block(self, theta: torch.Tensor, block: list[int], seed: int, rnd: int, *, prox_mu: float = 0.0,
+                    scaffold: ScaffoldState | None = None):
+        """Return the locally trained heads ``[K, C, D+1]`` (block order), sizes, holds and mean losses.
 
-    def _block(self, theta, block, seed, rnd, reuse: bool):
+        ``prox_mu`` and ``scaffold`` as in :meth:`run_round`, except that the server's ``c`` is left alone: the
+        clients' ``c_k`` are updated in place and their deltas wait in ``scaffold.pending`` until the caller
+        runs ``scaffold.server_update()`` after the round's last block."""
+        self._check_scaffold(theta, scaffold)
+        return self._block(theta, block, seed, rnd, False, prox_mu, scaffold)
+
+    def _check_scaffold(self, theta, scaffold):
+        if scaffold is not None and (tuple(scaffold.c.shape) != tuple(theta.shape)
+                                     or scaffold.num_clients < len(self.data.parts)):
+            raise FedheadError(f"The SCAFFOLD state holds {scaffold.num_clients} client variates of shape "
+                               f"{tuple(scaffold.c.shape)}, but the federation has {len(self.data.parts)} clients "
+                               f"and a head of shape {tuple(theta.shape)}. Build it with ScaffoldState.zeros("
+                               f"num_clients, C, D+1, device) for this federation.")
+
+    def _block(self, theta, block, seed, rnd, reuse: bool, prox_mu: float = 0.0, scaffold=None):
         # reuse: the heads may live in the engine's workspace (valid until the next block; run_round only)
         if self.backend == "vectorized":
-            w, losses = self._train_vectorized(theta, block, seed, rnd, reuse)
+            w, losses = self._train_vectorized(theta, block, seed, rnd, reuse, prox_mu, scaffold)
         else:
-            w, losses = self._train_loop(theta, block, seed, rnd)
+            w, losses = self._train_loop(theta, block, seed, rnd, prox_mu, scaffold)
         counts = torch.as_tensor(self.data.counts[block], device=self.device)
         sizes = counts.sum(1)
         return w, sizes, counts > 0, losses
@@ -347,7 +465,7 @@ class Engine:
             self._work["opt"] = opt
         return opt
 
-    def _train_vectorized(self, theta, block, seed, rnd, reuse=False):
+    def _train_vectorized(self, theta, block, seed, rnd, reuse=False, prox_mu=0.0, scaffold=None):
         dev, B, E = self.device, self.local.batch_size, self.local.epochs
         K, (C, D1) = len(block), theta.shape
         sizes = np.array([len(self.data.parts[k]) for k in block])
@@ -381,12 +499,18 @@ class Engine:
         opt = self._optimizer(T, C, D1)
         loss_sum = torch.zeros(K, device=dev, dtype=torch.float64)
         x, y, head = self.data.x, self.data.y, self.head
+        mu_theta = theta.to(w.dtype) * prox_mu if prox_mu else None    # FedProx: mu (W - theta) = mu W - mu theta
+        if scaffold is not None:
+            ids_sorted = torch.as_tensor(np.asarray(block, dtype=np.int64)[order], device=scaffold.ck.device)
+            corr = self._buffer("scaffold", (T, C, D1))                      # c - c_k of the tile, sorted order
         for j0 in range(0, K, T):                             # tiles: all steps of a few clients at a time
             j1 = min(K, j0 + T)
             wt = w[j0:j1]
             st = steps_sorted[j0:j1]
             runs = [i + 1 for i in range(len(st)) if i + 1 == len(st) or st[i + 1] != st[i]]
             opt.bind(wt, grad[:j1 - j0], runs)
+            if scaffold is not None:
+                ct = scaffold.correction(ids_sorted[j0:j1], out=corr[:j1 - j0])
             active = [int((st > t).sum()) for t in range(int(st.max()))]   # this tile's own step count
             ls = loss_sum[j0:j1]
             for e in range(E):
@@ -407,8 +531,14 @@ class Engine:
                             lk = head.loss(logits, yb, mk, ctx)
                             (gl,) = torch.autograd.grad(lk.sum(), logits)
                     torch.bmm(gl.transpose(1, 2), xb, out=grad[:k])
+                    if prox_mu:
+                        grad[:k].add_(wt[:k], alpha=prox_mu).sub_(mu_theta)
+                    if scaffold is not None:
+                        grad[:k].add_(ct[:k])
                     ls[:k] += lk.detach()
                     opt.step(k)
+            if scaffold is not None:                          # c_k+ of the tile (the correction is spent)
+                scaffold.client_update(ids_sorted[j0:j1], theta, wt, st * E, self.optim.lr, out=corr[:j1 - j0])
         inv_t = torch.as_tensor(np.argsort(order), device=dev)
         mean_loss = (loss_sum / (steps_t * E))[inv_t]
         if not reuse:
@@ -419,9 +549,10 @@ class Engine:
 
     # -- loop backend --------------------------------------------------------------------------------
 
-    def _train_loop(self, theta, block, seed, rnd):
+    def _train_loop(self, theta, block, seed, rnd, prox_mu=0.0, scaffold=None):
         dev, B, E = self.device, self.local.batch_size, self.local.epochs
         out, losses = [], []
+        theta0 = theta.detach().to(torch.float32)
         for k in block:
             part = self.data.parts[k]
             n = len(part)
@@ -429,6 +560,9 @@ class Engine:
             counts = torch.as_tensor(self.data.counts[k:k + 1], device=dev, dtype=torch.float32)
             wk = torch.nn.Parameter(theta.detach().clone().to(torch.float32))
             opt = make_torch_optimizer(self.optim, [wk])
+            if scaffold is not None:
+                kid = torch.tensor([k], device=scaffold.ck.device)
+                corr = scaffold.correction(kid)[0]                          # c - c_k
             total, nsteps = 0.0, 0
             for e in range(E):
                 for s in range(0, n, B):
@@ -439,11 +573,16 @@ class Engine:
                     with torch.enable_grad():
                         logits = xb @ wk.T
                         loss = self.head.loss(logits[None], yb[None], torch.ones(1, len(it), device=dev), ctx)[0]
+                        objective = loss + 0.5 * prox_mu * (wk - theta0).pow(2).sum() if prox_mu else loss
                         opt.zero_grad(set_to_none=True)
-                        loss.backward()
+                        objective.backward()
+                    if scaffold is not None:
+                        wk.grad.add_(corr)
                     opt.step()
                     total += float(loss.detach())
                     nsteps += 1
+            if scaffold is not None:
+                scaffold.client_update(kid, theta0, wk.detach()[None], [nsteps], self.optim.lr)
             out.append(wk.detach())
             losses.append(total / max(1, nsteps))
         return torch.stack(out), torch.tensor(losses, dtype=torch.float64, device=dev)

@@ -75,10 +75,20 @@ def register_head(name: str, *params: Param):
 
 
 def head_names() -> list[str]:
+    """Every registered head: the iterative ones here, the closed-form ones of :mod:`fedhead.closedform`."""
     return sorted(HEADS)
 
 
+def iterative_head_names() -> list[str]:
+    """The heads with a local loss (trained by the engine), i.e. all but the closed-form ones."""
+    return sorted(n for n in HEADS if not getattr(HEADS[n].cls, "closed_form", False))
+
+
 def resolve_head_params(name: str, **params) -> dict:
+    if name not in HEADS:
+        from .plugins import load_plugins
+
+        load_plugins()              # a user's head registered in FEDHEAD_PLUGINS or a fedhead.methods entry point
     if name not in HEADS:
         raise unknown_name("--head", name, HEADS, "head")
     spec = HEADS[name]
@@ -244,3 +254,39 @@ class FedRSHead(Head):
         cnt = ctx.counts
         scale = a + (1 - a) * cnt / cnt.amax(-1, keepdim=True).clamp_min(1.0)   # [K, C]
         return F.cross_entropy((logits * scale[:, None, :]).transpose(1, 2), y, reduction="none")
+
+
+FEDLC_MIN_COUNT = 1e-8   # FedLC: counts are clamped here (FL-bench's value), so an absent class shifts by tau * 100
+
+
+@register_head(
+    "fedlc",
+    Param("fedlc_tau", 1.0, Interval(0, None), "FedLC calibration strength tau (FL-bench's default 1.0)"),
+)
+class FedLCHead(SoftmaxHead):
+    """FedLC: softmax CE on calibrated logits z_j - tau * n_j^(-1/4), the true class kept in the denominator.
+
+    Zhang et al., ICML 2022 (logit calibration for label skew). ``n_j`` is the client's local count of class
+    ``j`` (``ctx.counts``). The paper's literal form drops the true class from the denominator; that form
+    collapses (FL-bench issue 5) and public implementations (FL-bench ``src/client/fedlc.py``, fluke) keep it,
+    as here. A class with ``n_j = 0`` is clamped to ``n_j = 1e-8`` as FL-bench does, so its logit is lowered by
+    ``tau * 100``: the class practically leaves the local softmax (its gradient is ~exp(-100 tau), like FedRS
+    with alpha = 0), instead of being pushed down as a one-sample class would be. With ``tau = 0`` the head is
+    ``softmax`` exactly. Training only: prediction is the argmax of the raw logits.
+    """
+
+    def shift(self, ctx: LossContext) -> torch.Tensor:
+        """``tau * max(n_j, 1e-8)^(-1/4)`` as ``[K, 1, C]``."""
+        n = ctx.counts.clamp_min(FEDLC_MIN_COUNT)
+        return (self.params["fedlc_tau"] * n.pow(-0.25))[:, None, :]
+
+    def per_sample(self, logits, y, ctx):
+        return super().per_sample(logits - self.shift(ctx).to(logits.dtype), y, ctx)
+
+    def loss_and_grad(self, logits, y, mask, ctx):
+        # the shift is a constant: d loss / d logits = d loss / d calibrated logits (softmax's closed form)
+        return super().loss_and_grad(logits - self.shift(ctx).to(logits.dtype), y, mask, ctx)
+
+
+# the closed-form statistics heads (ncm, ridge, cof, lda) register themselves in the same registry
+from . import closedform  # noqa: E402,F401

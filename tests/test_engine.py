@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fedhead.engine import BACKENDS, ClientSet, Engine, LocalConfig, OptimConfig, client_plan
-from fedhead.heads import create_head, head_names
+from fedhead.heads import create_head, iterative_head_names
 
 
 def toy_clients(n=300, d=12, c=5, k=6, seed=0):
@@ -20,7 +20,7 @@ def toy_clients(n=300, d=12, c=5, k=6, seed=0):
 
 
 @pytest.mark.parametrize("optim", ["adamw", "sgd"])
-@pytest.mark.parametrize("head", head_names())
+@pytest.mark.parametrize("head", iterative_head_names())
 def test_vectorized_equals_loop(head, optim):
     data = toy_clients()
     h = create_head(head, positive_keep=0.6)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fedhead.engine import (ClientSet, Engine, LocalConfig, OptimConfig, StackedAdamW, StackedSGD,
                             _fused_available)
-from fedhead.heads import HEADS, create_head, head_names
+from fedhead.heads import HEADS, create_head, iterative_head_names
 
 
 def clients(n=260, d=10, c=6, k=9, seed=1):
@@ -42,7 +42,7 @@ FUSED = [True, False] if _fused_available("adamw", torch.device("cpu")) else [Fa
 
 @pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("optim", ["adamw", "sgd"])
-@pytest.mark.parametrize("head", head_names())
+@pytest.mark.parametrize("head", iterative_head_names())
 def test_tiles_and_fused_kernels_equal_loop(head, optim, fused):
     data = clients()
     h = create_head(head, positive_keep=0.6)
@@ -127,7 +127,7 @@ def test_stacked_sgd_equals_torch(fused, momentum):
 
 
 # the heads that define ``loss_and_grad`` in closed form (the engine's fast path)
-CLOSED = [n for n in head_names() if callable(getattr(HEADS[n].cls, "loss_and_grad", None))]
+CLOSED = [n for n in iterative_head_names() if callable(getattr(HEADS[n].cls, "loss_and_grad", None))]
 
 
 def test_the_common_heads_have_a_closed_form():

@@ -74,6 +74,9 @@ def baselines_cmd(
     *, common: Common,
 ):
     """Closed-form heads, closed-form + fine-tuning and the classic FL baselines against the central ceiling."""
+    from ..plugins import load_plugins
+
+    load_plugins()                  # methods registered by users' modules
     names = _csv("--methods", methods)
     for m in names:
         if m not in METHODS:

@@ -195,6 +195,49 @@ def run_config(cfg: dict) -> dict:
     return rec
 
 
+def closed_form_speed(cfg: dict) -> dict:
+    """The server side of the statistics exchange at scale: ``clients`` messages (per-class sums and counts, the
+    Gram of ``[x, 1]``) streamed into the accumulator ``block`` clients at a time, then the ridge, LDA and NCM
+    solves. The clients' own computation of their messages is timed apart (it runs on the clients)."""
+    import numpy as np
+    import torch
+
+    from fedhead.closedform import StatsAccumulator, client_stats
+    from fedhead.heads import create_head
+    from fedhead.util import set_cpu_threads
+
+    threads = set_cpu_threads(cfg.get("threads"))
+    D, C, K, n, block = cfg["dim"], cfg["classes"], cfg["clients"], cfg["samples_per_client"], cfg["block"]
+    rng = np.random.default_rng(0)
+    centers = rng.random((C, D), dtype=np.float32)
+    acc = StatsAccumulator(C, D, gram=True)
+    client_s = add_s = 0.0
+    for b0 in range(0, K, block):
+        t0 = time.perf_counter()
+        msgs = []
+        for _ in range(b0, min(K, b0 + block)):
+            y = rng.integers(0, C, n)
+            x = centers[y] + rng.random((n, D), dtype=np.float32)
+            msgs.append(client_stats(x, y, C, gram=True))
+        t1 = time.perf_counter()
+        for m in msgs:
+            acc.add(m)
+        add_s += time.perf_counter() - t1
+        client_s += t1 - t0
+        del msgs
+    rec = {"closedform_clients": K, "closedform_dim": D, "closedform_classes": C, "closedform_threads": threads,
+           "closedform_block": block, "closedform_stream_s": add_s, "closedform_client_s": client_s,
+           "closedform_mb_up_per_client": acc.bytes_up / K / 1e6}
+    for name in ("ridge", "lda", "ncm"):
+        t0 = time.perf_counter()
+        theta = create_head(name).solve(acc)
+        rec[f"closedform_{name}_solve_s"] = time.perf_counter() - t0
+        assert torch.isfinite(theta).all()
+    rec["closedform_ridge_total_s"] = add_s + rec["closedform_ridge_solve_s"]
+    rec["closedform_peak_mb"] = _peak_rss_mb()
+    return rec
+
+
 def _peak_rss_mb() -> float:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -280,6 +323,12 @@ def measure_speed(*, quick: bool = False, rounds: int = 3, device: str = "cpu", 
         if progress:
             progress("extraction")
         rec.update(_extraction(quick, device))
+    if progress:
+        progress("closed-form statistics: 1000 clients x 200 classes x 1280 dims" if not quick else
+                 "closed-form statistics (quick)")
+    cf = dict(dim=1280, classes=200, clients=1000, samples_per_client=50, block=50) if not quick else \
+        dict(dim=64, classes=10, clients=50, samples_per_client=20, block=10)
+    rec.update(run_child(dict(cf, threads=threads, closedform=True)))
     rec["bench_load_after"] = _load()
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}
 
@@ -342,6 +391,15 @@ def speed_table(rec: dict):
         row(f"scale {name}: s/round", key, note=f"peak {rec.get(f'scale_{name}_peak_mb', 0):.0f} MB")
     for key in (k for k in rec if k.startswith("scale_") and "_vs_" in k):
         row(key.replace("_", " "), key, "{:.2f}x", "goal <= 1.5x")
+    row("closed form: stream 1000 messages (s)", "closedform_stream_s", note=f"{rec.get('closedform_clients')} "
+        f"clients x {rec.get('closedform_classes')} classes x {rec.get('closedform_dim')} dims, blocks of "
+        f"{rec.get('closedform_block')}; {rec.get('closedform_mb_up_per_client', 0):.1f} MB per client")
+    row("closed form: ridge solve (s)", "closedform_ridge_solve_s")
+    row("closed form: stream + ridge solve (s)", "closedform_ridge_total_s", note="goal < 5 s")
+    row("closed form: LDA / NCM solve (s)", "closedform_lda_solve_s",
+        note=f"NCM {rec.get('closedform_ncm_solve_s', 0):.3f} s")
+    row("closed form: peak MB", "closedform_peak_mb", "{:.0f}", "goal < 2048")
+    row("closed form: clients computing their messages (s)", "closedform_client_s", note="runs on the clients")
     row("extraction images/s", "extract_images_per_sec", "{:.1f}")
     row("forward images/s", "extract_forward_images_per_sec", "{:.1f}")
     row("extraction / forward", "extract_fraction_of_forward", "{:.3f}")
@@ -379,4 +437,5 @@ def speed_cmd(
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_config(json.loads(sys.argv[1]))), flush=True)
+    _cfg = json.loads(sys.argv[1])
+    print(json.dumps(closed_form_speed(_cfg) if _cfg.get("closedform") else run_config(_cfg)), flush=True)

@@ -217,7 +217,7 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
         else:
             eng = ld.engine(cfg, stats)
             t0 = time.perf_counter()
-            ws, sizes, hs, losses = eng.train_block(theta, [ns.pid], seed, rnd)
+            ws, sizes, hs, losses = eng.train_block(theta, [ns.pid], seed, rnd, prox_mu=cfg.prox_mu)
             if ld.device.type == "cuda":
                 torch.cuda.synchronize()
             ms = 1000 * (time.perf_counter() - t0)
