@@ -131,6 +131,19 @@ def test_simulation_engine_matches_fedhead_train(store, tmp_path):
     assert s["final_accuracy"] == pytest.approx(ref.summary["final_accuracy"]) and s["runtime"] == "flower"
 
 
+@pytest.mark.slow
+def test_simulation_engine_runs_closed_form_and_init(store, tmp_path):
+    """`flower simulate` == `fedhead train` per round for the ridge head and for a Fed3R-started softmax."""
+    for name, kw in (("ridge", dict(head="ridge")), ("init", dict(head="softmax", init="ridge", rounds=2,
+                                                                  prox_mu=0.01, server_opt="fedadam"))):
+        cfg = cfg_of(store, **kw)
+        ref = run_training(cfg, out=tmp_path / f"train-{name}", progress=False)
+        res = simulate(cfg_of(store, **kw), tmp_path / f"flower-{name}", num_cpus=2)
+        assert [r["stage"] for r in res.rows] == [r["stage"] for r in ref.rows]
+        np.testing.assert_allclose(accs(res.rows), accs(ref.rows), atol=1e-9)
+        assert [r["bytes_total"] for r in res.rows] == [r["bytes_total"] for r in ref.rows]
+
+
 # ---------------------------------------------------------------- the same code paths, in process
 
 
