@@ -95,7 +95,7 @@ def test_central_ceiling_is_the_converged_optimum(tiny_store):
 
 
 def test_ccvr_adds_a_calibration_exchange(tiny_store, tmp_path):
-    res = run_training(cfg(tiny_store, head="softmax", recipe="paper", calibrate="ccvr", ccvr_samples=50),
+    res = run_training(cfg(tiny_store, head="softmax", recipe="paper", calibrate="ccvr", ccvr_samples=400),
                        out=tmp_path / "c", progress=False)
     main = res.rows
     assert main[-1]["stage"] == "ccvr" and main[-1]["round"] == 4
