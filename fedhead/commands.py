@@ -45,8 +45,8 @@ SUMMARY_COLUMNS = [("head", "head"), ("partition", "partition"), ("final_accurac
 @with_method_options
 def train_cmd(
     features: Path = typer.Option(..., "--features", help="HDF5 feature store written by 'fedhead extract'."),
-    head: str = typer.Option("ova2", help="softmax | ova | ova2 | fedabc | fedrs | fedlc; closed form: ncm | ridge | "
-                                          "cof | lda"),
+    head: Optional[str] = typer.Option(None, help="softmax | ova | ova2 | fedabc | fedrs | fedlc; closed form: ncm | "
+                                                  "ridge | cof | lda [recipe: ova2; fast: softmax]"),
     partition: str = typer.Option("iid", help="iid | shard | dirichlet | bernoulli-dirichlet | zipf | kmeans"),
     shards_per_client: Optional[int] = typer.Option(None, help="shard: shards (labels) per client [2]"),
     distinct_labels: Optional[bool] = typer.Option(None, "--distinct-labels/--no-distinct-labels",
@@ -59,7 +59,8 @@ def train_cmd(
     rounds: int = typer.Option(50, help="communication rounds"),
     local_epochs: int = typer.Option(3, help="local epochs per round"),
     batch_size: int = typer.Option(50, help="local batch size"),
-    recipe: str = typer.Option("default", help="default (robust, measured) | paper (SPEC to the letter)"),
+    recipe: str = typer.Option("default", help="default (robust, measured) | paper (SPEC to the letter) | fast "
+                                               "(softmax from a Fed3R start)"),
     optimizer: Optional[str] = typer.Option(None, help="adamw | sgd [recipe]"),
     lr: Optional[float] = typer.Option(None, help="local learning rate [recipe]"),
     weight_decay: Optional[float] = typer.Option(None, help="weight decay [recipe]"),

@@ -15,17 +15,21 @@ PAPER_SEEDS = (0, 42, 777, 1337, 15254)
 # "default" is the one that measured robust across heads, partitions and class counts (see README,
 # "Choosing the default recipe", for the ablation behind it).
 RECIPES: dict[str, dict] = {
-    "paper": dict(optimizer="adamw", lr=0.01, weight_decay=1e-4, momentum=0.9, aggregate="fedavg",
+    "paper": dict(head="ova2", optimizer="adamw", lr=0.01, weight_decay=1e-4, momentum=0.9, aggregate="fedavg",
                   center=False, scale="none"),
-    "default": dict(optimizer="sgd", lr=0.01, weight_decay=1e-4, momentum=0.9, aggregate="fedavg",
+    "default": dict(head="ova2", optimizer="sgd", lr=0.01, weight_decay=1e-4, momentum=0.9, aggregate="fedavg",
                     center=True, scale="none"),
 }
+# "fast": the default recipe from a closed-form start, softmax head: Fed3R+FT (README "Baselines", measured
+# by `fedhead bench baselines`); an explicit --head keeps the ridge start, a closed-form head ignores it.
+RECIPES["fast"] = dict(RECIPES["default"], head="softmax", init="ridge")
 
 
 @dataclass
 class TrainConfig:
     features: str                          # path of the HDF5 feature store
-    head: str = "ova2"                     # softmax | ova | ova2 | fedabc | fedrs
+    head: str | None = None                # softmax | ova | ova2 | fedabc | fedrs | fedlc | ncm | ridge | cof | lda
+                                           # [recipe: ova2; fast: softmax]
     partition: str = "iid"                 # iid | shard | dirichlet | bernoulli-dirichlet | zipf | kmeans
     partition_params: dict = field(default_factory=dict)  # alpha, p, shards_per_client, ... (None = default)
     head_params: dict = field(default_factory=dict)       # stage1_rounds, positive_keep, fedabc_margins, ...
@@ -33,7 +37,7 @@ class TrainConfig:
     rounds: int = 50                       # communication rounds
     local_epochs: int = 3                  # local epochs per round
     batch_size: int = 50                   # local batch size
-    recipe: str = "default"                # default | paper: fills the None fields below
+    recipe: str = "default"                # default | paper | fast: fills the None fields (head, optimizer, ...)
     optimizer: str | None = None           # adamw | sgd (fresh state per client per round)
     lr: float | None = None                # local learning rate
     weight_decay: float | None = None      # decoupled (AdamW) or L2 (SGD) weight decay

@@ -165,6 +165,10 @@ def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:
 def validate_method(cfg: TrainConfig) -> None:
     """The method options (closed form, --init, FedProx, SCAFFOLD, server optimiser, CCVR) against the head;
     a closed-form head needs no feature centring (its statistics carry the means), so it is switched off."""
+    from .config import RECIPES
+
+    if is_closed_form(cfg.head) and cfg.init is not None and cfg.init == RECIPES[cfg.recipe].get("init"):
+        cfg.init = None             # the recipe's closed-form start does not apply to a closed-form head
     if is_closed_form(cfg.head):
         for flag, given in (("--init", cfg.init), ("--prox-mu", cfg.prox_mu), ("--scaffold", cfg.scaffold),
                             ("--server-opt", cfg.server_opt != "fedavg" and cfg.server_opt),

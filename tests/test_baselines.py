@@ -234,3 +234,15 @@ def test_statistics_streamed_in_client_blocks_bound_memory():
     assert acc.clients == 1000
     tensors = [v for v in vars(acc).values() if isinstance(v, torch.Tensor)]
     assert sum(t.numel() for t in tensors) < 4 * 33 * 33 + 20 * 33 + 100
+
+
+def test_recipe_fast_is_softmax_from_a_ridge_start(tiny_store, tmp_path):
+    res = run_training(TrainConfig(features=str(tiny_store), recipe="fast", clients=4, rounds=2, local_epochs=1),
+                       out=tmp_path / "f", progress=False)
+    cfg = json.loads((tmp_path / "f" / "config.json").read_text())["config"]
+    assert cfg["head"] == "softmax" and cfg["init"] == "ridge" and cfg["optimizer"] == "sgd" and cfg["center"]
+    assert [r["stage"] for r in res.rows] == ["statistics", "train"]
+    # an explicit closed-form head keeps its one exchange: the recipe's start does not apply to it
+    r = run_training(TrainConfig(features=str(tiny_store), recipe="fast", head="ridge", clients=4),
+                     out=tmp_path / "r", progress=False)
+    assert len(r.rows) == 1

@@ -31,7 +31,8 @@ _O = typer.Option
 TRAIN_OPTIONS = [
     ("features", Path, _O(..., "--features", help="HDF5 feature store (the server's: central evaluation; in "
                                                    "simulation also the store every virtual client slices).")),
-    ("head", str, _O("ova2", help="softmax | ova | ova2 | fedabc | fedrs | fedlc; closed form: ncm | ridge | cof | lda")),
+    ("head", Optional[str], _O(None, help="softmax | ova | ova2 | fedabc | fedrs | fedlc; closed form: ncm | ridge | cof | "
+                                         "lda [recipe: ova2; fast: softmax]")),
     ("partition", str, _O("iid", help="iid | shard | dirichlet | bernoulli-dirichlet | zipf | kmeans")),
     ("shards_per_client", Optional[int], _O(None, help="shard: shards (labels) per client [2]")),
     ("distinct_labels", Optional[bool], _O(None, "--distinct-labels/--no-distinct-labels",
@@ -311,7 +312,7 @@ def superlink_cmd(
 
     open_store(cfg.features, "--features")
     cfg.resolved()
-    out = kw["out"] or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-flower-{cfg.head}-{cfg.partition}")
+    out = kw["out"] or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-flower-{cfg.resolved().head}-{cfg.partition}")
     rc = run_config_of(cfg, Path(out), kw["resume"], kw["round_timeout"], wait_timeout)
     proc = subprocess.Popen(cmd, env=env)
     prev = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
