@@ -32,7 +32,7 @@ def _measure_once(dataset, data_dir, encoder, *, weights, pretrained, image_size
                   num_images, num_workers, dtype, split, repeats) -> dict:
     import torch
 
-    from .run import forward, iter_batches, prepare, to_input
+    from .run import encode, forward, iter_batches, prepare, to_input
     from .store import StoreWriter
 
     plan = prepare(dataset, data_dir, encoder, weights=weights, pretrained=pretrained, image_size=image_size,
@@ -41,7 +41,7 @@ def _measure_once(dataset, data_dir, encoder, *, weights, pretrained, image_size
     data = plan.splits[split]
     n = len(data)
     # prepared inputs of the same batches (the forward-only side), and one warm-up forward
-    inputs = [to_input(plan, x) for x, _ in iter_batches(plan, split)]
+    inputs = [to_input(plan, b.x) for b in iter_batches(plan, split) if b.x is not None]
     forward(plan, inputs[0])
     _sync(plan.device)
 
@@ -58,8 +58,8 @@ def _measure_once(dataset, data_dir, encoder, *, weights, pretrained, image_size
             with StoreWriter(Path(tmp) / "bench.h5", request={"bench": True}, sizes={split: n},
                              feature_dim=plan.encoder.feature_dim, class_names=data.class_names, attrs={},
                              dtype=dtype) as w:
-                for x, y in iter_batches(plan, split):
-                    w.append(split, forward(plan, to_input(plan, x)), y)
+                for b in iter_batches(plan, split):
+                    w.append(split, encode(plan, b), b.labels, [u.index for u in b.skipped])
                 w.finish()
             _sync(plan.device)
             return time.perf_counter() - t

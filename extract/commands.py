@@ -32,6 +32,9 @@ def extract_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing store made by another request."),
     download: bool = typer.Option(False, "--download", help="Download torchvision datasets if missing."),
     num_workers: Optional[int] = typer.Option(None, "--num-workers", help="DataLoader workers for image files."),
+    skip_corrupt: bool = typer.Option(False, "--skip-corrupt", help="Leave out image files that cannot be decoded "
+                                      "(truncated, not an image) instead of stopping; the store lists them under "
+                                      "skipped/<split>."),
 ) -> None:
     """Encode a dataset with a frozen encoder into an HDF5 feature store (resumable)."""
     from fedhead.util import stdout_console
@@ -41,7 +44,7 @@ def extract_cmd(
     path = extract_features(dataset, data_dir, encoder, weights=weights, pretrained=pretrained,
                             image_size=image_size, batch_size=batch_size, device=device, precision=precision,
                             limit=limit, out=out, dtype=dtype, overwrite=overwrite, download=download,
-                            num_workers=num_workers)
+                            num_workers=num_workers, skip_corrupt=skip_corrupt)
     stdout_console().print(str(path), soft_wrap=True)
 
 
@@ -68,6 +71,9 @@ def info_table(info):
         t.add_row(k, " x ".join(str(s) for s in shape))
     names = ", ".join(info.class_names)
     t.add_row("class_names", f"{info.num_classes}: {names[:200]}{'...' if len(names) > 200 else ''}")
+    for split, paths in info.skipped.items():
+        more = f" ... ({len(paths)} in all)" if len(paths) > 3 else ""
+        t.add_row(f"skipped/{split}", ", ".join(paths[:3]) + more)
     for k in sorted(info.attrs):
         v = info.attrs[k]
         if k == "request":

@@ -9,6 +9,8 @@ API
         ``split.image(i)`` -> uint8 [H, W, 3] (or [H, W, 1] if ``rgb=False`` and grayscale) for either kind.
     ``dataset_names()``; ``DATASETS`` (name -> loader function); ``LAYOUTS`` (name -> expected layout text).
     ``select_limit(labels, limit, seed=0)`` -> sorted indices of the ``--limit`` subset (see there).
+    ``try_image(split, i)`` -> the image, or ``Unreadable(index, path, reason)`` for a file that cannot be
+        decoded (truncated, not an image, unreadable); ``split.image(i)`` raises PIL's error instead.
 
 Layouts (``data_dir`` is the folder you pass with ``--data-dir``)
     cifar10        ``cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}`` (torchvision; ``--download``)
@@ -28,9 +30,10 @@ from __future__ import annotations
 import gzip
 import os
 import pickle
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -82,6 +85,44 @@ def decode_image(path: str, rgb: bool = True) -> np.ndarray:
         else:
             arr = np.array(im.convert("L"))[..., None]
     return arr
+
+
+class Unreadable(NamedTuple):
+    """An image file that could not be decoded: its index in the split, its path, and what is wrong."""
+
+    index: int
+    path: str
+    reason: str
+
+
+def unreadable_reason(exc: BaseException) -> str:
+    """What is wrong with an image file whose decoding raised ``exc``, in a few words."""
+    from PIL import Image, UnidentifiedImageError
+
+    text = str(exc).replace(str(getattr(exc, "filename", "") or "\0"), "").strip(" :'")
+    if isinstance(exc, FileNotFoundError):
+        return "missing (removed after the folder was listed)"
+    if isinstance(exc, PermissionError):
+        return "not readable (permission denied)"
+    if isinstance(exc, UnidentifiedImageError):
+        return "not an image (PIL cannot identify it)"
+    if isinstance(exc, Image.DecompressionBombError):
+        return "too large (above PIL's decompression-bomb limit)"
+    if "truncated" in text.lower():
+        detail = re.sub(r"(?i)image file is truncated|truncated file read", "", text).strip(" ()")
+        return f"truncated ({detail[:80]})" if detail else "truncated"
+    return f"corrupt ({type(exc).__name__}: {text[:80]})"
+
+
+def try_image(split: "ImageSplit", i: int) -> "np.ndarray | Unreadable":
+    """``split.image(i)``, or an :class:`Unreadable` record if that file cannot be decoded (PIL raises
+    many exception types for broken files; interrupts and fedhead's own errors pass through)."""
+    try:
+        return split.image(i)
+    except Exception as exc:  # noqa: BLE001 - every decoding failure of one file is reported, none swallowed
+        if isinstance(exc, (FedheadError, MemoryError)) or split.paths is None:
+            raise
+        return Unreadable(int(i), os.path.abspath(split.paths[i]), unreadable_reason(exc))
 
 
 LAYOUTS: dict[str, str] = {}

@@ -17,6 +17,17 @@ Features are written batch by batch through :class:`extract.store.StoreWriter` (
 renamed when complete); re-running the same request resumes at the first missing row and gives the
 same file as an uninterrupted run. ``--limit N`` keeps N images per split chosen by
 :func:`extract.datasets.select_limit` (seeded class-stratified round-robin, kept in dataset order).
+
+Hardening (see :func:`extract_features`): unreadable image files stop the run with a one-line error naming
+the file, or are left out and listed in the store with ``--skip-corrupt``; one process writes a store at a
+time (:func:`fedhead.util.exclusive_writer` on ``<out>.lock``); SIGINT/SIGTERM leave a consistent
+``.partial`` and exit 130/143 with one line saying how to resume; a full disk is found before encoding
+starts (see extract/store.py) and is a one-line error too.
+
+Test hooks (environment variables, for the tests of these paths; never set them otherwise):
+``FEDHEAD_TEST_KILL_AFTER_BATCHES=k`` SIGKILLs the process after k batches written by this run;
+``FEDHEAD_TEST_PAUSE_AFTER_BATCHES=k:FILE`` after k batches writes the pid into FILE and sleeps (up to
+10 minutes) until a signal arrives, so that a test can signal an extraction that is surely mid-way.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
@@ -37,11 +48,13 @@ from fedhead.errors import FedheadError, Interval, OneOf, unknown_name, validate
 
 from . import datasets as D
 from .encoders import Encoder, load_encoder, preprocess_batch
-from .store import StoreWriter, open_store, partial_path
+from .store import StoreWriter, open_store, partial_path, write_error
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = ("float16", "float32")
 KILL_ENV = "FEDHEAD_TEST_KILL_AFTER_BATCHES"  # test hook: SIGKILL this process after k written batches
+PAUSE_ENV = "FEDHEAD_TEST_PAUSE_AFTER_BATCHES"  # test hook "k:FILE": after k batches write pid to FILE, sleep
+FLOAT16_MAX = 65504.0
 
 
 def sanitize(name: str) -> str:
@@ -158,7 +171,8 @@ def prepare(dataset: str, data_dir, encoder: str, *, weights=None, pretrained: b
 
 
 class _FileImages:
-    """torch Dataset over image files: uint8 [H,W,3] tensors (decoded in DataLoader workers)."""
+    """torch Dataset over image files: uint8 [H,W,3] tensors (decoded in DataLoader workers), or an
+    :class:`extract.datasets.Unreadable` record for a file that cannot be decoded."""
 
     def __init__(self, split, start: int):
         self.split, self.start = split, start
@@ -169,13 +183,14 @@ class _FileImages:
     def __getitem__(self, i):
         import torch
 
-        return torch.from_numpy(self.split.image(self.start + i))
+        img = D.try_image(self.split, self.start + i)
+        return img if isinstance(img, D.Unreadable) else torch.from_numpy(img)
 
 
 class _Collate:
     """Worker-side batching: same-size images stay uint8 [B,H,W,C] (finished in the main process, on the
     device: 48x smaller to pass between processes than finished float inputs at 32 -> 96 px); mixed
-    sizes are finished here, one image at a time."""
+    sizes are finished here, one image at a time. Returns (batch or None, unreadable records)."""
 
     def __init__(self, pre):
         self.pre = pre
@@ -183,9 +198,13 @@ class _Collate:
     def __call__(self, items):
         import torch
 
+        bad = tuple(t for t in items if isinstance(t, D.Unreadable))
+        items = [t for t in items if not isinstance(t, D.Unreadable)]
+        if not items:
+            return None, bad
         if all(t.shape == items[0].shape for t in items):
-            return torch.stack(items)
-        return torch.cat([preprocess_batch(t[None], self.pre) for t in items])
+            return torch.stack(items), bad
+        return torch.cat([preprocess_batch(t[None], self.pre) for t in items]), bad
 
 
 class _MemoryBatches:
@@ -204,12 +223,26 @@ class _MemoryBatches:
         return torch.from_numpy(self.split.images[i:i + self.bs])
 
 
-def iter_batches(plan: Plan, split: str, start: int = 0) -> Iterator[tuple[object, np.ndarray]]:
-    """Yield (batch tensor, labels) for ``split`` from row ``start`` on, in dataset order.
+class Batch(NamedTuple):
+    """One batch of :func:`iter_batches`: source images ``start .. start + read - 1`` of the split; ``x``
+    holds the readable ones (None if there is none), ``labels`` their labels, ``skipped`` the others."""
 
-    A batch is uint8 [B,H,W,C] (finished on the device by :func:`to_input`) or, for a batch of mixed
-    image sizes, float [B,3,S,S] encoder inputs finished in the worker."""
+    x: object
+    labels: np.ndarray
+    start: int
+    read: int
+    skipped: tuple = ()
+
+
+def iter_batches(plan: Plan, split: str, start: int = 0) -> Iterator[Batch]:
+    """Yield the :class:`Batch` es of ``split`` from source image ``start`` on, in dataset order.
+
+    ``x`` is uint8 [B,H,W,C] (finished on the device by :func:`to_input`) or, for a batch of mixed image
+    sizes, float [B,3,S,S] encoder inputs finished in the worker. Batches always cover ``batch_size``
+    source images (the last one fewer), readable or not, so a resumed run forms the same batches."""
     import torch
+
+    from fedhead.util import worker_signals
 
     data = plan.splits[split]
     bs = plan.batch_size
@@ -220,20 +253,26 @@ def iter_batches(plan: Plan, split: str, start: int = 0) -> Iterator[tuple[objec
         if workers == 0:
             for i in range(start, len(data), bs):
                 x = torch.from_numpy(data.images[i:i + bs])
-                yield (x.pin_memory() if pin else x), data.labels[i:i + bs]
+                yield Batch(x.pin_memory() if pin else x, data.labels[i:i + bs], i, len(x))
             return
         ds = _MemoryBatches(data, start, bs)
         loader = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=workers,
-                                             pin_memory=pin, prefetch_factor=4)
-    else:
-        loader = torch.utils.data.DataLoader(
-            _FileImages(data, start), batch_size=bs, shuffle=False, num_workers=workers,
-            collate_fn=_Collate(pre), pin_memory=pin,
-            prefetch_factor=4 if workers > 0 else None, persistent_workers=False)
+                                             pin_memory=pin, prefetch_factor=4, worker_init_fn=worker_signals)
+        i = start
+        for x in loader:
+            yield Batch(x, data.labels[i:i + len(x)], i, len(x))
+            i += len(x)
+        return
+    loader = torch.utils.data.DataLoader(
+        _FileImages(data, start), batch_size=bs, shuffle=False, num_workers=workers,
+        collate_fn=_Collate(pre), pin_memory=pin, worker_init_fn=worker_signals if workers > 0 else None,
+        prefetch_factor=4 if workers > 0 else None, persistent_workers=False)
     i = start
-    for x in loader:
-        yield x, data.labels[i:i + len(x)]
-        i += len(x)
+    for x, bad in loader:
+        n = (0 if x is None else len(x)) + len(bad)
+        keep = np.setdiff1d(np.arange(i, i + n), [u.index for u in bad]) if bad else slice(i, i + n)
+        yield Batch(x, data.labels[keep], i, n, tuple(bad))
+        i += n
 
 
 def to_input(plan: Plan, x):
@@ -254,6 +293,13 @@ def forward(plan: Plan, x):
     with torch.inference_mode(), _autocast(plan.device, plan.precision):
         f = plan.encoder.model(x)
     return f.float().cpu().numpy()
+
+
+def encode(plan: Plan, batch: Batch) -> np.ndarray:
+    """Features [B, D] of a batch's readable images ([0, D] if it has none)."""
+    if batch.x is None:
+        return np.zeros((0, plan.encoder.feature_dim), dtype=np.float32)
+    return forward(plan, to_input(plan, batch.x))
 
 
 # ---------------------------------------------------------------- the command's API
@@ -286,17 +332,156 @@ def _reuse_threads(plan: Plan, w: StoreWriter) -> None:
         plan.attrs["cpu_threads"] = recorded
 
 
+def _reusable(out: Path, plan: Plan, overwrite: bool, skip_corrupt: bool, progress: bool) -> bool:
+    """True if ``out`` is a finished store of this request to return as is; raises if it is another
+    request's (unless ``overwrite``), or if it lacks unreadable images and ``skip_corrupt`` is off."""
+    from fedhead.util import stderr_console
+
+    if not out.exists():
+        return False
+    req = json.loads(json.dumps(plan.request, sort_keys=True))
+    try:
+        info = open_store(out, "--out")
+    except FedheadError:
+        if not overwrite:
+            raise
+        return False
+    old = info.attrs.get("request")
+    if isinstance(old, dict) and old == req:
+        if info.n_skipped and not skip_corrupt:
+            if overwrite:
+                return False
+            first = next(iter(v[0] for v in info.skipped.values()))
+            raise FedheadError(f"The '--out' parameter names {str(out)!r}, a store of this request that lacks "
+                               f"{_images(info.n_skipped)} (first: {first!r}), left out by --skip-corrupt. "
+                               "Pass --skip-corrupt to use it as it is, or --overwrite to extract again.")
+        if progress:
+            lacks = (f"; it lacks {_images(info.n_skipped)}, listed under skipped/; --overwrite extracts "
+                     "again") if info.n_skipped else ""
+            stderr_console().print(f"reusing {out} (same request{lacks})", soft_wrap=True)
+        return True
+    if not overwrite:
+        diff = sorted(k for k in set(old or {}) | set(req) if (old or {}).get(k) != req.get(k))
+        raise FedheadError(f"The '--out' parameter names {str(out)!r}, a store made by a different request "
+                           f"(differs in: {', '.join(diff) or 'format'}). Pass --overwrite to replace it "
+                           "or choose another --out.")
+    return False
+
+
+def _images(n: int) -> str:
+    return f"{n} unreadable image{'' if n == 1 else 's'}"
+
+
+def _unreadable_error(u: D.Unreadable) -> FedheadError:
+    return FedheadError(f"The '--data-dir' parameter holds an unreadable image: {u.path!r} is {u.reason}. "
+                        "Replace or delete it, or pass --skip-corrupt to leave unreadable images out (the store "
+                        "then lists them).")
+
+
+def _check_finite(plan: Plan, split: str, b: Batch, feats: np.ndarray) -> None:
+    """Refuse features that the store could not hold: NaN/inf, or beyond float16's range in a float16 store."""
+    if not len(feats):
+        return
+    where = f"{split} images {b.start}..{b.start + b.read - 1}"
+    if not np.isfinite(feats).all():
+        fix = "Use --precision fp32." if plan.precision != "fp32" else "Check the encoder's weights."
+        raise FedheadError(f"The encoder produced NaN or inf features for {where}. {fix}")
+    if plan.dtype == "float16" and float(np.abs(feats).max()) > FLOAT16_MAX:
+        raise FedheadError(f"The '--dtype' parameter is 'float16', but the encoder's features for {where} reach "
+                           f"{float(np.abs(feats).max()):.4g}, beyond float16's {FLOAT16_MAX:g}. Use --dtype float32.")
+
+
+def _pause_hook(written: int) -> None:
+    """Test hook (PAUSE_ENV = "k:FILE"): after ``k`` batches, write the pid into FILE and wait for a signal."""
+    spec = os.environ.get(PAUSE_ENV, "")
+    if not spec:
+        return
+    k, _, marker = spec.partition(":")
+    if written == int(k):
+        Path(marker).write_text(f"{os.getpid()}\n")
+        time.sleep(600)
+
+
+@contextlib.contextmanager
+def _writing(tmp: Path):
+    """Turn a failed write of the store (``OSError``: no space, file size limit, I/O) into one line."""
+    try:
+        yield
+    except OSError as exc:
+        raise write_error(tmp, exc) from None
+
+
+class _Tally:
+    """Source images consumed so far and in all (for the interrupt message)."""
+
+    read = 0
+    total: int | None = None
+
+
 def extract_features(dataset: str, data_dir, encoder: str, *, weights=None, pretrained: bool = True,
                      image_size=None, batch_size: int = 64, device: str = "auto", precision: str = "fp32",
                      limit=None, out=None, dtype: str = "float16", overwrite: bool = False, download: bool = False,
-                     num_workers=None, progress: bool = True, state_dict=None) -> Path:
+                     num_workers=None, progress: bool = True, state_dict=None, skip_corrupt: bool = False) -> Path:
     """Encode the train and test splits of ``dataset`` with ``encoder`` into an HDF5 store; return its path.
 
     An existing complete store with the same request is reused; a different one is an error unless
-    ``overwrite``. A ``.partial`` store of the same request is resumed.
-    """
+    ``overwrite``. A ``.partial`` store of the same request is resumed. The whole write (``.partial`` and
+    rename) holds :func:`fedhead.util.exclusive_writer` on ``<out>.lock``: a second process writing the
+    same ``out`` stops at once with the first one's pid.
 
-    from fedhead.util import make_progress, stderr_console
+    Unreadable images (truncated, not an image, unreadable file; only file datasets have them) are found
+    while decoding, in the DataLoader workers, at no extra cost: a worker returns a record instead of the
+    image. Without ``skip_corrupt`` the first one stops the run with a one-line error naming the file (the
+    batches before it stay in the ``.partial``; fix the file and re-run to resume). With ``skip_corrupt``
+    it is left out:
+
+    * rows: the store pre-allocates one row per source image; the readable images of a batch are written
+      as the next rows, so rows stay in dataset order without gaps, and the arrays are cut to the rows
+      written when the store is finished. Labels are those of the readable images, taken from the
+      dataset's label list by source index, so rows and labels cannot drift apart.
+    * resume: each split records ``n_done`` (rows) and ``n_read`` (source images consumed) together after
+      every batch, and a ``skipped_mask`` over the source images; a resumed run continues at source image
+      ``n_read`` and row ``n_done``. Batches always span ``batch_size`` source images, readable or not,
+      so a resumed run forms the same batches as an uninterrupted one and gives the same features.
+    * the finished store lists the paths of the images it lacks in ``skipped/<split>`` and their count in
+      the ``n_skipped`` attribute; the count is printed on stderr.
+    * reuse: the request describes the source (the image list and labels), not what was readable, so a
+      store that lacks images is reused only with ``skip_corrupt`` (else a one-line error says so), and
+      ``overwrite`` extracts it again (after the files were repaired); a ``.partial`` that has left images
+      out is continued only with ``skip_corrupt``.
+
+    Checking every file before encoding would need a second full decode (``Image.verify()`` misses a JPEG
+    cut short near its end): about 100 us per CIFAR-10 JPEG here, 6 s for 60,000 images (small next to
+    3 minutes of encoding at 96 px, but a second pass over every file on every run and resume, and far
+    more for large photos), so decoding-time detection was chosen.
+
+    SIGINT/SIGTERM (:func:`fedhead.util.signals_raise`) stop at a batch boundary (a batch's rows and
+    counters are written as one critical section) and raise :class:`fedhead.util.Interrupted` (exit code
+    130/143 under ``cli_errors``) whose one-line message says where the same command resumes.
+    """
+    from fedhead.util import Interrupted, signals_raise
+
+    tally = _Tally()
+    with signals_raise():
+        try:
+            return _extract(dataset, data_dir, encoder, tally, weights=weights, pretrained=pretrained,
+                            image_size=image_size, batch_size=batch_size, device=device, precision=precision,
+                            limit=limit, out=out, dtype=dtype, overwrite=overwrite, download=download,
+                            num_workers=num_workers, progress=progress, state_dict=state_dict,
+                            skip_corrupt=skip_corrupt)
+        except Interrupted as exc:
+            if tally.total is None:
+                msg = "interrupted before encoding began; re-run the same command to start"
+            else:
+                msg = (f"interrupted; re-run the same command to resume from {tally.read:,} of {tally.total:,} "
+                       "images")
+            raise Interrupted(exc.signum, msg) from None
+
+
+def _extract(dataset, data_dir, encoder, tally: _Tally, *, weights, pretrained, image_size, batch_size, device,
+             precision, limit, out, dtype, overwrite, download, num_workers, progress, state_dict,
+             skip_corrupt) -> Path:
+    from fedhead.util import exclusive_writer, make_progress, signals_deferred, stderr_console
 
     plan = prepare(dataset, data_dir, encoder, weights=weights, pretrained=pretrained, image_size=image_size,
                    batch_size=batch_size, device=device, precision=precision, limit=limit, dtype=dtype,
@@ -305,49 +490,63 @@ def extract_features(dataset: str, data_dir, encoder: str, *, weights=None, pret
     if out is None:
         out = default_out(dataset, data_dir, encoder, enc.preprocessing.image_size, enc.default_image_size)
     out = Path(out)
-    if out.exists():
-        try:
-            info = open_store(out, "--out")
-            old = info.attrs.get("request")
-            same = isinstance(old, dict) and old == json.loads(json.dumps(plan.request, sort_keys=True))
-        except FedheadError:
-            if not overwrite:
-                raise
-            same = False
-            info = None
-        if same:
-            if progress:
-                stderr_console().print(f"reusing {out} (same request)")
+    if _reusable(out, plan, overwrite, skip_corrupt, progress):
+        return out
+    tmp = partial_path(out)
+    with exclusive_writer(out, repr(str(out))):
+        if _reusable(out, plan, overwrite, skip_corrupt, False):  # finished by another process meanwhile
             return out
-        if not overwrite:
-            diff = sorted(k for k in set(old or {}) | set(plan.request)
-                          if (old or {}).get(k) != json.loads(json.dumps(plan.request)).get(k))
-            raise FedheadError(f"The '--out' parameter names {str(out)!r}, a store made by a different request "
-                               f"(differs in: {', '.join(diff) or 'format'}). Pass --overwrite to replace it "
-                               "or choose another --out.")
-    _drop_broken_partial(out, list(plan.splits))
-    kill_after = int(os.environ.get(KILL_ENV, "0") or 0)
-    written = 0
-    sizes = {s: len(v) for s, v in plan.splits.items()}
-    with StoreWriter(out, request=plan.request, sizes=sizes, feature_dim=enc.feature_dim,
-                     class_names=plan.request["class_names"], attrs=plan.attrs, dtype=dtype) as w:
-        _reuse_threads(plan, w)
-        prog = make_progress() if progress else contextlib.nullcontext()
-        with prog:
-            for split in plan.splits:
-                start, total = w.n_done(split), w.size(split)
-                if start >= total:
-                    continue
-                task = prog.add_task(f"{split}", total=total, completed=start, info="") if progress else None
-                t0, n = time.perf_counter(), 0
-                for x, y in iter_batches(plan, split, start):
-                    feats = forward(plan, to_input(plan, x))
-                    w.append(split, feats, y)
-                    n += len(y)
-                    written += 1
-                    if progress:
-                        ips = n / max(time.perf_counter() - t0, 1e-9)
-                        prog.update(task, advance=len(y), info=f"{ips:,.0f} img/s")
-                    if kill_after and written >= kill_after:
-                        os.kill(os.getpid(), signal.SIGKILL)
-        return w.finish()
+        _drop_broken_partial(out, list(plan.splits))
+        kill_after = int(os.environ.get(KILL_ENV, "0") or 0)
+        written = 0
+        sizes = {s: len(v) for s, v in plan.splits.items()}
+        with _writing(tmp):
+            w = StoreWriter(out, request=plan.request, sizes=sizes, feature_dim=enc.feature_dim,
+                            class_names=plan.request["class_names"], attrs=plan.attrs, dtype=dtype)
+        with w:
+            _reuse_threads(plan, w)
+            left = {s: w.n_skipped(s) for s in plan.splits}
+            if any(left.values()) and not skip_corrupt:
+                s = next(s for s, n in left.items() if n)
+                first = plan.splits[s].paths[int(w.skipped_indices(s)[0])]
+                raise FedheadError(f"The '--out' parameter names {str(out)!r}, whose unfinished {tmp.name} left out "
+                                   f"{_images(sum(left.values()))} under --skip-corrupt (first: "
+                                   f"{os.path.abspath(first)!r}). Pass --skip-corrupt to continue it, or delete "
+                                   f"{tmp.name} to start again.")
+            tally.total = sum(sizes.values())
+            tally.read = sum(w.n_read(s) for s in plan.splits)
+            prog = make_progress() if progress else contextlib.nullcontext()
+            with prog:
+                for split in plan.splits:
+                    start, total = w.n_read(split), w.size(split)
+                    if start >= total:
+                        continue
+                    task = prog.add_task(f"{split}", total=total, completed=start, info="") if progress else None
+                    t0, n = time.perf_counter(), 0
+                    for b in iter_batches(plan, split, start):
+                        if b.skipped and not skip_corrupt:
+                            raise _unreadable_error(b.skipped[0])
+                        feats = encode(plan, b)
+                        _check_finite(plan, split, b, feats)
+                        with signals_deferred(), _writing(tmp):  # rows and counters: all or nothing
+                            w.append(split, feats, b.labels, [u.index for u in b.skipped])
+                            tally.read += b.read
+                        n += b.read
+                        written += 1
+                        if progress:
+                            ips = n / max(time.perf_counter() - t0, 1e-9)
+                            prog.update(task, advance=b.read, info=f"{ips:,.0f} img/s")
+                        if kill_after and written >= kill_after:
+                            os.kill(os.getpid(), signal.SIGKILL)
+                        _pause_hook(written)
+            per = {s: w.n_skipped(s) for s in plan.splits}
+            skipped = sum(per.values())
+            names = {s: [os.path.abspath(p) for p in v.paths] for s, v in plan.splits.items()
+                     if skipped and v.paths is not None}
+            with signals_deferred(), _writing(tmp):
+                path = w.finish(names or None)
+    if skipped and progress:
+        where = ", ".join(f"{n} in {s}" for s, n in per.items() if n)
+        stderr_console().print(f"skipped {_images(skipped)} ({where}); {path} lists them under skipped/",
+                               soft_wrap=True)
+    return path

@@ -2,27 +2,48 @@
 
 Layout (format ``fedhead-features``, version 1)::
 
-    /train/features   [N, D]  float16 (default) or float32, chunked (rows of 1024)
-    /train/labels     [N]     int64
-    /test/features    [M, D]
-    /test/labels      [M]
-    /class_names      [C]     utf-8 strings
+    /train/features      [N, D]  float16 (default) or float32, chunked (rows of 1024)
+    /train/labels        [N]     int64
+    /train/skipped_mask  [S]     uint8, one per source image: 1 = left out as unreadable (--skip-corrupt)
+    /test/...            the same for the test split
+    /class_names         [C]     utf-8 strings
+    /skipped/<split>     [K]     utf-8 paths of the source images left out as unreadable (usually empty)
     attrs: format, format_version, dataset, encoder, weights_source, weights_sha256, preprocessing (JSON),
-           image_size, dtype, feature_dim, num_classes, fedhead_version, created, request (JSON), complete
-    /<split> attrs: n_done (rows written so far; equals N when the split is complete)
+           image_size, dtype, feature_dim, num_classes, fedhead_version, created, request (JSON), complete,
+           n_skipped (images left out, all splits)
+    /<split> attrs: n_done (rows written), n_read (source images consumed: rows + left out), n_skipped
+
+S is the number of source images of the split and N = S - K the rows (N = S unless images were left out).
+Stores written before ``skipped_mask``/``skipped`` existed lack them and read the same.
 
 A store is written under ``<out>.partial`` and renamed to ``<out>`` only when complete, so a file under
-the final name is always whole. Re-opening the ``.partial`` with the same request resumes at ``n_done``.
+the final name is always whole. Re-opening the ``.partial`` with the same request resumes at ``n_read``
+(source images) / ``n_done`` (rows); ``n_done``/``n_read`` are updated after the rows and the file is
+flushed, so a killed writer loses at most the batch in flight.
+
+Full disks: HDF5 cannot recover from a failed write inside a process (measured with h5py 3.16 / HDF5 2.0:
+the next flush or close fails, the file is left truncated and the interpreter can crash at exit). So the
+writer makes sure HDF5 never has to grow the file while it encodes: the whole store is allocated when it is
+created (``H5D_ALLOC_TIME_EARLY``, no fill write) after checking the free space and the file size limit
+(``ulimit -f``) against its size, and the blocks are then reserved with ``posix_fallocate`` outside HDF5
+(again on every resume). Appends then overwrite reserved blocks in place. Running out of room therefore
+shows as an ``OSError`` before any encoding (``ENOSPC``/``EFBIG`` with the sizes), and a ``.partial`` keeps
+its rows. HDF5 errors that still occur (a disk filled by someone else in the instant between the check and
+the reservation, copy-on-write filesystems) are raised as ``OSError`` with the HDF5 errno; such a
+``.partial`` may be unreadable and the next run then starts it afresh.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno as errnos
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import h5py
 import numpy as np
@@ -34,10 +55,105 @@ FORMAT = "fedhead-features"
 FORMAT_VERSION = 1
 SPLITS = ("train", "test")
 CHUNK_ROWS = 1024
+METADATA_BYTES = 48 * 1024  # HDF5's own structures in a store (measured: 24-27 KiB), the arrays apart
+SPACE_ERRNOS = (errnos.ENOSPC, errnos.EFBIG, errnos.EDQUOT)
 
 
 def partial_path(out: str | os.PathLike) -> Path:
     return Path(str(out) + ".partial")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB" if n >= 1e6 else f"{n / 1e3:,.0f} kB"
+
+
+# ---------------------------------------------------------------- room on disk
+
+
+def store_bytes(sizes: dict[str, int], feature_dim: int, dtype: str, text: int = 0) -> int:
+    """Upper bound of a new store's size on disk: the arrays in whole chunks (as they are allocated) plus
+    metadata, ``text`` being the bytes of its request, attributes and class names (stored about 3.5 times
+    over, measured with 3 to 1000 classes; 4 allowed)."""
+    item = np.dtype(dtype).itemsize
+    total = METADATA_BYTES + 4 * text
+    for n in sizes.values():
+        rows = -(-n // CHUNK_ROWS) * CHUNK_ROWS if n > CHUNK_ROWS else n
+        total += rows * (feature_dim * item + 8 + 1)
+    return total
+
+
+def check_room(path: Path, need: int) -> None:
+    """Raise ``OSError`` (EFBIG or ENOSPC, with the sizes) unless ``path`` can grow by ``need`` bytes:
+    the file size limit (``ulimit -f``, RLIMIT_FSIZE) and the free space of its filesystem."""
+    import resource
+
+    size = path.stat().st_size if path.exists() else 0
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if soft != resource.RLIM_INFINITY and size + need > soft:
+        raise OSError(errnos.EFBIG, f"the file size limit ('ulimit -f') allows {_mb(soft)}, the store needs "
+                                    f"about {_mb(size + need)}")
+    st = os.statvfs(path.parent)
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise OSError(errnos.ENOSPC, f"needs about {_mb(need)}, {_mb(free)} free")
+
+
+def reserve(path: Path) -> None:
+    """Allocate every block of ``path`` (``posix_fallocate`` over its length) so that writing inside it
+    cannot run out of space later; ``OSError(ENOSPC)`` if the disk cannot hold it. Filesystems without
+    support are left as they are."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    except OSError as exc:
+        if exc.errno not in (errnos.EOPNOTSUPP, errnos.ENOSYS, errnos.EINVAL):
+            st = os.statvfs(path)
+            raise OSError(exc.errno, f"{exc.strerror}: reserving {_mb(os.fstat(fd).st_size)} for the store, "
+                                     f"{_mb(st.f_bavail * st.f_frsize)} free") from None
+    finally:
+        os.close(fd)
+
+
+_ERRNO = re.compile(r"errno = (\d+)")
+
+
+@contextlib.contextmanager
+def hdf5_io() -> Any:
+    """Re-raise an HDF5 I/O failure (h5py raises OSError, RuntimeError or ValueError for them, the errno only
+    in the text) as ``OSError`` with that errno; other errors pass unchanged."""
+    try:
+        yield
+    except (OSError, RuntimeError, ValueError) as exc:
+        if isinstance(exc, OSError) and exc.errno:
+            raise
+        m = _ERRNO.search(str(exc))
+        if m is None:
+            raise
+        code = int(m.group(1))
+        raise OSError(code, f"{os.strerror(code)} (HDF5: {str(exc).splitlines()[0][:120]})") from exc
+
+
+def write_error(path: Path, exc: OSError) -> FedheadError:
+    """The one-line message for a failed write of ``path`` (a ``.partial``): what, why, and that the same
+    command resumes."""
+    why = exc.strerror or str(exc)
+    if exc.errno in SPACE_ERRNOS:
+        fix = "Free space (or raise the file size limit) and re-run the same command: it resumes."
+        return FedheadError(f"No space left while writing {str(path)!r} ({why}). {fix}")
+    return FedheadError(f"Writing {str(path)!r} failed ({why}). Fix the cause and re-run the same command: "
+                        "it resumes.")
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _early(shape: tuple, chunks: tuple, dtype, fill: bool = False) -> dict:
+    """create_dataset arguments: resizable along rows, every chunk allocated at creation; written with zeros
+    then only if ``fill`` (rows past ``n_done`` are never read, so the big arrays skip that write)."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    return dict(shape=shape, dtype=dtype, chunks=chunks, maxshape=(None, *shape[1:]), dcpl=dcpl,
+                fillvalue=0 if fill else None, fill_time="alloc" if fill else "never")
 
 
 class StoreWriter:
@@ -45,6 +161,9 @@ class StoreWriter:
 
     ``request`` is a JSON-able dict of everything that determines the content (dataset, encoder, weights
     hash, image size, dtype, limit, ...): a partial file is resumed only if its request is identical.
+    ``sizes`` are the source images per split; rows are allocated for all of them and the arrays are cut
+    to the rows written when the store is finished (fewer if images were left out, see :meth:`append`).
+    Raises ``OSError`` (ENOSPC/EFBIG with the sizes) if the store cannot fit; see the module docstring.
     """
 
     def __init__(self, out: str | os.PathLike, *, request: dict, sizes: dict[str, int], feature_dim: int,
@@ -71,52 +190,122 @@ class StoreWriter:
                     f.close()
                 self.tmp.unlink()
         if self.f is None:
-            f = h5py.File(self.tmp, "w")
-            f.attrs["format"] = FORMAT
-            f.attrs["format_version"] = FORMAT_VERSION
-            f.attrs["request"] = req
-            f.attrs["complete"] = False
-            f.attrs["dtype"] = dtype
-            f.attrs["feature_dim"] = int(feature_dim)
-            f.attrs["num_classes"] = len(class_names)
-            f.attrs["fedhead_version"] = __version__
-            f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            for k, v in attrs.items():
-                f.attrs[k] = json.dumps(v) if isinstance(v, (dict, list)) else v
-            f.create_dataset("class_names", data=np.array(class_names, dtype=object),
+            text = len(req) + len(json.dumps(attrs, default=str)) + sum(len(n.encode()) + 16 for n in class_names)
+            check_room(self.tmp, store_bytes(sizes, feature_dim, dtype, text))
+            with hdf5_io():
+                self.f = self._create(req, sizes, feature_dim, class_names, attrs, dtype)
+        try:
+            reserve(self.tmp)
+        except OSError:
+            self.close()
+            raise
+
+    def _create(self, req: str, sizes: dict[str, int], feature_dim: int, class_names: list[str],
+                attrs: dict[str, Any], dtype: str):
+        f = h5py.File(self.tmp, "w")
+        f.attrs["format"] = FORMAT
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["request"] = req
+        f.attrs["complete"] = False
+        f.attrs["n_skipped"] = 0
+        f.attrs["dtype"] = dtype
+        f.attrs["feature_dim"] = int(feature_dim)
+        f.attrs["num_classes"] = len(class_names)
+        f.attrs["fedhead_version"] = __version__
+        f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        for k, v in attrs.items():
+            f.attrs[k] = json.dumps(v) if isinstance(v, (dict, list)) else v
+        f.create_dataset("class_names", data=np.array(class_names, dtype=object),
+                         dtype=h5py.string_dtype("utf-8"))
+        for split, n in sizes.items():
+            g = f.create_group(split)
+            for k in ("n_done", "n_read", "n_skipped"):
+                g.attrs[k] = 0
+            rows = max(1, min(CHUNK_ROWS, n))
+            g.create_dataset("features", **_early((n, feature_dim), (rows, feature_dim), dtype))
+            g.create_dataset("labels", **_early((n,), (rows,), "int64"))
+            g.create_dataset("skipped_mask", **_early((n,), (rows,), "uint8", fill=True))
+            f.create_dataset(f"skipped/{split}", shape=(0,), maxshape=(None,), chunks=(256,),
                              dtype=h5py.string_dtype("utf-8"))
-            for split, n in sizes.items():
-                g = f.create_group(split)
-                g.attrs["n_done"] = 0
-                g.create_dataset("features", shape=(n, feature_dim), dtype=dtype,
-                                 chunks=(max(1, min(CHUNK_ROWS, n)), feature_dim))
-                g.create_dataset("labels", shape=(n,), dtype="int64")
-            f.flush()
-            self.f = f
+        f.flush()
+        return f
+
+    def _splits(self) -> list[str]:
+        return [k for k, g in self.f.items() if isinstance(g, h5py.Group) and "n_done" in g.attrs]
 
     def n_done(self, split: str) -> int:
+        """Rows written."""
         return int(self.f[split].attrs["n_done"])
 
+    def n_read(self, split: str) -> int:
+        """Source images consumed: rows written plus images left out."""
+        a = self.f[split].attrs
+        return int(a["n_read"]) if "n_read" in a else int(a["n_done"])  # stores before n_read: no skips
+
+    def n_skipped(self, split: str) -> int:
+        return self.n_read(split) - self.n_done(split)
+
     def size(self, split: str) -> int:
-        return int(self.f[split]["labels"].shape[0])
-
-    def append(self, split: str, features: np.ndarray, labels: np.ndarray) -> None:
-        """Write the next rows of ``split`` and record progress (the file is flushed, so a kill loses
-        at most the rows of the batch in flight)."""
+        """Source images of the split."""
         g = self.f[split]
-        i = int(g.attrs["n_done"])
-        n = len(labels)
-        g["features"][i:i + n] = features
-        g["labels"][i:i + n] = labels
-        g.attrs["n_done"] = i + n
-        self.f.flush()
+        return int((g["skipped_mask"] if "skipped_mask" in g else g["labels"]).shape[0])
 
-    def finish(self) -> Path:
-        for split in self.f.keys():
-            if isinstance(self.f[split], h5py.Group) and self.n_done(split) != self.size(split):
-                raise RuntimeError(f"split {split} incomplete: {self.n_done(split)}/{self.size(split)}")
-        self.f.attrs["complete"] = True
-        self.f.close()
+    def skipped_indices(self, split: str) -> np.ndarray:
+        """Source indices of the images left out so far."""
+        g = self.f[split]
+        if "skipped_mask" not in g or self.n_skipped(split) == 0:
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero(g["skipped_mask"][:self.n_read(split)]).astype(np.int64)
+
+    def append(self, split: str, features: np.ndarray, labels: np.ndarray, skipped: Sequence[int] = ()) -> None:
+        """Write the next rows of ``split`` and record progress. The batch covers the next
+        ``len(labels) + len(skipped)`` source images; ``skipped`` are the source indices among them that
+        were left out (unreadable images), ``features``/``labels`` the others, in order. The rows go in
+        first, then the counters, then the file is flushed: a kill loses at most the batch in flight."""
+        g = self.f[split]
+        i, r = self.n_done(split), self.n_read(split)
+        n, m = len(labels), len(labels) + len(skipped)
+        if r + m > self.size(split):
+            raise ValueError(f"{split}: {r} + {m} source images is more than the split's {self.size(split)}")
+        with hdf5_io():
+            if n:
+                g["features"][i:i + n] = features
+                g["labels"][i:i + n] = labels
+            if skipped or "skipped_mask" in g:  # every batch: a redone batch clears its old flags
+                flags = np.zeros(m, dtype=np.uint8)
+                flags[np.asarray(skipped, dtype=np.int64) - r] = 1
+                g.require_dataset("skipped_mask", shape=g["labels"].shape, dtype="uint8")[r:r + m] = flags
+            g.attrs.modify("n_done", i + n)
+            g.attrs.modify("n_read", r + m)
+            g.attrs.modify("n_skipped", r + m - i - n)
+            self.f.flush()
+
+    def finish(self, source_names: dict[str, Sequence[str]] | None = None) -> Path:
+        """Record the images left out (``skipped/<split>``: their names from ``source_names``, else
+        ``#<index>``), cut the arrays to the rows written, mark the store complete and rename it."""
+        splits = self._splits()
+        for split in splits:
+            if self.n_read(split) != self.size(split):
+                raise RuntimeError(f"split {split} incomplete: {self.n_read(split)}/{self.size(split)}")
+        left = {s: self.skipped_indices(s) for s in splits}
+        names = {s: [str(source_names[s][i]) if source_names else f"#{i}" for i in left[s]] for s in splits}
+        if any(len(v) for v in left.values()):
+            check_room(self.tmp, 16 * 1024 + 2 * sum(len(n.encode()) + 16 for v in names.values() for n in v))
+        with hdf5_io():
+            for split in splits:
+                g, n = self.f[split], self.n_done(split)
+                if len(left[split]):
+                    key = f"skipped/{split}"
+                    d = self.f[key] if key in self.f else self.f.create_dataset(
+                        key, shape=(0,), maxshape=(None,), chunks=(256,), dtype=h5py.string_dtype("utf-8"))
+                    d.resize((len(names[split]),))
+                    d[:] = np.array(names[split], dtype=object)
+                for k in ("features", "labels"):
+                    if g[k].shape[0] != n:
+                        _shrink(g, k, n)
+            self.f.attrs.modify("n_skipped", sum(len(v) for v in left.values()))
+            self.f.attrs.modify("complete", True)
+            self.f.close()
         self.f = None
         os.replace(self.tmp, self.out)
         return self.out
@@ -131,6 +320,17 @@ class StoreWriter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _shrink(g: h5py.Group, name: str, n: int) -> None:
+    """Cut dataset ``g[name]`` to its first ``n`` rows (copied if it was created fixed-size)."""
+    d = g[name]
+    if d.maxshape[0] is None:
+        d.resize(n, axis=0)
+        return
+    data = d[:n]
+    del g[name]
+    g.create_dataset(name, data=data, maxshape=(None, *data.shape[1:]))
 
 
 def write_store(out: str | os.PathLike, *, train: tuple[np.ndarray, np.ndarray],
@@ -155,6 +355,7 @@ class StoreInfo:
     attrs: dict[str, Any]
     shapes: dict[str, tuple]
     class_names: list[str]
+    skipped: dict[str, list[str]] = field(default_factory=dict)  # split -> images left out as unreadable
 
     @property
     def num_classes(self) -> int:
@@ -167,6 +368,10 @@ class StoreInfo:
     @property
     def encoder(self) -> str:
         return str(self.attrs.get("encoder", ""))
+
+    @property
+    def n_skipped(self) -> int:
+        return sum(len(v) for v in self.skipped.values())
 
 
 @dataclass
@@ -194,8 +399,81 @@ def _decode(v: Any) -> Any:
     return v
 
 
-def open_store(path: str | os.PathLike, param: str = "--features") -> StoreInfo:
-    """Read a store's metadata, refusing missing, partial, corrupt or foreign files in one line."""
+def _strings(d: h5py.Dataset) -> list[str]:
+    return [n.decode() if isinstance(n, bytes) else str(n) for n in d[()]]
+
+
+REMAKE = "Re-create it with 'fedhead extract --overwrite'."
+
+
+def _bad_store(param: str, p: Path, problem: str, fix: str = REMAKE) -> FedheadError:
+    return FedheadError(f"The '{param}' parameter names {str(p)!r}, a store whose {problem}. {fix}")
+
+
+def _check_layout(f: h5py.File, p: Path, param: str, attrs: dict, names: list[str]) -> None:
+    """Structure checks (metadata only, microseconds): version, splits, shapes, dimensions, class count."""
+    version = attrs.get("format_version", 1)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise _bad_store(param, p, f"format version is {version!r}, newer than the {FORMAT_VERSION} this fedhead "
+                         f"reads", "Upgrade fedhead to read it, or re-create it with this one "
+                         "('fedhead extract --overwrite').")
+    dims = {}
+    for s in SPLITS:
+        g = f.get(s)
+        if not isinstance(g, h5py.Group) or "features" not in g or "labels" not in g:
+            raise _bad_store(param, p, f"{s} split is missing (no /{s}/features and /{s}/labels)")
+        x, y = g["features"], g["labels"]
+        if x.ndim != 2 or y.ndim != 1 or x.shape[0] != y.shape[0]:
+            raise _bad_store(param, p, f"{s} split has features {x.shape} and labels {y.shape}, not [N, D] and [N]")
+        if not np.issubdtype(y.dtype, np.integer):
+            raise _bad_store(param, p, f"{s}/labels are {y.dtype}, not integers")
+        dims[s] = int(x.shape[1])
+    declared = attrs.get("feature_dim")
+    if len(set(dims.values())) > 1 or (declared is not None and dims["train"] != declared):
+        got = ", ".join(f"{s} {d}" for s, d in dims.items())
+        raise _bad_store(param, p, f"feature dimension differs between splits or from its feature_dim "
+                         f"attribute ({got}; feature_dim {declared})")
+    declared = attrs.get("num_classes")
+    if declared is not None and declared != len(names):
+        raise _bad_store(param, p, f"num_classes attribute ({declared}) differs from its {len(names)} class names")
+
+
+def _first_nonfinite(x: np.ndarray, start: int = 0) -> int | None:
+    """Row of the first NaN/inf in ``x`` (blocks of about 4M values: no full-size temporary), else None."""
+    step = max(1, (1 << 22) // max(1, x.shape[1] if x.ndim == 2 else 1))
+    for i in range(0, len(x), step):
+        ok = np.isfinite(x[i:i + step])
+        if not ok.all():
+            return start + i + int(np.flatnonzero(~ok.reshape(len(ok), -1).all(axis=1))[0])
+    return None
+
+
+def _check_values(p: Path, param: str, split: str, x: np.ndarray | None, y: np.ndarray, num_classes: int,
+                  attrs: dict, bad_row: int | None = None) -> None:
+    """Value checks: finite features (``x``, or ``bad_row`` found by the caller) and labels in [0, C)."""
+    bad_row = _first_nonfinite(x) if x is not None else bad_row
+    if bad_row is not None:
+        hint = " (it was made with --precision fp16/bf16: use fp32)" if attrs.get("precision") in ("fp16", "bf16") \
+            else ""
+        raise _bad_store(param, p, f"{split}/features hold NaN or inf (first at row {bad_row})",
+                         f"Re-create it with 'fedhead extract --overwrite'{hint}.")
+    if len(y):
+        out = (y < 0) | (y >= num_classes)
+        if out.any():
+            i = int(np.flatnonzero(out)[0])
+            raise _bad_store(param, p, f"{split}/labels hold {int(y[i])} at row {i}, outside [0, {num_classes}) "
+                             f"for its {num_classes} class names")
+
+
+def open_store(path: str | os.PathLike, param: str = "--features", check_values: bool = False) -> StoreInfo:
+    """Read a store's metadata, refusing missing, partial, corrupt or foreign files in one line.
+
+    Also refuses, from the metadata alone (microseconds): a newer ``format_version``, a missing split,
+    mismatched shapes, a feature dimension that differs between splits or from ``feature_dim``, and a
+    class count that differs from the class names. The values (NaN/inf features, labels outside
+    [0, num_classes)) are checked by :func:`load_store` on the arrays it loads anyway, or here with
+    ``check_values=True``, which reads the features block by block (measured on CIFAR-10's 60,000 x 1280
+    float16 store: 1.4 ms without, 0.1 s with ``check_values``, warm page cache)."""
     p = Path(path)
     if not p.exists():
         if partial_path(p).exists():
@@ -212,23 +490,39 @@ def open_store(path: str | os.PathLike, param: str = "--features") -> StoreInfo:
             if not attrs.get("complete", False):
                 raise FedheadError(f"The '{param}' parameter names {str(p)!r}, a store that was never "
                                    "completed. Re-run 'fedhead extract' with --overwrite.")
-            shapes = {f"{s}/{k}": tuple(f[s][k].shape) for s in SPLITS if s in f for k in ("features", "labels")}
-            names = [n.decode() if isinstance(n, bytes) else str(n) for n in f["class_names"][()]]
+            names = _strings(f["class_names"])
+            _check_layout(f, p, param, attrs, names)
+            shapes = {f"{s}/{k}": tuple(f[s][k].shape) for s in SPLITS for k in ("features", "labels")}
+            g = f.get("skipped", {})
+            skipped = {s: _strings(g[s]) for s in [*[s for s in SPLITS if s in g], *[s for s in g if s not in SPLITS]]}
+            if check_values:
+                for s in SPLITS:
+                    x = f[s]["features"]
+                    rows = x.chunks[0] if x.chunks else CHUNK_ROWS
+                    step = rows * max(1, (1 << 22) // (rows * max(1, x.shape[1])))  # whole chunks, ~4M values
+                    bad = next((r for i in range(0, x.shape[0], step)
+                                if (r := _first_nonfinite(x[i:i + step], i)) is not None), None)
+                    _check_values(p, param, s, None, f[s]["labels"][()], len(names), attrs, bad)
     except FedheadError:
         raise
     except (OSError, KeyError) as exc:
         raise FedheadError(f"The '{param}' parameter names {str(p)!r}, which is not a readable fedhead "
                            f"feature store ({exc}). Re-create it with 'fedhead extract --overwrite'.") from None
-    return StoreInfo(path=p, attrs=attrs, shapes=shapes, class_names=names)
+    return StoreInfo(path=p, attrs=attrs, shapes=shapes, class_names=names,
+                     skipped={s: v for s, v in skipped.items() if v})
 
 
 def load_store(path: str | os.PathLike, param: str = "--features") -> Features:
-    """Load the whole store into memory once (features as float32)."""
+    """Load the whole store into memory once (features as float32), refusing the problems
+    :func:`open_store` finds plus NaN/inf features and labels outside [0, num_classes) (a blockwise pass
+    over the loaded arrays: 12.5 ms for CIFAR-10's 60,000 x 1280, next to 0.4 s to load them)."""
     info = open_store(path, param)
     with h5py.File(info.path, "r") as f:
         arrs = {}
         for s in SPLITS:
             arrs[s] = (np.asarray(f[s]["features"][()], dtype=np.float32),
                        np.asarray(f[s]["labels"][()], dtype=np.int64))
+    for s in SPLITS:
+        _check_values(info.path, param, s, arrs[s][0], arrs[s][1], info.num_classes, info.attrs)
     return Features(info=info, train_x=arrs["train"][0], train_y=arrs["train"][1],
                     test_x=arrs["test"][0], test_y=arrs["test"][1])

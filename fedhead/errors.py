@@ -1,7 +1,8 @@
 """User-facing errors: one line naming the parameter, the value and the fix; non-zero exit.
 
 Every command is wrapped by :func:`cli_errors`. A :class:`FedheadError` becomes ``error: <message>`` on
-stderr with exit code 2; any other exception becomes one line with exit code 1. With
+stderr with exit code 2 (subclasses may set their own ``exit_code`` and ``prefix``, e.g.
+``fedhead.util.Interrupted``: 130/143, no prefix); any other exception becomes one line with exit code 1. With
 ``FEDHEAD_DEBUG=1`` the original traceback is shown instead.
 """
 
@@ -19,6 +20,7 @@ class FedheadError(Exception):
     """An error caused by the user's input or environment, reported as one line."""
 
     exit_code = 2
+    prefix = "error: "  # printed before the message (fedhead.util.Interrupted prints none)
 
 
 def param_error(param: str, value: Any, constraint: str, fix: str | None = None) -> FedheadError:
@@ -112,7 +114,7 @@ def report(exc: BaseException) -> int:
     """Print one line for ``exc`` on stderr and return the exit code to use."""
     if isinstance(exc, FedheadError):
         line = str(exc).replace("\n", " ")
-        print(f"error: {line}", file=sys.stderr)
+        print(f"{exc.prefix}{line}", file=sys.stderr)
         return exc.exit_code
     if isinstance(exc, KeyboardInterrupt):
         print("interrupted; re-run the same command to resume", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Small shared helpers: atomic file writes, progress bars on stderr, device and thread choice."""
+"""Small shared helpers: atomic file writes, progress bars on stderr, device and thread choice, one writer
+per output (:func:`exclusive_writer`), SIGINT/SIGTERM as exceptions (:func:`signals_raise`)."""
 
 from __future__ import annotations
 
@@ -157,3 +158,172 @@ def set_cpu_threads(n: int | None = None) -> int:
         n = max(1, cores - int(busy_cores() + 0.5))
     torch.set_num_threads(max(1, n))
     return torch.get_num_threads()
+
+
+# ---------------------------------------------------------------- one writer per output
+
+
+_HELD_LOCKS: set[int] = set()  # descriptors of the exclusive_writer locks this process holds
+
+
+def _forget_locks_in_child() -> None:
+    """In a forked child (DataLoader workers, multiprocessing): close the inherited lock descriptors, so that
+    the lock belongs to the process that took it alone and is released the moment that process dies."""
+    for fd in list(_HELD_LOCKS):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD_LOCKS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_locks_in_child)
+
+
+def _lock_holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        text = ""
+    return f" (pid {text})" if text.isdigit() else ""
+
+
+@contextlib.contextmanager
+def exclusive_writer(target: str | os.PathLike, what: str | None = None, param: str = "--out") -> Iterator[Path]:
+    """Make this process the only fedhead writer of ``target`` for the duration of the block.
+
+    Takes ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``<target>.lock`` (created beside ``target``, parent folders
+    too) and writes this process's pid into it. If another process holds the lock, raises at once
+    ``FedheadError("another fedhead process (pid N) is writing <what>; wait for it or choose another <param>")``
+    (``what`` defaults to ``target``). Yields the lock file's path. On exit the lock file is removed and the
+    lock released.
+
+    Only the kernel's lock counts, never the file or the pid in it: the kernel releases a flock when the
+    last descriptor of its holder closes, so a process killed by any signal (SIGKILL included) leaves at most
+    a stale ``.lock`` file that the next writer simply takes over. (A holder that finds the file replaced or
+    removed under it after locking, a race with a releasing holder, retries on the new file.)
+
+    Advisory: it excludes only processes that call this helper for the same ``target``; a second call in the
+    same process fails too (no re-entry). The lock is this process's alone: children forked inside the block
+    (DataLoader workers) close their copy of the descriptor at once, and exec'd programs never get it, so a
+    killed holder's lingering children cannot keep it.
+    """
+    import fcntl
+
+    target = Path(target)
+    lock = Path(str(target) + ".lock")
+    what = what or str(target)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise FedheadError(f"The '{param}' parameter names {str(target)!r}, beside which fedhead cannot "
+                               f"create its lock file ({exc.strerror}). Choose another {param}.") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            raise FedheadError(f"another fedhead process{holder} is writing {what}; wait for it or choose "
+                               f"another {param}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            st, now = os.fstat(fd), os.stat(lock)
+            current = (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)  # locked a file its previous holder had just removed: take the one now at that path
+    _HELD_LOCKS.add(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield lock
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)  # still held here, so nobody else can be using this file
+        _HELD_LOCKS.discard(fd)
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- SIGINT / SIGTERM as exceptions
+
+
+class Interrupted(FedheadError):
+    """SIGINT or SIGTERM, raised by :func:`signals_raise`. ``signum`` is the signal; ``exit_code`` is
+    128 + signum (130 for SIGINT, 143 for SIGTERM), the shell's convention. ``cli_errors`` prints the
+    message as is (no ``error:`` prefix) and exits with ``exit_code``; commands re-raise it with a message
+    that says how to resume, e.g. ``raise Interrupted(exc.signum, "interrupted; re-run ...") from None``."""
+
+    prefix = ""
+
+    def __init__(self, signum: int, message: str | None = None):
+        import signal
+
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
+        super().__init__(message or f"interrupted by {signal.Signals(self.signum).name}")
+
+
+class _SignalState:
+    """Process-wide, as signal handlers are: how deep inside :func:`signals_deferred` the main thread is,
+    and a signal that arrived there and waits for the block's end."""
+
+    depth = 0
+    pending: int | None = None
+
+
+def _raise_interrupted(signum, frame):
+    if _SignalState.depth > 0:
+        _SignalState.pending = signum
+        return
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signals_raise(signums: tuple = ()) -> Iterator[None]:
+    """Within the block, SIGINT and SIGTERM (or ``signums``) raise :class:`Interrupted` in the main thread.
+
+    Python runs the handler between bytecodes, so a C call in progress (a forward, an HDF5 write) completes
+    first; inside :func:`signals_deferred` the exception waits for that block's end. The previous handlers
+    are restored on exit. Outside the main thread it changes nothing (Python delivers signals there only).
+    Child processes forked inside inherit the handlers: reset them with :func:`worker_signals`."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signums = signums or (signal.SIGINT, signal.SIGTERM)
+    old = {s: signal.signal(s, _raise_interrupted) for s in signums}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """A critical section for :func:`signals_raise`: a SIGINT/SIGTERM arriving inside raises
+    :class:`Interrupted` when the (outermost) block ends, also when it ends by another exception, which then
+    becomes the interrupt's ``__context__``."""
+    _SignalState.depth += 1
+    try:
+        yield
+    finally:
+        _SignalState.depth -= 1
+        if _SignalState.depth == 0 and _SignalState.pending is not None:
+            signum, _SignalState.pending = _SignalState.pending, None
+            raise Interrupted(signum)
+
+
+def worker_signals(*_args) -> None:
+    """``worker_init_fn`` for DataLoader workers forked inside :func:`signals_raise`: ignore SIGINT (a
+    Ctrl-C reaches the whole process group; the main process handles it and stops its workers)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
