@@ -393,13 +393,9 @@ def _check_finite(plan: Plan, split: str, b: Batch, feats: np.ndarray) -> None:
 
 def _pause_hook(written: int) -> None:
     """Test hook (PAUSE_ENV = "k:FILE"): after ``k`` batches, write the pid into FILE and wait for a signal."""
-    spec = os.environ.get(PAUSE_ENV, "")
-    if not spec:
-        return
-    k, _, marker = spec.partition(":")
-    if written == int(k):
-        Path(marker).write_text(f"{os.getpid()}\n")
-        time.sleep(600)
+    from fedhead.util import pause_hook
+
+    pause_hook(PAUSE_ENV, written)
 
 
 @contextlib.contextmanager

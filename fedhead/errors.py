@@ -1,6 +1,7 @@
 """User-facing errors: one line naming the parameter, the value and the fix; non-zero exit.
 
-Every command is wrapped by :func:`cli_errors`. A :class:`FedheadError` becomes ``error: <message>`` on
+Every command is wrapped by :func:`cli_errors`, which also turns SIGINT and SIGTERM into
+:class:`fedhead.util.Interrupted` (commands re-raise it with how to resume). A :class:`FedheadError` becomes ``error: <message>`` on
 stderr with exit code 2 (subclasses may set their own ``exit_code`` and ``prefix``, e.g.
 ``fedhead.util.Interrupted``: 130/143, no prefix); any other exception becomes one line with exit code 1. With
 ``FEDHEAD_DEBUG=1`` the original traceback is shown instead.
@@ -133,8 +134,11 @@ def cli_errors(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from .util import signals_raise
+
         try:
-            return fn(*args, **kwargs)
+            with signals_raise():       # SIGINT/SIGTERM -> Interrupted: exit 130/143 with one line
+                return fn(*args, **kwargs)
         except SystemExit:
             raise
         except BaseException as exc:  # noqa: BLE001 - this is the one place exceptions become exits

@@ -30,9 +30,11 @@ from .noise import apply_noise
 from .partitions import PARTITIONS, class_counts, create_partition, resolve_partition_params
 from .rundir import (acc95_round, default_run_dir, mean_std, write_clients_per_seed, write_config,
                      write_rounds, write_summary)
-from .util import atomic_torch_save, make_progress, resolve_device, set_cpu_threads
+from .util import (Interrupted, atomic_torch_save, exclusive_writer, make_progress, resolve_device,
+                   pause_hook, set_cpu_threads, signals_deferred)
 
 CHECKPOINT = "checkpoint.pt"
+PAUSE_ENV = "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS"   # test hook "k:FILE": after the k-th round row, pid -> FILE, sleep
 
 
 # ---------------------------------------------------------------- pieces of a run
@@ -199,10 +201,19 @@ def run_training(cfg: TrainConfig, out: str | Path | None = None, resume: bool =
     that keeps each centralised ceiling, computed once per head, feature preparation and training labels."""
     store = store or load_store(cfg.features)
     cfg = validate_config(cfg, store)
+    run_dir = Path(out) if out else default_run_dir(runs_root, cfg.head, cfg.partition)
+    with exclusive_writer(run_dir, f"the run directory {str(run_dir)!r}"):
+        try:
+            return _run_locked(cfg, run_dir, resume, progress, store, central_cache)
+        except Interrupted as exc:
+            raise Interrupted(exc.signum, f"interrupted; the checkpoint in {str(run_dir)!r} is consistent: re-run "
+                                          f"the same command with --resume --out {run_dir} to continue") from None
+
+
+def _run_locked(cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, store: Features,
+                central_cache: dict | None) -> RunResult:
     device = resolve_device(cfg.device)
     threads = set_cpu_threads() if device.type == "cpu" else None
-
-    run_dir = Path(out) if out else default_run_dir(runs_root, cfg.head, cfg.partition)
     ckpt_path = run_dir / CHECKPOINT
     ckpt = None
     if resume:
@@ -340,13 +351,15 @@ def run_training(cfg: TrainConfig, out: str | Path | None = None, resume: bool =
                                  "run": vname, "partition": part})
                     if rtask is not None:
                         prog.update(rtask, advance=1, info=f"acc {acc:.4f}")
-                    atomic_torch_save({"identity": cfg.identity(), "current": list(key), "round": rnd,
-                                       "theta": theta.cpu(), "rows": rows, "done_runs": [list(k) for k in done_runs],
-                                       "realised": realised, "client_rows": client_rows, "central": central,
-                                       "extras": extras, "server": server.state_dict(),
-                                       "wall_s": time.perf_counter() - wall0,
-                                       "rng": "keyed by (seed, round, client, epoch)"}, ckpt_path)
-                    write_rounds(run_dir, _with_ratios(rows, central))
+                    with signals_deferred():          # the checkpoint and rounds.csv move together
+                        atomic_torch_save({"identity": cfg.identity(), "current": list(key), "round": rnd,
+                                           "theta": theta.cpu(), "rows": rows,
+                                           "done_runs": [list(k) for k in done_runs], "realised": realised,
+                                           "client_rows": client_rows, "central": central, "extras": extras,
+                                           "server": server.state_dict(), "wall_s": time.perf_counter() - wall0,
+                                           "rng": "keyed by (seed, round, client, epoch)"}, ckpt_path)
+                        write_rounds(run_dir, _with_ratios(rows, central))
+                    pause_hook(PAUSE_ENV, len(rows))
                 if cfg.calibrate == "ccvr":
                     theta, crow = ccvr_round(head, theta, x, fed.labels, fed.parts, C, cfg, seed, xt, y_test,
                                              last_round + 1)

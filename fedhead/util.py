@@ -327,3 +327,18 @@ def worker_signals(*_args) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def pause_hook(env: str, count: int) -> None:
+    """Test hook: with ``env="k:FILE"`` set, when ``count == k`` write this pid into FILE and sleep (up to 10
+    minutes) until a signal arrives, so a test can signal a run that is surely mid-way (extraction batches:
+    ``FEDHEAD_TEST_PAUSE_AFTER_BATCHES``; training rounds: ``FEDHEAD_TEST_PAUSE_AFTER_ROUNDS``)."""
+    import time
+
+    spec = os.environ.get(env, "")
+    if not spec:
+        return
+    k, _, marker = spec.partition(":")
+    if k.isdigit() and count == int(k):
+        Path(marker).write_text(f"{os.getpid()}\n")
+        time.sleep(600)

@@ -18,6 +18,7 @@ import typer
 from ..config import PAPER_SEEDS, TrainConfig
 from ..errors import FedheadError, Interval, OneOf, cli_errors, validate
 from ..options import METHOD_OPTIONS, method_fields
+from ..util import Interrupted, exclusive_writer
 from . import plots as P
 from .report import (STANDARD_NONIID, Cell, CellResult, Stat, StoreCache, check_head, command_line,
                      comm_kb_per_client_round, md_table, mean_curve, ratio_curve, resolve_partition, run_grid,
@@ -162,7 +163,13 @@ def grid_command(command: str, clients: int = 100, clients_help: str = "clients"
             common.train.update({k: v for k, v in method.items() if k != "head_params"})
             if method["head_params"]:
                 common.train["head_params"] = method["head_params"]
-            return fn(**kw, common=common)
+            with exclusive_writer(common.out, f"the report folder {str(common.out)!r}"):
+                try:
+                    return fn(**kw, common=common)
+                except Interrupted as exc:
+                    raise Interrupted(exc.signum, f"interrupted; re-run the same command with --out {common.out} to "
+                                                  "continue (finished runs are reused, the interrupted one resumes)") \
+                        from None
 
         wrapper.__signature__ = inspect.Signature(params)
         wrapper.__annotations__ = {p.name: p.annotation for p in params}

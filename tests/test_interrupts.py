@@ -1,0 +1,125 @@
+"""SIGINT / SIGTERM to real `fedhead train` and `fedhead bench` processes, and one writer per run directory
+and report folder: exit 130 / 143 with one line saying how to resume, a consistent checkpoint, the same
+command continuing to the uninterrupted result."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {"FEDHEAD_THREADS": "1", "FEDHEAD_NO_PROGRESS": "1", "PYTHONPATH": str(REPO)}
+PAUSE = "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS"
+
+
+def _popen(args, env=None):
+    e = {**os.environ, **ENV, **(env or {})}
+    e.pop("FEDHEAD_DEBUG", None)
+    return subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=e)
+
+
+def _run(args, env=None):
+    p = _popen(args, env)
+    out, err = p.communicate(timeout=600)
+    return p.returncode, out, err
+
+
+def _wait_for(marker: Path, proc, timeout=300):
+    t = time.monotonic()
+    while not (marker.exists() and marker.read_text().strip()):
+        if proc.poll() is not None:
+            raise AssertionError(f"exited early ({proc.returncode}): {proc.stderr.read()}")
+        if time.monotonic() - t > timeout:
+            proc.kill()
+            raise AssertionError("never reached the pause")
+        time.sleep(0.1)
+
+
+def _lines(text):
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+def _accs(path):
+    return [r["accuracy"] for r in csv.DictReader(open(path))]
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_mid_training_then_resume(tiny_store, tmp_path, sig, code):
+    args = ["train", "--features", str(tiny_store), "--head", "ova2", "--partition", "shard", "--clients", "8",
+            "--rounds", "4", "--seed", "0", "--seed", "1", "--scaffold", "--server-opt", "fedadam"]
+    rc, _, err = _run(args + ["--out", str(tmp_path / "full")])
+    assert rc == 0, err
+    out, marker = tmp_path / "cut", tmp_path / "paused"
+    p = _popen(args + ["--out", str(out)], env={PAUSE: f"5:{marker}"})      # mid second seed
+    _wait_for(marker, p)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == code, err
+    lines = _lines(err)
+    assert len(lines) == 1 and "interrupted" in lines[0] and f"--resume --out {out}" in lines[0], err
+    assert (out / "checkpoint.pt").exists() and not (out / "summary.json").exists()
+    assert len(_accs(out / "rounds.csv")) == 5                               # checkpoint and csv agree
+    assert not Path(str(out) + ".lock").exists()
+    rc, _, err = _run(args + ["--out", str(out), "--resume"])
+    assert rc == 0, err
+    assert _accs(out / "rounds.csv") == _accs(tmp_path / "full" / "rounds.csv")
+
+
+def test_signal_mid_bench_then_same_command_continues(tiny_store, tmp_path):
+    args = ["bench", "baselines", "--features", str(tiny_store), "--quick", "--rounds", "3", "--clients", "8",
+            "--methods", "ova2,ridge+ft", "--partitions", "iid,shard-1"]
+    rc, _, err = _run(args + ["--out", str(tmp_path / "full")])
+    assert rc == 0, err
+    out, marker = tmp_path / "cut", tmp_path / "paused"
+    p = _popen(args + ["--out", str(out)], env={PAUSE: f"2:{marker}"})      # inside the first run
+    _wait_for(marker, p)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 143, err
+    lines = _lines(err)
+    assert len(lines) == 2 and lines[0].startswith("report folder:"), err   # the folder line, then one line
+    assert "interrupted" in lines[1] and f"--out {out}" in lines[1]
+    rc, _, err = _run(args + ["--out", str(out)])
+    assert rc == 0, err
+
+    def finals(d):
+        return {r["run_name"]: r["res_final_accuracy"] for r in csv.DictReader(open(d / "results.csv"))}
+
+    assert finals(out) == finals(tmp_path / "full")
+
+
+HOLD = """
+import sys, time
+from fedhead.util import exclusive_writer
+with exclusive_writer(sys.argv[1], 'x'):
+    print('held', flush=True)
+    time.sleep(120)
+"""
+
+
+def test_second_writer_is_refused_and_a_killed_holder_does_not_block(tiny_store, tmp_path):
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, **ENV})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        args = ["train", "--features", str(tiny_store), "--clients", "4", "--rounds", "1", "--out", str(out)]
+        t0 = time.monotonic()
+        rc, _, err = _run(args)
+        assert rc == 2 and time.monotonic() - t0 < 60
+        assert _lines(err) == [f"error: another fedhead process (pid {holder.pid}) is writing the run directory "
+                               f"'{out}'; wait for it or choose another --out"], err
+        assert not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    rc, _, err = _run(args)                  # the killed holder's lock file does not block
+    assert rc == 0, err
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 1
