@@ -341,4 +341,49 @@ def pause_hook(env: str, count: int) -> None:
     k, _, marker = spec.partition(":")
     if k.isdigit() and count == int(k):
         Path(marker).write_text(f"{os.getpid()}\n")
-        time.sleep(600)
+        for _ in range(6000):               # a signal raises here (main thread) or sets the stop flag
+            if _StopFlag.event.is_set():
+                break
+            time.sleep(0.1)
+
+
+class _StopFlag:
+    """Set by :func:`signals_flag`'s handlers; read by :func:`raise_if_stopped` in any thread."""
+
+    import threading as _threading
+
+    event = _threading.Event()
+    signum: int | None = None
+
+
+def _set_stop_flag(signum, frame):
+    _StopFlag.signum = signum
+    _StopFlag.event.set()
+
+
+@contextlib.contextmanager
+def signals_flag() -> Iterator[None]:
+    """For work that runs outside the main thread (Flower's simulation runs the ServerApp in a thread while
+    the main thread drives Ray): SIGINT/SIGTERM only set a flag, which that work checks at a consistent point
+    with :func:`raise_if_stopped`. Install after any library that sets its own handlers (Ray aborts the
+    process on SIGTERM); the previous handlers are restored on exit."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _StopFlag.event.clear()
+    old = {s: signal.signal(s, _set_stop_flag) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+def raise_if_stopped() -> None:
+    """Raise :class:`Interrupted` if a signal arrived under :func:`signals_flag` (and clear the flag)."""
+    if _StopFlag.event.is_set():
+        _StopFlag.event.clear()
+        raise Interrupted(_StopFlag.signum or 15)

@@ -123,3 +123,28 @@ def test_second_writer_is_refused_and_a_killed_holder_does_not_block(tiny_store,
     rc, _, err = _run(args)                  # the killed holder's lock file does not block
     assert rc == 0, err
     assert json.loads((out / "summary.json").read_text())["rounds"] == 1
+
+
+@pytest.mark.slow
+def test_signal_mid_flower_simulate_then_resume(tmp_path):
+    """Ray's driver aborts on SIGTERM; fedhead's handler stops the strategy after a round's checkpoint."""
+    pytest.importorskip("flwr")
+    from fedhead.synthetic import write_synthetic
+
+    store = write_synthetic(tmp_path / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
+    args = ["flower", "simulate", "--features", str(store), "--clients", "3", "--rounds", "3",
+            "--partition", "shard", "--num-cpus", "2"]
+    out, marker = tmp_path / "cut", tmp_path / "paused"
+    p = _popen(args + ["--out", str(out)], env={PAUSE: f"2:{marker}"})
+    _wait_for(marker, p)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 143, err
+    last = _lines(err)[-1]
+    assert last.startswith("interrupted") and f"--resume --out {out}" in last, err
+    assert "Traceback" not in err and len(_accs(out / "rounds.csv")) == 2
+    rc, _, err = _run(args + ["--out", str(out), "--resume"])
+    assert rc == 0, err
+    rc, _, err = _run(args + ["--out", str(tmp_path / "full")])
+    assert rc == 0, err
+    assert _accs(out / "rounds.csv") == _accs(tmp_path / "full" / "rounds.csv")

@@ -877,12 +877,13 @@ def geometry_cmd(
     from .geometry import __doc__ as gdoc
     s += ["", "Definitions (features L2-normalised):", "", "```", gdoc.strip(), "```"]
     sections = ["\n".join(s)]
-    out.mkdir(parents=True, exist_ok=True)
-    plots = [P.write_bars(out / "geometry.png", list(METRICS), series, "value",
-                          "feature geometry (lower alignment/intra/ratio, higher inter = better)")]
-    write_csv(out / "results.csv", rows)
-    cmd = command_line()
-    config = {"command": "geometry", "features": [str(p) for p in features], "split": split,
-              "samples_per_class": samples_per_class, "seeds": seeds_l, "out": str(out)}
-    path = write_report(out, "fedhead bench geometry (OvA-LP Fig. 2)", cmd, config, sections, (), plots)
+    with exclusive_writer(out, f"the report folder {str(out)!r}"):
+        out.mkdir(parents=True, exist_ok=True)
+        plots = [P.write_bars(out / "geometry.png", list(METRICS), series, "value",
+                              "feature geometry (lower alignment/intra/ratio, higher inter = better)")]
+        write_csv(out / "results.csv", rows)
+        cmd = command_line()
+        config = {"command": "geometry", "features": [str(p) for p in features], "split": split,
+                  "samples_per_class": samples_per_class, "seeds": seeds_l, "out": str(out)}
+        path = write_report(out, "fedhead bench geometry (OvA-LP Fig. 2)", cmd, config, sections, (), plots)
     _print_report(path, sections[:1])

@@ -23,6 +23,7 @@ import typer
 from ..config import TrainConfig
 from ..errors import FedheadError, Interval, cli_errors, validate
 from ..options import METHOD_OPTIONS, method_fields
+from ..util import Interrupted, exclusive_writer, signals_flag
 from .common import RUN_CONFIG_FIELDS, require_flower
 
 # ---------------------------------------------------------------- the options of `fedhead train`
@@ -155,9 +156,18 @@ def simulate(cfg: TrainConfig, out: Path | None = None, resume: bool = False, ro
                "init_args": {"num_cpus": int(ncpu), "include_dashboard": False, "logging_level": "ERROR",
                              "log_to_driver": True}}
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    run_simulation(make_server_app(cfg, settings, results),
-                   make_client_app(client_store if client_store is not None else cfg.features),
-                   num_supernodes=cfg.clients, backend_config=backend)
+    # Ray's driver aborts the process on SIGTERM; start Ray here (Flower then reuses it) and put fedhead's
+    # handlers over Ray's: a signal sets a flag that the strategy checks after each round's checkpoint
+    import ray
+
+    if not ray.is_initialized():
+        pythonpath = os.pathsep.join(sys.path + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+        os.environ["PYTHONPATH"] = pythonpath
+        ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **backend["init_args"])
+    with signals_flag():
+        run_simulation(make_server_app(cfg, settings, results),
+                       make_client_app(client_store if client_store is not None else cfg.features),
+                       num_supernodes=cfg.clients, backend_config=backend)
     if not results:
         raise FedheadError("The Flower simulation ended without a result (see the log above). "
                            "Re-run with FEDHEAD_DEBUG=1 for details.")
@@ -185,7 +195,13 @@ def simulate_cmd(
     cfg = train_config(kw)
     if kw["resume"] and kw["out"] is None:
         raise FedheadError("The '--resume' option needs --out naming the interrupted run's directory. Got none.")
-    res = simulate(cfg, kw["out"], kw["resume"], kw["round_timeout"], num_cpus, client_cpus)
+    out = Path(kw["out"] or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-flower-{cfg.resolved().head}-{cfg.partition}"))
+    with exclusive_writer(out, f"the run directory {str(out)!r}"):
+        try:
+            res = simulate(cfg, out, kw["resume"], kw["round_timeout"], num_cpus, client_cpus)
+        except Interrupted as exc:
+            raise Interrupted(exc.signum, f"interrupted; the checkpoint in {str(out)!r} is consistent: re-run the "
+                                          f"same command with --resume --out {out} to continue") from None
     _print_summary(f"fedhead flower simulate — {res.run_dir}", res.summary)
 
 

@@ -51,10 +51,10 @@ from ..train import validate_method  # noqa: E402
 from ..partitions import resolve_partition_params  # noqa: E402
 from ..rundir import ROUND_FIELDS, default_run_dir, read_csv, write_clients_per_seed, write_config, write_csv, write_summary  # noqa: E402
 from ..closedform import StatsAccumulator, is_closed_form  # noqa: E402
-from ..train import (CHECKPOINT, FeatureStats, ServerUpdate, prepare, sample_clients, solve_statistics,  # noqa: E402
+from ..train import (CHECKPOINT, PAUSE_ENV, FeatureStats, ServerUpdate, prepare, sample_clients, solve_statistics,  # noqa: E402
                      statistics_row, summarize)
 from .common import client_stats_from_record  # noqa: E402
-from ..util import atomic_torch_save, resolve_device  # noqa: E402
+from ..util import atomic_torch_save, pause_hook, raise_if_stopped, resolve_device  # noqa: E402
 from .common import ServerStopped, config_to_json, stop_after, store_fingerprint  # noqa: E402
 
 LOG = logging.getLogger("flwr")
@@ -446,6 +446,8 @@ class FedheadStrategy(Strategy):
                                    "server": self.server.state_dict(),
                                    "wall_s": time.perf_counter() - wall0}, ckpt_path)
                 write_csv(run_dir / "rounds.csv", rows, FLOWER_ROUND_FIELDS)
+                pause_hook(PAUSE_ENV, len(rows))
+                raise_if_stopped()          # a signal during `flower simulate`: stop at this consistent point
                 if stop is not None and rnd == stop:
                     raise ServerStopped(f"server stopped after round {rnd} ({'FEDHEAD_FLOWER_STOP_AFTER'})")
             ckpt = None
