@@ -31,7 +31,7 @@ from .partitions import PARTITIONS, class_counts, create_partition, resolve_part
 from .rundir import (acc95_round, default_run_dir, mean_std, write_clients_per_seed, write_config,
                      write_rounds, write_summary)
 from .util import (Interrupted, atomic_torch_save, exclusive_writer, make_progress, resolve_device,
-                   pause_hook, set_cpu_threads, signals_deferred)
+                   pause_hook, set_cpu_threads, signals_deferred, space_error)
 
 CHECKPOINT = "checkpoint.pt"
 PAUSE_ENV = "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS"   # test hook "k:FILE": after the k-th round row, pid -> FILE, sleep
@@ -180,6 +180,10 @@ def validate_method(cfg: TrainConfig) -> None:
                                    f"(solved once from statistics, no local training). Got {given!r} instead. "
                                    "Drop it, or choose an iterative head (softmax, ova, ova2, ...).")
         cfg.center, cfg.scale = False, "none"
+    if cfg.scaffold and cfg.optimizer != "sgd":
+        raise FedheadError(f"The '--scaffold' option needs --optimizer sgd: its control variates estimate each "
+                           f"client's mean gradient from SGD steps. Got --optimizer {cfg.optimizer!r} instead. "
+                           "Use --optimizer sgd (the default recipe).")
     if cfg.init is not None and not is_closed_form(cfg.init):
         from .closedform import closed_form_names
 
@@ -208,6 +212,11 @@ def run_training(cfg: TrainConfig, out: str | Path | None = None, resume: bool =
         except Interrupted as exc:
             raise Interrupted(exc.signum, f"interrupted; the checkpoint in {str(run_dir)!r} is consistent: re-run "
                                           f"the same command with --resume --out {run_dir} to continue") from None
+        except OSError as exc:
+            err = space_error(exc, f"in {str(run_dir)!r}", f"re-run the same command with --resume --out {run_dir}")
+            if err is None:
+                raise
+            raise err from None
 
 
 def _run_locked(cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, store: Features,
@@ -216,7 +225,14 @@ def _run_locked(cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, s
     threads = set_cpu_threads() if device.type == "cpu" else None
     ckpt_path = run_dir / CHECKPOINT
     ckpt = None
-    if resume:
+    # stopped before its first round was saved (only config.json there): --resume starts it afresh
+    unstarted = resume and run_dir.exists() and {p.name for p in run_dir.iterdir()} == {"config.json"}
+    if unstarted:
+        prev = json.loads((run_dir / "config.json").read_text())
+        if prev.get("identity") != cfg.identity():
+            raise FedheadError(f"The '--resume' option found a run in {str(run_dir)!r} with a different "
+                               "configuration. Use the same options as the interrupted run, or a new --out.")
+    elif resume:
         if not ckpt_path.exists():
             if (run_dir / "summary.json").exists() and (run_dir / "config.json").exists():
                 ckpt = None   # finished run: re-check the configuration below and report it again

@@ -4,6 +4,7 @@ per output (:func:`exclusive_writer`), SIGINT/SIGTERM as exceptions (:func:`sign
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -55,11 +56,51 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
+# a write that failed for want of space: no space, file too large (RLIMIT_FSIZE), quota
+SPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+class _KeepWriteError:
+    """A file wrapper for ``torch.save``: torch reports a failed write as a RuntimeError without the errno;
+    this keeps the OSError so that it can be raised instead."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, b):
+        try:
+            return self.f.write(b)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self):
+        return self.f.flush()
+
+
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` to a temporary file renamed onto ``path``; a failed write raises its OSError (ENOSPC,
+    EFBIG, ...) and leaves nothing behind (the final name keeps its previous content)."""
     import torch
 
     with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
+        with open(tmp, "wb") as f:
+            w = _KeepWriteError(f)
+            try:
+                torch.save(obj, w)
+            except RuntimeError:
+                if w.error is not None:
+                    raise w.error from None
+                raise
+
+
+def space_error(exc: OSError, where: str, resume: str) -> "FedheadError | None":
+    """The one line for a write that failed for want of space (None for other errors)."""
+    if exc.errno not in SPACE_ERRNOS:
+        return None
+    why = (exc.strerror or str(exc)).replace("\n", " ")
+    return FedheadError(f"No space left while writing {where} ({why}); free space (or raise the file size limit) "
+                        f"and {resume}.")
 
 
 # ---------------------------------------------------------------- progress and console

@@ -148,3 +148,26 @@ def test_signal_mid_flower_simulate_then_resume(tmp_path):
     rc, _, err = _run(args + ["--out", str(tmp_path / "full")])
     assert rc == 0, err
     assert _accs(out / "rounds.csv") == _accs(tmp_path / "full" / "rounds.csv")
+
+
+def test_full_disk_during_training_is_one_line_and_resumes(tiny_store, tmp_path):
+    """RLIMIT_FSIZE (SIGXFSZ ignored) makes the checkpoint write fail with EFBIG: one line, exit 2, no file
+    half-written under its name; once the limit is gone, --resume continues to the uninterrupted result."""
+    args = ["train", "--features", str(tiny_store), "--clients", "8", "--rounds", "3", "--partition", "shard"]
+    rc, _, err = _run(args + ["--out", str(tmp_path / "full")])
+    assert rc == 0, err
+    out = tmp_path / "cut"
+    limit = (
+        "import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000)); sys.argv = ['cli'] + sys.argv[1:]; "
+        "runpy.run_module('cli', run_name='__main__')")
+    e = {**os.environ, **ENV}
+    p = subprocess.run([sys.executable, "-c", limit, *args, "--out", str(out)], cwd=REPO, capture_output=True,
+                       text=True, env=e, timeout=600)
+    assert p.returncode == 2, p.stderr
+    lines = _lines(p.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: No space left while writing") and "--resume" in lines[0]
+    assert not any(f.name.endswith(".tmp") for f in out.iterdir()) and not (out / "summary.json").exists()
+    rc, _, err = _run(args + ["--out", str(out), "--resume"])
+    assert rc == 0, err
+    assert _accs(out / "rounds.csv") == _accs(tmp_path / "full" / "rounds.csv")

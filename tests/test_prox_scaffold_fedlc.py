@@ -180,13 +180,14 @@ def test_scaffold_control_variates_by_hand(backend):
 
 
 def test_scaffold_steps_count_epochs_and_batches():
-    # one client of 5 samples, batch 2 -> 3 batches, 2 epochs: K = 6, so c_k+ = (theta - w)/(6 lr)
+    # one client of 5 samples, batch 2 -> 3 batches, 2 epochs: K = 6, so c_k+ = (theta - w)/(6 lr / (1 - momentum))
     data = toy(n=5, k=1)
     th = theta0(data)
     eng = engine(data, "vectorized", "sgd", epochs=2, batch=2)
+    assert eng.optim.momentum == 0.9
     st = ScaffoldState.zeros(1, data.num_classes, data.x.shape[1], "cpu")
     w = eng.train_block(th, [0], 0, 1, scaffold=st)[0][0]
-    torch.testing.assert_close(st.ck[0], (th - w) / (6 * 0.01))
+    torch.testing.assert_close(st.ck[0], (th - w) / (6 * 0.01 / (1 - 0.9)))
     assert torch.equal(st.c, torch.zeros_like(st.c))          # train_block leaves the server's c pending
     st.server_update()
     torch.testing.assert_close(st.c, st.ck[0])

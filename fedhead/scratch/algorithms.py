@@ -58,6 +58,13 @@ class Algorithm:
     def predict(self, ctx, state, x) -> torch.Tensor:
         return E.predict_logits(ctx.model, state, x, ctx.data.to_float)
 
+    def state_dict(self) -> dict:
+        """The algorithm's own state beyond the global parameters (checkpointed after every round)."""
+        return {}
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore :meth:`state_dict` (after :meth:`setup`, on resume)."""
+
 
 def _optim(ctx, lr=None) -> E.OptimSpec:
     c = ctx.cfg
@@ -185,6 +192,13 @@ class DivideAndConquer(FedAvg):
         plan.trainable = {n for names in layers for n in names}
         plan.optim = dataclasses.replace(plan.optim, lr=lr)
         return plan
+
+    def state_dict(self) -> dict:
+        return {"split": self.split, "div_rows": [dict(r) for r in self.div_rows]}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.split = d["split"]
+        self.div_rows = [dict(r) for r in d["div_rows"]]
 
     def _auto_split(self, ctx) -> int:
         if not self.div_rows:

@@ -61,6 +61,8 @@ def scratch_cmd(
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda (cuda uses autocast)."),
     backend: str = typer.Option("vmap", "--backend", help="vmap (fast) | loop (reference, one member at a time)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Run directory (default runs/<time>-scratch-...)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run in --out from its "
+                                "checkpoint (same options; a finished run is reported again)."),
 ):
     """Train a model from scratch with FedAvg, FedOVA, FedABC or Divide-and-Conquer."""
     from ..rundir import default_run_dir
@@ -78,11 +80,15 @@ def scratch_cmd(
                         prepass_rounds=prepass_rounds, split_layer=split_layer, split_threshold=split_threshold,
                         divergence=divergence, feature_epochs=feature_epochs, finetune_epochs=finetune_epochs,
                         finetune_lr_factor=finetune_lr_factor, lr_decay=lr_decay, device=device, backend=backend)
+    if resume and out is None:
+        from ..errors import FedheadError
+        raise FedheadError("The '--resume' option needs the run directory to continue. Got no --out instead. "
+                           "Name the interrupted run with --out.")
     out_dir = out or default_run_dir("runs", "scratch", algo, dataset)
     err = stderr_console()
     with make_progress(transient=True) as progress:
         summary = run_scratch(cfg, out_dir, log=lambda m: err.print(m, markup=False, highlight=False),
-                              progress=progress)
+                              progress=progress, resume=resume)
     con = stdout_console()
     if algo == "dnc" and summary.get("divergence_last_prepass"):
         from rich.table import Table

@@ -1,8 +1,23 @@
-"""The scratch round loop, written once for every algorithm, and its resolved configuration."""
+"""The scratch round loop, written once for every algorithm, and its resolved configuration.
+
+A run writes its run directory under an exclusive lock (:func:`fedhead.util.exclusive_writer`). After every
+round the whole state of the run is saved atomically in ``checkpoint.pt`` together with ``rounds.csv`` (one
+critical section: a SIGINT/SIGTERM waits for both): the algorithm's state (every tensor of the global model,
+FedOVA's per-class networks included, and the algorithm's own state, e.g. D&C's split and pre-pass
+divergences), the current seed's rows, the finished seeds' results, and the random state (``ctx.rng``'s bit
+generator state and the init generator's state; the global torch RNG is forked and keyed by (seed, round)
+inside every round, so nothing else random carries over). ``resume=True`` rebuilds the seed's deterministic
+setup, restores that state and continues: the rows and final models equal an uninterrupted run's bit for bit
+on CPU, with the recorded intra-op thread count (``cpu_threads`` in config.json) reused.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -244,62 +259,110 @@ def _setup(cfg: ScratchConfig, data: ScratchData, seed: int, device, log) -> Con
     return ctx
 
 
+CHECKPOINT = "checkpoint.pt"
+CHECKPOINT_FORMAT = 1
+PAUSE_ENV = "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS"   # test hook "k:FILE": after the k-th round row, pid -> FILE, sleep
+from ..util import SPACE_ERRNOS  # noqa: E402
+
+
+def config_identity(cfg: ScratchConfig) -> str:
+    """Hash of everything in the resolved configuration that determines the results (for --resume checks);
+    the device is left out (as ``fedhead train`` does) and the data folder is compared as an absolute path."""
+    d = dataclasses.asdict(cfg)
+    d.pop("device", None)
+    d["data_dir"] = str(Path(cfg.data_dir).resolve())
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _keyed_torch_rng(seed: int, rnd: int, device: torch.device):
+    """The global torch RNG inside a round: forked (restored afterwards) and seeded by (seed, round), so any
+    random op of a model (dropout under ``vmap(randomness="different")``) is the same in a resumed run. The
+    registered models have none; this keeps it so for new ones."""
+    devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        key = int(np.random.SeedSequence([seed, rnd, 0x5C2A7C4]).generate_state(1, np.uint64)[0] >> 1)
+        torch.manual_seed(key)
+        yield
+
+
 def run_seed(cfg: ScratchConfig, data: ScratchData, seed: int, device, log, progress=None,
-             on_round: Callable[[list[dict]], None] | None = None) -> dict:
-    """One seed's federated run; returns rows, client table and extras (no files written)."""
+             on_round: Callable[[dict], None] | None = None, resume: dict | None = None) -> dict:
+    """One seed's federated run; returns rows, client table, extras and the final global ``state`` (no files
+    written). After every round ``on_round`` gets the seed's snapshot: ``round``, ``rows`` so far, ``state``
+    (the global model, CPU tensors), ``algo`` (the algorithm's own state), ``rng`` and ``gen`` (the random
+    state). ``resume`` is such a snapshot: the run continues after its round exactly as it would have."""
     ctx = _setup(cfg, data, seed, device, log)
     algo = create_algorithm(cfg.algo)
     algo.setup(ctx)
-    state = {n: p.to(device) for n, p in algo.init(ctx).items()}
+    if resume is None:
+        state = {n: p.to(device) for n, p in algo.init(ctx).items()}
+        rows, start = [], 1
+    else:
+        state = {n: p.to(device) for n, p in resume["state"].items()}
+        algo.load_state_dict(resume["algo"])
+        ctx.rng.bit_generator.state = resume["rng"]
+        ctx.gen.set_state(resume["gen"])
+        rows, start = [dict(r) for r in resume["rows"]], int(resume["round"]) + 1
     total_rounds = cfg.rounds + (cfg.prepass_rounds if cfg.algo == "dnc" else 0)
     per_round = max(1, int(round(cfg.participation * cfg.clients)))
-    rows = []
-    task = progress.add_task(f"{cfg.algo} seed {seed}", total=total_rounds, info="") if progress else None
-    for rnd in range(1, total_rounds + 1):
-        selected = np.sort(ctx.rng.choice(cfg.clients, size=per_round, replace=False))
-        selected = np.array([k for k in selected if len(ctx.parts[k]) > 0], dtype=int)
-        plan = algo.configure(ctx, state, rnd, selected) if len(selected) else None
-        row = {"seed": seed, "round": rnd}
-        if plan is None:
-            row.update(stage="skipped", train_loss=float("nan"), client_ms=0.0, server_ms=0.0,
-                       bytes_up_per_client=0, bytes_total=0)
-        else:
-            t0 = time.perf_counter()
-            trained = E.train_members(ctx.model, plan.start, plan.member_idx, plan.aux, plan.loss_fn,
-                                      x_all=ctx.x_train, y_all=ctx.y_train, to_float=data.to_float,
-                                      epochs=plan.epochs, batch_size=cfg.batch_size, optim=plan.optim,
-                                      rng=ctx.rng, trainable=plan.trainable, backend=cfg.backend)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            state = algo.aggregate(ctx, state, plan, trained)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t2 = time.perf_counter()
-            clients = np.unique(plan.owner)
-            # bytes actually carried: each member's trained tensors up, the same tensors down
-            member_bytes = E.nbytes({n: p[0] for n, p in trained.params.items()})
-            up = {k: member_bytes * int((plan.owner == k).sum()) for k in clients}
-            row.update(stage=plan.stage, train_loss=float(trained.loss.mean()),
-                       client_ms=(t1 - t0) * 1000 / len(clients), server_ms=(t2 - t1) * 1000,
-                       bytes_up_per_client=float(np.mean(list(up.values()))), bytes_total=2 * sum(up.values()),
-                       clients=len(clients), members=len(plan.owner), lr=plan.optim.lr, epochs=plan.epochs)
-            row.update(algo.after_round(ctx, state, plan, trained))
-        pred = algo.predict(ctx, state, ctx.test_x).argmax(1).cpu()
-        row["accuracy"] = float((pred == ctx.test_y_cpu).float().mean())
+    task = progress.add_task(f"{cfg.algo} seed {seed}", total=total_rounds, completed=start - 1,
+                             info="") if progress else None
+    for rnd in range(start, total_rounds + 1):
+        with _keyed_torch_rng(seed, rnd, device):
+            state, row = _round(ctx, algo, state, rnd, per_round)
         rows.append(row)
         if on_round:
-            on_round(rows)
+            on_round({"round": rnd, "rows": rows, "state": {n: p.detach().cpu() for n, p in state.items()},
+                      "algo": algo.state_dict(), "rng": ctx.rng.bit_generator.state, "gen": ctx.gen.get_state()})
         if progress:
             extra = "".join(f" {k.split('_')[0]} {row[k]:.3f}" for k in ("pfl_accuracy", "drift_accuracy")
                             if k in row)
             progress.update(task, advance=1, info=f"acc {row['accuracy']:.3f}{extra} [{row['stage']}]")
     out = {"rows": rows, "counts": ctx.client_counts, "sizes": np.array([len(p) for p in ctx.parts]),
-           "client_extra": ctx.client_extra, "info": ctx.info, "layers": ctx.layers}
+           "client_extra": ctx.client_extra, "info": ctx.info, "layers": ctx.layers,
+           "state": {n: p.detach().cpu() for n, p in state.items()}}
     if cfg.algo == "dnc":
         out["divergence"] = algo.div_rows
         out["split_layer"] = algo.split
     return out
+
+
+def _round(ctx: Context, algo, state, rnd: int, per_round: int):
+    """One round: select, train, aggregate, evaluate; returns the new global state and the round's row."""
+    cfg, device, data, seed = ctx.cfg, ctx.device, ctx.data, ctx.seed
+    selected = np.sort(ctx.rng.choice(cfg.clients, size=per_round, replace=False))
+    selected = np.array([k for k in selected if len(ctx.parts[k]) > 0], dtype=int)
+    plan = algo.configure(ctx, state, rnd, selected) if len(selected) else None
+    row = {"seed": seed, "round": rnd}
+    if plan is None:
+        row.update(stage="skipped", train_loss=float("nan"), client_ms=0.0, server_ms=0.0,
+                   bytes_up_per_client=0, bytes_total=0)
+    else:
+        t0 = time.perf_counter()
+        trained = E.train_members(ctx.model, plan.start, plan.member_idx, plan.aux, plan.loss_fn,
+                                  x_all=ctx.x_train, y_all=ctx.y_train, to_float=data.to_float,
+                                  epochs=plan.epochs, batch_size=cfg.batch_size, optim=plan.optim,
+                                  rng=ctx.rng, trainable=plan.trainable, backend=cfg.backend)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        state = algo.aggregate(ctx, state, plan, trained)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        clients = np.unique(plan.owner)
+        # bytes actually carried: each member's trained tensors up, the same tensors down
+        member_bytes = E.nbytes({n: p[0] for n, p in trained.params.items()})
+        up = {k: member_bytes * int((plan.owner == k).sum()) for k in clients}
+        row.update(stage=plan.stage, train_loss=float(trained.loss.mean()),
+                   client_ms=(t1 - t0) * 1000 / len(clients), server_ms=(t2 - t1) * 1000,
+                   bytes_up_per_client=float(np.mean(list(up.values()))), bytes_total=2 * sum(up.values()),
+                   clients=len(clients), members=len(plan.owner), lr=plan.optim.lr, epochs=plan.epochs)
+        row.update(algo.after_round(ctx, state, plan, trained))
+    pred = algo.predict(ctx, state, ctx.test_x).argmax(1).cpu()
+    row["accuracy"] = float((pred == ctx.test_y_cpu).float().mean())
+    return state, row
 
 
 def _last_mean(values, n=5):
@@ -307,39 +370,166 @@ def _last_mean(values, n=5):
     return float(np.mean(v[-n:])) if v else float("nan")
 
 
+# ---------------------------------------------------------------- writing the run directory
+
+
+def _resume_hint(run_dir: Path) -> str:
+    if (run_dir / "config.json").exists():
+        return f"re-run the same command with --resume --out {run_dir} to continue"
+    return "re-run the same command"
+
+
+def _write_error(path: Path, exc: OSError, run_dir: Path) -> FedheadError:
+    """One line for a failed write in the run directory: what, why, and how to continue."""
+    why = (exc.strerror or str(exc)).replace("\n", " ")
+    if exc.errno in SPACE_ERRNOS:
+        return FedheadError(f"No space left while writing {str(path)!r} ({why}); free space (or raise the file "
+                            f"size limit) and {_resume_hint(run_dir)}.")
+    return FedheadError(f"Writing {str(path)!r} failed ({why}); fix the cause and {_resume_hint(run_dir)}.")
+
+
+@contextlib.contextmanager
+def _writing(path: Path, run_dir: Path):
+    """Turn an OSError of the write of ``path`` into the one-line error (the atomic helpers leave no file
+    behind: the temporary file is removed, the final name keeps its previous content)."""
+    try:
+        yield
+    except OSError as exc:
+        raise _write_error(path, exc, run_dir) from None
+
+
+def save_torch(obj, path: Path) -> None:
+    """``torch.save`` atomically; a failed write raises its OSError and leaves nothing behind."""
+    from ..util import atomic_torch_save
+
+    atomic_torch_save(obj, path)
+
+
 def run_scratch(cfg: ScratchConfig, out_dir: str | Path, log: Callable[[str], None] = lambda s: None,
-                progress=None) -> dict:
-    """Resolve, load, run every seed, write the run directory; returns the summary."""
-    from ..util import resolve_device, set_cpu_threads
+                progress=None, resume: bool = False) -> dict:
+    """Resolve, load, run (or, with ``resume``, continue) every seed, write the run directory; returns the
+    summary. Everything is validated before anything is written; the run directory has one writer."""
+    from ..util import Interrupted, exclusive_writer, resolve_device
 
     cfg = resolve_config(cfg)
     device = resolve_device(cfg.device)
-    if device.type == "cpu":
-        set_cpu_threads()
     data = load_dataset(cfg.dataset, cfg.data_dir)
     check_model_input(cfg.model, data.input_kind, cfg.dataset)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    all_rows, results = [], []
-    for seed in cfg.seeds:
-        res = run_seed(cfg, data, seed, device, log, progress,
-                       on_round=lambda rows: write_rounds(out_dir, all_rows + rows))
+    with exclusive_writer(out_dir, f"the run directory {str(out_dir)!r}"):
+        try:
+            return _run_locked(cfg, data, device, out_dir, resume, log, progress)
+        except Interrupted as exc:
+            if (out_dir / "config.json").exists():
+                msg = (f"interrupted; the checkpoint in {str(out_dir)!r} is consistent: re-run the same command "
+                       f"with --resume --out {out_dir} to continue")
+            else:
+                msg = f"interrupted before anything was written to {str(out_dir)!r}; re-run the same command"
+            raise Interrupted(exc.signum, msg) from None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise FedheadError(f"The '--resume' option cannot read {str(path)!r} ({exc}). Choose another --out, or "
+                           "run again without --resume into an empty one.") from None
+
+
+def _run_locked(cfg: ScratchConfig, data: ScratchData, device, out_dir: Path, resume: bool, log,
+                progress) -> dict:
+    from ..util import pause_hook, set_cpu_threads, signals_deferred
+
+    threads = set_cpu_threads() if device.type == "cpu" else None
+    identity = config_identity(cfg)
+    ckpt_path, config_path, summary_path = out_dir / CHECKPOINT, out_dir / "config.json", out_dir / "summary.json"
+    ckpt = None
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FedheadError(f"The '--out' parameter names {str(out_dir)!r}, which is a file. Choose a directory.")
+    if resume:
+        if not config_path.exists():
+            raise FedheadError(f"The '--resume' option needs a run to continue in {str(out_dir)!r}, but it holds "
+                               "none (no config.json). Run without --resume, or name the interrupted run with "
+                               "--out.")
+        prev = _read_json(config_path)
+        if prev.get("identity") != identity:
+            raise FedheadError(f"The '--resume' option found a run in {str(out_dir)!r} with a different "
+                               "configuration. Use the same options as the interrupted run, or a new --out.")
+        if threads is not None and prev.get("cpu_threads"):
+            threads = set_cpu_threads(int(prev["cpu_threads"]))  # the bits of a round follow the thread count
+        if ckpt_path.exists():
+            try:
+                ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+            except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint is the same one-line error
+                raise FedheadError(f"The '--resume' option cannot read the checkpoint {str(ckpt_path)!r} "
+                                   f"({type(exc).__name__}). Choose another --out, or run again without "
+                                   "--resume into an empty one.") from None
+            if ckpt.get("identity") != identity or ckpt.get("format") != CHECKPOINT_FORMAT:
+                raise FedheadError(f"The '--resume' option found a checkpoint in {str(out_dir)!r} of a different "
+                                   "configuration. Use the same options as the interrupted run, or a new --out.")
+        elif summary_path.exists():
+            return _read_json(summary_path)     # a finished run: reported again
+        # else: stopped before its first round was saved; nothing to keep, it starts over
+    elif out_dir.exists() and any(out_dir.iterdir()):
+        raise FedheadError(f"The '--out' parameter names {str(out_dir)!r}, which already holds files. Use "
+                           "--resume to continue that run, or choose another --out.")
+    with _writing(out_dir, out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
+    base_config = {"command": "scratch", "identity": identity, **dataclasses.asdict(cfg),
+                   "device_resolved": str(device), "cpu_threads": threads, "torch_version": torch.__version__,
+                   "num_classes": data.num_classes, "classes": data.classes, "in_shape": list(data.in_shape),
+                   "randomness": "numpy default_rng(seed) per seed, its state checkpointed after every round; "
+                                 "init from torch.Generator(seed); global torch RNG keyed by (seed, round)",
+                   "bytes_accounting": "per round, each participating client downloads and uploads exactly the "
+                                       "tensors it trains (fp32); bytes_total = down + up over clients"}
+    with _writing(config_path, out_dir):
+        write_config(out_dir, {**base_config, "data_info": dict(data.info)})
+
+    results: list[dict] = list(ckpt["done"]) if ckpt else []
+    all_rows = [r for res in results for r in res["rows"]]
+    wall0 = time.perf_counter() - (float(ckpt["wall_s"]) if ckpt else 0.0)
+    for i, seed in enumerate(cfg.seeds):
+        if i < len(results):
+            continue
+        current = ckpt["current"] if ckpt is not None and ckpt["index"] == i else None
+
+        def on_round(snap: dict, i=i, seed=seed) -> None:
+            rows = all_rows + snap["rows"]
+            with signals_deferred():            # the checkpoint and rounds.csv move together
+                with _writing(ckpt_path, out_dir):
+                    save_torch({"format": CHECKPOINT_FORMAT, "identity": identity, "index": i, "seed": seed,
+                                "current": snap, "done": results, "wall_s": time.perf_counter() - wall0},
+                               ckpt_path)
+                with _writing(out_dir / "rounds.csv", out_dir):
+                    write_rounds(out_dir, rows)
+            pause_hook(PAUSE_ENV, len(rows))
+
+        res = run_seed(cfg, data, seed, device, log, progress, on_round=on_round, resume=current)
+        with _writing(out_dir / f"model-seed{seed}.pt", out_dir):
+            save_torch(res.pop("state"), out_dir / f"model-seed{seed}.pt")   # the final global model
         results.append(res)
         all_rows += res["rows"]
-    wall = time.time() - t0
+    wall = time.perf_counter() - wall0
+    summary = _finish(cfg, data, out_dir, base_config, results, all_rows, wall)
+    ckpt_path.unlink(missing_ok=True)
+    return summary
+
+
+def _finish(cfg: ScratchConfig, data: ScratchData, out_dir: Path, base_config: dict, results: list[dict],
+            all_rows: list[dict], wall: float) -> dict:
+    """The final files: config.json (with what the runs found), rounds.csv, clients.csv, summary.json and,
+    for D&C, divergence.csv/png."""
     first = results[0]
-    config = {"command": "scratch", **dataclasses.asdict(cfg), "device_resolved": str(device),
-              "num_classes": data.num_classes, "classes": data.classes, "in_shape": list(data.in_shape),
-              "data_info": {**data.info, **first["info"]},
-              "weight_layers": [names[0].rsplit(".", 1)[0] for names in first["layers"]],
-              "bytes_accounting": "per round, each participating client downloads and uploads exactly the "
-                                  "tensors it trains (fp32); bytes_total = down + up over clients"}
+    config = {**base_config, "data_info": {**data.info, **first["info"]},
+              "weight_layers": [names[0].rsplit(".", 1)[0] for names in first["layers"]]}
     if cfg.algo == "dnc":
         config["split_layer_used"] = [r["split_layer"] for r in results]
-    write_config(out_dir, config)
-    write_rounds(out_dir, all_rows)
-    write_clients(out_dir, first["sizes"], first["counts"], first["client_extra"] or None)
+    with _writing(out_dir / "config.json", out_dir):
+        write_config(out_dir, config)
+    with _writing(out_dir / "rounds.csv", out_dir):
+        write_rounds(out_dir, all_rows)
+    with _writing(out_dir / "clients.csv", out_dir):
+        write_clients(out_dir, first["sizes"], first["counts"], first["client_extra"] or None)
     summary = {"algo": cfg.algo, "dataset": cfg.dataset, "model": cfg.model, "wall_seconds": wall,
                "seeds": cfg.seeds}
     per_seed = []
@@ -366,13 +556,16 @@ def run_scratch(cfg: ScratchConfig, out_dir: str | Path, log: Callable[[str], No
     summary["bytes_total"] = float(np.mean([s["bytes_total"] for s in per_seed]))
     if cfg.algo == "dnc":
         div = [r for res in results for r in res["divergence"]]
-        write_csv(out_dir / "divergence.csv", div, ["seed", "round", "layer", "name", "divergence"])
+        with _writing(out_dir / "divergence.csv", out_dir):
+            write_csv(out_dir / "divergence.csv", div, ["seed", "round", "layer", "name", "divergence"])
         if div:
-            _plot_divergence(div, out_dir / "divergence.png", [r["split_layer"] for r in results][0])
+            with _writing(out_dir / "divergence.png", out_dir):
+                _plot_divergence(div, out_dir / "divergence.png", [r["split_layer"] for r in results][0])
         summary["split_layer"] = per_seed[0]["split_layer"]
         summary["divergence_last_prepass"] = [r["divergence"] for r in div if r["seed"] == cfg.seeds[0]
                                               and r["round"] == max(x["round"] for x in div)] if div else []
-    write_summary(out_dir, summary)
+    with _writing(out_dir / "summary.json", out_dir):
+        write_summary(out_dir, summary)
     return summary
 
 
