@@ -1,0 +1,733 @@
+"""Bad-input matrix over every command: each bad input is refused the project's way.
+
+Every case runs one command in-process (typer's ``CliRunner``; click >= 8.2 keeps ``result.stderr`` apart
+from stdout) on tiny inputs and asserts:
+
+* a non-zero exit, and no exception other than ``SystemExit`` escaped to the runner;
+* exactly one line on stderr, ``error: <message>``, short, naming what is wrong (``Case.expect``);
+* no ``Traceback`` and no ``internal error`` anywhere in the output;
+* nothing under the final output name: the ``--out`` path given is byte-for-byte as before (absent if it was
+  absent; a pre-existing file or folder unchanged), no ``<out>.lock`` is left, and the working directory (a
+  fresh empty folder, where the default outputs ``runs/``, ``reports/``, ``cache/`` would go) stays empty.
+
+A case marked ``bug`` fails one of these today: it is ``xfail(strict=True)`` so that this file can be committed
+while the owner fixes it; the marker comes off with the fix (a fixed case XPASSes, which fails strictly).
+
+Some commands reach slow machinery before some of their checks; it is replaced by stand-ins that keep the
+command's own control flow:
+
+* ``flower simulate`` and ``bench flower``: Flower's ``run_simulation`` is replaced by a stand-in that records
+  the call and runs the ServerApp's main with a grid that refuses any use (no Ray in the tests). A bad input must
+  be refused before ``run_simulation`` starts: a real run prints Flower's multi-line deprecation warning and
+  Ray's logs on stderr first, and takes 15 s or more before the ServerApp validates anything.
+* ``demo`` (cases marked ``fake="demo"``): the extraction of the digits with EfficientNet-Lite0 (about 25 s here)
+  writes a tiny synthetic store where the real one would go.
+* ``bench speed`` (all cases): the measurement (about 20 s even with ``--quick``) returns an empty record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import cli
+
+runner = CliRunner()
+MAX_MESSAGE = 600     # characters of the one error line (store and layout messages carry a path and a fix)
+
+
+@dataclass(frozen=True)
+class Case:
+    base: str                 # the command and the valid options around the bad one ({placeholders} allowed)
+    bad: str                  # the bad input (appended: for single-valued options the last one given wins)
+    expect: str               # substring of the error line, naming the parameter or the problem
+    bug: str | None = None    # "BUG: ..." -> xfail(strict=True)
+    fake: str | None = None   # "demo": stand-in extraction for ``fedhead demo``
+    name: str | None = None   # the case's name when ``bad`` alone does not say it
+
+    @property
+    def command(self) -> str:
+        words = self.base.split()
+        return " ".join(words[:2]) if words[0] in ("bench", "flower") else words[0]
+
+    @property
+    def id(self) -> str:
+        return f"{self.command}: {self.name or self.bad}"
+
+
+# ---------------------------------------------------------------- the matrix
+
+EXTRACT = "extract --dataset imagefolder --data-dir {imgs} --encoder test_efficientnet --no-pretrained --out {out}.h5"
+EXTRACT_ENC = EXTRACT + " --image-size 32"          # cases that get as far as encoding
+TRAIN = "train --features {store} --clients 10 --rounds 1 --out {out}"
+SYNTH = "synth --num-classes 2 --train-per-class 2 --test-per-class 2 --dim 2 --no-probe --out {out}.h5"
+DEMO = "demo --out {out}"
+SCRATCH = "scratch fedavg --dataset imagefolder --data-dir {imgs} --clients 2 --rounds 1 --out {out}"
+DNC = ("scratch dnc --dataset imagefolder --data-dir {imgs} --clients 2 --rounds 1 --prepass-rounds 1 "
+       "--feature-epochs 1 --finetune-epochs 1 --out {out}")
+GRID = "--features {store} --quick --clients 10 --rounds 1 --out {out}"
+ABLATION = "bench ablation " + GRID + " --head ova2 --partition shard-1 --recipe default"
+PARTITIONS = "bench partitions " + GRID + " --partition shard-1"
+ENCODERS = "bench encoders " + GRID + " --partition shard-1"
+NOISE = "bench noise " + GRID + " --head ova2 --sym-rates 0.3 --asym-rates ''"
+PARTICIPATION = "bench participation " + GRID + " --rates 0.5"
+GEOMETRY = "bench geometry --features {store} --quick --samples-per-class 5 --out {out}"
+SPEED = "bench speed --quick --no-extraction --rounds 1 --loop-rounds 0 --out {out}.json"
+BENCH_EXTRACT = ("bench extract --dataset imagefolder --data-dir {imgs} --encoder test_efficientnet --image-size 32 "
+                 "--num-images 4 --repeats 1 --batch-size 4 --device cpu --out {out}.json")
+BENCH_FLOWER = ("bench flower --clients 4 --rounds 1 --num-classes 4 --train-per-class 10 --dim 4 --partition iid "
+                "--out {out}")
+BASELINES = "bench baselines " + GRID + " --methods ova2 --partitions iid"
+SIMULATE = "flower simulate --features {store} --clients 2 --rounds 1 --out {out}"
+
+# one reason per root cause (the report lists the command, the output and where the fix belongs)
+OUT_UNDER_FILE = ("BUG: --out below a regular file -> 'internal error: FileExistsError' (fedhead/util.py "
+                  "exclusive_writer: lock.parent.mkdir is outside the OSError -> FedheadError handling)")
+LATE_FLOWER = ("BUG: validated only inside the ServerApp, after Flower's run_simulation started (stderr: Flower "
+               "warning + Ray logs; >= 15 s): fedhead/flower/commands.py simulate() must run "
+               "validate_server_config / train.validate_config before run_simulation")
+BENCH_FLOWER_LATE = ("BUG: bench flower writes <out>/store.h5 before validating its options "
+                     "(fedhead/flower/commands.py bench_cmd)")
+DEMO_LATE = ("BUG: demo extracts the digits store into --out (~25 s) before validating --clients/--rounds "
+             "(fedhead/commands.py demo_cmd)")
+INF = ("BUG: Interval accepts inf: the run/write goes ahead (fedhead/errors.py Interval.ok must reject "
+       "non-finite values)")
+BLOCK = ("BUG: --block-clients -1 is not validated: exit 0 and no client is trained (range step -1); "
+         "fedhead/config.py TrainConfig.resolved must validate block_clients >= 1")
+DEVICE_LATE = ("BUG: bench grid: --device is checked only when the first run starts, after bench.json and runs/ "
+               "are written (fedhead/train.py validate_config must resolve_device)")
+GRID_OUT_FILE = ("BUG: bench --out naming a regular file -> 'internal error: FileExistsError' from out.mkdir "
+                 "(fedhead/bench/commands.py start_report / geometry_cmd)")
+SCRATCH_LATE = ("BUG: scratch validates this only in _setup, after config.json is written "
+                "(fedhead/scratch/runner.py resolve_config)")
+SCRATCH_UNCHECKED = "BUG: scratch does not validate this at all: exit 0 (fedhead/scratch/runner.py resolve_config)"
+CLICK_PANEL = ("BUG: click usage errors print a 5-line rich panel, not one 'error:' line "
+               "(cli.py: the typer app needs a group class whose main() reports click.UsageError in one line)")
+OUT_DIR_JSON = ("BUG: --out naming a folder fails only when the record is written, after the measurement: "
+                "'internal error: IsADirectoryError' (validate --out first, or map the OSError)")
+
+CASES = [
+    # ---- extract
+    Case(EXTRACT, "--dataset bogus", "'--dataset'"),
+    Case("extract --dataset imagefolder --encoder test_efficientnet --no-pretrained --out {out}.h5", "",
+         "'--data-dir'", name="imagefolder without --data-dir"),
+    Case(EXTRACT, "--data-dir {missing}", "'--data-dir'"),
+    Case(EXTRACT, "--data-dir {file}", "'--data-dir'"),
+    Case(EXTRACT, "--data-dir {notimgs}", "'--data-dir'"),
+    Case(EXTRACT, "--dataset cifar10 --data-dir {imgs}", "'--data-dir'"),
+    Case(EXTRACT, "--dataset mnist --data-dir {imgs}", "'--data-dir'"),
+    Case(EXTRACT, "--encoder bogus_model", "'--encoder'"),
+    Case(EXTRACT, "--encoder clip:bogus", "'--encoder'"),
+    Case(EXTRACT, "--batch-size 0", "'--batch-size'"),
+    Case(EXTRACT, "--precision fp8", "'--precision'"),
+    Case(EXTRACT, "--dtype int8", "'--dtype'"),
+    Case(EXTRACT, "--limit 0", "'--limit'"),
+    Case(EXTRACT, "--num-workers -1", "'--num-workers'"),
+    Case(EXTRACT, "--device cuda", "'--device'"),
+    Case(EXTRACT, "--device tpu", "'--device'"),
+    Case(EXTRACT, "--image-size 0", "'--image-size'"),
+    Case(EXTRACT, "--image-size -5", "'--image-size'"),
+    Case(EXTRACT.replace(" --no-pretrained", ""), "--weights {missing}", "'--weights'"),
+    Case(EXTRACT.replace(" --no-pretrained", ""), "--weights {text}", "'--weights'"),
+    Case(EXTRACT.replace(" --no-pretrained", ""), "--weights registry", "'--weights'"),
+    Case(EXTRACT_ENC, "--data-dir {badimgs}", "unreadable image"),
+    Case(EXTRACT_ENC, "--out {file}", "'--out'"),
+    Case(EXTRACT_ENC, "--out {storecopy}", "'--out'"),
+    Case(EXTRACT_ENC, "--out {full}", "'--out'"),
+    Case(EXTRACT_ENC, "--out {under_file}", "'--out'", bug=OUT_UNDER_FILE),
+    # ---- info
+    Case("info", "{missing}", "does not exist"),
+    Case("info", "{text}", "not a readable fedhead feature store"),
+    Case("info", "{empty}", "not a readable fedhead feature store"),
+    Case("info", "{foreign}", "not a fedhead feature store"),
+    Case("info", "{partial}", "only partly written"),
+    Case("info", "{incomplete}", "never completed"),
+    Case("info", "{nosplit}", "split is missing"),
+    Case("info", "{newver}", "format version"),
+    Case("info", "{floatlabels}", "not integers"),
+    Case("info", "{notimgs}", "'STORE'"),
+    Case("info", "{nan}", "NaN",
+         bug="BUG: info exits 0 on a store with NaN features (extract/commands.py info_cmd: open_store(..., "
+             "check_values=True), 0.1 s on CIFAR-10)"),
+    Case("info", "{labels}", "outside",
+         bug="BUG: info exits 0 on a store with labels outside [0, C) (extract/commands.py info_cmd: "
+             "open_store(..., check_values=True))"),
+    Case("info", "", "STORE", bug=CLICK_PANEL, name="no STORE argument"),
+    # ---- train: the store
+    Case(TRAIN, "--features {missing}", "does not exist"),
+    Case(TRAIN, "--features {notimgs}", "'--features'"),
+    Case(TRAIN, "--features {text}", "'--features'"),
+    Case(TRAIN, "--features {foreign}", "not a fedhead feature store"),
+    Case(TRAIN, "--features {partial}", "only partly written"),
+    Case(TRAIN, "--features {incomplete}", "never completed"),
+    Case(TRAIN, "--features {nan}", "NaN"),
+    Case(TRAIN, "--features {labels}", "outside [0, 10)"),
+    Case(TRAIN, "--features {neglabels}", "hold -1"),
+    Case(TRAIN, "--features {nosplit}", "split is missing"),
+    Case(TRAIN, "--features {newver}", "format version"),
+    Case(TRAIN, "--features {floatlabels}", "not integers"),
+    # ---- train: unknown names
+    Case(TRAIN, "--head bogus", "'--head'"),
+    Case(TRAIN, "--partition bogus", "'--partition'"),
+    Case(TRAIN, "--recipe bogus", "'--recipe'"),
+    Case(TRAIN, "--optimizer bogus", "'--optimizer'"),
+    Case(TRAIN, "--aggregate bogus", "'--aggregate'"),
+    Case(TRAIN, "--scale bogus", "'--scale'"),
+    Case(TRAIN, "--noise bogus --noise-rate 0.2", "'--noise'"),
+    Case(TRAIN, "--noise asymmetric --noise-rate 0.2 --asym-map bogus", "'--asym-map'"),
+    Case(TRAIN, "--noise asymmetric --noise-rate 0.2", "--asym-map cyclic"),
+    Case(TRAIN, "--backend bogus", "'--backend'",
+         bug="BUG: --backend is validated in Engine() after config.json is written (fedhead/config.py "
+             "TrainConfig.resolved must validate backend)"),
+    Case(TRAIN, "--device tpu", "'--device'"),
+    Case(TRAIN, "--init bogus", "'--init'"),
+    Case(TRAIN, "--server-opt bogus", "'--server-opt'"),
+    Case(TRAIN, "--calibrate bogus", "'--calibrate'"),
+    # ---- train: numbers out of range
+    Case(TRAIN, "--clients 0", "'--clients'"),
+    Case(TRAIN, "--clients -3", "'--clients'"),
+    Case(TRAIN, "--clients 401", "'--clients'"),
+    Case(TRAIN, "--rounds 0", "'--rounds'"),
+    Case(TRAIN, "--local-epochs 0", "'--local-epochs'"),
+    Case(TRAIN, "--batch-size 0", "'--batch-size'"),
+    Case(TRAIN, "--lr 0", "'--lr'"),
+    Case(TRAIN, "--lr -1", "'--lr'"),
+    Case(TRAIN, "--lr nan", "'--lr'"),
+    Case(TRAIN, "--lr inf", "'--lr'", bug=INF),
+    Case(TRAIN, "--weight-decay -1", "'--weight-decay'"),
+    Case(TRAIN, "--momentum 1", "'--momentum'"),
+    Case(TRAIN, "--participation 0", "'--participation'"),
+    Case(TRAIN, "--participation 1.5", "'--participation'"),
+    Case(TRAIN, "--noise symmetric --noise-rate 1.0", "'--noise-rate'"),
+    Case(TRAIN, "--noise-rate -0.1", "'--noise-rate'"),
+    Case(TRAIN, "--noise symmetric --noise-rate 0", "'--noise-rate'"),
+    Case(TRAIN, "--partition dirichlet --alpha -1", "'--alpha'"),
+    Case(TRAIN, "--partition bernoulli-dirichlet --alpha 0", "'--alpha'"),
+    Case(TRAIN, "--partition bernoulli-dirichlet --p 1.5", "'--p'"),
+    Case(TRAIN, "--partition bernoulli-dirichlet --p 0", "'--p'"),
+    Case(TRAIN, "--partition shard --shards-per-client 0", "'--shards-per-client'"),
+    Case(TRAIN, "--partition shard --shards-per-client 50 --distinct-labels", "'--shards-per-client'"),
+    Case(TRAIN, "--partition zipf --min-size 0", "'--min-size'"),
+    Case(TRAIN, "--partition zipf --zipf-s -1", "'--zipf-s'"),
+    Case(TRAIN, "--partition dirichlet --min-size 1000", "'--min-size'"),
+    Case(TRAIN, "--partition iid --alpha 0.5", "'--alpha'"),
+    Case(TRAIN, "--head ova2 --positive-keep 2", "'--positive-keep'"),
+    Case(TRAIN, "--head fedabc --focal-gamma -1", "'--focal-gamma'"),
+    Case(TRAIN, "--head fedabc --fedabc-margins 1,2", "'--fedabc-margins'",
+         bug="BUG: --fedabc-margins is parsed in FedABCHead() after config.json is written (fedhead/heads.py: "
+             "give the Param a constraint that calls _parse_margins, or parse it in validate_config)"),
+    Case(TRAIN, "--head fedabc --fedabc-margins a,b,c", "'a,b,c'",
+         bug="BUG: --fedabc-margins a,b,c: config.json written first, and the message says 'Got None' "
+             "(fedhead/heads.py _parse_margins replaces the text by None)"),
+    Case(TRAIN, "--head fedrs --fedrs-alpha 2", "'--fedrs-alpha'"),
+    Case(TRAIN, "--head fedlc --fedlc-tau -1", "'--fedlc-tau'"),
+    Case(TRAIN, "--head ridge --ridge-lambda 0", "'--ridge-lambda'"),
+    Case(TRAIN, "--head cof --cof-gamma -1", "'--cof-gamma'"),
+    Case(TRAIN, "--head lda --lda-shrinkage -1", "'--lda-shrinkage'"),
+    Case(TRAIN, "--prox-mu -1", "'--prox-mu'"),
+    Case(TRAIN, "--server-opt fedadam --server-lr 0", "'--server-lr'"),
+    Case(TRAIN, "--server-opt fedavgm --server-momentum 1.5", "'--server-momentum'"),
+    Case(TRAIN, "--server-opt fedadam --server-betas 1.5,0.9", "'--server-betas'"),
+    Case(TRAIN, "--server-opt fedadam --server-betas x", "'--server-betas'"),
+    Case(TRAIN, "--server-opt fedadam --server-betas 0.9", "'--server-betas'"),
+    Case(TRAIN, "--server-opt fedadam --server-tau 0", "'--server-tau'"),
+    Case(TRAIN, "--init ridge --init-scale 0", "'--init-scale'"),
+    Case(TRAIN, "--calibrate ccvr --ccvr-samples 0", "'--ccvr-samples'"),
+    Case(TRAIN, "--block-clients -1", "'--block-clients'", bug=BLOCK),
+    Case(TRAIN, "--seed -1", "'--seed'"),
+    Case(TRAIN, "--seed x", "'--seed'", bug=CLICK_PANEL),
+    # ---- train: options that do not go together
+    Case(TRAIN, "--head ridge --init ridge", "'--init'"),
+    Case(TRAIN, "--head ridge --calibrate ccvr", "'--calibrate'"),
+    Case(TRAIN, "--head ncm --scaffold", "'--scaffold'"),
+    Case(TRAIN, "--head ncm --prox-mu 0.1", "'--prox-mu'"),
+    Case(TRAIN, "--head lda --server-opt fedadam", "'--server-opt'"),
+    Case(TRAIN, "--recipe fast --head ridge --init ncm", "'--init'"),
+    Case(TRAIN, "--head softmax --server-lr 0.1", "'--server-lr'"),
+    # ---- train: device, resume, --out
+    Case(TRAIN, "--device cuda", "'--device'"),
+    Case(TRAIN, "--device cuda:0", "'--device'"),
+    Case(TRAIN, "--resume", "'--resume'", name="--resume --out <no run there>"),
+    Case("train --features {store} --clients 10 --rounds 1", "--resume", "'--resume'", name="--resume without --out"),
+    Case(TRAIN, "--out {full}", "'--out'"),
+    Case(TRAIN, "--out {file}", "'--out'",
+         bug="BUG: train --out naming a regular file -> 'internal error: NotADirectoryError' (fedhead/train.py "
+             "_run_locked: refuse a non-directory before run_dir.iterdir())"),
+    Case(TRAIN, "--out {under_file}", "'--out'", bug=OUT_UNDER_FILE),
+    # ---- synth
+    Case(SYNTH, "--num-classes 1", "'--num-classes'"),
+    Case(SYNTH, "--num-classes 0", "'--num-classes'"),
+    Case(SYNTH, "--train-per-class 0", "'--train-per-class'"),
+    Case(SYNTH, "--test-per-class 0", "'--test-per-class'"),
+    Case(SYNTH, "--dim 0", "'--dim'"),
+    Case(SYNTH, "--dim -1", "'--dim'"),
+    Case(SYNTH, "--spread 0", "'--spread'"),
+    Case(SYNTH, "--spread -1", "'--spread'"),
+    Case(SYNTH, "--spread nan", "'--spread'"),
+    Case(SYNTH, "--spread inf", "'--spread'", bug=INF + "; synth writes a store of NaN features"),
+    Case(SYNTH, "--seed -1", "'--seed'",
+         bug="BUG: synth --seed -1 -> 'internal error: ValueError: expected non-negative integer' "
+             "(fedhead/commands.py synth_cmd: validate --seed >= 0)"),
+    Case(SYNTH, "--num-classes x", "'--num-classes'", bug=CLICK_PANEL),
+    Case(SYNTH, "--out {full}", "'--out'",
+         bug="BUG: synth --out naming a folder -> 'internal error: IsADirectoryError' and <out>.partial left "
+             "(fedhead/commands.py synth_cmd / extract/store.py StoreWriter: refuse a folder before writing)"),
+    Case(SYNTH, "--out {file}", "'--out'",
+         bug="BUG: synth --out naming an existing file (not a store) silently replaces it; extract refuses "
+             "without --overwrite (fedhead/commands.py synth_cmd)"),
+    Case(SYNTH, "--out {under_file}", "'--out'",
+         bug="BUG: synth --out below a regular file -> 'internal error: FileExistsError' (extract/store.py "
+             "StoreWriter / fedhead/commands.py synth_cmd)"),
+    # ---- demo
+    Case(DEMO, "--device cuda", "'--device'"),
+    Case(DEMO, "--device tpu", "'--device'"),
+    Case(DEMO, "--image-size 0", "'--image-size'"),
+    Case(DEMO, "--clients 0", "'--clients'", bug=DEMO_LATE, fake="demo"),
+    Case(DEMO, "--rounds 0", "'--rounds'", bug=DEMO_LATE, fake="demo"),
+    # ---- scratch
+    Case("scratch bogus --dataset imagefolder --data-dir {imgs} --out {out}", "", "'ALGO'", name="ALGO bogus"),
+    Case(SCRATCH, "--dataset bogus", "'--dataset'"),
+    Case(SCRATCH, "--model bogus", "'--model'"),
+    Case(SCRATCH, "--partition bogus", "'--partition'"),
+    Case(SCRATCH, "--optimizer bogus", "'--optimizer'"),
+    Case(SCRATCH, "--backend bogus", "'--backend'"),
+    Case(DNC, "--divergence bogus", "'--divergence'"),
+    Case(SCRATCH, "--device cuda", "'--device'"),
+    Case(SCRATCH, "--device tpu", "'--device'"),
+    Case(SCRATCH, "--noise bogus --noise-rate 0.2", "'--noise'", bug=SCRATCH_LATE),
+    Case(SCRATCH, "--noise symmetric --noise-rate 1.0", "'--noise-rate'", bug=SCRATCH_LATE),
+    Case(SCRATCH, "--noise-rate 1.5", "'--noise-rate'", bug=SCRATCH_UNCHECKED),
+    Case(SCRATCH, "--clients 0", "'--clients'"),
+    Case(SCRATCH, "--clients 100", "'--clients'", bug=SCRATCH_LATE),
+    Case(SCRATCH, "--participation 0", "'--participation'"),
+    Case(SCRATCH, "--participation 1.5", "'--participation'"),
+    Case(SCRATCH, "--rounds 0", "'--rounds'"),
+    Case(SCRATCH, "--local-epochs 0", "'--local-epochs'"),
+    Case(SCRATCH, "--batch-size 0", "'--batch-size'"),
+    Case(SCRATCH, "--lr 0", "'--lr'"),
+    Case(SCRATCH, "--lr inf", "'--lr'", bug=INF),
+    Case(SCRATCH, "--momentum 1", "'--momentum'"),
+    Case(SCRATCH, "--weight-decay -1", "'--weight-decay'"),
+    Case(SCRATCH, "--seed -1", "'--seed'"),
+    Case(SCRATCH, "--subset 0", "'--subset'"),
+    Case(SCRATCH, "--test-subset 0", "'--test-subset'"),
+    Case(SCRATCH, "--max-samples-per-client 0", "'--max-samples-per-client'"),
+    Case(SCRATCH, "--local-test-size -1", "'--local-test-size'"),
+    Case(DNC, "--prepass-rounds -1", "'--prepass-rounds'"),
+    Case(DNC, "--split-threshold 2", "'--split-threshold'"),
+    Case(DNC, "--feature-epochs 0", "'--feature-epochs'"),
+    Case(DNC, "--finetune-epochs 0", "'--finetune-epochs'"),
+    Case(DNC, "--split-layer 0", "'--split-layer'", bug=SCRATCH_LATE),
+    Case(DNC, "--lr-decay 0", "'--lr-decay'", bug=SCRATCH_UNCHECKED),
+    Case(DNC, "--finetune-lr-factor -1", "'--finetune-lr-factor'", bug=SCRATCH_UNCHECKED),
+    Case(SCRATCH, "--partition dirichlet --alpha 0", "'--alpha'"),
+    Case(SCRATCH, "--partition shard --shards-per-client 0", "'--shards-per-client'"),
+    Case(SCRATCH, "--partition shard --shards-per-client 5 --distinct-labels", "'--shards-per-client'",
+         bug=SCRATCH_LATE),
+    Case(SCRATCH, "--partition color-skew --clients 3", "'--clients'"),
+    Case(SCRATCH, "--partition color-skew --skew 2", "'--skew'"),
+    Case(SCRATCH, "--model kws-cnn", "'--model'"),
+    Case(SCRATCH, "--data-dir {missing}", "'--data-dir'"),
+    Case(SCRATCH, "--data-dir {file}", "'--data-dir'"),
+    Case(SCRATCH, "--dataset mnist", "'--data-dir'"),
+    Case(SCRATCH, "--dataset speech-commands", "'--data-dir'"),
+    Case(SCRATCH, "--resume", "'--resume'", name="--resume --out <no run there>"),
+    Case("scratch fedavg --dataset imagefolder --data-dir {imgs} --clients 2 --rounds 1", "--resume", "'--resume'",
+         name="--resume without --out"),
+    Case(SCRATCH, "--out {file}", "'--out'"),
+    Case(SCRATCH, "--out {full}", "'--out'"),
+    Case(SCRATCH, "--out {under_file}", "'--out'", bug=OUT_UNDER_FILE),
+    # ---- bench ablation
+    Case(ABLATION, "--head bogus", "'--head'"),
+    Case(ABLATION, "--partition bogus", "'--partition'"),
+    Case(ABLATION, "--recipe bogus", "'--recipe'"),
+    Case(ABLATION, "--seeds x", "'--seeds'"),
+    Case(ABLATION, "--seeds -1", "'--seeds'"),
+    Case(ABLATION, "--rounds 0", "'--rounds'"),
+    Case(ABLATION, "--clients 0", "'--clients'"),
+    Case(ABLATION, "--clients 401", "'--clients'"),
+    Case(ABLATION, "--lr 0", "'--lr'"),
+    Case(ABLATION, "--batch-size 0", "'--batch-size'"),
+    Case(ABLATION, "--local-epochs 0", "'--local-epochs'"),
+    Case(ABLATION, "--optimizer bogus", "'--optimizer'"),
+    Case(ABLATION, "--init bogus", "'--init'"),
+    Case(ABLATION, "--prox-mu -1", "'--prox-mu'"),
+    Case(ABLATION, "--server-opt fedadam --server-betas 1.5,0.9", "'--server-betas'"),
+    Case(ABLATION, "--head ncm --init ridge", "'--init'"),
+    Case(ABLATION, "--features {missing}", "does not exist"),
+    Case(ABLATION, "--features {nan}", "NaN"),
+    Case(ABLATION, "--device cuda", "'--device'", bug=DEVICE_LATE),
+    Case(ABLATION, "--block-clients -1", "'--block-clients'", bug=BLOCK),
+    Case(ABLATION, "--out {file}", "'--out'", bug=GRID_OUT_FILE),
+    Case(ABLATION, "--out {under_file}", "'--out'", bug=OUT_UNDER_FILE),
+    # ---- bench partitions
+    Case(PARTITIONS, "--partition bogus", "'--partition'"),
+    Case(PARTITIONS, "--head bogus", "'--head'"),
+    Case(PARTITIONS, "--recipe fast", "'--recipe'"),
+    Case(PARTITIONS, "--features {foreign}", "not a fedhead feature store"),
+    Case(PARTITIONS, "--head ridge --ridge-lambda 0", "'--ridge-lambda'"),
+    Case(PARTITIONS, "--scale bogus", "'--scale'"),
+    Case(PARTITIONS, "--aggregate bogus", "'--aggregate'"),
+    Case(PARTITIONS, "--calibrate bogus", "'--calibrate'"),
+    Case(PARTITIONS, "--device cuda", "'--device'", bug=DEVICE_LATE),
+    # ---- bench encoders
+    Case(ENCODERS, "--features {other}", "same dataset"),
+    Case(ENCODERS, "--features {missing}", "does not exist"),
+    Case(ENCODERS, "--features {text}", "'--features'"),
+    Case(ENCODERS, "--head bogus", "'--head'"),
+    Case(ENCODERS, "--partition bogus", "'--partition'"),
+    Case(ENCODERS, "--recipe bogus", "'--recipe'"),
+    Case(ENCODERS, "--seeds x", "'--seeds'"),
+    # ---- bench noise
+    Case(NOISE, "--sym-rates 1.0", "'--sym-rates'"),
+    Case(NOISE, "--sym-rates -0.1", "'--sym-rates'"),
+    Case(NOISE, "--sym-rates x", "'--sym-rates'"),
+    Case(NOISE, "--sym-rates ''", "both empty"),
+    Case(NOISE, "--sym-rates 0", "'--sym-rates'"),
+    Case(NOISE, "--asym-rates 0.2 --asym-map bogus", "'--asym-map'"),
+    Case(NOISE, "--asym-rates 0.2", "--asym-map cyclic"),
+    Case(NOISE, "--partition bogus", "'--partition'"),
+    Case(NOISE, "--head bogus", "'--head'"),
+    Case(NOISE, "--recipe bogus", "'--recipe'"),
+    Case(NOISE, "--device cuda", "'--device'", bug=DEVICE_LATE),
+    # ---- bench participation
+    Case(PARTICIPATION, "--rates 0", "'--rates'"),
+    Case(PARTICIPATION, "--rates 1.5", "'--rates'"),
+    Case(PARTICIPATION, "--rates x", "'--rates'"),
+    Case(PARTICIPATION, "--rates ''", "'--rates'"),
+    Case(PARTICIPATION, "--partition bogus", "'--partition'"),
+    Case(PARTICIPATION, "--head bogus", "'--head'"),
+    Case(PARTICIPATION, "--recipe bogus", "'--recipe'"),
+    Case(PARTICIPATION, "--seeds -1", "'--seeds'"),
+    # ---- bench geometry
+    Case(GEOMETRY, "--split bogus", "'--split'"),
+    Case(GEOMETRY, "--samples-per-class -1", "'--samples-per-class'"),
+    Case(GEOMETRY, "--seeds x", "'--seeds'"),
+    Case(GEOMETRY, "--features {missing}", "does not exist"),
+    Case(GEOMETRY, "--features {nan}", "NaN"),
+    Case(GEOMETRY, "--features {text}", "'--features'"),
+    Case(GEOMETRY, "--features {labels}", "outside"),
+    Case(GEOMETRY, "--out {file}", "'--out'", bug=GRID_OUT_FILE),
+    Case(GEOMETRY, "--out {under_file}", "'--out'", bug=OUT_UNDER_FILE),
+    # ---- bench speed (measurement stand-in)
+    Case(SPEED, "--rounds 0", "'--rounds'"),
+    Case(SPEED, "--loop-rounds -1", "'--loop-rounds'"),
+    Case(SPEED, "--threads 0", "'--threads'"),
+    Case(SPEED, "--device cuda", "'--device'"),
+    Case(SPEED, "--device tpu", "'--device'"),
+    Case(SPEED, "--out {full}", "'--out'", bug=OUT_DIR_JSON + " (fedhead/bench/speed.py speed_cmd)"),
+    Case(SPEED, "--out {under_file}", "'--out'",
+         bug="BUG: --out below a regular file -> 'internal error: FileExistsError' after the measurement "
+             "(fedhead/bench/speed.py speed_cmd; fedhead/util.py atomic_path mkdir)"),
+    # ---- bench extract
+    Case(BENCH_EXTRACT, "--num-images 0", "'--num-images'"),
+    Case(BENCH_EXTRACT, "--repeats 0", "'--repeats'"),
+    Case(BENCH_EXTRACT, "--dataset bogus", "'--dataset'"),
+    Case(BENCH_EXTRACT, "--data-dir {missing}", "'--data-dir'"),
+    Case("bench extract --dataset imagefolder --encoder test_efficientnet --out {out}.json", "", "'--data-dir'",
+         name="imagefolder without --data-dir"),
+    Case(BENCH_EXTRACT, "--encoder bogus_model", "'--encoder'"),
+    Case(BENCH_EXTRACT, "--device cuda", "'--device'"),
+    Case(BENCH_EXTRACT, "--batch-size 0", "'--batch-size'"),
+    Case(BENCH_EXTRACT, "--precision fp8", "'--precision'"),
+    Case(BENCH_EXTRACT, "--image-size 0", "'--image-size'"),
+    Case(BENCH_EXTRACT, "--num-workers -1", "'--num-workers'"),
+    Case(BENCH_EXTRACT, "--out {full}", "'--out'", bug=OUT_DIR_JSON + " (extract/bench.py bench_extract_cmd)"),
+    Case(BENCH_EXTRACT, "--out {under_file}", "'--out'",
+         bug="BUG: --out below a regular file -> 'internal error: FileExistsError' after the measurement "
+             "(extract/bench.py bench_extract_cmd; fedhead/util.py atomic_path mkdir)"),
+    # ---- bench flower
+    Case(BENCH_FLOWER, "--out {full}", "'--out'"),
+    Case(BENCH_FLOWER, "--clients 0", "'--clients'", bug=BENCH_FLOWER_LATE),
+    Case(BENCH_FLOWER, "--rounds 0", "'--rounds'", bug=BENCH_FLOWER_LATE),
+    Case(BENCH_FLOWER, "--num-classes 1", "'--num-classes'", bug=BENCH_FLOWER_LATE),
+    Case(BENCH_FLOWER, "--train-per-class 0", "'--train-per-class'", bug=BENCH_FLOWER_LATE),
+    Case(BENCH_FLOWER, "--dim 0", "'--dim'", bug=BENCH_FLOWER_LATE + "; --dim 0 is an internal error"),
+    Case(BENCH_FLOWER, "--head bogus", "'--head'", bug=BENCH_FLOWER_LATE),
+    Case(BENCH_FLOWER, "--partition bogus", "'--partition'", bug=BENCH_FLOWER_LATE),
+    Case(BENCH_FLOWER, "--local-epochs 0", "'--local-epochs'", bug=BENCH_FLOWER_LATE),
+    Case(BENCH_FLOWER, "--batch-size 0", "'--batch-size'", bug=BENCH_FLOWER_LATE),
+    Case(BENCH_FLOWER, "--out {file}", "'--out'",
+         bug="BUG: bench flower --out naming a regular file -> 'internal error: NotADirectoryError' "
+             "(fedhead/flower/commands.py bench_cmd: out.iterdir())"),
+    # ---- bench baselines
+    Case(BASELINES, "--methods bogus", "'--methods'"),
+    Case(BASELINES, "--methods ''", "'--methods'"),
+    Case(BASELINES, "--partitions bogus", "'--partition"),
+    Case(BASELINES, "--partitions ''", "'--partitions'"),
+    Case(BASELINES, "--partitions dirichlet-0", "'--alpha'"),
+    Case(BASELINES, "--partitions dirichlet-x", "'--partition"),
+    Case(BASELINES, "--recipe bogus", "'--recipe'"),
+    Case(BASELINES, "--methods ncm --init ridge", "'--init'"),
+    Case(BASELINES, "--methods ridge --ridge-lambda 0", "'--ridge-lambda'"),
+    Case(BASELINES, "--clients 0", "'--clients'"),
+    Case(BASELINES, "--seeds x", "'--seeds'"),
+    Case(BASELINES, "--features {missing}", "does not exist"),
+    # ---- flower simulate (Flower's run_simulation stand-in; must not be reached)
+    Case(SIMULATE, "--clients 0", "'--clients'"),
+    Case(SIMULATE, "--rounds 0", "'--rounds'"),
+    Case(SIMULATE, "--participation 1.5", "'--participation'"),
+    Case(SIMULATE, "--noise symmetric --noise-rate 1.0", "'--noise-rate'"),
+    Case(SIMULATE, "--recipe bogus", "'--recipe'"),
+    Case(SIMULATE, "--lr 0", "'--lr'"),
+    Case(SIMULATE, "--seed -1", "'--seed'"),
+    Case(SIMULATE, "--prox-mu -1", "'--prox-mu'"),
+    Case(SIMULATE, "--features {missing}", "does not exist"),
+    Case(SIMULATE, "--features {foreign}", "not a fedhead feature store"),
+    Case("flower simulate --features {store} --clients 2 --rounds 1", "--resume", "'--resume'",
+         name="--resume without --out"),
+    Case(SIMULATE, "--scaffold", "'--scaffold'", bug=LATE_FLOWER),
+    Case(SIMULATE, "--calibrate ccvr", "'--calibrate'", bug=LATE_FLOWER),
+    Case(SIMULATE, "--head bogus", "'--head'", bug=LATE_FLOWER),
+    Case(SIMULATE, "--partition bogus", "'--partition'", bug=LATE_FLOWER),
+    Case(SIMULATE, "--partition dirichlet --alpha 0", "'--alpha'", bug=LATE_FLOWER),
+    Case(SIMULATE, "--device cuda", "'--device'", bug=LATE_FLOWER),
+    Case(SIMULATE, "--server-opt bogus", "'--server-opt'", bug=LATE_FLOWER),
+    Case(SIMULATE, "--server-opt fedadam --server-betas 1.5,0.9", "'--server-betas'", bug=LATE_FLOWER),
+    Case(SIMULATE, "--head ridge --init ridge", "'--init'", bug=LATE_FLOWER),
+    Case(SIMULATE, "--head fedabc --fedabc-margins 1,2", "'--fedabc-margins'", bug=LATE_FLOWER),
+    Case(SIMULATE, "--features {nan}", "NaN", bug=LATE_FLOWER),
+    Case(SIMULATE, "--clients 401", "'--clients'",
+         bug="BUG: flower simulate --clients > training samples is not refused before Ray starts 401 virtual "
+             "nodes (fedhead/flower/commands.py simulate: the check of train.validate_config)"),
+    Case(SIMULATE, "--backend bogus", "'--backend'",
+         bug="BUG: flower simulate --backend bogus: a real run exits 0 with every client failed and a "
+             "ClientAppException traceback on stderr (fedhead/config.py TrainConfig.resolved must validate it)"),
+    Case(SIMULATE, "--round-timeout 0", "'--round-timeout'",
+         bug="BUG: --round-timeout 0 is not validated: a real run starts Ray and fails 'SuperNodes ... did not "
+             "answer the query within 0 s' (fedhead/flower/commands.py simulate_cmd: validate > 0)"),
+    Case(SIMULATE, "--client-cpus 0", "'--client-cpus'",
+         bug="BUG: --client-cpus 0 is not validated: a real run hangs (killed after 300 s) after 'Simulation "
+             "Runtime crashed' and an internal error (fedhead/flower/commands.py simulate: validate > 0)"),
+    Case(SIMULATE, "--num-cpus -1", "'--num-cpus'",
+         bug="BUG: --num-cpus -1 -> a real run ends in 'internal error: ValueError: Resource quantities must "
+             "be nonnegative' from Ray (fedhead/flower/commands.py simulate: validate >= 1)"),
+    Case(SIMULATE, "--out {full}", "already holds files", bug=LATE_FLOWER),
+    Case(SIMULATE, "--resume", "resume", bug=LATE_FLOWER, name="--resume --out <no run there>"),
+    Case(SIMULATE, "--out {under_file}", "'--out'", bug=OUT_UNDER_FILE),
+]
+
+_ids = [c.id for c in CASES]
+assert len(_ids) == len(set(_ids)), sorted({i for i in _ids if _ids.count(i) > 1})
+
+
+def _param(c: Case):
+    marks = [pytest.mark.xfail(strict=True, reason=c.bug)] if c.bug else []
+    return pytest.param(c, id=c.id, marks=marks)
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@pytest.fixture(scope="session")
+def inputs(tmp_path_factory) -> dict[str, str]:
+    """Read-only inputs shared by every case: a tiny store, broken stores, tiny image folders, odd files."""
+    import h5py
+    from PIL import Image
+
+    from fedhead.synthetic import write_synthetic
+
+    d = tmp_path_factory.mktemp("bad-inputs")
+    store = write_synthetic(d / "tiny.h5", num_classes=10, train_per_class=40, test_per_class=10, dim=16,
+                            latent=8, spread=1.0, seed=0)
+    other = write_synthetic(d / "other.h5", num_classes=12, train_per_class=20, test_per_class=5, dim=16,
+                            latent=8, spread=1.0, seed=2)
+
+    def broken(name: str, edit) -> str:
+        p = d / f"{name}.h5"
+        shutil.copy(store, p)
+        with h5py.File(p, "r+") as f:
+            edit(f)
+        return str(p)
+
+    def set_row(key, row, value):
+        def edit(f):
+            a = f[key][()]
+            a[row] = value
+            f[key][...] = a
+        return edit
+
+    def float_labels(f):
+        y = f["train/labels"][()]
+        del f["train/labels"]
+        f["train/labels"] = y.astype("float32")
+
+    paths = {
+        "store": str(store), "other": str(other),
+        "nan": broken("nan", set_row("train/features", (3, 2), np.nan)),
+        "labels": broken("labels", set_row("test/labels", 5, 10)),          # 10 classes: 10 is out of range
+        "neglabels": broken("neglabels", set_row("train/labels", 0, -1)),
+        "nosplit": broken("nosplit", lambda f: f.__delitem__("test")),
+        "newver": broken("newver", lambda f: f.attrs.__setitem__("format_version", 99)),
+        "floatlabels": broken("floatlabels", float_labels),
+        "missing": str(d / "missing.h5"),
+    }
+    with h5py.File(d / "foreign.h5", "w") as f:                           # HDF5, but not a fedhead store
+        f["x"] = np.zeros(3)
+    with h5py.File(d / "incomplete.h5", "w") as f:
+        f.attrs["format"] = "fedhead-features"
+        f.attrs["complete"] = False
+    (d / "text.h5").write_text("not an HDF5 file\n")
+    (d / "empty.h5").write_bytes(b"")
+    shutil.copy(store, d / "partial.h5.partial")                            # only the .partial exists
+    paths.update(foreign=str(d / "foreign.h5"), incomplete=str(d / "incomplete.h5"), text=str(d / "text.h5"),
+                 empty=str(d / "empty.h5"), partial=str(d / "partial.h5"))
+
+    rng = np.random.default_rng(0)
+    imgs = d / "imgs"                                                       # 2 classes, 8 train / 4 test images
+    for split, n in (("train", 4), ("test", 2)):
+        for c in ("cat", "dog"):
+            (imgs / split / c).mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(imgs / split / c / f"{i}.png")
+    badimgs = d / "badimgs"
+    shutil.copytree(imgs, badimgs)
+    (badimgs / "train" / "cat" / "0.png").write_text("not an image\n")
+    notimgs = d / "notimgs"                                                 # a folder without the layout
+    notimgs.mkdir()
+    (notimgs / "readme.txt").write_text("no train/ or test/ here\n")
+    paths.update(imgs=str(imgs), badimgs=str(badimgs), notimgs=str(notimgs))
+    return paths
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("FEDHEAD_NO_PROGRESS", "1")
+    monkeypatch.setenv("FEDHEAD_THREADS", "1")
+    monkeypatch.setenv("FEDHEAD_CACHE", str(tmp_path_factory.getbasetemp() / "scratch-cache"))
+    monkeypatch.setenv("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")     # flower simulate sets it; restore it
+    monkeypatch.delenv("FEDHEAD_DEBUG", raising=False)
+    monkeypatch.delenv("FEDHEAD_PLUGINS", raising=False)
+
+
+def _case_paths(tmp_path: Path, inputs: dict) -> dict[str, str]:
+    """Per case: the output name, an existing regular file, a folder holding a file, a copy of the store."""
+    (tmp_path / "afile.h5").write_bytes(b"a file the command must leave alone\n")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("keep me\n")
+    shutil.copy(inputs["store"], tmp_path / "store-copy.h5")
+    return {**inputs, "out": str(tmp_path / "out"), "file": str(tmp_path / "afile.h5"),
+            "full": str(tmp_path / "full"), "storecopy": str(tmp_path / "store-copy.h5"),
+            "under_file": str(tmp_path / "afile.h5" / "sub")}
+
+
+def _snapshot(p: Path):
+    """What is at ``p``: None, a file's hash, or a folder's relative paths and file hashes."""
+    def digest(f: Path) -> str:
+        return hashlib.sha256(f.read_bytes()).hexdigest()
+
+    try:
+        if p.is_symlink() or p.is_file():
+            return ("file", digest(p))
+        if p.is_dir():
+            return ("dir", {str(q.relative_to(p)): digest(q) if q.is_file() else "dir" for q in sorted(p.rglob("*"))})
+    except OSError:
+        pass
+    return None
+
+
+def _out_of(argv: list[str]) -> Path | None:
+    """The value of the last ``--out`` in ``argv``."""
+    idx = [i for i, a in enumerate(argv) if a == "--out"]
+    return Path(argv[idx[-1] + 1]) if idx else None
+
+
+# ---------------------------------------------------------------- stand-ins for slow machinery
+
+
+class _NoGrid:
+    """A Flower grid that refuses any use: reaching it means the configuration passed every check."""
+
+    def __getattr__(self, name):
+        raise RuntimeError("stand-in Flower grid: the configuration passed validation, the rounds would start here")
+
+
+def _fake_flower(monkeypatch) -> list:
+    sim = pytest.importorskip("flwr.simulation")
+    calls: list = []
+
+    def run_simulation(server_app, client_app, num_supernodes, backend_config=None, **kw):
+        calls.append(num_supernodes)
+        main = getattr(server_app, "_main", None)
+        if main is None:
+            raise RuntimeError("stand-in run_simulation: cannot reach the ServerApp's main")
+        main(_NoGrid(), None)
+
+    monkeypatch.setattr(sim, "run_simulation", run_simulation)
+    return calls
+
+
+def _fake_demo_extraction(monkeypatch) -> None:
+    import extract.run
+
+    def extract_features(dataset, data_dir, encoder, *, out, **kw):
+        from fedhead.synthetic import write_synthetic
+
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        return write_synthetic(out, num_classes=10, train_per_class=20, test_per_class=5, dim=8, latent=4,
+                               spread=1.0)
+
+    monkeypatch.setattr(extract.run, "extract_features", extract_features)
+
+
+def _fake_speed(monkeypatch) -> None:
+    import fedhead.bench.speed
+
+    monkeypatch.setattr(fedhead.bench.speed, "measure_speed", lambda **kw: {})
+
+
+# ---------------------------------------------------------------- the test
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+def test_bad_input_is_refused_in_one_line(case: Case, inputs, tmp_path, monkeypatch):
+    paths = _case_paths(tmp_path, inputs)
+    argv = shlex.split(f"{case.base} {case.bad}".format(**paths))
+    out = _out_of(argv)
+    before = _snapshot(out) if out is not None else None
+    lock_before = out is not None and Path(f"{out}.lock").exists()
+    cwd = tmp_path / "cwd"                     # default outputs (runs/, reports/, cache/) would land here
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    flower_calls = _fake_flower(monkeypatch) if case.command in ("flower simulate", "bench flower") else None
+    if case.fake == "demo":
+        _fake_demo_extraction(monkeypatch)
+    if case.command == "bench speed":
+        _fake_speed(monkeypatch)
+
+    res = runner.invoke(cli.app, argv)
+
+    shown = f"$ fedhead {' '.join(argv)}\nexit {res.exit_code}\nstderr: {res.stderr!r}\nstdout: {res.stdout[-500:]!r}"
+    if flower_calls is not None:
+        assert not flower_calls, "reached Flower's run_simulation before refusing the input\n" + shown
+    assert res.exit_code != 0, shown
+    assert res.exception is None or isinstance(res.exception, SystemExit), (repr(res.exception), shown)
+    assert "Traceback" not in res.output, shown
+    assert "internal error" not in res.output, shown
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, shown
+    assert lines[0].startswith("error: ") and len(lines[0]) <= MAX_MESSAGE, shown
+    assert case.expect in lines[0], shown
+    if out is not None:
+        assert _snapshot(out) == before, f"{out} changed\n{shown}"
+        assert Path(f"{out}.lock").exists() == lock_before, f"{out}.lock left behind\n{shown}"
+    assert not any(cwd.iterdir()), f"wrote {sorted(p.name for p in cwd.iterdir())} in the working directory\n{shown}"
+
+
+def test_the_matrix_covers_every_command():
+    """At least 60 bad inputs, and every command the brief names has its own."""
+    from collections import Counter
+
+    per = Counter(c.command for c in CASES)
+    assert len(CASES) >= 60
+    for cmd in ("extract", "info", "train", "synth", "demo", "scratch", "bench ablation", "bench partitions",
+                "bench encoders", "bench noise", "bench participation", "bench geometry", "bench speed",
+                "bench extract", "bench flower", "bench baselines", "flower simulate"):
+        assert per[cmd] >= 3, (cmd, per[cmd])
