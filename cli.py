@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import typer
 
+from fedhead.usage import OneLineCommand, OneLineGroup   # click usage errors as one 'error:' line
+
 app = typer.Typer(
     name="fedhead",
     help="Federated fine-tuning of linear heads on frozen foundation-model features (OvA-LP).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    cls=OneLineGroup,
 )
 bench_app = typer.Typer(help="Benchmarks that reproduce the papers' experiments and measure speed.",
-                        no_args_is_help=True)
+                        no_args_is_help=True, cls=OneLineGroup)
 flower_app = typer.Typer(help="Real federation on Flower (needs the 'fedhead\\[flower]' extra).",
-                         no_args_is_help=True)
+                         no_args_is_help=True, cls=OneLineGroup)
 
 
 def _register() -> None:
@@ -52,7 +55,7 @@ def _register() -> None:
             raise
         fn = getattr(mod, attr, None)
         if fn is not None:
-            target.command(name)(fn)
+            target.command(name, cls=OneLineCommand)(fn)
     app.add_typer(bench_app, name="bench")
     app.add_typer(flower_app, name="flower")
 

@@ -132,8 +132,10 @@ def bench_extract_cmd(
     """Extraction throughput vs the bare encoder forward on the same batches (images/s)."""
     from rich.table import Table
 
-    from fedhead.util import atomic_write_json, stdout_console
+    from fedhead.util import atomic_write_json, check_out, stdout_console
 
+    if out is not None:
+        check_out(out)                  # a folder there, or below a file: refused before the measurement
     rec = measure_extraction(dataset, data_dir, encoder, weights=weights, pretrained=pretrained,
                              image_size=image_size, batch_size=batch_size, device=device, precision=precision,
                              num_images=num_images, num_workers=num_workers, repeats=repeats)

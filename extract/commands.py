@@ -55,7 +55,7 @@ def info_cmd(store: Path = typer.Argument(..., help="A feature store written by 
 
     from .store import open_store
 
-    stdout_console().print(info_table(open_store(store, "STORE")), soft_wrap=True)
+    stdout_console().print(info_table(open_store(store, "STORE", check_values=True)), soft_wrap=True)
 
 
 def info_table(info):

@@ -170,9 +170,14 @@ class StoreWriter:
                  class_names: list[str], attrs: dict[str, Any], dtype: str = "float16"):
         if dtype not in ("float16", "float32"):
             raise FedheadError(f"The '--dtype' parameter must be 'float16' or 'float32'. Got {dtype!r} instead.")
+        from fedhead.util import make_parent_dirs
+
         self.out = Path(out)
         self.tmp = partial_path(out)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
+        if self.out.is_dir():       # found now, not by the rename at the end of the work
+            raise FedheadError(f"The '--out' parameter names {str(self.out)!r}, which is a folder, not a store "
+                               "file. Choose another --out.")
+        make_parent_dirs(self.out, "--out")   # a file in the way: one line
         req = json.dumps(request, sort_keys=True)
         self.f = None
         if self.tmp.exists():

@@ -121,24 +121,63 @@ def synth_cmd(
     spread: float = typer.Option(2.2, help="within-class spread (higher = harder)"),
     seed: int = typer.Option(0, help="seed"),
     probe: bool = typer.Option(True, "--probe/--no-probe", help="report the IID logistic-regression probe"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing file at --out"),
 ):
     """Write a synthetic feature store (many classes, few samples, non-negative features)."""
     from extract.store import load_store
-    from .errors import Interval, validate
-    from .synthetic import probe_accuracy, write_synthetic
+    from .synthetic import probe_accuracy, validate_synthetic, write_synthetic
+    from .util import check_out, exclusive_writer
 
-    validate("--num-classes", num_classes, Interval(2, None, integer=True))
-    validate("--train-per-class", train_per_class, Interval(1, None, integer=True))
-    validate("--test-per-class", test_per_class, Interval(1, None, integer=True))
-    validate("--dim", dim, Interval(1, None, integer=True))
-    validate("--spread", spread, Interval(0, None, closed="neither"))
-    path = write_synthetic(out, num_classes=num_classes, train_per_class=train_per_class,
-                           test_per_class=test_per_class, dim=dim, spread=spread, seed=seed)
-    msg = f"wrote {path}"
+    validate_synthetic(num_classes=num_classes, train_per_class=train_per_class, test_per_class=test_per_class,
+                       dim=dim, spread=spread, seed=seed)
+    check_out(out)
+    sizes = dict(num_classes=num_classes, train_per_class=train_per_class, test_per_class=test_per_class, dim=dim,
+                 spread=spread, seed=seed)
+    with exclusive_writer(out, repr(str(out))):
+        if (out.exists() or out.is_symlink()) and not overwrite and _same_synthetic(out, sizes):
+            path, msg = out, f"reused {out} (same request)"
+        else:
+            if (out.exists() or out.is_symlink()) and not overwrite:
+                raise FedheadError(f"The '--out' parameter names {str(out)!r}, which already exists and is not a "
+                                   "synthetic store of these options. Pass --overwrite to replace it, or choose "
+                                   "another --out.")
+            path = write_synthetic(out, **sizes)
+            msg = f"wrote {path}"
     if probe:
         s = load_store(path)
         msg += f"; IID logistic-regression probe accuracy {probe_accuracy(s.train_x, s.train_y, s.test_x, s.test_y):.4f}"
     typer.echo(msg)
+
+
+def _same_synthetic(path: Path, sizes: dict) -> bool:
+    """True if ``path`` is a finished synthetic store made with these options (``fedhead synth`` reuses it)."""
+    import json
+
+    from extract.store import open_store
+    from .synthetic import LATENT, synthetic_request
+
+    try:
+        info = open_store(path, "--out", check_values=True)
+    except FedheadError:
+        return False
+    want = json.loads(json.dumps(synthetic_request(latent=LATENT, **sizes), sort_keys=True))
+    return info.attrs.get("request") == want
+
+
+DEMO_RECIPES = ("paper", "default")
+DEMO_HEADS = ("softmax", "ova", "ova2")
+
+
+def _check_demo(configs: list[TrainConfig]) -> None:
+    """Validate the demo's runs before the (slow) extraction: ``validate_config`` against a stand-in store that
+    holds the digits' training labels (the checks need the labels and the class count, not the features)."""
+    from extract.datasets import load_dataset
+    from .train import labels_store, validate_config
+
+    split = load_dataset("digits", None, "train")
+    store = labels_store(split.labels, split.class_names, "digits")
+    for cfg in configs:
+        validate_config(cfg, store)
 
 
 @cli_errors
@@ -155,8 +194,14 @@ def demo_cmd(
     from extract.run import extract_features
     from extract.store import load_store
     from .train import run_training
-    from .util import stdout_console
+    from .util import check_out, stdout_console
 
+    def config(head: str, recipe: str, features: str) -> TrainConfig:
+        return TrainConfig(features=features, head=head, partition="shard", partition_params={"shards_per_client": 1},
+                           clients=clients, rounds=rounds, recipe=recipe, iid_reference=True, device=device)
+
+    _check_demo([config(head, recipe, "") for recipe in DEMO_RECIPES for head in DEMO_HEADS])
+    check_out(out, kind="dir")
     weights = registry_weights("tf_efficientnet_lite0")
     if weights is None:
         raise FedheadError("The demo needs the pretrained EfficientNet-Lite0 checkpoint from the package registry. "
@@ -165,11 +210,9 @@ def demo_cmd(
                                   image_size=image_size, device=device, out=out / "digits-tf_efficientnet_lite0.h5")
     store = load_store(store_path)
     rows = []
-    for recipe in ("paper", "default"):
-        for head in ("softmax", "ova", "ova2"):
-            cfg = TrainConfig(features=str(store_path), head=head, partition="shard",
-                              partition_params={"shards_per_client": 1}, clients=clients, rounds=rounds,
-                              recipe=recipe, iid_reference=True, device=device)
+    for recipe in DEMO_RECIPES:
+        for head in DEMO_HEADS:
+            cfg = config(head, recipe, str(store_path))
             res = run_training(cfg, out=out / f"{head}-shard1-{recipe}", resume=(out / f"{head}-shard1-{recipe}").exists(),
                                store=store)
             rows.append({**res.summary, "recipe": recipe, "partition": "shard-1"})

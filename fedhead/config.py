@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from .errors import FedheadError, Interval, OneOf, validate
 
 PAPER_SEEDS = (0, 42, 777, 1337, 15254)
+BACKENDS = ("vectorized", "loop")        # the engine's local-training backends (fedhead.engine.Engine)
 
 # Recipes fill every field left as None. "paper" is SPEC section 1 to the letter (for reproduction);
 # "default" is the one that measured robust across heads, partitions and class counts (see README,
@@ -95,6 +96,10 @@ class TrainConfig:
         validate("--prox-mu", c.prox_mu, Interval(0, None))
         validate("--calibrate", c.calibrate, OneOf(("none", "ccvr")))
         validate("--ccvr-samples", c.ccvr_samples, Interval(1, None, integer=True))
+        validate("--backend", c.backend, OneOf(BACKENDS))
+        if c.block_clients is not None:
+            validate("--block-clients", c.block_clients, Interval(1, None, integer=True),
+                     "Leave it out to size the blocks from --memory-budget-mb.")
         if c.init_scale is not None:
             validate("--init-scale", c.init_scale, Interval(0, None, closed="neither"))
         if c.server_betas is not None:

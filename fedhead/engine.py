@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from .aggregate import Accumulator
+from .config import BACKENDS
 from .errors import FedheadError, OneOf, validate
 from .heads import Head, LossContext
 
@@ -351,7 +352,6 @@ class ClientSet:
         return np.array([len(p) for p in self.parts], dtype=np.int64)
 
 
-BACKENDS = ("vectorized", "loop")
 DEFAULT_TILE_MB = 256.0    # CPU: optimizer state (head, gradient, two moments) of one tile of clients
 
 

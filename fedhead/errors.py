@@ -37,7 +37,8 @@ def param_error(param: str, value: Any, constraint: str, fix: str | None = None)
 
 @dataclass(frozen=True)
 class Interval:
-    """A numeric interval constraint, e.g. ``Interval(0, None, closed="neither")`` for > 0."""
+    """A numeric interval constraint, e.g. ``Interval(0, None, closed="neither")`` for > 0. Only finite numbers
+    pass (a bound of None means unbounded, not that inf is accepted)."""
 
     low: float | None = None
     high: float | None = None
@@ -47,9 +48,9 @@ class Interval:
     def ok(self, v: Any) -> bool:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             return False
-        if self.integer and not float(v).is_integer():
+        if isinstance(v, float) and not math.isfinite(v):  # nan, +-inf: never a usable setting (None = unbounded)
             return False
-        if isinstance(v, float) and math.isnan(v):
+        if self.integer and isinstance(v, float) and not v.is_integer():
             return False
         if self.low is not None:
             if v < self.low or (v == self.low and self.closed in ("right", "neither")):

@@ -202,21 +202,45 @@ class OvA2Head(Head):
         return (per * wgt).sum(1), g.mul_(wgt.unsqueeze(2))
 
 
-def _parse_margins(v):
+def _margins_or_none(v) -> tuple | None:
+    """``mp,mn,mnn`` (text or a sequence) as three floats in (0, 1), else None."""
     if isinstance(v, str):
         try:
-            v = tuple(float(x) for x in v.split(","))
+            v = tuple(float(x) for x in v.replace(" ", "").split(","))
         except ValueError:
-            v = None
-    if not isinstance(v, (tuple, list)) or len(v) != 3 or not all(0 < float(x) < 1 for x in v):
-        raise FedheadError(f"The '--fedabc-margins' parameter must be three numbers in (0, 1) as mp,mn,mnn. "
-                           f"Got {v!r} instead. Example: --fedabc-margins 0.85,0.2,0.3")
-    return tuple(float(x) for x in v)
+            return None
+    if not isinstance(v, (tuple, list)) or len(v) != 3:
+        return None
+    try:
+        m = tuple(float(x) for x in v)
+    except (TypeError, ValueError):
+        return None
+    return m if all(0 < x < 1 for x in m) else None
+
+
+@dataclass(frozen=True)
+class Margins:
+    """The declared constraint of ``--fedabc-margins`` (checked with the other head parameters, so a bad
+    value is refused before anything is written, and the message shows the text given)."""
+
+    def ok(self, v) -> bool:
+        return _margins_or_none(v) is not None
+
+    def describe(self) -> str:
+        return "must be three numbers in (0, 1) as mp,mn,mnn, e.g. 0.85,0.2,0.3"
+
+
+def _parse_margins(v) -> tuple:
+    m = _margins_or_none(v)
+    if m is None:
+        raise FedheadError(f"The '--fedabc-margins' parameter {Margins().describe()}. Got {v!r} instead.")
+    return m
 
 
 @register_head(
     "fedabc",
-    Param("fedabc_margins", "0.85,0.2,0.3", None, "FedABC margins mp,mn,mnn (CIFAR-10 defaults; MNIST 0.75,0.25,0.3)"),
+    Param("fedabc_margins", "0.85,0.2,0.3", Margins(),
+          "FedABC margins mp,mn,mnn (CIFAR-10 defaults; MNIST 0.75,0.25,0.3)"),
     Param("focal_gamma", 2.0, Interval(0, None), "FedABC focal exponent gamma"),
 )
 class FedABCHead(Head):

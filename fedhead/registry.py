@@ -12,7 +12,7 @@ from .errors import Interval, OneOf, validate
 class Param:
     name: str                      # python name, e.g. "stage1_rounds"
     default: Any
-    constraint: Interval | OneOf | None
+    constraint: Interval | OneOf | Any | None  # or any object with ok(value) and describe()
     help: str
     flag: str = ""                 # CLI flag, e.g. "--stage1-rounds"
 

@@ -13,6 +13,8 @@ import numpy as np
 
 from extract.store import write_store
 
+LATENT = 64     # latent dimension of the class prototypes (``fedhead synth`` does not expose it)
+
 
 def make_features(num_classes: int, train_per_class: int, test_per_class: int, dim: int, *,
                   latent: int = 64, spread: float = 1.0, seed: int = 0):
@@ -31,8 +33,28 @@ def make_features(num_classes: int, train_per_class: int, test_per_class: int, d
     return draw(train_per_class), draw(test_per_class)
 
 
+def validate_synthetic(*, num_classes: int, train_per_class: int, test_per_class: int, dim: int, spread: float,
+                       seed: int) -> None:
+    """The options of a synthetic store (``fedhead synth``, ``fedhead bench flower``), checked before writing."""
+    from fedhead.errors import Interval, validate
+
+    validate("--num-classes", num_classes, Interval(2, None, integer=True))
+    validate("--train-per-class", train_per_class, Interval(1, None, integer=True))
+    validate("--test-per-class", test_per_class, Interval(1, None, integer=True))
+    validate("--dim", dim, Interval(1, None, integer=True))
+    validate("--spread", spread, Interval(0, None, closed="neither"))
+    validate("--seed", seed, Interval(0, None, integer=True))
+
+
+def synthetic_request(*, num_classes: int, train_per_class: int, test_per_class: int, dim: int, latent: int,
+                      spread: float, seed: int) -> dict:
+    """What determines a synthetic store's content (its ``request`` attribute)."""
+    return {"synthetic": True, "num_classes": num_classes, "train_per_class": train_per_class,
+            "test_per_class": test_per_class, "dim": dim, "latent": latent, "spread": spread, "seed": seed}
+
+
 def write_synthetic(out: str | Path, *, num_classes: int = 200, train_per_class: int = 50,
-                    test_per_class: int = 20, dim: int = 256, latent: int = 64, spread: float = 2.2,
+                    test_per_class: int = 20, dim: int = 256, latent: int = LATENT, spread: float = 2.2,
                     seed: int = 0, dtype: str = "float32") -> Path:
     (trx, try_), (tex, tey) = make_features(num_classes, train_per_class, test_per_class, dim,
                                            latent=latent, spread=spread, seed=seed)
@@ -40,8 +62,8 @@ def write_synthetic(out: str | Path, *, num_classes: int = 200, train_per_class:
              "weights_sha256": "", "preprocessing": {"kind": "synthetic", "latent": latent, "spread": spread,
                                                       "seed": seed},
              "image_size": 0}
-    request = {"synthetic": True, "num_classes": num_classes, "train_per_class": train_per_class,
-               "test_per_class": test_per_class, "dim": dim, "latent": latent, "spread": spread, "seed": seed}
+    request = synthetic_request(num_classes=num_classes, train_per_class=train_per_class,
+                                test_per_class=test_per_class, dim=dim, latent=latent, spread=spread, seed=seed)
     return write_store(out, train=(trx, try_), test=(tex, tey),
                        class_names=[f"class{c:03d}" for c in range(num_classes)], attrs=attrs,
                        dtype=dtype, request=request)

@@ -30,7 +30,7 @@ from .noise import apply_noise
 from .partitions import PARTITIONS, class_counts, create_partition, resolve_partition_params
 from .rundir import (acc95_round, default_run_dir, mean_std, write_clients_per_seed, write_config,
                      write_rounds, write_summary)
-from .util import (Interrupted, atomic_torch_save, exclusive_writer, make_progress, resolve_device,
+from .util import (Interrupted, atomic_torch_save, check_out, exclusive_writer, make_progress, resolve_device,
                    pause_hook, set_cpu_threads, signals_deferred, space_error)
 
 CHECKPOINT = "checkpoint.pt"
@@ -148,6 +148,7 @@ def run(cfg: TrainConfig, out: str | Path | None = None, *, resume: bool = False
 def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:
     """Resolve and validate everything before anything is written."""
     cfg = cfg.resolved()
+    resolve_device(cfg.device)          # --device cuda without a GPU: refused before anything is written
     resolve_head_params(cfg.head, **cfg.head_params)
     resolve_partition_params(cfg.partition, **cfg.partition_params)
     validate_method(cfg)
@@ -162,6 +163,18 @@ def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:
         apply_noise(cfg.noise, cfg.noise_rate, [store.train_y[:1]], store.info.num_classes,
                     dataset=noise_dataset_name(store, cfg), seed=0, asym_rule=cfg.asym_rule)
     return cfg
+
+
+def labels_store(train_y: np.ndarray, class_names: list[str], dataset: str = "") -> Features:
+    """A stand-in store that holds only training labels (no features, no test split): enough for
+    :func:`validate_config` before the real store exists (``fedhead demo`` and ``fedhead bench flower``
+    validate their runs before the slow or written part)."""
+    from extract.store import StoreInfo
+
+    y = np.asarray(train_y, dtype=np.int64)
+    info = StoreInfo(path=Path(""), attrs={"dataset": dataset}, shapes={}, class_names=list(class_names))
+    return Features(info=info, train_x=np.zeros((len(y), 0), np.float32), train_y=y,
+                    test_x=np.zeros((0, 0), np.float32), test_y=np.zeros(0, np.int64))
 
 
 def validate_method(cfg: TrainConfig) -> None:
@@ -206,6 +219,7 @@ def run_training(cfg: TrainConfig, out: str | Path | None = None, resume: bool =
     store = store or load_store(cfg.features)
     cfg = validate_config(cfg, store)
     run_dir = Path(out) if out else default_run_dir(runs_root, cfg.head, cfg.partition)
+    check_out(run_dir, kind="dir")      # a file there, or below a file: one line, nothing written
     with exclusive_writer(run_dir, f"the run directory {str(run_dir)!r}"):
         try:
             return _run_locked(cfg, run_dir, resume, progress, store, central_cache)

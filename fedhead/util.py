@@ -17,11 +17,73 @@ from .errors import FedheadError
 # ---------------------------------------------------------------- atomic files
 
 
+def blocking_file(path: str | os.PathLike) -> Path | None:
+    """The nearest existing ancestor of ``path`` if it is not a folder (a file in the way of creating
+    ``path``'s parent folders), else None. Creates nothing."""
+    for p in Path(path).parents:
+        if p.is_dir():
+            return None
+        if p.exists() or p.is_symlink():
+            return p
+    return None
+
+
+def make_parent_dirs(path: str | os.PathLike, param: str | None = None) -> list[Path]:
+    """``mkdir -p`` of ``path``'s parent; a file in the way is a one-line error naming ``param`` (the option
+    that gave ``path``). Returns the folders it created, innermost first (so that a caller can remove them
+    again if nothing got written)."""
+    path = Path(path)
+    missing = []
+    for p in path.parents:
+        if p.is_dir():
+            break
+        missing.append(p)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        blocker = blocking_file(path) or Path(exc.filename or path.parent)
+        if param:
+            raise FedheadError(f"The '{param}' parameter names {str(path)!r}, below {str(blocker)!r}, which is a "
+                               f"file, not a folder. Choose another {param}.") from None
+        raise FedheadError(f"Cannot create the folder {str(path.parent)!r}: {str(blocker)!r} is a file, not a "
+                           "folder. Move it or choose another output.") from None
+    return missing
+
+
+def remove_empty_dirs(dirs: list[Path]) -> None:
+    """Remove the folders ``dirs`` (innermost first) while they are empty; others are left alone."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
+def check_out(path: str | os.PathLike, param: str = "--out", kind: str = "file") -> Path:
+    """Refuse, before any work, an output that cannot be written: ``path`` below a file, or an existing
+    ``path`` of the wrong kind (a folder where a file is to be written, ``kind="file"``; a file where a folder
+    is, ``kind="dir"``). Creates nothing; returns ``path`` as a Path."""
+    path = Path(path)
+    blocker = blocking_file(path)
+    if blocker is not None:
+        raise FedheadError(f"The '{param}' parameter names {str(path)!r}, below {str(blocker)!r}, which is a "
+                           f"file, not a folder. Choose another {param}.")
+    if kind == "file" and path.is_dir():
+        raise FedheadError(f"The '{param}' parameter names {str(path)!r}, which is a folder, not a file. Give "
+                           f"{param} a file name.")
+    if kind == "dir" and (path.exists() or path.is_symlink()) and not path.is_dir():
+        raise FedheadError(f"The '{param}' parameter names {str(path)!r}, which is a file, not a folder. "
+                           f"Choose another {param}.")
+    return path
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is renamed onto ``path`` atomically."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise FedheadError(f"Cannot write {str(path)!r}: it is a folder. Move it or choose another output.")
+    make_parent_dirs(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp)
@@ -247,13 +309,41 @@ def exclusive_writer(target: str | os.PathLike, what: str | None = None, param: 
     same process fails too (no re-entry). The lock is this process's alone: children forked inside the block
     (DataLoader workers) close their copy of the descriptor at once, and exec'd programs never get it, so a
     killed holder's lingering children cannot keep it.
-    """
-    import fcntl
 
+    A file in the way of the lock's folder is a one-line error naming ``param``; folders created for the
+    lock are removed again (if empty) when the block ends by an exception.
+    """
     target = Path(target)
     lock = Path(str(target) + ".lock")
     what = what or str(target)
-    lock.parent.mkdir(parents=True, exist_ok=True)
+    created = make_parent_dirs(lock, param)   # a file in the way: the one-line error, nothing created
+    try:
+        fd = _take_lock(lock, target, what, param)
+    except BaseException:
+        remove_empty_dirs(created)
+        raise
+    _HELD_LOCKS.add(fd)
+    failed = False
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield lock
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)  # still held here, so nobody else can be using this file
+        _HELD_LOCKS.discard(fd)
+        os.close(fd)
+        if failed:          # refused or stopped: the folders made for the lock go again if nothing is in them
+            remove_empty_dirs(created)
+
+
+def _take_lock(lock: Path, target: Path, what: str, param: str) -> int:
+    """Open and flock ``lock`` (see :func:`exclusive_writer`); returns the locked descriptor."""
+    import fcntl
+
     while True:
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -276,18 +366,8 @@ def exclusive_writer(target: str | os.PathLike, what: str | None = None, param: 
         except FileNotFoundError:
             current = False
         if current:
-            break
+            return fd
         os.close(fd)  # locked a file its previous holder had just removed: take the one now at that path
-    _HELD_LOCKS.add(fd)
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield lock
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(lock)  # still held here, so nobody else can be using this file
-        _HELD_LOCKS.discard(fd)
-        os.close(fd)
 
 
 # ---------------------------------------------------------------- SIGINT / SIGTERM as exceptions

@@ -87,31 +87,6 @@ BENCH_FLOWER = ("bench flower --clients 4 --rounds 1 --num-classes 4 --train-per
 BASELINES = "bench baselines " + GRID + " --methods ova2 --partitions iid"
 SIMULATE = "flower simulate --features {store} --clients 2 --rounds 1 --out {out}"
 
-# one reason per root cause (the report lists the command, the output and where the fix belongs)
-OUT_UNDER_FILE = ("BUG: --out below a regular file -> 'internal error: FileExistsError' (fedhead/util.py "
-                  "exclusive_writer: lock.parent.mkdir is outside the OSError -> FedheadError handling)")
-LATE_FLOWER = ("BUG: validated only inside the ServerApp, after Flower's run_simulation started (stderr: Flower "
-               "warning + Ray logs; >= 15 s): fedhead/flower/commands.py simulate() must run "
-               "validate_server_config / train.validate_config before run_simulation")
-BENCH_FLOWER_LATE = ("BUG: bench flower writes <out>/store.h5 before validating its options "
-                     "(fedhead/flower/commands.py bench_cmd)")
-DEMO_LATE = ("BUG: demo extracts the digits store into --out (~25 s) before validating --clients/--rounds "
-             "(fedhead/commands.py demo_cmd)")
-INF = ("BUG: Interval accepts inf: the run/write goes ahead (fedhead/errors.py Interval.ok must reject "
-       "non-finite values)")
-BLOCK = ("BUG: --block-clients -1 is not validated: exit 0 and no client is trained (range step -1); "
-         "fedhead/config.py TrainConfig.resolved must validate block_clients >= 1")
-DEVICE_LATE = ("BUG: bench grid: --device is checked only when the first run starts, after bench.json and runs/ "
-               "are written (fedhead/train.py validate_config must resolve_device)")
-GRID_OUT_FILE = ("BUG: bench --out naming a regular file -> 'internal error: FileExistsError' from out.mkdir "
-                 "(fedhead/bench/commands.py start_report / geometry_cmd)")
-SCRATCH_LATE = ("BUG: scratch validates this only in _setup, after config.json is written "
-                "(fedhead/scratch/runner.py resolve_config)")
-SCRATCH_UNCHECKED = "BUG: scratch does not validate this at all: exit 0 (fedhead/scratch/runner.py resolve_config)"
-CLICK_PANEL = ("BUG: click usage errors print a 5-line rich panel, not one 'error:' line "
-               "(cli.py: the typer app needs a group class whose main() reports click.UsageError in one line)")
-OUT_DIR_JSON = ("BUG: --out naming a folder fails only when the record is written, after the measurement: "
-                "'internal error: IsADirectoryError' (validate --out first, or map the OSError)")
 
 CASES = [
     # ---- extract
@@ -141,7 +116,7 @@ CASES = [
     Case(EXTRACT_ENC, "--out {file}", "'--out'"),
     Case(EXTRACT_ENC, "--out {storecopy}", "'--out'"),
     Case(EXTRACT_ENC, "--out {full}", "'--out'"),
-    Case(EXTRACT_ENC, "--out {under_file}", "'--out'", bug=OUT_UNDER_FILE),
+    Case(EXTRACT_ENC, "--out {under_file}", "'--out'"),
     # ---- info
     Case("info", "{missing}", "does not exist"),
     Case("info", "{text}", "not a readable fedhead feature store"),
@@ -153,13 +128,9 @@ CASES = [
     Case("info", "{newver}", "format version"),
     Case("info", "{floatlabels}", "not integers"),
     Case("info", "{notimgs}", "'STORE'"),
-    Case("info", "{nan}", "NaN",
-         bug="BUG: info exits 0 on a store with NaN features (extract/commands.py info_cmd: open_store(..., "
-             "check_values=True), 0.1 s on CIFAR-10)"),
-    Case("info", "{labels}", "outside",
-         bug="BUG: info exits 0 on a store with labels outside [0, C) (extract/commands.py info_cmd: "
-             "open_store(..., check_values=True))"),
-    Case("info", "", "STORE", bug=CLICK_PANEL, name="no STORE argument"),
+    Case("info", "{nan}", "NaN"),
+    Case("info", "{labels}", "outside"),
+    Case("info", "", "STORE", name="no STORE argument"),
     # ---- train: the store
     Case(TRAIN, "--features {missing}", "does not exist"),
     Case(TRAIN, "--features {notimgs}", "'--features'"),
@@ -183,9 +154,7 @@ CASES = [
     Case(TRAIN, "--noise bogus --noise-rate 0.2", "'--noise'"),
     Case(TRAIN, "--noise asymmetric --noise-rate 0.2 --asym-map bogus", "'--asym-map'"),
     Case(TRAIN, "--noise asymmetric --noise-rate 0.2", "--asym-map cyclic"),
-    Case(TRAIN, "--backend bogus", "'--backend'",
-         bug="BUG: --backend is validated in Engine() after config.json is written (fedhead/config.py "
-             "TrainConfig.resolved must validate backend)"),
+    Case(TRAIN, "--backend bogus", "'--backend'"),
     Case(TRAIN, "--device tpu", "'--device'"),
     Case(TRAIN, "--init bogus", "'--init'"),
     Case(TRAIN, "--server-opt bogus", "'--server-opt'"),
@@ -200,7 +169,7 @@ CASES = [
     Case(TRAIN, "--lr 0", "'--lr'"),
     Case(TRAIN, "--lr -1", "'--lr'"),
     Case(TRAIN, "--lr nan", "'--lr'"),
-    Case(TRAIN, "--lr inf", "'--lr'", bug=INF),
+    Case(TRAIN, "--lr inf", "'--lr'"),
     Case(TRAIN, "--weight-decay -1", "'--weight-decay'"),
     Case(TRAIN, "--momentum 1", "'--momentum'"),
     Case(TRAIN, "--participation 0", "'--participation'"),
@@ -220,12 +189,8 @@ CASES = [
     Case(TRAIN, "--partition iid --alpha 0.5", "'--alpha'"),
     Case(TRAIN, "--head ova2 --positive-keep 2", "'--positive-keep'"),
     Case(TRAIN, "--head fedabc --focal-gamma -1", "'--focal-gamma'"),
-    Case(TRAIN, "--head fedabc --fedabc-margins 1,2", "'--fedabc-margins'",
-         bug="BUG: --fedabc-margins is parsed in FedABCHead() after config.json is written (fedhead/heads.py: "
-             "give the Param a constraint that calls _parse_margins, or parse it in validate_config)"),
-    Case(TRAIN, "--head fedabc --fedabc-margins a,b,c", "'a,b,c'",
-         bug="BUG: --fedabc-margins a,b,c: config.json written first, and the message says 'Got None' "
-             "(fedhead/heads.py _parse_margins replaces the text by None)"),
+    Case(TRAIN, "--head fedabc --fedabc-margins 1,2", "'--fedabc-margins'"),
+    Case(TRAIN, "--head fedabc --fedabc-margins a,b,c", "'a,b,c'"),
     Case(TRAIN, "--head fedrs --fedrs-alpha 2", "'--fedrs-alpha'"),
     Case(TRAIN, "--head fedlc --fedlc-tau -1", "'--fedlc-tau'"),
     Case(TRAIN, "--head ridge --ridge-lambda 0", "'--ridge-lambda'"),
@@ -240,9 +205,9 @@ CASES = [
     Case(TRAIN, "--server-opt fedadam --server-tau 0", "'--server-tau'"),
     Case(TRAIN, "--init ridge --init-scale 0", "'--init-scale'"),
     Case(TRAIN, "--calibrate ccvr --ccvr-samples 0", "'--ccvr-samples'"),
-    Case(TRAIN, "--block-clients -1", "'--block-clients'", bug=BLOCK),
+    Case(TRAIN, "--block-clients -1", "'--block-clients'"),
     Case(TRAIN, "--seed -1", "'--seed'"),
-    Case(TRAIN, "--seed x", "'--seed'", bug=CLICK_PANEL),
+    Case(TRAIN, "--seed x", "'--seed'"),
     # ---- train: options that do not go together
     Case(TRAIN, "--head ridge --init ridge", "'--init'"),
     Case(TRAIN, "--head ridge --calibrate ccvr", "'--calibrate'"),
@@ -257,10 +222,8 @@ CASES = [
     Case(TRAIN, "--resume", "'--resume'", name="--resume --out <no run there>"),
     Case("train --features {store} --clients 10 --rounds 1", "--resume", "'--resume'", name="--resume without --out"),
     Case(TRAIN, "--out {full}", "'--out'"),
-    Case(TRAIN, "--out {file}", "'--out'",
-         bug="BUG: train --out naming a regular file -> 'internal error: NotADirectoryError' (fedhead/train.py "
-             "_run_locked: refuse a non-directory before run_dir.iterdir())"),
-    Case(TRAIN, "--out {under_file}", "'--out'", bug=OUT_UNDER_FILE),
+    Case(TRAIN, "--out {file}", "'--out'"),
+    Case(TRAIN, "--out {under_file}", "'--out'"),
     # ---- synth
     Case(SYNTH, "--num-classes 1", "'--num-classes'"),
     Case(SYNTH, "--num-classes 0", "'--num-classes'"),
@@ -271,26 +234,19 @@ CASES = [
     Case(SYNTH, "--spread 0", "'--spread'"),
     Case(SYNTH, "--spread -1", "'--spread'"),
     Case(SYNTH, "--spread nan", "'--spread'"),
-    Case(SYNTH, "--spread inf", "'--spread'", bug=INF + "; synth writes a store of NaN features"),
-    Case(SYNTH, "--seed -1", "'--seed'",
-         bug="BUG: synth --seed -1 -> 'internal error: ValueError: expected non-negative integer' "
-             "(fedhead/commands.py synth_cmd: validate --seed >= 0)"),
-    Case(SYNTH, "--num-classes x", "'--num-classes'", bug=CLICK_PANEL),
-    Case(SYNTH, "--out {full}", "'--out'",
-         bug="BUG: synth --out naming a folder -> 'internal error: IsADirectoryError' and <out>.partial left "
-             "(fedhead/commands.py synth_cmd / extract/store.py StoreWriter: refuse a folder before writing)"),
-    Case(SYNTH, "--out {file}", "'--out'",
-         bug="BUG: synth --out naming an existing file (not a store) silently replaces it; extract refuses "
-             "without --overwrite (fedhead/commands.py synth_cmd)"),
-    Case(SYNTH, "--out {under_file}", "'--out'",
-         bug="BUG: synth --out below a regular file -> 'internal error: FileExistsError' (extract/store.py "
-             "StoreWriter / fedhead/commands.py synth_cmd)"),
+    Case(SYNTH, "--spread inf", "'--spread'"),
+    Case(SYNTH, "--seed -1", "'--seed'"),
+    Case(SYNTH, "--num-classes x", "'--num-classes'"),
+    Case(SYNTH, "--out {full}", "'--out'"),
+    Case(SYNTH, "--out {file}", "'--out'"),
+    Case(SYNTH, "--out {storecopy}", "'--out'"),
+    Case(SYNTH, "--out {under_file}", "'--out'"),
     # ---- demo
     Case(DEMO, "--device cuda", "'--device'"),
     Case(DEMO, "--device tpu", "'--device'"),
     Case(DEMO, "--image-size 0", "'--image-size'"),
-    Case(DEMO, "--clients 0", "'--clients'", bug=DEMO_LATE, fake="demo"),
-    Case(DEMO, "--rounds 0", "'--rounds'", bug=DEMO_LATE, fake="demo"),
+    Case(DEMO, "--clients 0", "'--clients'", fake="demo"),
+    Case(DEMO, "--rounds 0", "'--rounds'", fake="demo"),
     # ---- scratch
     Case("scratch bogus --dataset imagefolder --data-dir {imgs} --out {out}", "", "'ALGO'", name="ALGO bogus"),
     Case(SCRATCH, "--dataset bogus", "'--dataset'"),
@@ -301,18 +257,19 @@ CASES = [
     Case(DNC, "--divergence bogus", "'--divergence'"),
     Case(SCRATCH, "--device cuda", "'--device'"),
     Case(SCRATCH, "--device tpu", "'--device'"),
-    Case(SCRATCH, "--noise bogus --noise-rate 0.2", "'--noise'", bug=SCRATCH_LATE),
-    Case(SCRATCH, "--noise symmetric --noise-rate 1.0", "'--noise-rate'", bug=SCRATCH_LATE),
-    Case(SCRATCH, "--noise-rate 1.5", "'--noise-rate'", bug=SCRATCH_UNCHECKED),
+    Case(SCRATCH, "--noise bogus --noise-rate 0.2", "'--noise'"),
+    Case(SCRATCH, "--noise symmetric --noise-rate 1.0", "'--noise-rate'"),
+    Case(SCRATCH, "--noise-rate 1.5", "'--noise-rate'"),
+    Case(SCRATCH, "--noise symmetric --noise-rate 0", "'--noise-rate'"),
     Case(SCRATCH, "--clients 0", "'--clients'"),
-    Case(SCRATCH, "--clients 100", "'--clients'", bug=SCRATCH_LATE),
+    Case(SCRATCH, "--clients 100", "'--clients'"),
     Case(SCRATCH, "--participation 0", "'--participation'"),
     Case(SCRATCH, "--participation 1.5", "'--participation'"),
     Case(SCRATCH, "--rounds 0", "'--rounds'"),
     Case(SCRATCH, "--local-epochs 0", "'--local-epochs'"),
     Case(SCRATCH, "--batch-size 0", "'--batch-size'"),
     Case(SCRATCH, "--lr 0", "'--lr'"),
-    Case(SCRATCH, "--lr inf", "'--lr'", bug=INF),
+    Case(SCRATCH, "--lr inf", "'--lr'"),
     Case(SCRATCH, "--momentum 1", "'--momentum'"),
     Case(SCRATCH, "--weight-decay -1", "'--weight-decay'"),
     Case(SCRATCH, "--seed -1", "'--seed'"),
@@ -324,13 +281,12 @@ CASES = [
     Case(DNC, "--split-threshold 2", "'--split-threshold'"),
     Case(DNC, "--feature-epochs 0", "'--feature-epochs'"),
     Case(DNC, "--finetune-epochs 0", "'--finetune-epochs'"),
-    Case(DNC, "--split-layer 0", "'--split-layer'", bug=SCRATCH_LATE),
-    Case(DNC, "--lr-decay 0", "'--lr-decay'", bug=SCRATCH_UNCHECKED),
-    Case(DNC, "--finetune-lr-factor -1", "'--finetune-lr-factor'", bug=SCRATCH_UNCHECKED),
+    Case(DNC, "--split-layer 0", "'--split-layer'"),
+    Case(DNC, "--lr-decay 0", "'--lr-decay'"),
+    Case(DNC, "--finetune-lr-factor -1", "'--finetune-lr-factor'"),
     Case(SCRATCH, "--partition dirichlet --alpha 0", "'--alpha'"),
     Case(SCRATCH, "--partition shard --shards-per-client 0", "'--shards-per-client'"),
-    Case(SCRATCH, "--partition shard --shards-per-client 5 --distinct-labels", "'--shards-per-client'",
-         bug=SCRATCH_LATE),
+    Case(SCRATCH, "--partition shard --shards-per-client 5 --distinct-labels", "'--shards-per-client'"),
     Case(SCRATCH, "--partition color-skew --clients 3", "'--clients'"),
     Case(SCRATCH, "--partition color-skew --skew 2", "'--skew'"),
     Case(SCRATCH, "--model kws-cnn", "'--model'"),
@@ -343,7 +299,7 @@ CASES = [
          name="--resume without --out"),
     Case(SCRATCH, "--out {file}", "'--out'"),
     Case(SCRATCH, "--out {full}", "'--out'"),
-    Case(SCRATCH, "--out {under_file}", "'--out'", bug=OUT_UNDER_FILE),
+    Case(SCRATCH, "--out {under_file}", "'--out'"),
     # ---- bench ablation
     Case(ABLATION, "--head bogus", "'--head'"),
     Case(ABLATION, "--partition bogus", "'--partition'"),
@@ -363,10 +319,10 @@ CASES = [
     Case(ABLATION, "--head ncm --init ridge", "'--init'"),
     Case(ABLATION, "--features {missing}", "does not exist"),
     Case(ABLATION, "--features {nan}", "NaN"),
-    Case(ABLATION, "--device cuda", "'--device'", bug=DEVICE_LATE),
-    Case(ABLATION, "--block-clients -1", "'--block-clients'", bug=BLOCK),
-    Case(ABLATION, "--out {file}", "'--out'", bug=GRID_OUT_FILE),
-    Case(ABLATION, "--out {under_file}", "'--out'", bug=OUT_UNDER_FILE),
+    Case(ABLATION, "--device cuda", "'--device'"),
+    Case(ABLATION, "--block-clients -1", "'--block-clients'"),
+    Case(ABLATION, "--out {file}", "'--out'"),
+    Case(ABLATION, "--out {under_file}", "'--out'"),
     # ---- bench partitions
     Case(PARTITIONS, "--partition bogus", "'--partition'"),
     Case(PARTITIONS, "--head bogus", "'--head'"),
@@ -376,7 +332,7 @@ CASES = [
     Case(PARTITIONS, "--scale bogus", "'--scale'"),
     Case(PARTITIONS, "--aggregate bogus", "'--aggregate'"),
     Case(PARTITIONS, "--calibrate bogus", "'--calibrate'"),
-    Case(PARTITIONS, "--device cuda", "'--device'", bug=DEVICE_LATE),
+    Case(PARTITIONS, "--device cuda", "'--device'"),
     # ---- bench encoders
     Case(ENCODERS, "--features {other}", "same dataset"),
     Case(ENCODERS, "--features {missing}", "does not exist"),
@@ -396,7 +352,7 @@ CASES = [
     Case(NOISE, "--partition bogus", "'--partition'"),
     Case(NOISE, "--head bogus", "'--head'"),
     Case(NOISE, "--recipe bogus", "'--recipe'"),
-    Case(NOISE, "--device cuda", "'--device'", bug=DEVICE_LATE),
+    Case(NOISE, "--device cuda", "'--device'"),
     # ---- bench participation
     Case(PARTICIPATION, "--rates 0", "'--rates'"),
     Case(PARTICIPATION, "--rates 1.5", "'--rates'"),
@@ -414,18 +370,16 @@ CASES = [
     Case(GEOMETRY, "--features {nan}", "NaN"),
     Case(GEOMETRY, "--features {text}", "'--features'"),
     Case(GEOMETRY, "--features {labels}", "outside"),
-    Case(GEOMETRY, "--out {file}", "'--out'", bug=GRID_OUT_FILE),
-    Case(GEOMETRY, "--out {under_file}", "'--out'", bug=OUT_UNDER_FILE),
+    Case(GEOMETRY, "--out {file}", "'--out'"),
+    Case(GEOMETRY, "--out {under_file}", "'--out'"),
     # ---- bench speed (measurement stand-in)
     Case(SPEED, "--rounds 0", "'--rounds'"),
     Case(SPEED, "--loop-rounds -1", "'--loop-rounds'"),
     Case(SPEED, "--threads 0", "'--threads'"),
     Case(SPEED, "--device cuda", "'--device'"),
     Case(SPEED, "--device tpu", "'--device'"),
-    Case(SPEED, "--out {full}", "'--out'", bug=OUT_DIR_JSON + " (fedhead/bench/speed.py speed_cmd)"),
-    Case(SPEED, "--out {under_file}", "'--out'",
-         bug="BUG: --out below a regular file -> 'internal error: FileExistsError' after the measurement "
-             "(fedhead/bench/speed.py speed_cmd; fedhead/util.py atomic_path mkdir)"),
+    Case(SPEED, "--out {full}", "'--out'"),
+    Case(SPEED, "--out {under_file}", "'--out'"),
     # ---- bench extract
     Case(BENCH_EXTRACT, "--num-images 0", "'--num-images'"),
     Case(BENCH_EXTRACT, "--repeats 0", "'--repeats'"),
@@ -439,24 +393,20 @@ CASES = [
     Case(BENCH_EXTRACT, "--precision fp8", "'--precision'"),
     Case(BENCH_EXTRACT, "--image-size 0", "'--image-size'"),
     Case(BENCH_EXTRACT, "--num-workers -1", "'--num-workers'"),
-    Case(BENCH_EXTRACT, "--out {full}", "'--out'", bug=OUT_DIR_JSON + " (extract/bench.py bench_extract_cmd)"),
-    Case(BENCH_EXTRACT, "--out {under_file}", "'--out'",
-         bug="BUG: --out below a regular file -> 'internal error: FileExistsError' after the measurement "
-             "(extract/bench.py bench_extract_cmd; fedhead/util.py atomic_path mkdir)"),
+    Case(BENCH_EXTRACT, "--out {full}", "'--out'"),
+    Case(BENCH_EXTRACT, "--out {under_file}", "'--out'"),
     # ---- bench flower
     Case(BENCH_FLOWER, "--out {full}", "'--out'"),
-    Case(BENCH_FLOWER, "--clients 0", "'--clients'", bug=BENCH_FLOWER_LATE),
-    Case(BENCH_FLOWER, "--rounds 0", "'--rounds'", bug=BENCH_FLOWER_LATE),
-    Case(BENCH_FLOWER, "--num-classes 1", "'--num-classes'", bug=BENCH_FLOWER_LATE),
-    Case(BENCH_FLOWER, "--train-per-class 0", "'--train-per-class'", bug=BENCH_FLOWER_LATE),
-    Case(BENCH_FLOWER, "--dim 0", "'--dim'", bug=BENCH_FLOWER_LATE + "; --dim 0 is an internal error"),
-    Case(BENCH_FLOWER, "--head bogus", "'--head'", bug=BENCH_FLOWER_LATE),
-    Case(BENCH_FLOWER, "--partition bogus", "'--partition'", bug=BENCH_FLOWER_LATE),
-    Case(BENCH_FLOWER, "--local-epochs 0", "'--local-epochs'", bug=BENCH_FLOWER_LATE),
-    Case(BENCH_FLOWER, "--batch-size 0", "'--batch-size'", bug=BENCH_FLOWER_LATE),
-    Case(BENCH_FLOWER, "--out {file}", "'--out'",
-         bug="BUG: bench flower --out naming a regular file -> 'internal error: NotADirectoryError' "
-             "(fedhead/flower/commands.py bench_cmd: out.iterdir())"),
+    Case(BENCH_FLOWER, "--clients 0", "'--clients'"),
+    Case(BENCH_FLOWER, "--rounds 0", "'--rounds'"),
+    Case(BENCH_FLOWER, "--num-classes 1", "'--num-classes'"),
+    Case(BENCH_FLOWER, "--train-per-class 0", "'--train-per-class'"),
+    Case(BENCH_FLOWER, "--dim 0", "'--dim'"),
+    Case(BENCH_FLOWER, "--head bogus", "'--head'"),
+    Case(BENCH_FLOWER, "--partition bogus", "'--partition'"),
+    Case(BENCH_FLOWER, "--local-epochs 0", "'--local-epochs'"),
+    Case(BENCH_FLOWER, "--batch-size 0", "'--batch-size'"),
+    Case(BENCH_FLOWER, "--out {file}", "'--out'"),
     # ---- bench baselines
     Case(BASELINES, "--methods bogus", "'--methods'"),
     Case(BASELINES, "--methods ''", "'--methods'"),
@@ -483,35 +433,25 @@ CASES = [
     Case(SIMULATE, "--features {foreign}", "not a fedhead feature store"),
     Case("flower simulate --features {store} --clients 2 --rounds 1", "--resume", "'--resume'",
          name="--resume without --out"),
-    Case(SIMULATE, "--scaffold", "'--scaffold'", bug=LATE_FLOWER),
-    Case(SIMULATE, "--calibrate ccvr", "'--calibrate'", bug=LATE_FLOWER),
-    Case(SIMULATE, "--head bogus", "'--head'", bug=LATE_FLOWER),
-    Case(SIMULATE, "--partition bogus", "'--partition'", bug=LATE_FLOWER),
-    Case(SIMULATE, "--partition dirichlet --alpha 0", "'--alpha'", bug=LATE_FLOWER),
-    Case(SIMULATE, "--device cuda", "'--device'", bug=LATE_FLOWER),
-    Case(SIMULATE, "--server-opt bogus", "'--server-opt'", bug=LATE_FLOWER),
-    Case(SIMULATE, "--server-opt fedadam --server-betas 1.5,0.9", "'--server-betas'", bug=LATE_FLOWER),
-    Case(SIMULATE, "--head ridge --init ridge", "'--init'", bug=LATE_FLOWER),
-    Case(SIMULATE, "--head fedabc --fedabc-margins 1,2", "'--fedabc-margins'", bug=LATE_FLOWER),
-    Case(SIMULATE, "--features {nan}", "NaN", bug=LATE_FLOWER),
-    Case(SIMULATE, "--clients 401", "'--clients'",
-         bug="BUG: flower simulate --clients > training samples is not refused before Ray starts 401 virtual "
-             "nodes (fedhead/flower/commands.py simulate: the check of train.validate_config)"),
-    Case(SIMULATE, "--backend bogus", "'--backend'",
-         bug="BUG: flower simulate --backend bogus: a real run exits 0 with every client failed and a "
-             "ClientAppException traceback on stderr (fedhead/config.py TrainConfig.resolved must validate it)"),
-    Case(SIMULATE, "--round-timeout 0", "'--round-timeout'",
-         bug="BUG: --round-timeout 0 is not validated: a real run starts Ray and fails 'SuperNodes ... did not "
-             "answer the query within 0 s' (fedhead/flower/commands.py simulate_cmd: validate > 0)"),
-    Case(SIMULATE, "--client-cpus 0", "'--client-cpus'",
-         bug="BUG: --client-cpus 0 is not validated: a real run hangs (killed after 300 s) after 'Simulation "
-             "Runtime crashed' and an internal error (fedhead/flower/commands.py simulate: validate > 0)"),
-    Case(SIMULATE, "--num-cpus -1", "'--num-cpus'",
-         bug="BUG: --num-cpus -1 -> a real run ends in 'internal error: ValueError: Resource quantities must "
-             "be nonnegative' from Ray (fedhead/flower/commands.py simulate: validate >= 1)"),
-    Case(SIMULATE, "--out {full}", "already holds files", bug=LATE_FLOWER),
-    Case(SIMULATE, "--resume", "resume", bug=LATE_FLOWER, name="--resume --out <no run there>"),
-    Case(SIMULATE, "--out {under_file}", "'--out'", bug=OUT_UNDER_FILE),
+    Case(SIMULATE, "--scaffold", "'--scaffold'"),
+    Case(SIMULATE, "--calibrate ccvr", "'--calibrate'"),
+    Case(SIMULATE, "--head bogus", "'--head'"),
+    Case(SIMULATE, "--partition bogus", "'--partition'"),
+    Case(SIMULATE, "--partition dirichlet --alpha 0", "'--alpha'"),
+    Case(SIMULATE, "--device cuda", "'--device'"),
+    Case(SIMULATE, "--server-opt bogus", "'--server-opt'"),
+    Case(SIMULATE, "--server-opt fedadam --server-betas 1.5,0.9", "'--server-betas'"),
+    Case(SIMULATE, "--head ridge --init ridge", "'--init'"),
+    Case(SIMULATE, "--head fedabc --fedabc-margins 1,2", "'--fedabc-margins'"),
+    Case(SIMULATE, "--features {nan}", "NaN"),
+    Case(SIMULATE, "--clients 401", "'--clients'"),
+    Case(SIMULATE, "--backend bogus", "'--backend'"),
+    Case(SIMULATE, "--round-timeout 0", "'--round-timeout'"),
+    Case(SIMULATE, "--client-cpus 0", "'--client-cpus'"),
+    Case(SIMULATE, "--num-cpus -1", "'--num-cpus'"),
+    Case(SIMULATE, "--out {full}", "already holds files"),
+    Case(SIMULATE, "--resume", "resume", name="--resume --out <no run there>"),
+    Case(SIMULATE, "--out {under_file}", "'--out'"),
 ]
 
 _ids = [c.id for c in CASES]

@@ -18,7 +18,7 @@ import typer
 from ..config import PAPER_SEEDS, TrainConfig
 from ..errors import FedheadError, Interval, OneOf, cli_errors, validate
 from ..options import METHOD_OPTIONS, method_fields
-from ..util import Interrupted, exclusive_writer
+from ..util import Interrupted, check_out, exclusive_writer
 from . import plots as P
 from .report import (STANDARD_NONIID, Cell, CellResult, Stat, StoreCache, check_head, command_line,
                      comm_kb_per_client_round, md_table, mean_curve, ratio_curve, resolve_partition, run_grid,
@@ -124,6 +124,7 @@ def make_common(command: str, *, seeds, quick, rounds, clients, out, local_epoch
     validate("--rounds", rounds, Interval(1, None, integer=True))
     validate("--clients", clients, Interval(1, None, integer=True))
     out = Path(out) if out else Path("reports") / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_out(out, kind="dir")          # a file there, or below a file: refused before any work
     train = dict(local_epochs=local_epochs, batch_size=batch_size, device=device, optimizer=optimizer, lr=lr,
                  weight_decay=weight_decay, momentum=momentum, aggregate=aggregate, center=center, scale=scale,
                  block_clients=block_clients)
@@ -822,6 +823,7 @@ def geometry_cmd(
     validate("--samples-per-class", samples_per_class, Interval(0, None, integer=True))
     seeds_l = parse_seeds(seeds, quick)
     out = Path(out) if out else Path("reports") / f"geometry-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_out(out, kind="dir")          # a file there, or below a file: refused before any work
     infos = [open_store(p) for p in features]
     tags = _store_tags(list(features))
     rows, table, series = [], [], {}

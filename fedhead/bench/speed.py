@@ -421,8 +421,9 @@ def speed_cmd(
     extraction: bool = typer.Option(True, "--extraction/--no-extraction", help="Also time `fedhead extract`."),
 ) -> None:
     """Trainer speed vs the machine's matmul/memory limits, vs a per-client loop, and in 100..1000 clients."""
-    from fedhead.util import atomic_write_json, resolve_device, stderr_console, stdout_console
+    from fedhead.util import atomic_write_json, check_out, resolve_device, stderr_console, stdout_console
 
+    check_out(out)                      # a folder there, or below a file: refused before the measurement
     validate("--rounds", rounds, Interval(1, None, integer=True))
     validate("--loop-rounds", loop_rounds, Interval(0, None, integer=True))
     if threads is not None:

@@ -131,9 +131,62 @@ def run_config_of(cfg: TrainConfig, out: Path, resume: bool, round_timeout: floa
 # ---------------------------------------------------------------- simulation
 
 
+def check_simulation(cfg: TrainConfig, out: Path | None, resume: bool, round_timeout: float,
+                     num_cpus: int | None, client_cpus: float, client_store: str | None = None):
+    """Everything :func:`simulate` can refuse without Ray, checked before Ray starts (Flower's simulation
+    prints its warnings and Ray's logs, and takes 15 s or more, before the ServerApp would find a bad input):
+    the server's store and the configuration as the ServerApp validates them, the checks of ``fedhead
+    train`` against the store the virtual clients slice (the whole training split is here, unlike on a real
+    server), the simulation's own options, and the state of ``out`` (``resume``). Returns the loaded server
+    store (handed to the ServerApp, which need not load it again)."""
+    from extract.store import load_store
+    from ..train import validate_config
+    from ..util import check_out
+    from .strategy import validate_server_config
+
+    validate("--round-timeout", round_timeout, Interval(0, None, closed="neither"))
+    validate("--client-cpus", client_cpus, Interval(0, None, closed="neither"))
+    if num_cpus is not None:
+        validate("--num-cpus", num_cpus, Interval(1, None, integer=True))
+    cfg.resolved()                                   # names and ranges: before the store is read
+    store = load_store(cfg.features, "--features")
+    train_store = store if client_store is None else load_store(client_store, "--features")
+    validate_config(cfg, train_store)                # --device included
+    resolved = validate_server_config(cfg, store)
+    if out is not None:
+        _check_run_dir(check_out(out, kind="dir"), resume, resolved)
+    return store
+
+
+def _check_run_dir(out: Path, resume: bool, cfg: TrainConfig) -> None:
+    """``--out`` as ``fedhead train`` takes it: without ``--resume`` empty or absent; with it, a run of the
+    same configuration (a checkpoint, or a finished run that is reported again)."""
+    import json
+
+    from ..train import CHECKPOINT
+
+    if not resume:
+        if out.exists() and any(out.iterdir()):
+            raise FedheadError(f"The '--out' parameter names {str(out)!r}, which already holds files. "
+                               "Use --resume to continue that run, or choose another --out.")
+        return
+    finished = (out / "summary.json").exists() and (out / "config.json").exists()
+    if not (out / CHECKPOINT).exists() and not finished:
+        raise FedheadError(f"The '--resume' option needs a checkpoint in {str(out)!r}, but none exists. Run "
+                           "without --resume (or name the interrupted run with --out).")
+    try:
+        prev = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        prev = {}
+    if prev.get("identity") != cfg.identity():
+        raise FedheadError(f"The '--resume' option found a run in {str(out)!r} with a different configuration. "
+                           "Use the same options as the interrupted run, or a new --out.")
+
+
 def simulate(cfg: TrainConfig, out: Path | None = None, resume: bool = False, round_timeout: float = 600.0,
              num_cpus: int | None = None, client_cpus: float = 1.0, client_store: str | None = None):
-    """Run ``cfg`` on Flower's simulation engine (Ray), one virtual SuperNode per client; returns RunOutcome."""
+    """Run ``cfg`` on Flower's simulation engine (Ray), one virtual SuperNode per client; returns RunOutcome.
+    Every input is checked (:func:`check_simulation`) before Ray starts."""
     require_flower()
     from flwr.simulation import run_simulation
 
@@ -141,11 +194,7 @@ def simulate(cfg: TrainConfig, out: Path | None = None, resume: bool = False, ro
     from .server_app import make_server_app
     from .strategy import ServerSettings
 
-    from extract.store import open_store
-
-    validate("--clients", cfg.clients, Interval(1, None, integer=True))
-    open_store(cfg.features, "--features")          # refuse a bad store before Ray starts
-    cfg.resolved()
+    store = check_simulation(cfg, out, resume, round_timeout, num_cpus, client_cpus, client_store)
     results: list = []
     # virtual SuperNodes are Ray actors started by the first message (imports included: over 2 minutes on
     # a loaded 2-core machine), so the first query gets the round's time limit, not the connect limit
@@ -165,7 +214,7 @@ def simulate(cfg: TrainConfig, out: Path | None = None, resume: bool = False, ro
         os.environ["PYTHONPATH"] = pythonpath
         ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **backend["init_args"])
     with signals_flag():
-        run_simulation(make_server_app(cfg, settings, results),
+        run_simulation(make_server_app(cfg, settings, results, store=store),
                        make_client_app(client_store if client_store is not None else cfg.features),
                        num_supernodes=cfg.clients, backend_config=backend)
     if not results:
@@ -192,10 +241,13 @@ def simulate_cmd(
     **kw,
 ):
     """Run the same job as 'fedhead train' on Flower's simulation engine (one virtual SuperNode per client)."""
+    from ..util import check_out
+
     cfg = train_config(kw)
     if kw["resume"] and kw["out"] is None:
         raise FedheadError("The '--resume' option needs --out naming the interrupted run's directory. Got none.")
     out = Path(kw["out"] or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-flower-{cfg.resolved().head}-{cfg.partition}"))
+    check_out(out, kind="dir")          # before the lock beside it (simulate checks everything else)
     with exclusive_writer(out, f"the run directory {str(out)!r}"):
         try:
             res = simulate(cfg, out, kw["resume"], kw["round_timeout"], num_cpus, client_cpus)
@@ -400,21 +452,30 @@ def bench_cmd(
 ):
     """Time the same job in 'fedhead train' and in Flower's simulation engine; print both wall times."""
     require_flower()
+    import dataclasses
     import json
 
     import numpy as np
 
-    from ..synthetic import write_synthetic
-    from ..train import run_training
-    from ..util import atomic_write_json, stdout_console
+    from ..synthetic import validate_synthetic, write_synthetic
+    from ..train import labels_store, run_training, validate_config
+    from ..util import atomic_write_json, check_out, stdout_console
 
-    out = Path(out)
+    # every option first (nothing is written on bad input): the store's sizes, the run (against the store's
+    # labels), Ray's CPUs and --out
+    sizes = dict(num_classes=num_classes, train_per_class=train_per_class, test_per_class=20, dim=dim)
+    validate_synthetic(**sizes, spread=2.2, seed=0)
+    cfg = TrainConfig(features="", head=head, partition=partition, clients=clients, rounds=rounds,
+                      local_epochs=local_epochs, batch_size=batch_size, device="cpu")
+    validate_config(cfg, labels_store(np.repeat(np.arange(num_classes), train_per_class),
+                                      [f"class{c:03d}" for c in range(num_classes)]))
+    if num_cpus is not None:
+        validate("--num-cpus", num_cpus, Interval(1, None, integer=True))
+    out = check_out(Path(out), kind="dir")
     if out.exists() and any(out.iterdir()):
         raise FedheadError(f"The '--out' parameter names {str(out)!r}, which already holds files. Choose another.")
-    store = write_synthetic(out / "store.h5", num_classes=num_classes, train_per_class=train_per_class,
-                            test_per_class=20, dim=dim)
-    cfg = TrainConfig(features=str(store), head=head, partition=partition, clients=clients, rounds=rounds,
-                      local_epochs=local_epochs, batch_size=batch_size, device="cpu")
+    store = write_synthetic(out / "store.h5", **sizes)
+    cfg = dataclasses.replace(cfg, features=str(store))
     t0 = time.perf_counter()
     a = run_training(cfg, out=out / "train", progress=False)
     t_train = time.perf_counter() - t0

@@ -14,7 +14,7 @@ require_flower()
 from flwr.app import Context  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
-from extract.store import load_store  # noqa: E402
+from extract.store import Features, load_store  # noqa: E402
 from ..config import TrainConfig  # noqa: E402
 from .common import config_from_run_config  # noqa: E402
 from .strategy import FedheadStrategy, RunOutcome, ServerSettings, validate_server_config  # noqa: E402
@@ -26,20 +26,23 @@ def settings_from_run_config(rc: dict) -> ServerSettings:
                           wait_timeout=float(rc.get("wait-timeout", 120.0)))
 
 
-def run_server(grid: Grid, cfg: TrainConfig, settings: ServerSettings) -> RunOutcome:
-    store = load_store(cfg.features, param="feature-store")
+def run_server(grid: Grid, cfg: TrainConfig, settings: ServerSettings, store: Features | None = None) -> RunOutcome:
+    """Validate ``cfg`` against the server's store (loaded here unless given) and run the strategy."""
+    store = store if store is not None else load_store(cfg.features, param="feature-store")
     cfg = validate_server_config(cfg, store)
     return FedheadStrategy(cfg, store, settings).start(grid)
 
 
-def make_server_app(cfg: TrainConfig, settings: ServerSettings, results: list | None = None) -> ServerApp:
-    """A ServerApp for a fixed configuration; the outcome is appended to ``results`` (same process)."""
+def make_server_app(cfg: TrainConfig, settings: ServerSettings, results: list | None = None,
+                    store: Features | None = None) -> ServerApp:
+    """A ServerApp for a fixed configuration; the outcome is appended to ``results`` (same process).
+    ``store``: the server's store if the caller loaded it already (``fedhead flower simulate``)."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         try:
-            out = run_server(grid, cfg, settings)
+            out = run_server(grid, cfg, settings, store)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, which re-raises it
             if results is None:
                 raise

@@ -146,6 +146,22 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
     validate("--feature-epochs", c.feature_epochs, Interval(1, None, integer=True))
     validate("--finetune-epochs", c.finetune_epochs, Interval(1, None, integer=True))
     validate("--backend", c.backend, OneOf(("vmap", "loop")))
+    validate("--lr-decay", c.lr_decay, Interval(0, None, closed="neither"))
+    validate("--finetune-lr-factor", c.finetune_lr_factor, Interval(0, None, closed="neither"))
+    if c.split_layer is not None:       # the upper bound needs the model: check_data
+        validate("--split-layer", c.split_layer, Interval(1, None, integer=True))
+    elif c.algo == "dnc" and c.prepass_rounds == 0:
+        raise FedheadError("The '--split-layer' parameter is needed when --prepass-rounds is 0 (no divergence to "
+                           "choose from). Got None instead.")
+    from ..noise import NOISE_KINDS
+    if c.noise not in NOISE_KINDS:
+        from ..errors import unknown_name
+        raise unknown_name("--noise", c.noise, NOISE_KINDS, "noise kind")
+    validate("--noise-rate", c.noise_rate, Interval(0, 1, closed="left"))
+    if c.noise != "none" and c.noise_rate == 0:
+        raise FedheadError(f"The '--noise-rate' parameter must be > 0 with --noise {c.noise}. Got 0.0 instead.")
+    if not c.seeds:
+        raise FedheadError("The '--seed' parameter needs at least one value. Got [] instead.")
     for s in c.seeds:
         validate("--seed", s, Interval(0, None, integer=True))
     if c.partition == "color-skew":
@@ -161,6 +177,35 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
         from ..partitions import resolve_partition_params
         c.partition_params = resolve_partition_params(c.partition, **c.partition_params)
     return c
+
+
+def check_data(cfg: ScratchConfig, data: ScratchData) -> None:
+    """The checks of a resolved ``cfg`` that need the dataset, run before anything is written (the same steps
+    as :func:`_setup` on the labels only, for the first seed): the clients against the training samples, the
+    partition (e.g. --shards-per-client with --distinct-labels), the label-noise map, and --split-layer against
+    the model's weight layers."""
+    rng = np.random.default_rng(cfg.seeds[0])
+    y = data.train_y[subsample(data.train_y, cfg.subset, rng)]
+    if cfg.clients > len(y):
+        raise param_error("--clients", cfg.clients, f"must be <= the number of training samples ({len(y)})",
+                          "Use fewer --clients" + (" or a larger --subset." if cfg.subset else "."))
+    if cfg.partition == "color-skew":
+        if data.input_kind != "image" or data.in_shape[0] != 3:
+            raise FedheadError(f"The '--partition' parameter color-skew needs an RGB image dataset. Got "
+                               f"{cfg.dataset!r} instead.")
+    else:
+        from ..partitions import create_partition
+        create_partition(cfg.partition, y, cfg.clients, seed=cfg.seeds[0], **cfg.partition_params)
+    if cfg.noise != "none":   # a dataset without an asymmetric map
+        from ..noise import apply_noise
+        apply_noise(cfg.noise, cfg.noise_rate, [y[:1]], data.num_classes, dataset=cfg.dataset, seed=0)
+    if cfg.algo == "dnc" and cfg.split_layer is not None:
+        n_out = 1 if ALGORITHMS[cfg.algo].out_per_class else data.num_classes
+        with torch.device("meta"):
+            layers = len(weight_layers(create_model(cfg.model, data.in_shape, n_out)))
+        if not 1 <= cfg.split_layer < layers:
+            raise FedheadError(f"The '--split-layer' parameter must be an integer in [1, {layers - 1}] for model "
+                               f"{cfg.model} ({layers} weight layers). Got {cfg.split_layer} instead.")
 
 
 @dataclass
@@ -409,13 +454,14 @@ def run_scratch(cfg: ScratchConfig, out_dir: str | Path, log: Callable[[str], No
                 progress=None, resume: bool = False) -> dict:
     """Resolve, load, run (or, with ``resume``, continue) every seed, write the run directory; returns the
     summary. Everything is validated before anything is written; the run directory has one writer."""
-    from ..util import Interrupted, exclusive_writer, resolve_device
+    from ..util import Interrupted, check_out, exclusive_writer, resolve_device
 
     cfg = resolve_config(cfg)
     device = resolve_device(cfg.device)
     data = load_dataset(cfg.dataset, cfg.data_dir)
     check_model_input(cfg.model, data.input_kind, cfg.dataset)
-    out_dir = Path(out_dir)
+    check_data(cfg, data)
+    out_dir = check_out(out_dir, kind="dir")
     with exclusive_writer(out_dir, f"the run directory {str(out_dir)!r}"):
         try:
             return _run_locked(cfg, data, device, out_dir, resume, log, progress)
