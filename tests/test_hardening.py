@@ -456,6 +456,7 @@ def test_hdf5_io_and_write_error_messages(tmp_path):
 
 
 def test_signals_raise_and_defer_in_process():
+    before = signal.getsignal(signal.SIGTERM)     # SIG_DFL, or what an earlier test's library installed (Ray)
     with signals_raise():
         with pytest.raises(Interrupted) as e:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -468,7 +469,7 @@ def test_signals_raise_and_defer_in_process():
                 time.sleep(0.05)
                 reached = True  # the critical section finishes first
         assert reached and e.value.exit_code == 130
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) == before   # the previous handler is back
 
     @cli_errors
     def cmd():
