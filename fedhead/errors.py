@@ -9,6 +9,7 @@ stderr with exit code 2 (subclasses may set their own ``exit_code`` and ``prefix
 
 from __future__ import annotations
 
+import errno
 import functools
 import math
 import os
@@ -121,6 +122,11 @@ def report(exc: BaseException) -> int:
     if isinstance(exc, KeyboardInterrupt):
         print("interrupted; re-run the same command to resume", file=sys.stderr)
         return 130
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        where = f" {exc.filename!r}" if exc.filename else ""
+        print(f"error: No space left while writing{where} ({exc.strerror}); free space (or raise the file size "
+              "limit) and re-run the same command: finished work is reused", file=sys.stderr)
+        return 2
     if isinstance(exc, MemoryError):
         print("error: out of memory; lower --batch-size or --block-clients, or use a smaller store",
               file=sys.stderr)

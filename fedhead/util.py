@@ -386,7 +386,8 @@ class Interrupted(FedheadError):
 
         self.signum = int(signum)
         self.exit_code = 128 + self.signum
-        super().__init__(message or f"interrupted by {signal.Signals(self.signum).name}")
+        super().__init__(message or f"interrupted by {signal.Signals(self.signum).name}; nothing half-written is "
+                                    "left: re-run the same command")
 
 
 class _SignalState:

@@ -171,3 +171,16 @@ def test_full_disk_during_training_is_one_line_and_resumes(tiny_store, tmp_path)
     rc, _, err = _run(args + ["--out", str(out), "--resume"])
     assert rc == 0, err
     assert _accs(out / "rounds.csv") == _accs(tmp_path / "full" / "rounds.csv")
+
+
+def test_any_write_that_runs_out_of_space_is_one_line(capsys):
+    """A report, a plot or a CSV failing for want of space anywhere: one line naming the file, exit code 2."""
+    import errno
+
+    from fedhead.errors import report
+
+    for code in (errno.ENOSPC, errno.EFBIG):
+        assert report(OSError(code, os.strerror(code), "/r/report.md")) == 2
+        err = capsys.readouterr().err
+        assert _lines(err) == [f"error: No space left while writing '/r/report.md' ({os.strerror(code)}); free space "
+                               "(or raise the file size limit) and re-run the same command: finished work is reused"]
