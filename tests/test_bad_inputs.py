@@ -410,10 +410,10 @@ CASES = [
     # ---- bench baselines
     Case(BASELINES, "--methods bogus", "'--methods'"),
     Case(BASELINES, "--methods ''", "'--methods'"),
-    Case(BASELINES, "--partitions bogus", "'--partition"),
+    Case(BASELINES, "--partitions bogus", "'--partitions'"),
     Case(BASELINES, "--partitions ''", "'--partitions'"),
     Case(BASELINES, "--partitions dirichlet-0", "'--alpha'"),
-    Case(BASELINES, "--partitions dirichlet-x", "'--partition"),
+    Case(BASELINES, "--partitions dirichlet-x", "'--partitions'"),
     Case(BASELINES, "--recipe bogus", "'--recipe'"),
     Case(BASELINES, "--methods ncm --init ridge", "'--init'"),
     Case(BASELINES, "--methods ridge --ridge-lambda 0", "'--ridge-lambda'"),

@@ -53,7 +53,11 @@ def _partition(label: str) -> tuple[str, dict]:
             return "dirichlet", {"alpha": float(label.split("-", 1)[1])}
         except ValueError:
             pass
-    return resolve_partition(label)
+    try:
+        return resolve_partition(label)
+    except FedheadError as exc:   # the option here is --partitions
+        raise FedheadError(str(exc).replace("'--partition'", "'--partitions'", 1) +
+                           " Or dirichlet-ALPHA, e.g. dirichlet-0.1.") from None
 
 
 def _csv(param: str, text: str) -> list[str]:
