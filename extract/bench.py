@@ -65,9 +65,13 @@ def _measure_once(dataset, data_dir, encoder, *, weights, pretrained, image_size
             return time.perf_counter() - t
 
     fwd_t, ext_t = [], []
+    from fedhead.train import PAUSE_ENV
+    from fedhead.util import pause_hook
+
     for _ in range(repeats):  # alternate, so that drifting machine load hits both sides alike
         fwd_t.append(time_forward())
         ext_t.append(time_pipeline())
+        pause_hook(PAUSE_ENV, len(ext_t))      # test hook: after the k-th repeat
     fwd_t.append(time_forward())
     fwd, ext = min(fwd_t), min(ext_t)
     return {

@@ -184,3 +184,46 @@ def test_any_write_that_runs_out_of_space_is_one_line(capsys):
         err = capsys.readouterr().err
         assert _lines(err) == [f"error: No space left while writing '/r/report.md' ({os.strerror(code)}); free space "
                                "(or raise the file size limit) and re-run the same command: finished work is reused"]
+
+
+def _bench_cases(store, tmp):
+    grid = ["--quick", "--rounds", "2", "--clients", "8"]
+    return {
+        "ablation": ["bench", "ablation", "--features", str(store), *grid, "--recipe", "default", "--head", "ova2"],
+        "partitions": ["bench", "partitions", "--features", str(store), *grid, "--partition", "shard-1"],
+        "encoders": ["bench", "encoders", "--features", str(store), "--features", str(store), *grid],
+        "noise": ["bench", "noise", "--features", str(store), *grid, "--sym-rates", "0.3", "--asym-rates", "0.2",
+                  "--asym-map", "cyclic", "--no-clean"],
+        "participation": ["bench", "participation", "--features", str(store), *grid, "--rates", "0.5"],
+        "baselines": ["bench", "baselines", "--features", str(store), *grid, "--methods", "ova2",
+                      "--partitions", "iid,shard-1"],
+        "geometry": ["bench", "geometry", "--features", str(store), "--features", str(store), "--quick"],
+        "speed": ["bench", "speed", "--quick", "--no-extraction", "--rounds", "1", "--loop-rounds", "0"],
+        "extract": ["bench", "extract", "--dataset", "digits", "--encoder", "test_efficientnet", "--no-pretrained",
+                    "--image-size", "32", "--num-images", "16", "--repeats", "3", "--batch-size", "8"],
+    }
+
+
+@pytest.mark.parametrize("command", ["ablation", "partitions", "encoders", "noise", "participation", "baselines",
+                                     "geometry", "speed", "extract"])
+def test_sigterm_during_every_bench_command(tiny_store, tmp_path, command):
+    """Each bench command, paused mid-way by the test hook, then SIGTERM: exit 143, one line saying how to go
+    on, no traceback, nothing half-written under the output name; the same command then finishes."""
+    args = _bench_cases(tiny_store, tmp_path)[command]
+    out = tmp_path / ("out.json" if command in ("speed", "extract") else "report")
+    marker = tmp_path / "paused"
+    p = _popen(args + ["--out", str(out)], env={PAUSE: f"1:{marker}"})
+    _wait_for(marker, p)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 143, err
+    last = _lines(err)[-1]
+    assert last.startswith("interrupted") and "re-run the same command" in last and "Traceback" not in err, err
+    assert not Path(str(out) + ".lock").exists()
+    if command in ("speed", "extract", "geometry"):
+        assert not out.exists()                  # written only at the end, atomically
+    else:
+        assert not (out / "report.md").exists()  # the report comes last; finished runs are kept
+    rc, _, err = _run(args + ["--out", str(out)])
+    assert rc == 0, err
+    assert out.exists()

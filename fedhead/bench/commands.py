@@ -18,7 +18,8 @@ import typer
 from ..config import PAPER_SEEDS, TrainConfig
 from ..errors import FedheadError, Interval, OneOf, cli_errors, validate
 from ..options import METHOD_OPTIONS, method_fields
-from ..util import Interrupted, check_out, exclusive_writer
+from ..train import PAUSE_ENV
+from ..util import Interrupted, check_out, exclusive_writer, pause_hook
 from . import plots as P
 from .report import (STANDARD_NONIID, Cell, CellResult, Stat, StoreCache, check_head, command_line,
                      comm_kb_per_client_round, md_table, mean_curve, ratio_curve, resolve_partition, run_grid,
@@ -836,6 +837,7 @@ def geometry_cmd(
         max_class.append(int(np.bincount(y).max()))
         stats = {m: Stat.of(p[m] for p in per_seed) for m in COLUMNS}
         stats_of[tag] = (info, stats)
+        pause_hook(PAUSE_ENV, len(stats_of))
         kind = _weights_kind(info)
         table.append([tag, info.encoder, kind, info.dataset] + [stats[m].fmt(1, 3) for m in COLUMNS])
         series[tag] = ([stats[m].mean for m in METRICS], [stats[m].std for m in METRICS])

@@ -28,6 +28,8 @@ from typing import Optional
 import typer
 
 from fedhead.errors import FedheadError, Interval, cli_errors, validate
+from fedhead.train import PAUSE_ENV  # test hook: pause after the k-th job
+from fedhead.util import pause_hook
 
 PAPER = dict(samples=50_000, dim=1024, classes=100, epochs=3, batch=50)
 QUICK = dict(samples=4_000, dim=128, classes=20, epochs=3, batch=50)
@@ -294,6 +296,7 @@ def measure_speed(*, quick: bool = False, rounds: int = 3, device: str = "cpu", 
             progress(f"{name}: {cfg['clients']} clients x {cfg['classes']} classes x {cfg['dim']} dims")
         r = run_child(cfg)
         rec[f"{name}_load"] = _load()
+        pause_hook(PAUSE_ENV, len([k for k in rec if k.endswith("_load") and not k.startswith("bench_")]))
         if name == "trainer":
             for k in ("machine_matmul_gflops", "machine_copy_gb_per_s", "machine_matmul_size", "machine_copy_mb"):
                 rec[k] = r.pop(k)
