@@ -31,28 +31,24 @@ def _one_line(exc: click.UsageError) -> SystemExit:
     return SystemExit(exc.exit_code)
 
 
-class OneLineCommand(TyperCommand):
+class _OneLineParse:
+    """``parse_args`` reporting a usage error in one line (help requests pass through)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
+
+
+class OneLineCommand(_OneLineParse, TyperCommand):
     """A typer command whose usage errors are one line (see the module docstring)."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except click.exceptions.NoArgsIsHelpError:
-            raise
-        except click.UsageError as exc:
-            raise _one_line(exc) from None
 
-
-class OneLineGroup(TyperGroup):
+class OneLineGroup(_OneLineParse, TyperGroup):
     """A typer group whose usage errors, and those of its commands, are one line (see the module docstring)."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except click.exceptions.NoArgsIsHelpError:
-            raise
-        except click.UsageError as exc:
-            raise _one_line(exc) from None
 
     def resolve_command(self, ctx: click.Context, args: list[str]):
         try:
