@@ -290,7 +290,6 @@ def _run_locked(cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, s
     realised: dict = dict(ckpt.get("realised", {})) if ckpt else {}
     client_rows: list = list(ckpt.get("client_rows", [])) if ckpt else []
     central: dict = dict(ckpt.get("central", {})) if ckpt else {}
-    extras: dict = dict(ckpt.get("extras", {})) if ckpt else {}
     wall0 = time.perf_counter() - (ckpt["wall_s"] if ckpt else 0.0)
     head = create_head(cfg.head, **cfg.head_params)
     solver = create_head(cfg.head if is_closed_form(cfg.head) else cfg.init, **cfg.head_params) \
@@ -385,7 +384,7 @@ def _run_locked(cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, s
                         atomic_torch_save({"identity": cfg.identity(), "current": list(key), "round": rnd,
                                            "theta": theta.cpu(), "rows": rows,
                                            "done_runs": [list(k) for k in done_runs], "realised": realised,
-                                           "client_rows": client_rows, "central": central, "extras": extras,
+                                           "client_rows": client_rows, "central": central,
                                            "server": server.state_dict(), "wall_s": time.perf_counter() - wall0,
                                            "rng": "keyed by (seed, round, client, epoch)"}, ckpt_path)
                         write_rounds(run_dir, _with_ratios(rows, central))
