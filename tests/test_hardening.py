@@ -16,6 +16,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from conftest import wait_for_pause
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -94,17 +95,8 @@ def _lines(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.strip()]
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> int:
-    """Wait until the paused extraction wrote its marker; return the pid in it."""
-    t = time.monotonic()
-    while not (path.exists() and path.read_text().strip()):
-        if proc.poll() is not None:
-            raise AssertionError(f"exited early ({proc.returncode}): {proc.stderr.read()}")
-        if time.monotonic() - t > timeout:
-            proc.kill()
-            raise AssertionError("extraction never reached the pause")
-        time.sleep(0.1)
-    return int(path.read_text())
+def _wait_for(marker, proc, timeout=240):
+    return wait_for_pause(marker, proc, timeout)
 
 
 def assert_same_store(a: Path, b: Path) -> None:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_for_pause
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {"FEDHEAD_THREADS": "1", "FEDHEAD_NO_PROGRESS": "1", "PYTHONPATH": str(REPO)}
@@ -31,15 +32,8 @@ def _run(args, env=None):
     return p.returncode, out, err
 
 
-def _wait_for(marker: Path, proc, timeout=300):
-    t = time.monotonic()
-    while not (marker.exists() and marker.read_text().strip()):
-        if proc.poll() is not None:
-            raise AssertionError(f"exited early ({proc.returncode}): {proc.stderr.read()}")
-        if time.monotonic() - t > timeout:
-            proc.kill()
-            raise AssertionError("never reached the pause")
-        time.sleep(0.1)
+def _wait_for(marker, proc, timeout=300):
+    return wait_for_pause(marker, proc, timeout)
 
 
 def _lines(text):

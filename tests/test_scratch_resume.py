@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_for_pause
 import torch
 from typer.testing import CliRunner
 
@@ -116,16 +117,8 @@ def _run(args: list[str], env: dict | None = None, **kw) -> tuple[int, str, str]
     return p.returncode, out, err
 
 
-def _wait_for(marker: Path, proc: subprocess.Popen, timeout: float = 240) -> int:
-    t = time.monotonic()
-    while not (marker.exists() and marker.read_text().strip()):
-        if proc.poll() is not None:
-            raise AssertionError(f"exited early ({proc.returncode}): {proc.stderr.read()}")
-        if time.monotonic() - t > timeout:
-            proc.kill()
-            raise AssertionError("never reached the pause")
-        time.sleep(0.05)
-    return int(marker.read_text())
+def _wait_for(marker, proc, timeout=240):
+    return wait_for_pause(marker, proc, timeout)
 
 
 def _lines(text: str) -> list[str]:
