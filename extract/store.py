@@ -49,14 +49,13 @@ import h5py
 import numpy as np
 
 from fedhead import __version__
-from fedhead.errors import FedheadError
+from fedhead.errors import SPACE_ERRNOS, FedheadError
 
 FORMAT = "fedhead-features"
 FORMAT_VERSION = 1
 SPLITS = ("train", "test")
 CHUNK_ROWS = 1024
 METADATA_BYTES = 48 * 1024  # HDF5's own structures in a store (measured: 24-27 KiB), the arrays apart
-SPACE_ERRNOS = (errnos.ENOSPC, errnos.EFBIG, errnos.EDQUOT)
 
 
 def partial_path(out: str | os.PathLike) -> Path:

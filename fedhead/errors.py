@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 
+# a write that failed for want of space: no space, file too large (RLIMIT_FSIZE), quota
+SPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
 class FedheadError(Exception):
     """An error caused by the user's input or environment, reported as one line."""
 
@@ -122,7 +126,7 @@ def report(exc: BaseException) -> int:
     if isinstance(exc, KeyboardInterrupt):
         print("interrupted; re-run the same command to resume", file=sys.stderr)
         return 130
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)):
+    if isinstance(exc, OSError) and exc.errno in SPACE_ERRNOS:
         where = f" {exc.filename!r}" if exc.filename else ""
         print(f"error: No space left while writing{where} ({exc.strerror}); free space (or raise the file size "
               "limit) and re-run the same command: finished work is reused", file=sys.stderr)

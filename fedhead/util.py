@@ -4,14 +4,13 @@ per output (:func:`exclusive_writer`), SIGINT/SIGTERM as exceptions (:func:`sign
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from .errors import FedheadError
+from .errors import SPACE_ERRNOS, FedheadError
 
 
 # ---------------------------------------------------------------- atomic files
@@ -118,8 +117,6 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-# a write that failed for want of space: no space, file too large (RLIMIT_FSIZE), quota
-SPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
 class _KeepWriteError:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import hashlib
 import json
 import time
@@ -307,7 +306,7 @@ def _setup(cfg: ScratchConfig, data: ScratchData, seed: int, device, log) -> Con
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_FORMAT = 1
 PAUSE_ENV = "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS"   # test hook "k:FILE": after the k-th round row, pid -> FILE, sleep
-from ..util import SPACE_ERRNOS  # noqa: E402
+from ..errors import SPACE_ERRNOS  # noqa: E402
 
 
 def config_identity(cfg: ScratchConfig) -> str:
