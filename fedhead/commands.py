@@ -57,7 +57,7 @@ def train_cmd(
     min_size: Optional[int] = typer.Option(None, help="dirichlet [10] / zipf [1]: minimum client size"),
     clients: int = typer.Option(100, help="number of simulated clients"),
     rounds: int = typer.Option(50, help="communication rounds"),
-    local_epochs: int = typer.Option(3, help="local epochs per round"),
+    local_epochs: Optional[int] = typer.Option(None, help="local epochs per round [3; fast recipe: --local-steps 30]"),
     batch_size: int = typer.Option(50, help="local batch size"),
     recipe: str = typer.Option("default", help="default (robust, measured) | paper (SPEC to the letter) | fast "
                                                "(softmax from a Fed3R start)"),

@@ -21,9 +21,11 @@ RECIPES: dict[str, dict] = {
     "default": dict(head="ova2", optimizer="sgd", lr=0.01, weight_decay=1e-4, momentum=0.9, aggregate="fedavg",
                     center=True, scale="none"),
 }
-# "fast": the default recipe from a closed-form start, softmax head: Fed3R+FT (README "Baselines", measured
-# by `fedhead bench baselines`); an explicit --head keeps the ridge start, a closed-form head ignores it.
-RECIPES["fast"] = dict(RECIPES["default"], head="softmax", init="ridge")
+# "fast": the default recipe from a closed-form start, softmax head, 30 local steps a round whatever a client's
+# size: Fed3R+FT (README "Baselines", measured by `fedhead bench baselines`); an explicit --head keeps the ridge
+# start, a closed-form head ignores it; an explicit --local-epochs replaces the 30 steps.
+RECIPES["fast"] = dict(RECIPES["default"], head="softmax", init="ridge", local_steps=30)
+LOCAL_EPOCHS = 3                         # when neither --local-epochs nor --local-steps (nor a recipe) says
 
 
 @dataclass
@@ -36,7 +38,8 @@ class TrainConfig:
     head_params: dict = field(default_factory=dict)       # stage1_rounds, positive_keep, fedabc_margins, ...
     clients: int = 100                     # number of simulated clients K
     rounds: int = 50                       # communication rounds
-    local_epochs: int = 3                  # local epochs per round
+    local_epochs: int | None = None        # local epochs per round [3]
+    local_steps: int | None = None         # local steps (batches) per round instead of epochs [fast: 30]
     batch_size: int = 50                   # local batch size
     recipe: str = "default"                # default | paper | fast: fills the None fields (head, optimizer, ...)
     optimizer: str | None = None           # adamw | sgd (fresh state per client per round)
@@ -77,12 +80,19 @@ class TrainConfig:
         validate("--recipe", self.recipe, OneOf(tuple(RECIPES)))
         c = dataclasses.replace(self, seeds=[int(s) for s in self.seeds],
                                 partition_params=dict(self.partition_params), head_params=dict(self.head_params))
+        if self.local_epochs is not None and self.local_steps is not None:
+            raise FedheadError(f"The '--local-steps' parameter ({self.local_steps}) and '--local-epochs' "
+                               f"({self.local_epochs}) both set the local work of a round. Give one of them.")
         for k, v in RECIPES[self.recipe].items():
-            if getattr(c, k) is None:
+            if getattr(c, k) is None and not (k == "local_steps" and self.local_epochs is not None):
                 setattr(c, k, v)
+        if c.local_epochs is None:
+            c.local_epochs = LOCAL_EPOCHS
         validate("--clients", c.clients, Interval(1, None, integer=True))
         validate("--rounds", c.rounds, Interval(1, None, integer=True))
         validate("--local-epochs", c.local_epochs, Interval(1, None, integer=True))
+        if c.local_steps is not None:
+            validate("--local-steps", c.local_steps, Interval(1, None, integer=True))
         validate("--batch-size", c.batch_size, Interval(1, None, integer=True))
         validate("--lr", c.lr, Interval(0, None, closed="neither"))
         validate("--weight-decay", c.weight_decay, Interval(0, None))

@@ -76,6 +76,12 @@ class OptimConfig:
 class LocalConfig:
     epochs: int = 3
     batch_size: int = 50
+    steps: int | None = None     # fixed local steps per round (every client the same); None: ``epochs`` epochs
+
+    @property
+    def plan_epochs(self) -> int:
+        """Rows of a client's batch plan: one per epoch, or one row of ``steps`` batches."""
+        return 1 if self.steps else self.epochs
 
 
 @dataclass
@@ -92,7 +98,7 @@ class ScaffoldState:
 
     ``c [C, D+1]`` is the server's variate, ``ck [N, C, D+1]`` the clients' (all clients of the federation,
     indexed by client id; zeros at start). Every local step uses the gradient ``g + (c - c_k)`` (after the loss
-    gradient and FedProx's term). After client ``k`` trained ``K_k`` local steps (epochs x its number of batches)
+    gradient and FedProx's term). After client ``k`` trained ``K_k`` local steps (epochs x its number of batches, or ``LocalConfig.steps``)
     with learning rate ``eta``, starting from ``theta`` and ending at ``w_k``:
 
         c_k+ = c_k - c + (theta - w_k) / (K_k * eta)
@@ -107,11 +113,18 @@ class ScaffoldState:
 
     Bytes: each participating client downloads the head and ``c`` and uploads its head and ``c_k+ - c_k``:
     twice the head's bytes each way (:attr:`nbytes` is the extra each way per client).
+
+    Where the variates live apart (Flower), the same class holds a part of them (:meth:`held_by`): a node holds
+    its own ``c_k`` (one row) and trains with it in the engine exactly as the simulator does; its delta is its
+    :attr:`pending`. The server holds none (zero rows) and ``N``; it adds the deltas it receives with
+    :meth:`add_deltas` and runs :meth:`server_update`.
     """
 
     c: torch.Tensor                     # [C, D+1] server control variate
-    ck: torch.Tensor                    # [N, C, D+1] client control variates
+    ck: torch.Tensor                    # [M, C, D+1] client control variates held (all N by default: row k = client k)
     pending: torch.Tensor | None = None  # [C, D+1] float64: sum of client deltas not yet applied to c
+    held: torch.Tensor | None = None    # [M] sorted ids of the clients in ``ck`` when only some are held; None: all
+    total: int | None = None            # N when only some are held (c's update divides by it)
 
     def __post_init__(self):
         if self.pending is None:
@@ -122,9 +135,48 @@ class ScaffoldState:
         return cls(c=torch.zeros(C, D1, device=device, dtype=dtype),
                    ck=torch.zeros(num_clients, C, D1, device=device, dtype=dtype))
 
+    @classmethod
+    def held_by(cls, ids, c: torch.Tensor, ck: torch.Tensor | None = None,
+                num_clients: int | None = None) -> "ScaffoldState":
+        """The variates of the clients ``ids`` only: a Flower node holds its own (``ids = [k]``, ``ck [1, C, D+1]``
+        from its last round, zeros when None), the Flower server none (``ids = []``) but knows ``num_clients``
+        (N) for :meth:`server_update`. ``c`` is the server's variate as received (not copied)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        order = np.argsort(ids, kind="stable")
+        if len(np.unique(ids)) != len(ids):
+            raise FedheadError(f"The 'ids' parameter of ScaffoldState.held_by must list distinct clients. Got "
+                               f"{ids.tolist()} instead. Give each client once.")
+        if ck is None:
+            ck = torch.zeros((len(ids), *c.shape), device=c.device, dtype=c.dtype)
+        elif tuple(ck.shape) != (len(ids), *c.shape):
+            raise FedheadError(f"The 'ck' parameter of ScaffoldState.held_by must have shape {(len(ids), *c.shape)} "
+                               f"(one variate per id, shaped like c). Got {tuple(ck.shape)} instead.")
+        else:
+            ck = ck.index_select(0, torch.as_tensor(order, device=ck.device))
+        return cls(c=c, ck=ck, held=torch.as_tensor(ids[order], device=c.device), total=num_clients)
+
     @property
     def num_clients(self) -> int:
+        """N, the clients of the federation (:meth:`server_update` divides by it)."""
+        if self.total is not None:
+            return int(self.total)
+        if self.held is not None:
+            raise FedheadError("The 'num_clients' parameter of ScaffoldState.held_by is needed to update the "
+                               "server's c (it divides by N). Got None instead. Give the federation's --clients.")
         return self.ck.shape[0]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of :attr:`ck` that hold the clients ``ids`` (the ids themselves when all are held)."""
+        if self.held is None:
+            return ids
+        held = self.held.to(ids.device)
+        pos = torch.searchsorted(held, ids).clamp_(max=max(len(held) - 1, 0))
+        if len(held) == 0 or not torch.equal(held[pos], ids):
+            missing = sorted(set(ids.tolist()) - set(held.tolist()))
+            raise FedheadError(f"The SCAFFOLD state holds the control variates of clients {held.tolist()}, not of "
+                               f"client(s) {missing}. Build it with ScaffoldState.held_by(ids, c, ck) for the "
+                               "clients it trains.")
+        return pos
 
     @property
     def nbytes(self) -> int:
@@ -146,7 +198,8 @@ class ScaffoldState:
 
     def correction(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``c - c_k`` for the clients ``ids`` (in that order), ``[len(ids), C, D+1]``."""
-        out = torch.index_select(self.ck, 0, ids, out=out) if out is not None else self.ck.index_select(0, ids)
+        rows = self.rows(ids)
+        out = torch.index_select(self.ck, 0, rows, out=out) if out is not None else self.ck.index_select(0, rows)
         return out.neg_().add_(self.c)
 
     def client_update(self, ids: torch.Tensor, theta: torch.Tensor, w: torch.Tensor, steps, lr: float,
@@ -164,8 +217,13 @@ class ScaffoldState:
         scale = torch.as_tensor(1.0 / (steps * lr), device=w.device).to(w.dtype).view(-1, 1, 1)
         d = torch.sub(theta.to(w.dtype), w, out=out) if out is not None else theta.to(w.dtype) - w
         d.mul_(scale).sub_(self.c)                              # c_k+ - c_k = (theta - w_k) / (K_k eta) - c
-        self.ck.index_add_(0, ids, d.to(self.ck.dtype))
-        self.pending += d.sum(0, dtype=torch.float64)
+        self.ck.index_add_(0, self.rows(ids), d.to(self.ck.dtype))
+        self.add_deltas(d)
+
+    def add_deltas(self, d: torch.Tensor) -> None:
+        """Add clients' deltas ``c_k+ - c_k`` (``[K, C, D+1]``) to :attr:`pending`, summed in float64: what
+        :meth:`client_update` does for the clients it updates and a server that receives the deltas calls."""
+        self.pending += d.to(self.pending.device).sum(0, dtype=torch.float64)
 
     def server_update(self) -> None:
         """``c <- c + pending / N`` (N = all clients), then clear ``pending``."""
@@ -186,6 +244,35 @@ def client_plan(part: np.ndarray, seed: int, rnd: int, cid: int, epochs: int) ->
         idx[e] = part[rng.permutation(n)]
         u[e] = rng.random(n, dtype=np.float32)
     return idx, u
+
+
+def step_plan(part: np.ndarray, seed: int, rnd: int, cid: int, steps: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """``steps`` batches of ``min(batch, n)`` samples for one client, ``[steps, b]`` indices and uniforms: the
+    per-epoch shuffles of :func:`client_plan` laid end to end and cut into batches (a batch may span two
+    epochs), so every client makes the same number of steps whatever its size."""
+    n = len(part)
+    b = min(batch, n)
+    epochs = -(-steps * b // n)
+    idx, u = client_plan(part, seed, rnd, cid, epochs)
+    return idx.reshape(-1)[:steps * b].reshape(steps, b), u.reshape(-1)[:steps * b].reshape(steps, b)
+
+
+def local_plan(part: np.ndarray, seed: int, rnd: int, cid: int, local: LocalConfig, width: int):
+    """One client's plan in the engine's layout ``[plan_epochs, width]`` (indices, validity mask, uniforms) and
+    its number of steps per plan row; step ``t`` of a row uses columns ``t*B : (t+1)*B``."""
+    B, n, E = local.batch_size, len(part), local.plan_epochs
+    idx = np.zeros((E, width), dtype=np.int64)
+    msk = np.zeros((E, width), dtype=np.float32)
+    uu = np.zeros((E, width), dtype=np.float32)
+    if local.steps:
+        pi, pu = step_plan(part, seed, rnd, cid, local.steps, B)
+        b = pi.shape[1]
+        cols = (np.arange(local.steps)[:, None] * B + np.arange(b)[None]).reshape(-1)
+        idx[0, cols], msk[0, cols], uu[0, cols] = pi.reshape(-1), 1.0, pu.reshape(-1)
+        return idx, msk, uu, local.steps
+    pi, pu = client_plan(part, seed, rnd, cid, E)
+    idx[:, :n], msk[:, :n], uu[:, :n] = pi, 1.0, pu
+    return idx, msk, uu, -(-n // B)
 
 
 # ---------------------------------------------------------------- stacked optimizers
@@ -367,8 +454,8 @@ class Engine:
         self.device = data.x.device
         C, D1 = data.num_classes, data.x.shape[1]
         state = C * D1 * 4                                   # one client's head in bytes
-        B, E = local.batch_size, local.epochs
-        steps = int(max((-(-len(p) // B) for p in data.parts), default=1))
+        B, E = local.batch_size, local.plan_epochs
+        steps = local.steps or int(max((-(-len(p) // B) for p in data.parts), default=1))
         plan = E * steps * B * (8 + 4 + 4)                   # idx, mask, uniforms
         if self.device.type == "cpu":
             # the block holds the trained heads (and their reordered copy); the optimizer state is per tile
@@ -436,8 +523,8 @@ class Engine:
 
     def _check_scaffold(self, theta, scaffold):
         if scaffold is not None and (tuple(scaffold.c.shape) != tuple(theta.shape)
-                                     or scaffold.num_clients < len(self.data.parts)):
-            raise FedheadError(f"The SCAFFOLD state holds {scaffold.num_clients} client variates of shape "
+                                     or (scaffold.held is None and scaffold.num_clients < len(self.data.parts))):
+            raise FedheadError(f"The SCAFFOLD state holds {scaffold.ck.shape[0]} client variates of shape "
                                f"{tuple(scaffold.c.shape)}, but the federation has {len(self.data.parts)} clients "
                                f"and a head of shape {tuple(theta.shape)}. Build it with ScaffoldState.zeros("
                                f"num_clients, C, D+1, device) for this federation.")
@@ -473,10 +560,10 @@ class Engine:
         return opt
 
     def _train_vectorized(self, theta, block, seed, rnd, reuse=False, prox_mu=0.0, scaffold=None):
-        dev, B, E = self.device, self.local.batch_size, self.local.epochs
+        dev, B, E = self.device, self.local.batch_size, self.local.plan_epochs
         K, (C, D1) = len(block), theta.shape
         sizes = np.array([len(self.data.parts[k]) for k in block])
-        steps = -(-sizes // B)
+        steps = np.full(K, self.local.steps) if self.local.steps else -(-sizes // B)
         order = np.argsort(-steps, kind="stable")              # longest first: active clients = prefix
         S = int(steps.max())
         idx = np.zeros((K, E, S * B), dtype=np.int64)
@@ -484,11 +571,7 @@ class Engine:
         uu = np.zeros((K, E, S * B), dtype=np.float32)
         for j, o in enumerate(order):
             k = block[o]
-            n = sizes[o]
-            pi, pu = client_plan(self.data.parts[k], seed, rnd, k, E)
-            idx[j, :, :n] = pi
-            msk[j, :, :n] = 1.0
-            uu[j, :, :n] = pu
+            idx[j], msk[j], uu[j], _ = local_plan(self.data.parts[k], seed, rnd, k, self.local, S * B)
         # one host->device copy per block; per step only views of these
         idx_t = torch.from_numpy(idx).to(dev)
         msk_t = torch.from_numpy(msk).to(dev)
@@ -557,13 +640,13 @@ class Engine:
     # -- loop backend --------------------------------------------------------------------------------
 
     def _train_loop(self, theta, block, seed, rnd, prox_mu=0.0, scaffold=None):
-        dev, B, E = self.device, self.local.batch_size, self.local.epochs
+        dev, B, E = self.device, self.local.batch_size, self.local.plan_epochs
         out, losses = [], []
         theta0 = theta.detach().to(torch.float32)
         for k in block:
             part = self.data.parts[k]
-            n = len(part)
-            pi, pu = client_plan(part, seed, rnd, k, E)
+            width = (self.local.steps or -(-len(part) // B)) * B
+            pi, pm, pu, nk = local_plan(part, seed, rnd, k, self.local, width)
             counts = torch.as_tensor(self.data.counts[k:k + 1], device=dev, dtype=torch.float32)
             wk = torch.nn.Parameter(theta.detach().clone().to(torch.float32))
             opt = make_torch_optimizer(self.optim, [wk])
@@ -572,11 +655,12 @@ class Engine:
                 corr = scaffold.correction(kid)[0]                          # c - c_k
             total, nsteps = 0.0, 0
             for e in range(E):
-                for s in range(0, n, B):
-                    it = torch.as_tensor(pi[e, s:s + B], device=dev)
+                for s in range(0, nk * B, B):
+                    valid = pm[e, s:s + B] > 0
+                    it = torch.as_tensor(pi[e, s:s + B][valid], device=dev)
                     xb, yb = self.data.x[it], self.data.y[it]
                     ctx = LossContext(round=rnd, present=counts > 0, counts=counts,
-                                      u=torch.as_tensor(pu[e, s:s + B], device=dev)[None])
+                                      u=torch.as_tensor(pu[e, s:s + B][valid], device=dev)[None])
                     with torch.enable_grad():
                         logits = xb @ wk.T
                         loss = self.head.loss(logits[None], yb[None], torch.ones(1, len(it), device=dev), ctx)[0]

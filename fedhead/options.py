@@ -15,6 +15,8 @@ from .errors import FedheadError
 
 # name -> (annotation, typer option); head parameters are marked by HEAD_PARAMS
 METHOD_OPTIONS = {
+    "local_steps": (Optional[int], typer.Option(None, "--local-steps", help="local steps (batches) per round for "
+                                                                           "every client, instead of epochs")),
     "init": (Optional[str], typer.Option(None, "--init", help="closed-form start for an iterative head: ncm | ridge | "
                                                                 "cof | lda (round 1 exchanges statistics)")),
     "init_scale": (Optional[float], typer.Option(None, "--init-scale", help="temperature of the --init head "

@@ -296,7 +296,7 @@ def _run_locked(cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, s
         if (is_closed_form(cfg.head) or cfg.init) else None
     last_round = 1 if is_closed_form(cfg.head) else cfg.rounds
     optim = OptimConfig(name=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum)
-    local = LocalConfig(epochs=cfg.local_epochs, batch_size=cfg.batch_size)
+    local = LocalConfig(epochs=cfg.local_epochs, batch_size=cfg.batch_size, steps=cfg.local_steps)
     C, D = store.info.num_classes, store.train_x.shape[1]
     x_test_raw = store.test_x
     y_test = torch.as_tensor(store.test_y, device=device)

@@ -204,3 +204,17 @@ def test_synth_cli_writes_a_store_and_refuses_bad_sizes(tmp_path):
     r = runner.invoke(app, ["synth", "--out", str(tmp_path / "bad.h5"), "--num-classes", "1"])
     assert r.exit_code == 2 and "'--num-classes'" in r.output
     assert not (tmp_path / "bad.h5").exists()
+
+
+def test_fast_recipe_uses_local_steps_unless_epochs_given():
+    from fedhead.config import TrainConfig
+    from fedhead.errors import FedheadError
+
+    fast = TrainConfig(features="x.h5", recipe="fast").resolved()
+    assert (fast.local_steps, fast.head, fast.init) == (30, "softmax", "ridge")
+    own = TrainConfig(features="x.h5", recipe="fast", local_epochs=2).resolved()
+    assert (own.local_steps, own.local_epochs) == (None, 2)
+    default = TrainConfig(features="x.h5").resolved()
+    assert (default.local_steps, default.local_epochs) == (None, 3)
+    with pytest.raises(FedheadError, match="--local-steps.*--local-epochs"):
+        TrainConfig(features="x.h5", local_steps=5, local_epochs=2).resolved()

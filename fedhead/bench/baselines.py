@@ -31,6 +31,8 @@ METHODS: dict[str, tuple[str, dict]] = {
     "lda": ("shared-covariance Gaussian classifier, one exchange", {"head": "lda"}),
     "ncm+ft": ("FedNCM start, then softmax FedAvg", {"head": "softmax", "init": "ncm"}),
     "ridge+ft": ("Fed3R start, then softmax FedAvg", {"head": "softmax", "init": "ridge"}),
+    "fast": ("--recipe fast: Fed3R start, then softmax FedAvg, 30 local steps a round",
+             {"head": "softmax", "init": "ridge", "local_steps": 30}),
     "ridge+ova2": ("Fed3R start, then OvA FedAvg", {"head": "ova2", "init": "ridge"}),
     "softmax": ("softmax head, FedAvg", {"head": "softmax"}),
     "ova2": ("OvA-LP (two-stage OvA), FedAvg", {"head": "ova2"}),

@@ -46,7 +46,7 @@ ROUNDS_OPT = typer.Option(None, "--rounds", help=f"communication rounds [{PAPER_
 OUT_OPT = typer.Option(None, "--out", help="report folder (default reports/<command>-<timestamp>); re-run with the same "
                                            "--out to reuse finished runs and resume an interrupted one")
 RECIPE_HELP = "paper (SPEC literal AdamW) | default (the trainer's) | both"
-LE_OPT = typer.Option(3, "--local-epochs", help="local epochs per round")
+LE_OPT = typer.Option(None, "--local-epochs", help="local epochs per round [3; fast recipe: --local-steps 30]")
 BS_OPT = typer.Option(50, "--batch-size", help="local batch size")
 DEV_OPT = typer.Option("auto", "--device", help="auto | cpu | cuda")
 OPTIM_OPT = typer.Option(None, "--optimizer", help="adamw | sgd [recipe]")
@@ -136,7 +136,7 @@ def make_common(command: str, *, seeds, quick, rounds, clients, out, local_epoch
 # each command sets its own --clients default (grid_command).
 GRID_OPTIONS = {
     "seeds": (Optional[List[str]], SEEDS_OPT), "quick": (bool, QUICK_OPT), "rounds": (Optional[int], ROUNDS_OPT),
-    "clients": (int, None), "out": (Optional[Path], OUT_OPT), "local_epochs": (int, LE_OPT), "batch_size": (int, BS_OPT),
+    "clients": (int, None), "out": (Optional[Path], OUT_OPT), "local_epochs": (Optional[int], LE_OPT), "batch_size": (int, BS_OPT),
     "device": (str, DEV_OPT), "optimizer": (Optional[str], OPTIM_OPT), "lr": (Optional[float], LR_OPT),
     "weight_decay": (Optional[float], WD_OPT), "momentum": (Optional[float], MOM_OPT),
     "aggregate": (Optional[str], AGG_OPT), "center": (Optional[bool], CENTER_OPT), "scale": (Optional[str], SCALE_OPT),

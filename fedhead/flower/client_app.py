@@ -80,7 +80,7 @@ class LocalData:
     def engine(self, cfg, stats: FeatureStats) -> Engine:
         key = (None if stats.mean is None else hashlib.sha1(stats.mean.tobytes()).hexdigest(), stats.scale,
                cfg.head, tuple(sorted(cfg.head_params.items())), cfg.optimizer, cfg.lr, cfg.weight_decay,
-               cfg.momentum, cfg.local_epochs, cfg.batch_size, cfg.backend)
+               cfg.momentum, cfg.local_epochs, cfg.local_steps, cfg.batch_size, cfg.backend)
         eng = self.engines.get(key)
         if eng is None:
             x = prepare(self.store.train_x, stats, self.device)
@@ -89,8 +89,8 @@ class LocalData:
             eng = Engine(data, create_head(cfg.head, **cfg.head_params),
                          OptimConfig(name=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                      momentum=cfg.momentum),
-                         LocalConfig(epochs=cfg.local_epochs, batch_size=cfg.batch_size), backend=cfg.backend,
-                         block_clients=1)
+                         LocalConfig(epochs=cfg.local_epochs, batch_size=cfg.batch_size, steps=cfg.local_steps),
+                         backend=cfg.backend, block_clients=1)
             self.engines = {key: eng}      # one prepared copy per process is enough
         return eng
 

@@ -44,7 +44,7 @@ TRAIN_OPTIONS = [
     ("min_size", Optional[int], _O(None, help="dirichlet [10] / zipf [1]: minimum client size")),
     ("clients", int, _O(100, help="number of clients (= virtual or real SuperNodes)")),
     ("rounds", int, _O(50, help="communication rounds")),
-    ("local_epochs", int, _O(3, help="local epochs per round")),
+    ("local_epochs", Optional[int], _O(None, help="local epochs per round [3; fast recipe: --local-steps 30]")),
     ("batch_size", int, _O(50, help="local batch size")),
     ("recipe", str, _O("default", help="default (robust, measured) | paper (SPEC to the letter)")),
     ("optimizer", Optional[str], _O(None, help="adamw | sgd [recipe]")),

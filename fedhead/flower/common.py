@@ -28,7 +28,7 @@ INSTALL_HINT = "pip install 'fedhead[flower]'"
 # "not given" (the recipe's value, or TrainConfig's default).
 RUN_CONFIG_FIELDS = {
     "head": "head", "partition": "partition", "clients": "clients", "rounds": "rounds",
-    "local-epochs": "local_epochs", "batch-size": "batch_size", "recipe": "recipe", "optimizer": "optimizer",
+    "local-epochs": "local_epochs", "local-steps": "local_steps", "batch-size": "batch_size", "recipe": "recipe", "optimizer": "optimizer",
     "lr": "lr", "weight-decay": "weight_decay", "momentum": "momentum", "aggregate": "aggregate",
     "center": "center", "scale": "scale", "participation": "participation", "noise": "noise",
     "noise-rate": "noise_rate", "asym-map": "asym_rule", "backend": "backend", "device": "device",
