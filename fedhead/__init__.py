@@ -5,6 +5,8 @@ The Python API (imported on first use, so ``import fedhead`` stays light):
 - :func:`run` (``fedhead.train.run``): run a :class:`TrainConfig`, get the summary and per-round rows;
 - :func:`register_head`, :class:`Head`, :class:`ClosedFormHead`, :class:`Param`, :class:`LossContext`:
   a head of one's own (a local loss, or a closed-form solve from client statistics);
+- :func:`register_aggregator`, :class:`Aggregator`, :class:`Totals`: an aggregation rule of one's own (what a
+  client sends after local training, and what the server makes of the sum), ``--aggregate NAME``;
 - :func:`register_method`: a named set of training options for ``fedhead bench baselines``.
 """
 
@@ -19,6 +21,9 @@ _API = {
     "ClosedFormHead": ("fedhead.closedform", "ClosedFormHead"),
     "Param": ("fedhead.registry", "Param"),
     "register_method": ("fedhead.plugins", "register_method"),
+    "register_aggregator": ("fedhead.aggregate", "register_aggregator"),
+    "Aggregator": ("fedhead.aggregate", "Aggregator"),
+    "Totals": ("fedhead.aggregate", "Totals"),
 }
 __all__ = sorted(_API)
 

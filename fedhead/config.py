@@ -47,6 +47,7 @@ class TrainConfig:
     weight_decay: float | None = None      # decoupled (AdamW) or L2 (SGD) weight decay
     momentum: float | None = None          # SGD momentum
     aggregate: str | None = None           # fedavg (size-weighted, whole head) | grouped (per-row, FedOVA style)
+                                           # | a registered fedhead.Aggregator
     center: bool | None = None             # subtract the federated mean feature (one extra exchange in round 1)
     scale: str | None = None               # none | rms: divide by the federated RMS feature norm
     participation: float = 1.0             # fraction of clients per round, sampled by (seed, round)
@@ -100,7 +101,9 @@ class TrainConfig:
         validate("--participation", c.participation, Interval(0, 1, closed="right"),
                  "Use a fraction of clients per round in (0, 1], e.g. 0.1.")
         validate("--noise-rate", c.noise_rate, Interval(0, 1, closed="left"))
-        validate("--aggregate", c.aggregate, OneOf(("fedavg", "grouped")))
+        from .aggregate import aggregator_names
+
+        validate("--aggregate", c.aggregate, OneOf(tuple(aggregator_names())))
         validate("--scale", c.scale, OneOf(("none", "rms")))
         validate("--eval-every", c.eval_every, Interval(1, None, integer=True))
         validate("--prox-mu", c.prox_mu, Interval(0, None))

@@ -485,7 +485,7 @@ class Engine:
         clients, then the server's ``c``); the head is aggregated by ``aggregator`` as without it. Clients with
         no sample do not train and count as not participating."""
         self._check_scaffold(theta, scaffold)
-        acc = Accumulator(aggregator, tuple(theta.shape), self.device)
+        acc = Accumulator(aggregator, theta)
         stats = RoundStats()
         active = [int(k) for k in selected if len(self.data.parts[k]) > 0]
         for b in range(0, len(active), self.block_clients):
@@ -503,7 +503,7 @@ class Engine:
         if stats.clients == 0:
             return theta.clone(), stats
         t1 = time.perf_counter()
-        out = acc.finish(theta)
+        out = acc.finish()
         if scaffold is not None:
             scaffold.server_update()
         if self.device.type == "cuda":

@@ -21,6 +21,7 @@ import torch
 from extract.store import Features, load_store
 from . import __version__
 from .config import TrainConfig
+from .aggregate import create_aggregator
 from .engine import ClientSet, Engine, LocalConfig, OptimConfig, evaluate
 from .errors import FedheadError, unknown_name
 from .central import central_reference, first_reach
@@ -343,6 +344,7 @@ def _run_locked(cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, s
                     start = int(ckpt["round"]) + 1
                     server.load_state_dict(ckpt.get("server", {}), device)
                 head_bytes = theta.numel() * theta.element_size()
+                msg_bytes = create_aggregator(cfg.aggregate).nbytes(theta)
                 rtask = prog.add_task(f"seed {seed} {vname} {part}", total=last_round, completed=start - 1,
                                       info="") if progress else None
                 for rnd in range(start, last_round + 1):
@@ -367,11 +369,12 @@ def _run_locked(cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, s
                         t0 = time.perf_counter()
                         theta = server.step(prev, theta)
                         server_s = st.server_s + time.perf_counter() - t0
-                        mult = server.transfer_multiplier()
+                        down = server.transfer_multiplier() * head_bytes      # SCAFFOLD's c travels too
+                        up = down - head_bytes + msg_bytes                      # the rule's message (+ c_k delta)
                         row = {"stage": head.stage(rnd), "train_loss": st.loss_sum / max(1, st.clients),
                                "client_ms": 1000 * st.compute_s / max(1, st.clients), "server_ms": 1000 * server_s,
-                               "bytes_up_per_client": mult * head_bytes + extra_up,
-                               "bytes_total": nsel * 2 * mult * head_bytes + stats_bytes,
+                               "bytes_up_per_client": up + extra_up,
+                               "bytes_total": nsel * (up + down) + stats_bytes,
                                "clients_trained": st.clients}
                     evaluate_now = rnd % cfg.eval_every == 0 or rnd == last_round
                     acc = evaluate(theta, xt if not is_closed_form(cfg.head) else _with_ones(raw_test, device),

@@ -106,10 +106,10 @@ def test_accumulator_in_blocks_equals_pure_function(kind):
     holds = torch.rand(7, 3, generator=g) > 0.5
     holds[:, 2] = False
     prev = torch.randn(3, 5, generator=g)
-    acc = Accumulator(kind, (3, 5), torch.device("cpu"))
+    acc = Accumulator(kind, prev)
     for b in range(0, 7, 3):
         acc.add(stacked[b:b + 3], sizes[b:b + 3], holds[b:b + 3])
-    got = acc.finish(prev)
+    got = acc.finish()
     want = fedavg(stacked, sizes) if kind == "fedavg" else grouped(stacked, holds, prev)
     assert torch.allclose(got, want, atol=1e-6)
 

@@ -41,8 +41,9 @@ from ..partitions import class_counts  # noqa: E402
 from ..train import FeatureStats, build_federation, noise_dataset_name, prepare  # noqa: E402
 from ..util import resolve_device  # noqa: E402
 from ..closedform import client_stats  # noqa: E402
-from .common import (check_fingerprint, client_stats_record, config_from_json, crash_rounds,  # noqa: E402
-                     store_fingerprint)
+from .common import (MESSAGE_PREFIX, check_fingerprint, client_stats_record, config_from_json,  # noqa: E402
+                     crash_rounds, store_fingerprint)
+from ..aggregate import Accumulator  # noqa: E402
 
 _STORES: dict[str, Features] = {}
 _LOCAL: dict[tuple, "LocalData"] = {}
@@ -222,7 +223,10 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
                 torch.cuda.synchronize()
             ms = 1000 * (time.perf_counter() - t0)
             w, holds, loss = ws[0], hs[0], float(losses[0])
-        arrays = ArrayRecord({"head": Array(w.detach().cpu().numpy()),
+        # the aggregation rule's message (fedavg: n_k W_k), the simulator's Accumulator.message for one client
+        sent = Accumulator(cfg.aggregate, theta).message(w[None], torch.tensor([float(n)], device=w.device),
+                                                         holds[None].to(w.device))
+        arrays = ArrayRecord({**{MESSAGE_PREFIX + k: Array(v[0].detach().cpu().numpy()) for k, v in sent.items()},
                               "holds": Array(holds.cpu().numpy().astype(np.uint8))})
         metrics = MetricRecord({"partition-id": ns.pid, "num-examples": int(n), "train-loss": loss,
                                 "client-ms": ms})

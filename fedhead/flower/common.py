@@ -23,6 +23,7 @@ from ..config import TrainConfig
 from ..errors import FedheadError
 
 INSTALL_HINT = "pip install 'fedhead[flower]'"
+MESSAGE_PREFIX = "msg."      # a train reply's arrays: the aggregation rule's message tensors under "msg.<key>"
 
 # run-config keys (pyproject [tool.flwr.app.config]) <-> TrainConfig fields. An empty string means
 # "not given" (the recipe's value, or TrainConfig's default).

@@ -42,7 +42,7 @@ from flwr.serverapp import Grid  # noqa: E402
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
 from extract.store import Features  # noqa: E402
-from ..aggregate import Accumulator  # noqa: E402
+from ..aggregate import Accumulator, create_aggregator  # noqa: E402
 from ..config import TrainConfig  # noqa: E402
 from ..engine import evaluate  # noqa: E402
 from ..errors import FedheadError  # noqa: E402
@@ -55,7 +55,7 @@ from ..train import (CHECKPOINT, PAUSE_ENV, FeatureStats, ServerUpdate, prepare,
                      statistics_row, summarize)
 from .common import client_stats_from_record  # noqa: E402
 from ..util import atomic_torch_save, pause_hook, raise_if_stopped, resolve_device  # noqa: E402
-from .common import ServerStopped, config_to_json, stop_after, store_fingerprint  # noqa: E402
+from .common import MESSAGE_PREFIX, ServerStopped, config_to_json, stop_after, store_fingerprint  # noqa: E402
 
 LOG = logging.getLogger("flwr")
 FLOWER_ROUND_FIELDS = ROUND_FIELDS + ["run", "partition", "clients_trained", "failures", "failed_clients",
@@ -201,14 +201,15 @@ class FedheadStrategy(Strategy):
             return None, MetricRecord({"clients-trained": 0, "failures": len(self.last.failed)})
         good.sort(key=lambda t: t[0])             # partition order = the simulator's order
         t0 = time.perf_counter()
-        heads = torch.stack([torch.as_tensor(r.content["arrays"]["head"].numpy(), dtype=torch.float32)
-                             for _, r in good]).to(self.device)
+        keys = sorted(k for k in good[0][1].content["arrays"].keys() if k.startswith(MESSAGE_PREFIX))
+        msg = {k[len(MESSAGE_PREFIX):]: torch.stack([torch.as_tensor(r.content["arrays"][k].numpy())
+                                                     for _, r in good]).to(self.device) for k in keys}
         holds = torch.stack([torch.as_tensor(r.content["arrays"]["holds"].numpy()).bool()
                              for _, r in good]).to(self.device)
         sizes = torch.as_tensor([int(r.content["metrics"]["num-examples"]) for _, r in good], device=self.device)
-        acc = Accumulator(self.cfg.aggregate, tuple(self.theta.shape), self.device)
-        acc.add(heads, sizes, holds)
-        theta = self.server.step(self.theta, acc.finish(self.theta))
+        acc = Accumulator(self.cfg.aggregate, self.theta)      # the simulator's sums of the same messages
+        acc.add_message(msg, sizes, holds)
+        theta = self.server.step(self.theta, acc.finish())
         self.last.server_s = time.perf_counter() - t0
         self.last.trained = len(good)
         self.last.loss_sum = float(sum(float(r.content["metrics"]["train-loss"]) for _, r in good))
@@ -393,6 +394,7 @@ class FedheadStrategy(Strategy):
                 realised[f"{seed}:main"] = flipped / total if total else 0.0
             xt = prepare(self.store.test_x, self.stats, self.device)
             head_bytes = self.theta.numel() * self.theta.element_size()
+            msg_bytes = create_aggregator(cfg.aggregate).nbytes(self.theta)
             for rnd in range(start, rounds + 1):
                 extra_up = self.stats.bytes_up_per_client if rnd == 1 else 0
                 extra_down = self.stats.bytes_down_per_client if rnd == 1 else 0
@@ -422,8 +424,9 @@ class FedheadStrategy(Strategy):
                     lr = self.last
                     row = {"stage": self.head.stage(rnd), "train_loss": lr.loss_sum / max(1, lr.trained),
                            "client_ms": float(np.mean(lr.client_ms)) if lr.client_ms else 0.0,
-                           "server_ms": 1000 * lr.server_s, "bytes_up_per_client": head_bytes + extra_up,
-                           "bytes_total": len(self._selected) * 2 * head_bytes + stats_clients * (extra_up + extra_down),
+                           "server_ms": 1000 * lr.server_s, "bytes_up_per_client": msg_bytes + extra_up,
+                           "bytes_total": len(self._selected) * (msg_bytes + head_bytes)
+                           + stats_clients * (extra_up + extra_down),
                            "clients_trained": lr.trained}
                 evaluate_now = rnd % cfg.eval_every == 0 or rnd == rounds
                 acc = evaluate(self.theta, xt, y_test) if evaluate_now else float("nan")
