@@ -503,18 +503,37 @@ class ServerUpdate:
 def ccvr_round(head, theta: torch.Tensor, x: torch.Tensor, labels: np.ndarray, parts: list[np.ndarray],
                num_classes: int, cfg: TrainConfig, seed: int, xt: torch.Tensor, y_test: torch.Tensor, rnd: int):
     """CCVR after the last round: every client sends per-class means, covariances and counts of its (prepared)
-    features once; the server pools them, samples virtual features and retrains the head on them."""
-    from .ccvr import PooledStats, client_class_stats, retrain_head, sample_virtual
+    features once (:func:`ccvr_client_stats`); the server pools them in client order, samples virtual features
+    and retrains the head on them (:func:`ccvr_calibrate`). The Flower strategy runs the same two halves."""
+    from .ccvr import PooledStats
 
-    feats = x[:, :-1].cpu().numpy()
     t0 = time.perf_counter()
-    pooled = PooledStats(num_classes, feats.shape[1])
+    pooled = PooledStats(num_classes, x.shape[1] - 1)
     up = 0
     for p in parts:
         if len(p):
-            cs = client_class_stats(feats[p], labels[p], num_classes)
+            cs = ccvr_client_stats(x, labels, p, num_classes)
             up += cs.nbytes()
             pooled.add(cs)
+    return ccvr_calibrate(head, theta, pooled, cfg, seed, xt, y_test, rnd, len(parts), up, time.perf_counter() - t0)
+
+
+def ccvr_client_stats(x: torch.Tensor, labels: np.ndarray, part: np.ndarray, num_classes: int):
+    """CCVR's client half: the :class:`fedhead.ccvr.ClassStats` one client sends, of its samples ``part`` of the
+    prepared features ``x [N, D+1]`` (the trailing 1 dropped) with their (possibly noisy) ``labels [N]``."""
+    from .ccvr import client_class_stats
+
+    idx = torch.as_tensor(np.asarray(part, dtype=np.int64), device=x.device)
+    return client_class_stats(x.index_select(0, idx)[:, :-1], np.asarray(labels)[part], num_classes)
+
+
+def ccvr_calibrate(head, theta: torch.Tensor, pooled, cfg: TrainConfig, seed: int, xt: torch.Tensor,
+                   y_test: torch.Tensor, rnd: int, num_clients: int, bytes_up: int, client_s: float):
+    """CCVR's server half: ``pooled`` (a :class:`fedhead.ccvr.PooledStats` holding the statistics of all
+    ``num_clients`` clients, ``bytes_up`` bytes in all, ``client_s`` seconds to compute them) gives the virtual
+    features the head is retrained on; returns the new head and the ``ccvr`` row of rounds.csv (round ``rnd``)."""
+    from .ccvr import retrain_head, sample_virtual
+
     t1 = time.perf_counter()
     counts, means, covs = pooled.finish()
     xv, yv = sample_virtual(counts, means, covs, cfg.ccvr_samples, seed)
@@ -522,10 +541,11 @@ def ccvr_round(head, theta: torch.Tensor, x: torch.Tensor, labels: np.ndarray, p
     new = retrain_head(theta, head, xv_t, torch.as_tensor(yv, device=theta.device), seed=seed)
     t2 = time.perf_counter()
     acc = evaluate(new, xt, y_test)
-    k = len(parts)
+    k = num_clients
     return new, {"round": rnd, "stage": "ccvr", "accuracy": acc, "train_loss": float("nan"),
-                 "client_ms": 1000 * (t1 - t0) / max(1, k), "server_ms": 1000 * (t2 - t1),
-                 "bytes_up_per_client": up / max(1, k), "bytes_total": up + k * theta.numel() * theta.element_size(),
+                 "client_ms": 1000 * client_s / max(1, k), "server_ms": 1000 * (t2 - t1),
+                 "bytes_up_per_client": bytes_up / max(1, k),
+                 "bytes_total": bytes_up + k * theta.numel() * theta.element_size(),
                  "ratio_to_iid": None, "clients_trained": 0}
 
 

@@ -271,7 +271,11 @@ def test_statistics_exchange_matches_fedhead_train(store, tmp_path, kw):
                                torch.load(tmp_path / "train" / "head-seed0.pt"), atol=1e-5, rtol=1e-5)
 
 
-def test_scaffold_and_ccvr_are_refused_on_flower(store, tmp_path):
-    for kw, flag in ((dict(scaffold=True), "--scaffold"), (dict(calibrate="ccvr"), "--calibrate")):
+def test_bad_scaffold_and_ccvr_options_are_refused_by_the_server_app(store, tmp_path):
+    """SCAFFOLD and CCVR run on Flower (tests/test_flower_scaffold_ccvr.py); the ServerApp refuses what
+    `fedhead train` refuses, before round 1."""
+    for kw, flag in ((dict(scaffold=True, optimizer="adamw"), "--scaffold"),
+                     (dict(head="ridge", calibrate="ccvr"), "--calibrate")):
         with pytest.raises(FedheadError, match=flag):
             local_run(cfg_of(store, **kw), tmp_path / flag.strip("-"))
+        assert not (tmp_path / flag.strip("-") / "rounds.csv").exists()

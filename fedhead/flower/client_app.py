@@ -13,6 +13,14 @@ Node config (``flower-supernode --node-config``; Flower's simulation sets the la
 Local training is the simulator's own code: ``Engine.train_block(theta, [partition-id], seed, round)``, whose
 batch order is keyed by (seed, round, client, epoch), so a Flower client reproduces the simulated client's
 update. The store is read once per process and cached (module-level cache keyed by path).
+
+SCAFFOLD (``--scaffold``): the node keeps its control variate ``c_k`` in Flower's ``Context.state`` (record
+``fedhead-scaffold``, which persists on the node between the messages of one Flower run) and trains with a
+one-client :class:`fedhead.engine.ScaffoldState` built from it and the server's ``c``; it replies with its head
+and its delta ``c_k+ - c_k``. It keeps two versions, by the tags the server gives: the variate the round started
+from and the one it ended with, so the server (which names the version whose delta it applied last) and the node
+agree even when a reply is lost. CCVR (``--calibrate ccvr``): the ``query.ccvr`` message returns
+:func:`fedhead.train.ccvr_client_stats` of the node's prepared features (:meth:`fedhead.ccvr.ClassStats.to_bytes`).
 """
 
 from __future__ import annotations
@@ -29,16 +37,16 @@ from .common import require_flower
 require_flower()
 
 import torch  # noqa: E402
-from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 
 from extract.store import Features, load_store  # noqa: E402
-from ..engine import ClientSet, Engine, LocalConfig, OptimConfig  # noqa: E402
+from ..engine import ClientSet, Engine, LocalConfig, OptimConfig, ScaffoldState  # noqa: E402
 from ..errors import FedheadError  # noqa: E402
 from ..heads import create_head  # noqa: E402
 from ..noise import apply_noise  # noqa: E402
 from ..partitions import class_counts  # noqa: E402
-from ..train import FeatureStats, build_federation, noise_dataset_name, prepare  # noqa: E402
+from ..train import FeatureStats, build_federation, ccvr_client_stats, noise_dataset_name, prepare  # noqa: E402
 from ..util import resolve_device  # noqa: E402
 from ..closedform import client_stats  # noqa: E402
 from .common import (MESSAGE_PREFIX, check_fingerprint, client_stats_record, config_from_json,  # noqa: E402
@@ -47,6 +55,7 @@ from ..aggregate import Accumulator  # noqa: E402
 
 _STORES: dict[str, Features] = {}
 _LOCAL: dict[tuple, "LocalData"] = {}
+VARIATES = "fedhead-scaffold"      # Context.state record: this node's SCAFFOLD c_k, by version tag
 
 
 @dataclass
@@ -196,8 +205,30 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
             m = client_stats(store.train_x[ld.mine], ld.labels[ld.mine], store.info.num_classes, solver.needs_gram)
             metrics["stats-ms"] = 1000 * (time.perf_counter() - t0)
             arrays.update(client_stats_record(m))
-        return Message(RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics)}),
-                       reply_to=msg)
+        content = {"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics)}
+        if cfg.scaffold:               # the server checks, on (re)connecting, that the node still holds its c_k
+            held = context.state.get(VARIATES)
+            content["config"] = ConfigRecord({"scaffold-tags": " ".join(held.keys() if held is not None else [])})
+        return Message(RecordDict(content), reply_to=msg)
+
+    @app.query("ccvr")
+    @_fedhead_errors
+    def ccvr(msg: Message, context: Context) -> Message:
+        c = msg.content["config"]
+        cfg = config_from_json(str(c["train-config"]))
+        ns = node_settings(context, default_store)
+        ld = local_data(ns, cfg, int(c["seed"]))
+        if int(c["round"]) in crash_rounds(ns.pid):
+            raise RuntimeError(f"injected crash of partition {ns.pid} in round {c['round']} (FEDHEAD_FLOWER_CRASH)")
+        t0 = time.perf_counter()
+        blob = b""
+        if len(ld.mine):
+            x = ld.engine(cfg, _feature_stats(c)).data.x
+            blob = ccvr_client_stats(x, ld.labels, ld.mine, ld.store.info.num_classes).to_bytes()
+        arrays = ArrayRecord({"ccvr-stats": Array(np.frombuffer(blob, dtype=np.uint8).copy())})
+        metrics = MetricRecord({"partition-id": ns.pid, "num-examples": int(len(ld.mine)),
+                                "client-ms": 1000 * (time.perf_counter() - t0)})
+        return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
 
     @app.train()
     @_fedhead_errors
@@ -209,16 +240,23 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
         ld = local_data(ns, cfg, seed)
         if rnd in crash_rounds(ns.pid):
             raise RuntimeError(f"injected crash of partition {ns.pid} in round {rnd} (FEDHEAD_FLOWER_CRASH)")
-        mean = np.asarray(c["stats-mean"], dtype=np.float64) if "stats-mean" in c else None
-        stats = FeatureStats(mean, float(c["stats-scale"]), 0, 0)
+        stats = _feature_stats(c)
         theta = torch.as_tensor(msg.content["arrays"]["head"].numpy(), dtype=torch.float32, device=ld.device)
         n = len(ld.mine)
+        scaffold = None
+        if cfg.scaffold and n > 0:
+            scaffold = _node_variate(msg, context, ns.pid, theta)
+            if scaffold is None:            # the server names a c_k this node no longer holds (it restarted)
+                return Message(RecordDict({"metrics": MetricRecord({"partition-id": ns.pid, "num-examples": int(n),
+                                                                    "scaffold-lost": 1})}), reply_to=msg)
+            start = scaffold.ck[0].clone()
         if n == 0:
             w, holds, loss, ms = theta, torch.zeros(theta.shape[0], dtype=torch.bool), 0.0, 0.0
         else:
             eng = ld.engine(cfg, stats)
             t0 = time.perf_counter()
-            ws, sizes, hs, losses = eng.train_block(theta, [ns.pid], seed, rnd, prox_mu=cfg.prox_mu)
+            ws, sizes, hs, losses = eng.train_block(theta, [ns.pid], seed, rnd, prox_mu=cfg.prox_mu,
+                                                    scaffold=scaffold)
             if ld.device.type == "cuda":
                 torch.cuda.synchronize()
             ms = 1000 * (time.perf_counter() - t0)
@@ -228,11 +266,45 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
                                                          holds[None].to(w.device))
         arrays = ArrayRecord({**{MESSAGE_PREFIX + k: Array(v[0].detach().cpu().numpy()) for k, v in sent.items()},
                               "holds": Array(holds.cpu().numpy().astype(np.uint8))})
+        if scaffold is not None:
+            # one client's pending sum is its delta c_k+ - c_k (float32 values, exact in float32)
+            arrays["scaffold-delta"] = Array(scaffold.pending.to(torch.float32).cpu().numpy())
+            _keep_variates(context, str(c["scaffold-in"]), start, str(c["scaffold-out"]), scaffold.ck[0])
         metrics = MetricRecord({"partition-id": ns.pid, "num-examples": int(n), "train-loss": loss,
                                 "client-ms": ms})
         return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
 
     return app
+
+
+def _feature_stats(c) -> FeatureStats:
+    """The federated feature mean/scale a train or ccvr message carries."""
+    mean = np.asarray(c["stats-mean"], dtype=np.float64) if "stats-mean" in c else None
+    return FeatureStats(mean, float(c["stats-scale"]), 0, 0)
+
+
+def _node_variate(msg: Message, context: Context, pid: int, theta: torch.Tensor) -> ScaffoldState | None:
+    """This node's one-client SCAFFOLD state: the server's ``c`` (sent with the head) and the ``c_k`` kept under
+    the tag the server names (``''``: the zero variate SCAFFOLD starts from); None when that version is gone."""
+    tag = str(msg.content["config"]["scaffold-in"])
+    c = torch.as_tensor(msg.content["arrays"]["scaffold-c"].numpy(), dtype=theta.dtype, device=theta.device)
+    held = context.state.get(VARIATES)
+    if not tag:
+        ck = None
+    elif held is not None and tag in held:
+        ck = torch.as_tensor(held[tag].numpy(), dtype=theta.dtype, device=theta.device)[None]
+    else:
+        return None
+    return ScaffoldState.held_by([pid], c, ck)
+
+
+def _keep_variates(context: Context, tag_in: str, start: torch.Tensor, tag_out: str, end: torch.Tensor) -> None:
+    """Keep the variate the round started from and the one it ended with (older versions are dropped): the
+    server's next message names the second if it applied this round's delta, the first if the reply was lost."""
+    keep = {tag_out: Array(end.detach().cpu().numpy())}
+    if tag_in:
+        keep[tag_in] = Array(start.detach().cpu().numpy())
+    context.state[VARIATES] = ArrayRecord(keep)
 
 
 def _json(v):

@@ -10,6 +10,14 @@ Protocol (message types, all in one run):
 ``train``  server -> the round's sampled nodes: the global head ``[C, D+1]`` plus the round, seed, stage and the
            federated mean/scale. The node trains locally and replies with its head, ``num-examples``,
            class holds (for the ``grouped`` aggregator), its mean local loss and its compute time.
+           SCAFFOLD (``--scaffold``): the server's ``c`` travels with the head (``scaffold-c``) and the config
+           names the version of the node's own ``c_k`` to train from (``scaffold-in``, ``''`` = zeros) and the tag
+           to keep the new one under (``scaffold-out``); the node replies with its delta ``c_k+ - c_k``
+           (``scaffold-delta``), or with ``scaffold-lost`` when it no longer holds that version. The ``query``
+           reply lists the versions a node holds (``scaffold-tags``).
+``query.ccvr``  server -> every node, once after the last round (``--calibrate ccvr``): the node replies with
+           :func:`fedhead.train.ccvr_client_stats` of its prepared features as
+           :meth:`fedhead.ccvr.ClassStats.to_bytes` (``ccvr-stats``, uint8).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ RUN_CONFIG_FIELDS = {
     "noise-rate": "noise_rate", "asym-map": "asym_rule", "backend": "backend", "device": "device",
     "eval-every": "eval_every", "init": "init", "init-scale": "init_scale", "prox-mu": "prox_mu",
     "server-opt": "server_opt", "server-lr": "server_lr", "server-momentum": "server_momentum",
-    "server-tau": "server_tau",
+    "server-tau": "server_tau", "scaffold": "scaffold", "calibrate": "calibrate", "ccvr-samples": "ccvr_samples",
 }
 
 # The test hooks (documented in DEPLOY.md): make a client raise in a given round, stop the server after a

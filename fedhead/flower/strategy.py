@@ -13,7 +13,14 @@
   round and ``resume`` after a server restart;
 - faults: a node that raises or does not answer within ``round_timeout`` is recorded as a failure of that
   round and the round completes with the others; a node without a store or with a store from another
-  encoder refuses the run before round 1 and the server stops with that node's one-line error.
+  encoder refuses the run before round 1 and the server stops with that node's one-line error;
+- SCAFFOLD: the server's ``c`` (and ``N``) in the simulator's :class:`fedhead.engine.ScaffoldState`, sent with the
+  head; each node keeps its own ``c_k`` in Flower's ``Context.state`` and returns its delta, which the server adds
+  and applies with the simulator's rule (:class:`NodeVariates` keeps which version of ``c_k`` each node must
+  train from; a node that lost its ``c_k`` restarts SCAFFOLD from zero variates everywhere);
+- CCVR: after the last round one ``query.ccvr`` exchange with every node (the simulator's
+  :func:`fedhead.train.ccvr_client_stats` there), pooled in partition order and calibrated by
+  :func:`fedhead.train.ccvr_calibrate`.
 
 :meth:`FedheadStrategy.start` replaces :meth:`flwr.serverapp.strategy.Strategy.start` (which always starts
 at round 1) so that the query exchange, checkpoints and resume fit around the same configure/aggregate calls.
@@ -25,7 +32,7 @@ import json
 import logging
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Iterable
@@ -44,10 +51,11 @@ from flwr.serverapp.strategy import Strategy  # noqa: E402
 from extract.store import Features  # noqa: E402
 from ..aggregate import Accumulator, create_aggregator  # noqa: E402
 from ..config import TrainConfig  # noqa: E402
-from ..engine import evaluate  # noqa: E402
+from ..ccvr import ClassStats, PooledStats  # noqa: E402
+from ..engine import ScaffoldState, evaluate  # noqa: E402
 from ..errors import FedheadError  # noqa: E402
 from ..heads import create_head, resolve_head_params  # noqa: E402
-from ..train import validate_method  # noqa: E402
+from ..train import ccvr_calibrate, validate_method  # noqa: E402
 from ..partitions import resolve_partition_params  # noqa: E402
 from ..rundir import ROUND_FIELDS, default_run_dir, read_csv, write_clients_per_seed, write_config, write_csv, write_summary  # noqa: E402
 from ..closedform import StatsAccumulator, is_closed_form  # noqa: E402
@@ -109,12 +117,6 @@ def validate_server_config(cfg: TrainConfig, store: Features) -> TrainConfig:
     resolve_head_params(cfg.head, **cfg.head_params)
     resolve_partition_params(cfg.partition, **cfg.partition_params)
     validate_method(cfg)
-    if cfg.scaffold:
-        raise FedheadError("The '--scaffold' option is not supported on Flower (its client control variates would "
-                           "have to live on the nodes between rounds). Got True instead. Use 'fedhead train --scaffold'.")
-    if cfg.calibrate != "none":
-        raise FedheadError(f"The '--calibrate' option is not supported on Flower. Got {cfg.calibrate!r} instead. "
-                           "Use 'fedhead train --calibrate ccvr'.")
     if cfg.iid_reference:
         raise FedheadError("The '--iid-reference' option is not supported on Flower. Got True instead. "
                            "Run the IID reference with 'fedhead train --iid-reference'.")
@@ -122,6 +124,36 @@ def validate_server_config(cfg: TrainConfig, store: Features) -> TrainConfig:
         raise FedheadError(f"The 'feature-store' of the server ({cfg.features!r}) has an empty test split, "
                            "which central evaluation needs. Extract the test images into it.")
     return cfg
+
+
+@dataclass
+class NodeVariates:
+    """The server's record of SCAFFOLD's client variates, which live on the nodes (their ``Context.state``).
+
+    ``accepted[k]`` is the round whose delta of partition ``k`` the server applied last (0: none, the zero
+    variate SCAFFOLD starts from); the train message names that version of ``c_k`` (:meth:`tag`) and the one the
+    node is to keep after training, so a node whose reply was lost (its delta never applied) trains again from
+    the version the server's ``c`` counts. ``generation`` changes the tags when SCAFFOLD restarts (``restarts``:
+    the rounds where it did)."""
+
+    identity: str
+    seed: int
+    accepted: np.ndarray                              # [N] int64
+    generation: int = 0
+    restarts: list = field(default_factory=list)
+
+    def tag(self, rnd: int) -> str:
+        return f"{self.identity}/{self.seed}/{self.generation}/{int(rnd)}" if rnd else ""
+
+    def lost(self, pid: int, reply: Message) -> bool:
+        """Whether the query reply of partition ``pid`` shows that its node no longer holds the ``c_k`` it needs."""
+        if not self.accepted[pid]:
+            return False
+        held = str(reply.content["config"]["scaffold-tags"]).split() if "config" in reply.content else []
+        return self.tag(self.accepted[pid]) not in held
+
+    def state_dict(self) -> dict:
+        return {"accepted": self.accepted.copy(), "generation": self.generation, "restarts": list(self.restarts)}
 
 
 class FedheadStrategy(Strategy):
@@ -141,7 +173,30 @@ class FedheadStrategy(Strategy):
         closed = is_closed_form(cfg.head)
         self.solver = create_head(cfg.head if closed else cfg.init, **cfg.head_params) \
             if (closed or cfg.init) else None
-        self.server = ServerUpdate(cfg, (store.info.num_classes, store.test_x.shape[1] + 1), self.device)
+        self.server = self.server_update()
+        self.variates: NodeVariates | None = None   # SCAFFOLD: which c_k each node trains from
+        self.lost_variates: str | None = None       # SCAFFOLD: why it must restart before the next round
+
+    def server_update(self) -> ServerUpdate:
+        """The simulator's :class:`fedhead.train.ServerUpdate` for one seed (server optimiser, SCAFFOLD's ``c``).
+        The clients' variates live on their nodes: the server's SCAFFOLD state holds ``c`` and ``N`` only."""
+        shape = (self.store.info.num_classes, self.store.test_x.shape[1] + 1)
+        server = ServerUpdate(replace(self.cfg, scaffold=False), shape, self.device)   # no [N, C, D+1] here
+        if self.cfg.scaffold:
+            server.scaffold = ScaffoldState.held_by([], torch.zeros(shape, device=self.device),
+                                                    num_clients=self.cfg.clients)
+        return server
+
+    def restart_variates(self, rnd: int, why: str) -> None:
+        """SCAFFOLD from zero variates everywhere (``c = 0``; every node's next tag names the zero variate): the
+        only state that keeps ``c`` the mean of the ``c_k`` once a node has lost its own."""
+        v = self.variates
+        LOG.log(WARNING, "[fedhead] SCAFFOLD restarts from zero control variates at round %s: %s", rnd, why)
+        self.server.scaffold.c.zero_()
+        self.server.scaffold.pending.zero_()
+        v.accepted[:] = 0
+        v.generation += 1
+        v.restarts.append(int(rnd))
 
     # ---------------------------------------------------------------- Strategy interface
 
@@ -167,13 +222,20 @@ class FedheadStrategy(Strategy):
         cfg_rec = self._round_config(server_round)
         for k, v in config.items():
             cfg_rec[k] = v
+        scaffold = self.server.scaffold
+        if scaffold is not None:                  # SCAFFOLD: the server's c travels with the head
+            arrays = ArrayRecord({**dict(arrays.items()), "scaffold-c": Array(scaffold.c.cpu().numpy())})
         msgs = []
         for pid in self._selected:
             node = self.node_of.get(pid)
             if node is None:
                 self.last.failed[pid] = "no connected SuperNode has this partition id"
                 continue
-            msgs.append(Message(RecordDict({"arrays": arrays, "config": cfg_rec}), dst_node_id=node,
+            rec = cfg_rec
+            if scaffold is not None:              # which c_k to train from, and under which tag to keep the result
+                rec = ConfigRecord({**dict(cfg_rec.items()), "scaffold-in": self.variates.tag(self.variates.accepted[pid]),
+                                    "scaffold-out": self.variates.tag(server_round)})
+            msgs.append(Message(RecordDict({"arrays": arrays, "config": rec}), dst_node_id=node,
                                 message_type=MessageType.TRAIN, group_id=str(server_round)))
         return msgs
 
@@ -191,6 +253,11 @@ class FedheadStrategy(Strategy):
                 self.last.failed[pid] = _short(r.error.reason)
                 continue
             m = r.content["metrics"]
+            if int(m.get("scaffold-lost", 0)):
+                self.last.failed[pid] = ("the node no longer holds its SCAFFOLD control variate (restarted?); "
+                                         "SCAFFOLD restarts from zero variates next round")
+                self.lost_variates = f"the node of partition {pid} no longer held its control variate"
+                continue
             if int(m["num-examples"]) == 0:
                 continue                          # an empty client is skipped, as in the simulator
             good.append((pid, r))
@@ -209,7 +276,14 @@ class FedheadStrategy(Strategy):
         sizes = torch.as_tensor([int(r.content["metrics"]["num-examples"]) for _, r in good], device=self.device)
         acc = Accumulator(self.cfg.aggregate, self.theta)      # the simulator's sums of the same messages
         acc.add_message(msg, sizes, holds)
-        theta = self.server.step(self.theta, acc.finish())
+        aggregated = acc.finish()
+        if self.server.scaffold is not None:      # the simulator's rule: c += sum of the deltas / N
+            self.server.scaffold.add_deltas(torch.stack([
+                torch.as_tensor(r.content["arrays"]["scaffold-delta"].numpy()) for _, r in good]).to(self.device))
+            self.server.scaffold.server_update()
+            for pid, _ in good:
+                self.variates.accepted[pid] = server_round
+        theta = self.server.step(self.theta, aggregated)
         self.last.server_s = time.perf_counter() - t0
         self.last.trained = len(good)
         self.last.loss_sum = float(sum(float(r.content["metrics"]["train-loss"]) for _, r in good))
@@ -295,10 +369,15 @@ class FedheadStrategy(Strategy):
         except FedheadError as exc:
             LOG.log(WARNING, "a rejoining node was refused: %s", exc)
             return
+        lost = []
         for node, r in replies:
             pid = int(r.content["metrics"]["partition-id"])
             if 0 <= pid < self.cfg.clients:
                 self.node_of[pid] = node
+                if self.variates is not None and self.variates.lost(pid, r):
+                    lost.append(pid)
+        if lost:
+            self.lost_variates = f"the rejoined nodes of partitions {lost} no longer hold their control variates"
 
     def combine_stats(self, info: dict) -> FeatureStats:
         """The server half of :func:`fedhead.train.federated_feature_stats`, in partition order."""
@@ -335,6 +414,45 @@ class FedheadStrategy(Strategy):
             acc.add(m)
         return acc
 
+    def calibrate(self, grid: Grid, rnd: int, xt: torch.Tensor, y_test: torch.Tensor) -> dict:
+        """CCVR after the last round: one ``query.ccvr`` to every node for the class statistics of its prepared
+        features (:func:`fedhead.train.ccvr_client_stats`), pooled in partition order and calibrated by
+        :func:`fedhead.train.ccvr_calibrate`, as the simulator does; returns the ``ccvr`` row (with failures)."""
+        cfg = self.cfg
+        self.refresh_nodes(grid)
+        cr = self._round_config(rnd)
+        msgs = [Message(RecordDict({"config": cr}), dst_node_id=self.node_of[p], message_type="query.ccvr",
+                        group_id="ccvr") for p in range(cfg.clients) if p in self.node_of]
+        got, failed = {}, {p: "no connected SuperNode has this partition id"
+                           for p in range(cfg.clients) if p not in self.node_of}
+        pid_of = {n: p for p, n in self.node_of.items()}
+        for r in grid.send_and_receive(msgs, timeout=self.settings.round_timeout):
+            pid = pid_of.get(r.metadata.src_node_id)
+            if pid is None:
+                continue
+            if r.has_error():
+                failed[pid] = _short(r.error.reason)
+            else:
+                got[pid] = r
+        for p in range(cfg.clients):
+            if p not in got and p not in failed:
+                failed[p] = f"no reply within {self.settings.round_timeout:g} s"
+        pooled = PooledStats(self.store.info.num_classes, self.store.test_x.shape[1])
+        up, client_ms = 0, 0.0
+        for p in sorted(got):                     # partition order = the simulator's order
+            blob = got[p].content["arrays"]["ccvr-stats"].numpy().tobytes()
+            client_ms += float(got[p].content["metrics"]["client-ms"])
+            if blob:
+                pooled.add(ClassStats.from_bytes(blob, pooled.dim))
+                up += len(blob)
+        self.theta, row = ccvr_calibrate(self.head, self.theta, pooled, cfg, self.seed, xt, y_test, rnd,
+                                         cfg.clients, up, client_ms / 1000)
+        lost = sorted(failed)
+        LOG.log(INFO, "[fedhead] seed %s CCVR calibration: accuracy %.4f from %s nodes%s", self.seed, row["accuracy"],
+                len(got), f", {len(lost)} failed ({failed[lost[0]]})" if lost else "")
+        return {"seed": self.seed, **row, "run": "main", "partition": cfg.partition, "failures": len(lost),
+                "failed_clients": " ".join(map(str, lost)), "failure_reason": failed[lost[0]] if lost else ""}
+
     # ---------------------------------------------------------------- the run
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
@@ -365,6 +483,7 @@ class FedheadStrategy(Strategy):
         done: set = set(ckpt["done_seeds"]) if ckpt else set()
         realised: dict = dict(ckpt.get("realised", {})) if ckpt else {}
         client_rows: list = list(ckpt.get("client_rows", [])) if ckpt else []
+        restarts: list = list(ckpt.get("scaffold_restarts", [])) if ckpt else []   # SCAFFOLD: (seed, round)
         wall0 = time.perf_counter() - (ckpt["wall_s"] if ckpt else 0.0)
         C, D = self.store.info.num_classes, self.store.test_x.shape[1]
         y_test = torch.as_tensor(self.store.test_y, device=self.device)
@@ -375,6 +494,10 @@ class FedheadStrategy(Strategy):
             self.seed = seed
             resuming = ckpt is not None and ckpt["current"] == seed
             info = self.connect(grid, need_stats=not resuming)
+            self.server = self.server_update()        # a fresh server optimiser and SCAFFOLD c per seed
+            if cfg.scaffold:
+                self.variates = NodeVariates(cfg.identity(), seed, np.zeros(cfg.clients, dtype=np.int64))
+            self.lost_variates = None
             if resuming:
                 s = ckpt["stats"]
                 self.stats = FeatureStats(None if s["mean"] is None else np.asarray(s["mean"]), s["scale"],
@@ -382,6 +505,15 @@ class FedheadStrategy(Strategy):
                 self.theta = ckpt["theta"].to(self.device)
                 start = int(ckpt["round"]) + 1
                 self.server.load_state_dict(ckpt.get("server", {}), self.device)
+                if self.variates is not None:
+                    v = ckpt["variates"]
+                    self.variates.accepted[:] = v["accepted"]
+                    self.variates.generation = int(v["generation"])
+                    # a resumed server is a new Flower run: its nodes start with an empty Context.state
+                    lost = [p for p in range(cfg.clients) if self.variates.lost(p, info[p])]
+                    if lost:
+                        self.lost_variates = (f"the nodes of partitions {lost} no longer hold their control variates "
+                                              "(the server resumed in a new Flower run)")
             else:
                 self.stats = self.combine_stats(info)
                 self.theta = torch.zeros(C, D + 1, device=self.device)
@@ -395,6 +527,8 @@ class FedheadStrategy(Strategy):
             xt = prepare(self.store.test_x, self.stats, self.device)
             head_bytes = self.theta.numel() * self.theta.element_size()
             msg_bytes = create_aggregator(cfg.aggregate).nbytes(self.theta)
+            down = self.server.transfer_multiplier() * head_bytes      # SCAFFOLD's c travels too
+            up = down - head_bytes + msg_bytes                          # the rule's message (+ the c_k delta)
             for rnd in range(start, rounds + 1):
                 extra_up = self.stats.bytes_up_per_client if rnd == 1 else 0
                 extra_down = self.stats.bytes_down_per_client if rnd == 1 else 0
@@ -417,6 +551,10 @@ class FedheadStrategy(Strategy):
                 else:
                     if rnd > start:
                         self.refresh_nodes(grid)
+                    if self.lost_variates:
+                        self.restart_variates(rnd, self.lost_variates)
+                        restarts.append([seed, rnd])
+                        self.lost_variates = None
                     arrays = ArrayRecord({"head": Array(self.theta.cpu().numpy())})
                     replies = grid.send_and_receive(self.configure_train(rnd, arrays, ConfigRecord(), grid),
                                                     timeout=st.round_timeout)
@@ -424,9 +562,8 @@ class FedheadStrategy(Strategy):
                     lr = self.last
                     row = {"stage": self.head.stage(rnd), "train_loss": lr.loss_sum / max(1, lr.trained),
                            "client_ms": float(np.mean(lr.client_ms)) if lr.client_ms else 0.0,
-                           "server_ms": 1000 * lr.server_s, "bytes_up_per_client": msg_bytes + extra_up,
-                           "bytes_total": len(self._selected) * (msg_bytes + head_bytes)
-                           + stats_clients * (extra_up + extra_down),
+                           "server_ms": 1000 * lr.server_s, "bytes_up_per_client": up + extra_up,
+                           "bytes_total": len(self._selected) * (up + down) + stats_clients * (extra_up + extra_down),
                            "clients_trained": lr.trained}
                 evaluate_now = rnd % cfg.eval_every == 0 or rnd == rounds
                 acc = evaluate(self.theta, xt, y_test) if evaluate_now else float("nan")
@@ -447,12 +584,17 @@ class FedheadStrategy(Strategy):
                                              "up": self.stats.bytes_up_per_client,
                                              "down": self.stats.bytes_down_per_client},
                                    "server": self.server.state_dict(),
+                                   "variates": self.variates.state_dict() if self.variates is not None else None,
+                                   "scaffold_restarts": restarts,
                                    "wall_s": time.perf_counter() - wall0}, ckpt_path)
                 write_csv(run_dir / "rounds.csv", rows, FLOWER_ROUND_FIELDS)
                 pause_hook(PAUSE_ENV, len(rows))
                 raise_if_stopped()          # a signal during `flower simulate`: stop at this consistent point
                 if stop is not None and rnd == stop:
                     raise ServerStopped(f"server stopped after round {rnd} ({'FEDHEAD_FLOWER_STOP_AFTER'})")
+            if cfg.calibrate == "ccvr":
+                rows.append(self.calibrate(grid, rounds + 1, xt, y_test))
+                write_csv(run_dir / "rounds.csv", rows, FLOWER_ROUND_FIELDS)
             ckpt = None
             done.add(seed)
             torch.save(self.theta.cpu(), run_dir / f"head-seed{seed}.pt")
@@ -462,6 +604,8 @@ class FedheadStrategy(Strategy):
         summary = summarize(rows, cfg, realised, time.perf_counter() - wall0)
         summary["runtime"] = "flower"
         summary["failures"] = int(sum(r["failures"] for r in rows))
+        if cfg.scaffold:
+            summary["scaffold_restarts"] = [{"seed": int(s), "round": int(r)} for s, r in restarts]
         write_summary(run_dir, summary)
         if ckpt_path.exists():
             ckpt_path.unlink()
