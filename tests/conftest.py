@@ -31,3 +31,27 @@ def wait_for_pause(marker, proc, timeout: float = 300) -> int:
             raise AssertionError("never reached the pause")
         time.sleep(0.1)
     return int(marker.read_text())
+
+
+def run_example_with_plugin(example: str, plugin: str, store, tmp_path, cli_args: list[str], bench_method: str) -> str:
+    """A README example file run as a user runs it, then its registrations through the CLI (``train``) and
+    ``bench baselines`` via FEDHEAD_PLUGINS; each must exit 0. Returns the example's stdout."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "FEDHEAD_THREADS": "1", "FEDHEAD_NO_PROGRESS": "1", "PYTHONPATH": str(repo)}
+
+    def run(args):
+        r = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=repo, timeout=600)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    out = run([str(repo / example), str(store), str(tmp_path / "ex")])
+    env["FEDHEAD_PLUGINS"] = plugin
+    run(["-m", "cli", "train", "--features", str(store), *cli_args, "--clients", "4", "--rounds", "2",
+         "--out", str(tmp_path / "cli")])
+    run(["-m", "cli", "bench", "baselines", "--features", str(store), "--quick", "--rounds", "2", "--clients", "4",
+         "--methods", bench_method, "--partitions", "iid", "--out", str(tmp_path / "bl")])
+    return out

@@ -5,9 +5,6 @@ fedhead runs in `train`, the CLI, `bench baselines` and Flower."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -106,24 +103,15 @@ def test_unknown_or_malformed_rules_are_one_line_errors():
 def test_readme_method_example_runs_as_written(tiny_store, tmp_path):
     """The README's aggregation-rule example, executed as a user would, then through the CLI and bench baselines
     with FEDHEAD_PLUGINS."""
-    example = REPO / "fedhead" / "examples" / "custom_method.py"
-    assert example.read_text().rstrip("\n") in (REPO / "README.md").read_text()
-    env = {**os.environ, "FEDHEAD_THREADS": "1", "FEDHEAD_NO_PROGRESS": "1", "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, str(example), str(tiny_store), str(tmp_path / "ex")], capture_output=True,
-                       text=True, env=env, cwd=REPO, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert "ratio to central:" in r.stdout
+    from conftest import run_example_with_plugin
+
+    example = "fedhead/examples/custom_method.py"
+    assert (REPO / example).read_text().rstrip("\n") in (REPO / "README.md").read_text()
+    out = run_example_with_plugin(example, "fedhead.examples.custom_method", tiny_store, tmp_path,
+                                  ["--aggregate", "fedexp"], "ova2-fedexp")
+    assert "ratio to central:" in out
     cfg = json.loads((tmp_path / "ex" / "config.json").read_text())["config"]
     assert cfg["aggregate"] == "fedexp"
-    env["FEDHEAD_PLUGINS"] = "fedhead.examples.custom_method"
-    r = subprocess.run([sys.executable, "-m", "cli", "train", "--features", str(tiny_store), "--aggregate", "fedexp",
-                        "--clients", "4", "--rounds", "2", "--out", str(tmp_path / "cli")], capture_output=True,
-                       text=True, env=env, cwd=REPO, timeout=600)
-    assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-m", "cli", "bench", "baselines", "--features", str(tiny_store), "--quick",
-                        "--rounds", "2", "--clients", "4", "--methods", "ova2-fedexp", "--partitions", "iid",
-                        "--out", str(tmp_path / "bl")], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
-    assert r.returncode == 0, r.stderr
 
 
 def test_user_rule_on_flower_equals_train(fedexp, tmp_path):
