@@ -72,6 +72,9 @@ DEMO = "demo --out {out}"
 SCRATCH = "scratch fedavg --dataset imagefolder --data-dir {imgs} --clients 2 --rounds 1 --out {out}"
 DNC = ("scratch dnc --dataset imagefolder --data-dir {imgs} --clients 2 --rounds 1 --prepass-rounds 1 "
        "--feature-epochs 1 --finetune-epochs 1 --out {out}")
+FEDPROX = "scratch fedprox --dataset imagefolder --data-dir {imgs} --clients 2 --rounds 1 --partition iid --out {out}"
+FEDPER, FEDREP, FEDROD, SCAFFOLD = (FEDPROX.replace("fedprox", algo) for algo in ("fedper", "fedrep", "fedrod",
+                                                                                   "scaffold"))
 GRID = "--features {store} --quick --clients 10 --rounds 1 --out {out}"
 ABLATION = "bench ablation " + GRID + " --head ova2 --partition shard-1 --recipe default"
 PARTITIONS = "bench partitions " + GRID + " --partition shard-1"
@@ -303,6 +306,19 @@ CASES = [
     Case(SCRATCH, "--out {file}", "'--out'"),
     Case(SCRATCH, "--out {full}", "'--out'"),
     Case(SCRATCH, "--out {under_file}", "'--out'"),
+    Case(SCRATCH, "--share-fraction -0.1", "'--share-fraction'"),
+    Case(SCRATCH, "--share-fraction 1.5", "'--share-fraction'"),
+    Case(SCRATCH, "--share-fraction nan", "'--share-fraction'"),
+    Case(SCRATCH, "--share-fraction 0.01", "'--share-fraction'", name="--share-fraction 0.01 (empty shared set)"),
+    Case(FEDPROX, "--prox-mu -1", "'--prox-mu'"),
+    Case(FEDPROX, "--prox-mu inf", "'--prox-mu'"),
+    Case(SCRATCH, "--prox-mu 0.1", "'--prox-mu'", name="--prox-mu with fedavg"),
+    Case(FEDPER, "--head-layers 0", "'--head-layers'"),
+    Case(FEDPER, "--head-layers 3", "'--head-layers'", name="--head-layers 3 (cnn has 3 weight layers)"),
+    Case(FEDROD, "--head-layers 1", "'--head-layers'", name="--head-layers with fedrod"),
+    Case(FEDREP, "--body-epochs 0", "'--body-epochs'"),
+    Case(FEDREP, "--local-epochs 2 --body-epochs 2", "'--body-epochs'"),
+    Case(SCAFFOLD, "--optimizer adam", "'--optimizer'", name="scaffold --optimizer adam"),
     # ---- bench ablation
     Case(ABLATION, "--head bogus", "'--head'"),
     Case(ABLATION, "--partition bogus", "'--partition'"),

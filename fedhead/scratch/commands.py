@@ -13,7 +13,8 @@ from ..errors import cli_errors
 
 @cli_errors
 def scratch_cmd(
-    algo: str = typer.Argument(..., help="fedavg | fedova | fedabc | dnc"),
+    algo: str = typer.Argument(..., help="fedavg | fedova | fedabc | dnc | local | fedprox | scaffold | fedper | "
+                               "fedrep | fedrod | lg-fedavg"),
     dataset: str = typer.Option(..., "--dataset", help="mnist | fashion-mnist | cifar10 | cifar100 | tinyimagenet | "
                                  "imagefolder | digits | speech-commands"),
     data_dir: Path = typer.Option(..., "--data-dir", help="Folder holding the dataset."),
@@ -58,13 +59,25 @@ def scratch_cmd(
     finetune_epochs: int = typer.Option(4, "--finetune-epochs", help="dnc: local epochs of fine-tuning rounds."),
     finetune_lr_factor: float = typer.Option(0.5, "--finetune-lr-factor", help="dnc: fine-tuning lr factor."),
     lr_decay: float = typer.Option(0.9, "--lr-decay", help="dnc: lr factor per round after the pre-pass."),
+    share_fraction: float = typer.Option(0.0, "--share-fraction", help="Data sharing (Zhao et al. 2018, as FedOVA "
+                                         "uses it), any algorithm: a random global subset D_s of round(beta x "
+                                         "mean client size) training samples, drawn once per seed, sent once to "
+                                         "every client (bytes counted in round 1) and added to its local data; "
+                                         "beta in [0, 1], 0 = off."),
+    prox_mu: Optional[float] = typer.Option(None, "--prox-mu", help="fedprox: mu of (mu/2)||w - w_global||^2 "
+                                            "(default 0.01; 0 = FedAvg)."),
+    head_layers: Optional[int] = typer.Option(None, "--head-layers", help="fedper / fedrep / lg-fedavg: the head "
+                                              "is the last N weight layers (default 1)."),
+    body_epochs: Optional[int] = typer.Option(None, "--body-epochs", help="fedrep: the last N of --local-epochs "
+                                              "train the body, the others the head (default 1)."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda (cuda uses autocast)."),
     backend: str = typer.Option("vmap", "--backend", help="vmap (fast) | loop (reference, one member at a time)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Run directory (default runs/<time>-scratch-...)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run in --out from its "
                                 "checkpoint (same options; a finished run is reported again)."),
 ):
-    """Train a model from scratch with FedAvg, FedOVA, FedABC or Divide-and-Conquer."""
+    """Train a model from scratch with FedAvg, FedOVA, FedABC, Divide-and-Conquer or FedABC's baselines (local,
+    FedProx, SCAFFOLD, FedPer, FedRep, FedRoD, LG-FedAvg)."""
     from ..rundir import default_run_dir
     from ..util import make_progress, stderr_console, stdout_console
     from .runner import ScratchConfig, run_scratch
@@ -79,7 +92,9 @@ def scratch_cmd(
                         noise_rate=noise_rate, local_test_size=local_test_size, skew=skew,
                         prepass_rounds=prepass_rounds, split_layer=split_layer, split_threshold=split_threshold,
                         divergence=divergence, feature_epochs=feature_epochs, finetune_epochs=finetune_epochs,
-                        finetune_lr_factor=finetune_lr_factor, lr_decay=lr_decay, device=device, backend=backend)
+                        finetune_lr_factor=finetune_lr_factor, lr_decay=lr_decay, share_fraction=share_fraction,
+                        prox_mu=prox_mu, head_layers=head_layers, body_epochs=body_epochs, device=device,
+                        backend=backend)
     if resume and out is None:
         from ..errors import FedheadError
         raise FedheadError("The '--resume' option needs the run directory to continue. Got no --out instead. "
@@ -103,7 +118,8 @@ def scratch_cmd(
         con.print(t)
     if algo == "dnc":
         con.print(f"split layer: {summary['split_layer']} (layers 1..{summary['split_layer']} feature learning)")
-    keys = ["final_accuracy", "last5_accuracy", "last5_pfl_accuracy", "last5_drift_accuracy", "bytes_total"]
+    keys = ["final_accuracy", "last5_accuracy", "last5_pfl_accuracy", "last5_drift_accuracy",
+            "last5_generic_accuracy", "bytes_total"]
     con.print(" ".join(f"{k}={summary[k]:.4f}" if isinstance(summary[k], float) and k != "bytes_total"
                        else f"{k}={summary[k]:.0f}" for k in keys if k in summary))
     if algo == "dnc":

@@ -64,6 +64,24 @@ def nbytes(params: Params, names=None) -> int:
     return int(sum(p.numel() * p.element_size() for n, p in params.items() if names is None or n in names))
 
 
+def flatten(stacked: Params, names: list[str]) -> torch.Tensor:
+    """Member-stacked tensors ``name -> [M, ...]`` -> one ``[M, P]`` matrix (``names`` order)."""
+    return torch.cat([stacked[n].reshape(stacked[n].shape[0], -1) for n in names], dim=1)
+
+
+def unflatten(flat: torch.Tensor, like: Params, names: list[str]) -> Params:
+    """Inverse of :func:`flatten`: ``[M, P]`` -> ``name -> [M, ...]`` shaped as ``like[name]`` (views of ``flat``)."""
+    out, i = {}, 0
+    for n in names:
+        shape = like[n].shape[1:]
+        k = int(np.prod(shape, dtype=np.int64))
+        out[n] = flat[:, i:i + k].reshape(flat.shape[0], *shape)
+        i += k
+    if i != flat.shape[1]:
+        raise FedheadError(f"unflatten: {flat.shape[1]} values for tensors holding {i}.")
+    return out
+
+
 # ---------------------------------------------------------------- optimizers on stacked members
 
 
@@ -160,6 +178,23 @@ def fedabc_loss(out, y, valid, aux):
     return _masked_mean(per, valid)
 
 
+def fedrod_loss(out, y, valid, aux):
+    """FedRoD (linear mode) on a :class:`~fedhead.scratch.models.DualHead` output ``[M, B, 2C]`` = (generic logits
+    g, personalised logits g.detach() + p): the generic head's balanced softmax (Ren et al. 2020: CE of
+    ``g + log n_c``, ``n_c`` the member's local class counts; FL-bench's ``balanced_softmax_loss`` with gamma 1)
+    plus the personalised CE. ``aux['log_counts']`` [M, C] holds ``log n_c`` (-inf for absent classes: they get
+    probability 0 in the generic loss, never a target there)."""
+    m, b, c2 = out.shape
+    c = c2 // 2
+    s = out.float()
+    g = s[..., :c] + aux["log_counts"].unsqueeze(1)
+    yy = y.reshape(-1)
+    bsm = F.cross_entropy(g.reshape(m * b, c), yy, reduction="none").view(m, b)
+    ce = F.cross_entropy(s[..., c:].reshape(m * b, c), yy, reduction="none").view(m, b)
+    per = torch.where(valid, bsm + ce, torch.zeros_like(bsm))   # padding rows may hit a -inf target: dropped
+    return per.sum(1) / valid.float().sum(1).clamp(min=1)
+
+
 # ---------------------------------------------------------------- local training
 
 
@@ -194,24 +229,57 @@ def _autocast(device: torch.device):
     return torch.autocast("cpu", enabled=False)
 
 
+class _GradMods:
+    """FedProx's ``mu (w - w_start)`` and SCAFFOLD's ``c - c_k``, added to each step's gradients (in that order).
+
+    ``mu w_start`` is computed once (the head trainer's ``mu_theta``); with ``mu = 0`` and no offset nothing runs."""
+
+    def __init__(self, train_p: Params, prox_mu: float, grad_offset: Params | None, device):
+        self.mu = float(prox_mu)
+        self.mu_start = {n: p.detach() * self.mu for n, p in train_p.items()} if self.mu else None
+        self.offset = None
+        if grad_offset is not None:
+            missing = sorted(set(train_p) - set(grad_offset))
+            if missing:
+                raise FedheadError(f"grad_offset has no tensor for the trainable parameters {missing}.")
+            self.offset = {n: grad_offset[n].to(device) for n in train_p}
+
+    @torch.no_grad()
+    def apply(self, train_p: Params, grads: Params) -> None:
+        if self.mu:
+            for n, g in grads.items():
+                g.add_(train_p[n], alpha=self.mu).sub_(self.mu_start[n])
+        if self.offset is not None:
+            for n, g in grads.items():
+                g.add_(self.offset[n])
+
+
 def train_members(model: nn.Module, params: Params, member_idx: list[np.ndarray], aux: dict,
                   loss_fn: Callable, *, x_all: torch.Tensor, y_all: torch.Tensor, to_float: Callable,
                   epochs: int, batch_size: int, optim: OptimSpec, rng: np.random.Generator,
-                  trainable: set[str] | None = None, backend: str = "vmap") -> TrainResult:
+                  trainable: set[str] | None = None, backend: str = "vmap", prox_mu: float = 0.0,
+                  grad_offset: Params | None = None) -> TrainResult:
     """Train M members (stacked ``params``) on their own index arrays; returns the trainable params.
 
     Parameters not in ``trainable`` stay fixed (D&C). ``x_all`` / ``y_all`` live on the device.
+
+    ``prox_mu`` (FedProx): each member's objective gets ``(mu/2) ||w - w_start||^2`` over its trainable tensors,
+    added as ``mu (w - w_start)`` to the gradient before the optimizer step (weight decay is the optimizer's, after
+    it), as the head trainer's vectorized backend does (:mod:`fedhead.engine`); ``mu = 0`` runs no extra operation,
+    so FedProx at 0 is FedAvg bit for bit. ``grad_offset`` (SCAFFOLD's ``c - c_k``): ``name -> [M, ...]`` added to
+    every step's gradient of that trainable tensor, after the FedProx term.
     """
     if backend == "loop":
         return _train_loop(model, params, member_idx, aux, loss_fn, x_all=x_all, y_all=y_all,
                            to_float=to_float, epochs=epochs, batch_size=batch_size, optim=optim, rng=rng,
-                           trainable=trainable)
+                           trainable=trainable, prox_mu=prox_mu, grad_offset=grad_offset)
     device = x_all.device
     names = list(params)
     trainable = set(names) if trainable is None else set(trainable)
     train_p = {n: params[n].detach().clone().to(device).requires_grad_(True) for n in names if n in trainable}
     fixed_p = {n: params[n].detach().to(device) for n in names if n not in trainable}
     opt = StackedOptimizer(train_p, optim)
+    mods = _GradMods(train_p, prox_mu, grad_offset, device)
     sched, steps = _schedule(member_idx, epochs, batch_size, rng)
     sched_t = torch.from_numpy(sched).to(device)
     m_count = len(member_idx)
@@ -240,6 +308,7 @@ def train_members(model: nn.Module, params: Params, member_idx: list[np.ndarray]
         losses = loss_fn(out, yb, valid_a, aux_a)
         grads = torch.autograd.grad(losses.sum(), list(train_p.values()), allow_unused=True)
         grads = {n: (g if g is not None else torch.zeros_like(train_p[n])) for n, g in zip(train_p, grads)}
+        mods.apply(train_p, grads)
         opt.step(train_p, grads, active)
         with torch.no_grad():
             if full:
@@ -251,7 +320,7 @@ def train_members(model: nn.Module, params: Params, member_idx: list[np.ndarray]
 
 
 def _train_loop(model, params, member_idx, aux, loss_fn, *, x_all, y_all, to_float, epochs, batch_size,
-                optim, rng, trainable):
+                optim, rng, trainable, prox_mu=0.0, grad_offset=None):
     """Reference backend: one member at a time, same schedule and optimizer maths as the vmap path."""
     outs, losses, steps = [], [], []
     sched, _ = _schedule(member_idx, epochs, batch_size, rng)
@@ -260,8 +329,9 @@ def _train_loop(model, params, member_idx, aux, loss_fn, *, x_all, y_all, to_flo
         aux_m = {k: (v[m:m + 1] if torch.is_tensor(v) else v) for k, v in aux.items()}
         sub = sched[:, m:m + 1]
         sub = sub[(sub >= 0).any(axis=(1, 2))]
+        off_m = None if grad_offset is None else {n: v[m:m + 1] for n, v in grad_offset.items()}
         try:
-            r = _run_fixed(model, one, sub, aux_m, loss_fn, x_all, y_all, to_float, optim, trainable)
+            r = _run_fixed(model, one, sub, aux_m, loss_fn, x_all, y_all, to_float, optim, trainable, prox_mu, off_m)
         except Exception as exc:  # noqa: BLE001 - re-raised with the member named
             raise FedheadError(f"local training failed for member {m}: {type(exc).__name__}: {exc}") from exc
         outs.append(r.params)
@@ -271,12 +341,14 @@ def _train_loop(model, params, member_idx, aux, loss_fn, *, x_all, y_all, to_flo
                        np.array(steps))
 
 
-def _run_fixed(model, params, sched, aux, loss_fn, x_all, y_all, to_float, optim, trainable):
+def _run_fixed(model, params, sched, aux, loss_fn, x_all, y_all, to_float, optim, trainable, prox_mu=0.0,
+               grad_offset=None):
     device = x_all.device
     trainable = set(params) if trainable is None else set(trainable)
     train_p = {n: params[n].detach().clone().to(device).requires_grad_(True) for n in params if n in trainable}
     fixed_p = {n: params[n].detach().to(device) for n in params if n not in trainable}
     opt = StackedOptimizer(train_p, optim)
+    mods = _GradMods(train_p, prox_mu, grad_offset, device)
     total = torch.zeros(1, device=device)
     for t in range(sched.shape[0]):
         idx = torch.from_numpy(sched[t]).to(device)
@@ -289,8 +361,9 @@ def _run_fixed(model, params, sched, aux, loss_fn, x_all, y_all, to_float, optim
         loss = loss_fn(out, y_all[flat].view(idx.shape), valid, aux)
         names = list(train_p)
         grads = torch.autograd.grad(loss.sum(), [train_p[n] for n in names], allow_unused=True)
-        opt.step(train_p, {n: (g if g is not None else torch.zeros_like(train_p[n]))
-                           for n, g in zip(names, grads)}, valid.any(1))
+        grads = {n: (g if g is not None else torch.zeros_like(train_p[n])) for n, g in zip(names, grads)}
+        mods.apply(train_p, grads)
+        opt.step(train_p, grads, valid.any(1))
         total += loss.detach()
     return TrainResult({n: p.detach() for n, p in train_p.items()}, (total / max(sched.shape[0], 1)).cpu(),
                        np.array([sched.shape[0]]))

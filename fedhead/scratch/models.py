@@ -71,8 +71,40 @@ class _Seq(nn.Module):
                     layers.append(nn.Dropout(dropout))
         self.classifier = nn.Sequential(*layers)
 
+    def embed(self, x):
+        """The input of the last linear layer (the representation a head sees)."""
+        z = self.features(x).flatten(1)
+        for m in self.classifier[:-1]:
+            z = m(z)
+        return z
+
     def forward(self, x):
         return self.classifier(self.features(x).flatten(1))
+
+
+class DualHead(nn.Module):
+    """FedRoD's two predictors on one body (Chen & Chao, ICLR 2022; linear mode).
+
+    The wrapped model's own last linear layer is the generic head G; ``p_head`` is a personal linear head of the
+    same shape reading the same representation z. The output ``[..., 2C]`` is the generic logits ``G(z)`` then
+    the personalised logits ``G(z).detach() + P(z.detach())``: the personal head is learnt on top of the generic
+    predictor, and its loss reaches neither G nor the body (as in the authors' pcode ``FedRodWorker``). Parameter
+    names are the wrapped model's plus ``p_head.weight`` / ``p_head.bias``.
+    """
+
+    def __init__(self, base: _Seq):
+        super().__init__()
+        if not isinstance(base, _Seq) or not isinstance(base.classifier[-1], nn.Linear):
+            raise FedheadError("FedRoD needs a model whose last layer is linear (every registered model is).")
+        self.features = base.features
+        self.classifier = base.classifier
+        last = base.classifier[-1]
+        self.p_head = nn.Linear(last.in_features, last.out_features)
+
+    def forward(self, x):
+        z = _Seq.embed(self, x)
+        g = self.classifier[-1](z)
+        return torch.cat([g, g.detach() + self.p_head(z.detach())], dim=-1)
 
 
 @register_model("cnn", "FedOVA/FedAvg CNN: conv16-pool-conv32-pool (5x5, 2x2 pooling) + linear "

@@ -28,14 +28,15 @@ import torch
 from ..errors import FedheadError, Interval, OneOf, param_error, validate
 from ..rundir import acc95_round, mean_std, write_clients, write_config, write_csv, write_rounds, write_summary
 from . import engine as E
-from .algorithms import ALGORITHMS, create_algorithm
+from .algorithms import ALGORITHMS, HEAD_SPLIT, create_algorithm
 from .data import ScratchData, color_skew, grayscale_, load_dataset, subsample
 from .models import MODELS, check_model_input, create_model, weight_layers
 
 
 @dataclass
 class ScratchConfig:
-    algo: str                       # fedavg | fedova | fedabc | dnc
+    algo: str                       # fedavg | fedova | fedabc | dnc | local | fedprox | scaffold | fedper |
+                                    # fedrep | fedrod | lg-fedavg
     dataset: str                    # registered dataset name
     data_dir: str                   # the dataset's folder
     model: str | None = None        # None: the algorithm/dataset default (DEFAULT_MODELS)
@@ -67,6 +68,10 @@ class ScratchConfig:
     finetune_epochs: int = 4        # dnc: local epochs of fine-tuning rounds
     finetune_lr_factor: float = 0.5  # dnc: fine-tuning lr = factor x feature lr
     lr_decay: float = 0.9           # dnc: lr multiplied by this every round after the pre-pass
+    share_fraction: float = 0.0     # data sharing (Zhao et al. 2018): |D_s| = round(beta x mean client size); 0 = off
+    prox_mu: float | None = None    # fedprox: mu of (mu/2)||w - w_global||^2 (None: 0.01; other algorithms: unused)
+    head_layers: int | None = None  # fedper / fedrep / lg-fedavg: the head = the last N weight layers (None: 1)
+    body_epochs: int | None = None  # fedrep: the last N local epochs train the body, the others the head (None: 1)
     device: str = "auto"
     backend: str = "vmap"           # vmap (fast) | loop (reference, one member at a time)
     eval_batch: int = 1000
@@ -87,11 +92,16 @@ ALGO_DEFAULTS = {
                 local_epochs=5, batch_size=64, optimizer="sgd", lr=1e-3, momentum=0.9, weight_decay=0.0,
                 local_test_size=0),
 }
+FEDABC_BASELINES = ("local", "fedprox", "scaffold", "fedper", "fedrep", "fedrod", "lg-fedavg")
+for _a in FEDABC_BASELINES:      # FedABC's comparison set runs at FedABC's protocol (SPEC section 3)
+    ALGO_DEFAULTS[_a] = ALGO_DEFAULTS["fedabc"]
 DEFAULT_MODELS = {  # (algo or "*", dataset) -> model
     ("*", "mnist"): "cnn", ("*", "fashion-mnist"): "cnn", ("*", "cifar10"): "fedabc-convnet",
     ("*", "speech-commands"): "kws-cnn", ("fedabc", "mnist"): "fedabc-mlp", ("fedabc", "fashion-mnist"): "fedabc-mlp",
     ("fedova", "cifar10"): "vgg11", ("dnc", "cifar10"): "vgg9",
+    **{(a, d): "fedabc-mlp" for a in FEDABC_BASELINES for d in ("mnist", "fashion-mnist")},
 }
+PROX_MU_DEFAULT = 0.01           # FL-bench's FedProx default; the FedProx paper tries 0.001 - 1
 FEDABC_MARGINS = {"cifar10": (0.85, 0.2, 0.3, 2.0), "mnist": (0.75, 0.25, 0.3, 2.0),
                   "fashion-mnist": (0.75, 0.25, 0.3, 2.0)}
 FEDABC_LR = {"cifar10": 0.1, "mnist": 0.01, "fashion-mnist": 0.01}
@@ -147,6 +157,21 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
     validate("--backend", c.backend, OneOf(("vmap", "loop")))
     validate("--lr-decay", c.lr_decay, Interval(0, None, closed="neither"))
     validate("--finetune-lr-factor", c.finetune_lr_factor, Interval(0, None, closed="neither"))
+    validate("--share-fraction", c.share_fraction, Interval(0, 1),
+             "Use a fraction of the mean client size in [0, 1], e.g. 0.05 (0 = no shared data).")
+    _algo_option(c, "--prox-mu", "prox_mu", ("fedprox",), PROX_MU_DEFAULT, Interval(0, None),
+                 "Use mu >= 0, e.g. 0.01 (0 is FedAvg).")
+    _algo_option(c, "--head-layers", "head_layers", HEAD_SPLIT, 1, Interval(1, None, integer=True),
+                 "Use 1 (the last linear layer) or more, below the model's number of weight layers.")
+    _algo_option(c, "--body-epochs", "body_epochs", ("fedrep",), 1, Interval(1, None, integer=True),
+                 "Use 1 or more, below --local-epochs.")
+    if c.algo == "fedrep" and c.body_epochs >= c.local_epochs:
+        raise param_error("--body-epochs", c.body_epochs, f"must be < --local-epochs ({c.local_epochs}) for fedrep "
+                          "(the other epochs train the head)",
+                          f"Use --body-epochs {max(1, c.local_epochs - 1)} with --local-epochs >= 2.")
+    if c.algo == "scaffold" and c.optimizer != "sgd":
+        raise param_error("--optimizer", c.optimizer, "must be 'sgd' for scaffold (option II divides the drift by "
+                          "steps x lr / (1 - momentum))", "Use --optimizer sgd.")
     if c.split_layer is not None:       # the upper bound needs the model: check_data
         validate("--split-layer", c.split_layer, Interval(1, None, integer=True))
     elif c.algo == "dnc" and c.prepass_rounds == 0:
@@ -178,6 +203,24 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
     return c
 
 
+def _algo_option(c: ScratchConfig, flag: str, field: str, algos: tuple, default, constraint, fix: str) -> None:
+    """An option of some algorithms only: filled with ``default`` for them, validated; an error for the others."""
+    value = getattr(c, field)
+    if c.algo not in algos:
+        if value is not None:
+            raise param_error(flag, value, f"does not apply to {c.algo}",
+                              f"Drop {flag}, or use it with {' / '.join(algos)}.")
+        return
+    if value is None:
+        setattr(c, field, default)
+    validate(flag, getattr(c, field), constraint, fix)
+
+
+def share_size(beta: float, sizes) -> int:
+    """|D_s| = round(beta x |D_k|), |D_k| = the mean client size (after --max-samples-per-client)."""
+    return int(round(beta * float(np.mean(sizes)))) if len(sizes) else 0
+
+
 def check_data(cfg: ScratchConfig, data: ScratchData) -> None:
     """The checks of a resolved ``cfg`` that need the dataset, run before anything is written (the same steps
     as :func:`_setup` on the labels only, for the first seed): the clients against the training samples, the
@@ -192,19 +235,30 @@ def check_data(cfg: ScratchConfig, data: ScratchData) -> None:
         if data.input_kind != "image" or data.in_shape[0] != 3:
             raise FedheadError(f"The '--partition' parameter color-skew needs an RGB image dataset. Got "
                                f"{cfg.dataset!r} instead.")
+        sizes = [len(y) // 2, len(y) - len(y) // 2]
     else:
         from ..partitions import create_partition
-        create_partition(cfg.partition, y, cfg.clients, seed=cfg.seeds[0], **cfg.partition_params)
+        parts = create_partition(cfg.partition, y, cfg.clients, seed=cfg.seeds[0], **cfg.partition_params)
+        sizes = [len(p) for p in parts]
+    if cfg.max_samples_per_client:
+        sizes = [min(n, cfg.max_samples_per_client) for n in sizes]
+    if cfg.share_fraction and share_size(cfg.share_fraction, sizes) < 1:
+        raise param_error("--share-fraction", cfg.share_fraction, f"gives an empty shared set (mean client size "
+                          f"{np.mean(sizes):.1f} samples)", "Use a larger --share-fraction, or 0 for no sharing.")
     if cfg.noise != "none":   # a dataset without an asymmetric map
         from ..noise import apply_noise
         apply_noise(cfg.noise, cfg.noise_rate, [y[:1]], data.num_classes, dataset=cfg.dataset, seed=0)
-    if cfg.algo == "dnc" and cfg.split_layer is not None:
+    if (cfg.algo == "dnc" and cfg.split_layer is not None) or cfg.head_layers is not None:
         n_out = 1 if ALGORITHMS[cfg.algo].out_per_class else data.num_classes
         with torch.device("meta"):
             layers = len(weight_layers(create_model(cfg.model, data.in_shape, n_out)))
-        if not 1 <= cfg.split_layer < layers:
+        if cfg.algo == "dnc" and not 1 <= cfg.split_layer < layers:
             raise FedheadError(f"The '--split-layer' parameter must be an integer in [1, {layers - 1}] for model "
                                f"{cfg.model} ({layers} weight layers). Got {cfg.split_layer} instead.")
+        if cfg.head_layers is not None and not 1 <= cfg.head_layers < layers:
+            raise FedheadError(f"The '--head-layers' parameter must be an integer in [1, {layers - 1}] for model "
+                               f"{cfg.model} ({layers} weight layers; the body needs one). Got {cfg.head_layers} "
+                               f"instead.")
 
 
 @dataclass
@@ -229,6 +283,7 @@ class Context:
     local_test: tuple | None = None   # (own-proportion sets [K, n], balanced sets [K, n]) test indices
     client_extra: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
+    share_bytes: int = 0              # bytes of the shared set D_s sent to one client (0 = no sharing)
 
 
 def _local_test_sets(test_y: np.ndarray, counts: np.ndarray, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -277,6 +332,10 @@ def _setup(cfg: ScratchConfig, data: ScratchData, seed: int, device, log) -> Con
     if cfg.max_samples_per_client:
         parts = [np.sort(rng.choice(p, size=cfg.max_samples_per_client, replace=False))
                  if len(p) > cfg.max_samples_per_client else p for p in parts]
+    shared = None
+    if cfg.share_fraction:
+        shared = draw_shared(len(y_train), [len(p) for p in parts], cfg.share_fraction, seed)
+        shared_y = y_train[shared].copy()            # the server's labels: before any client's label noise
     if cfg.noise != "none":
         from ..noise import apply_noise
         noisy, frac = apply_noise(cfg.noise, cfg.noise_rate, [y_train[p] for p in parts], data.num_classes,
@@ -285,22 +344,50 @@ def _setup(cfg: ScratchConfig, data: ScratchData, seed: int, device, log) -> Con
             y_train[p] = yn
         info["noise_realised_fraction"] = frac
     counts = np.stack([np.bincount(y_train[p], minlength=data.num_classes) for p in parts])
+    private_counts = counts
+    share_bytes = 0
+    if shared is not None:
+        # D_s becomes rows N..N+S-1 of the training tensors (a copy with clean labels) and every client's local set
+        # is its own samples followed by D_s
+        first = len(y_train)
+        x_train = torch.cat([x_train, x_train[torch.from_numpy(shared)]])
+        y_train = np.concatenate([y_train, shared_y])
+        rows = np.arange(first, first + len(shared))
+        parts = [np.concatenate([p, rows]) for p in parts]
+        counts = np.stack([np.bincount(y_train[p], minlength=data.num_classes) for p in parts])
+        share_bytes = int(len(shared) * (x_train[0].numel() * x_train.element_size() + 8))
+        info.update(share_size=int(len(shared)), share_bytes_per_client=share_bytes,
+                    share_class_counts=np.bincount(shared_y, minlength=data.num_classes).tolist())
     empty = [k for k, p in enumerate(parts) if len(p) == 0]
     if empty:
         log(f"warning: {len(empty)} client(s) have no training samples (e.g. client {empty[0]}); they train "
             f"nothing when selected.")
     algo_cls = ALGORITHMS[cfg.algo]
     n_out = 1 if algo_cls.out_per_class else data.num_classes
-    model = create_model(cfg.model, data.in_shape, n_out).to(device)
+    model = algo_cls.wrap_model(create_model(cfg.model, data.in_shape, n_out)).to(device)
     if device.type == "cpu":
         pass  # buffer-free models; vmap'd convs run as grouped convs in the default layout
     gen = torch.Generator().manual_seed(seed)
     ctx = Context(cfg, seed, data, model, weight_layers(model), parts, counts,
                   x_train.to(device), torch.from_numpy(y_train).to(device), x_test.to(device),
-                  torch.from_numpy(y_test), device, gen, rng, log, info=info)
-    if cfg.local_test_size:
-        ctx.local_test = _local_test_sets(y_test, counts, cfg.local_test_size, rng)
+                  torch.from_numpy(y_test), device, gen, rng, log, info=info, share_bytes=share_bytes)
+    if shared is not None:
+        ctx.client_extra["private_size"] = [int(n) for n in private_counts.sum(1)]
+    if cfg.local_test_size:   # FedABC's local test sets follow the client's own (private) class proportions
+        ctx.local_test = _local_test_sets(y_test, private_counts, cfg.local_test_size, rng)
     return ctx
+
+
+SHARE_KEY = 0x5AE7D5   # the shared set's generator: (seed, SHARE_KEY), apart from the run's other draws
+
+
+def draw_shared(num_train: int, sizes, beta: float, seed: int) -> np.ndarray:
+    """Zhao et al. 2018's shared set as FedOVA uses it: ``round(beta x mean client size)`` training indices drawn
+    uniformly without replacement from the whole training set, once per seed with its own generator keyed by the
+    seed (so turning sharing on leaves the partition, the client selection and the local test sets unchanged)."""
+    n = share_size(beta, sizes)
+    rng = np.random.default_rng([seed, SHARE_KEY])
+    return np.sort(rng.choice(num_train, size=min(n, num_train), replace=False))
 
 
 CHECKPOINT = "checkpoint.pt"
@@ -314,6 +401,9 @@ def config_identity(cfg: ScratchConfig) -> str:
     the device is left out (as ``fedhead train`` does) and the data folder is compared as an absolute path."""
     d = dataclasses.asdict(cfg)
     d.pop("device", None)
+    for key, unset in (("share_fraction", 0.0), ("prox_mu", None), ("head_layers", None), ("body_epochs", None)):
+        if d.get(key) == unset:   # options added later: at their defaults, a run keeps its earlier identity
+            d.pop(key)
     d["data_dir"] = str(Path(cfg.data_dir).resolve())
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -365,7 +455,7 @@ def run_seed(cfg: ScratchConfig, data: ScratchData, seed: int, device, log, prog
             progress.update(task, advance=1, info=f"acc {row['accuracy']:.3f}{extra} [{row['stage']}]")
     out = {"rows": rows, "counts": ctx.client_counts, "sizes": np.array([len(p) for p in ctx.parts]),
            "client_extra": ctx.client_extra, "info": ctx.info, "layers": ctx.layers,
-           "state": {n: p.detach().cpu() for n, p in state.items()}}
+           "state": {n: p.detach().cpu() for n, p in algo.export(state).items()}}
     if cfg.algo == "dnc":
         out["divergence"] = algo.div_rows
         out["split_layer"] = algo.split
@@ -384,10 +474,7 @@ def _round(ctx: Context, algo, state, rnd: int, per_round: int):
                    bytes_up_per_client=0, bytes_total=0)
     else:
         t0 = time.perf_counter()
-        trained = E.train_members(ctx.model, plan.start, plan.member_idx, plan.aux, plan.loss_fn,
-                                  x_all=ctx.x_train, y_all=ctx.y_train, to_float=data.to_float,
-                                  epochs=plan.epochs, batch_size=cfg.batch_size, optim=plan.optim,
-                                  rng=ctx.rng, trainable=plan.trainable, backend=cfg.backend)
+        trained = algo.train(ctx, plan)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -396,14 +483,17 @@ def _round(ctx: Context, algo, state, rnd: int, per_round: int):
             torch.cuda.synchronize()
         t2 = time.perf_counter()
         clients = np.unique(plan.owner)
-        # bytes actually carried: each member's trained tensors up, the same tensors down
-        member_bytes = E.nbytes({n: p[0] for n, p in trained.params.items()})
+        # bytes actually carried: what each member sends up, the same down (the algorithm's member_bytes)
+        member_bytes = algo.member_bytes(ctx, plan, trained)
         up = {k: member_bytes * int((plan.owner == k).sum()) for k in clients}
         row.update(stage=plan.stage, train_loss=float(trained.loss.mean()),
                    client_ms=(t1 - t0) * 1000 / len(clients), server_ms=(t2 - t1) * 1000,
                    bytes_up_per_client=float(np.mean(list(up.values()))), bytes_total=2 * sum(up.values()),
                    clients=len(clients), members=len(plan.owner), lr=plan.optim.lr, epochs=plan.epochs)
         row.update(algo.after_round(ctx, state, plan, trained))
+    if ctx.share_bytes:   # D_s goes to every client once, before round 1: counted once, in round 1
+        row["bytes_shared_data"] = ctx.share_bytes * cfg.clients if rnd == 1 else 0
+        row["bytes_total"] += row["bytes_shared_data"]
     pred = algo.predict(ctx, state, ctx.test_x).argmax(1).cpu()
     row["accuracy"] = float((pred == ctx.test_y_cpu).float().mean())
     return state, row
@@ -526,7 +616,12 @@ def _run_locked(cfg: ScratchConfig, data: ScratchData, device, out_dir: Path, re
                    "randomness": "numpy default_rng(seed) per seed, its state checkpointed after every round; "
                                  "init from torch.Generator(seed); global torch RNG keyed by (seed, round)",
                    "bytes_accounting": "per round, each participating client downloads and uploads exactly the "
-                                       "tensors it trains (fp32); bytes_total = down + up over clients"}
+                                       "tensors it sends (fp32: the trained tensors; personalised algorithms only "
+                                       "the shared ones, local none; SCAFFOLD also one control variate each way); "
+                                       "bytes_total = down + up over clients; with --share-fraction, the shared "
+                                       "set (uint8 pixels or float32 MFCCs, int64 labels) sent to every client "
+                                       "once, counted in round 1 (bytes_shared_data)",
+                   "accuracy_of": ALGORITHMS[cfg.algo].accuracy_of}
     with _writing(config_path, out_dir):
         write_config(out_dir, {**base_config, "data_info": dict(data.info)})
 
@@ -583,7 +678,9 @@ def _finish(cfg: ScratchConfig, data: ScratchData, out_dir: Path, base_config: d
         s = {"seed": seed, "final_accuracy": acc[-1], "last5_accuracy": _last_mean(acc),
              "best_accuracy": max(acc), "acc95_round": acc95_round(acc),
              "bytes_total": int(sum(r["bytes_total"] for r in res["rows"]))}
-        for key in ("pfl_accuracy", "drift_accuracy"):
+        if cfg.share_fraction:
+            s["bytes_shared_data"] = int(sum(r.get("bytes_shared_data", 0) for r in res["rows"]))
+        for key in ("pfl_accuracy", "drift_accuracy", "generic_accuracy"):
             vals = [r.get(key) for r in res["rows"] if key in r]
             if vals:
                 s[f"last5_{key}"] = _last_mean(vals)
@@ -593,7 +690,8 @@ def _finish(cfg: ScratchConfig, data: ScratchData, out_dir: Path, base_config: d
             s["bytes_after_prepass"] = s["bytes_total"] - s["bytes_prepass"]
         per_seed.append(s)
     summary["per_seed"] = per_seed
-    for key in ("final_accuracy", "last5_accuracy", "last5_pfl_accuracy", "last5_drift_accuracy"):
+    for key in ("final_accuracy", "last5_accuracy", "last5_pfl_accuracy", "last5_drift_accuracy",
+                "last5_generic_accuracy"):
         if key in per_seed[0]:
             m, sd = mean_std([s[key] for s in per_seed])
             summary[key] = m
