@@ -63,7 +63,7 @@ def toy_ctx(sizes=(1, 2, 3), **cfg):
     bounds = np.cumsum((0,) + tuple(sizes))
     parts = [np.arange(bounds[k], bounds[k + 1]) for k in range(len(sizes))]
     base = dict(clients=len(sizes), head_layers=1, body_epochs=1, local_epochs=3, batch_size=64, optimizer="sgd",
-                lr=0.1, momentum=0.0, weight_decay=0.0, backend="vmap", prox_mu=0.0)
+                lr=0.1, momentum=0.0, weight_decay=0.0, backend="vmap", prox_mu=0.0, eval_batch=4)
     return SimpleNamespace(cfg=SimpleNamespace(**{**base, **cfg}), model=model, layers=weight_layers(model),
                            parts=parts, device=torch.device("cpu"), gen=torch.Generator().manual_seed(1),
                            x_train=x, y_train=y, data=SimpleNamespace(to_float=lambda b: b.float()),

@@ -385,10 +385,15 @@ class Personalised(FedAvg):
         per = -(-n // k)
         idx = np.arange(per * k).reshape(per, k).T            # client j scores samples j, j + K, j + 2K, ...
         valid = idx < n
-        params = {m: (self.personal[m] if m in self.names else p.unsqueeze(0).expand(k, *p.shape))
-                  for m, p in state.items()}
-        out = self.personal_logits(E.predict_stacked_own(ctx.model, params, x, np.where(valid, idx, 0),
-                                                         ctx.data.to_float))
+        group = max(1, ctx.cfg.eval_batch // per)            # clients per forward: about eval_batch images
+        outs = []
+        for j in range(0, k, group):
+            sl = slice(j, min(k, j + group))
+            params = {m: (self.personal[m][sl] if m in self.names else p.unsqueeze(0).expand(sl.stop - j, *p.shape))
+                      for m, p in state.items()}
+            outs.append(E.predict_stacked_own(ctx.model, params, x, np.where(valid, idx, 0)[sl], ctx.data.to_float,
+                                              batch_size=per))
+        out = self.personal_logits(torch.cat(outs))
         logits = torch.empty(n, out.shape[-1], dtype=out.dtype, device=out.device)
         v = torch.from_numpy(valid).to(out.device)
         logits[torch.from_numpy(idx[valid]).to(out.device)] = out[v]
