@@ -450,6 +450,7 @@ CASES = [
     Case(SIMULATE, "--seed -1", "'--seed'"),
     Case(SIMULATE, "--prox-mu -1", "'--prox-mu'"),
     Case(SIMULATE, "--local-steps -3", "'--local-steps'"),
+    Case(SIMULATE, "--central-reference", "'--central-reference'"),
     Case(SIMULATE, "--features {missing}", "does not exist"),
     Case(SIMULATE, "--features {foreign}", "not a fedhead feature store"),
     Case("flower simulate --features {store} --clients 2 --rounds 1", "--resume", "'--resume'",

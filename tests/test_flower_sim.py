@@ -225,9 +225,21 @@ def test_duplicate_partition_ids_are_refused(store, tmp_path):
 def test_run_config_round_trip_and_pyproject_defaults(store, tmp_path):
     import tomllib
 
-    cfg = cfg_of(store, lr=0.05, center=False, seeds=[0, 42], noise="symmetric", noise_rate=0.1)
+    import dataclasses
+
+    from fedhead.flower.common import RUN_CONFIG_FIELDS
+
+    cfg = cfg_of(store, lr=0.05, center=False, seeds=[0, 42], noise="symmetric", noise_rate=0.1,
+                 noise_dataset="cifar10", server_opt="fedadam", server_betas=(0.8, 0.95), local_epochs=None,
+                 local_steps=4)
     back = config_from_run_config(run_config_of(cfg, tmp_path, False, 60, 60))
     assert back.resolved().to_dict() == {**cfg.resolved().to_dict(), "features": str(Path(store).resolve())}
+    # every training option reaches a Flower run: a run-config key each, except the ones with keys of their own,
+    # the node-local resources and the references Flower refuses
+    own = {"features", "partition_params", "head_params", "seeds", "block_clients", "memory_budget_mb",
+           "iid_reference", "central_reference"}
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert fields - own - set(RUN_CONFIG_FIELDS.values()) == set()
     pp = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     app = pp["tool"]["flwr"]["app"]
     assert app["components"] == {"serverapp": "fedhead.flower.server_app:app",

@@ -124,7 +124,7 @@ def run_config_of(cfg: TrainConfig, out: Path, resume: bool, round_timeout: floa
     for key, field in RUN_CONFIG_FIELDS.items():
         v = getattr(cfg, field)
         if v is not None:
-            rc[key] = v
+            rc[key] = ",".join(str(b) for b in v) if field == "server_betas" else v
     return rc
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from ..config import TrainConfig
 from ..errors import FedheadError
+from ..options import parse_betas
 
 INSTALL_HINT = "pip install 'fedhead[flower]'"
 MESSAGE_PREFIX = "msg."      # a train reply's arrays: the aggregation rule's message tensors under "msg.<key>"
@@ -40,10 +41,12 @@ RUN_CONFIG_FIELDS = {
     "local-epochs": "local_epochs", "local-steps": "local_steps", "batch-size": "batch_size", "recipe": "recipe", "optimizer": "optimizer",
     "lr": "lr", "weight-decay": "weight_decay", "momentum": "momentum", "aggregate": "aggregate",
     "center": "center", "scale": "scale", "participation": "participation", "noise": "noise",
-    "noise-rate": "noise_rate", "asym-map": "asym_rule", "backend": "backend", "device": "device",
+    "noise-rate": "noise_rate", "asym-map": "asym_rule", "noise-dataset": "noise_dataset", "backend": "backend",
+    "device": "device",
     "eval-every": "eval_every", "init": "init", "init-scale": "init_scale", "prox-mu": "prox_mu",
     "server-opt": "server_opt", "server-lr": "server_lr", "server-momentum": "server_momentum",
-    "server-tau": "server_tau", "scaffold": "scaffold", "calibrate": "calibrate", "ccvr-samples": "ccvr_samples",
+    "server-tau": "server_tau", "server-betas": "server_betas", "scaffold": "scaffold", "calibrate": "calibrate",
+    "ccvr-samples": "ccvr_samples",
 }
 
 # The test hooks (documented in DEPLOY.md): make a client raise in a given round, stop the server after a
@@ -95,7 +98,7 @@ def config_from_run_config(rc: dict) -> TrainConfig:
         v = rc.get(key, "")
         if v == "" or v is None:
             continue
-        kw[field] = v
+        kw[field] = parse_betas(v) if field == "server_betas" else v
     seeds = rc.get("seeds", "0")
     if isinstance(seeds, int):
         seeds = [seeds]

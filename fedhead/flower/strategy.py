@@ -120,6 +120,10 @@ def validate_server_config(cfg: TrainConfig, store: Features) -> TrainConfig:
     if cfg.iid_reference:
         raise FedheadError("The '--iid-reference' option is not supported on Flower. Got True instead. "
                            "Run the IID reference with 'fedhead train --iid-reference'.")
+    if cfg.central_reference:
+        raise FedheadError("The '--central-reference' option is not supported on Flower (the server holds no "
+                           "training features to train the ceiling on). Got True instead. Run the ceiling with "
+                           "'fedhead train --central-reference' on a store of the pooled features.")
     if len(store.test_y) == 0:
         raise FedheadError(f"The 'feature-store' of the server ({cfg.features!r}) has an empty test split, "
                            "which central evaluation needs. Extract the test images into it.")
