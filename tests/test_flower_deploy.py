@@ -1,6 +1,17 @@
-"""A real Flower deployment on loopback: one SuperLink and 3 SuperNodes as subprocesses, each node with its
-own tiny feature store, 2 rounds; node 1 crashes in round 2 (the round completes with the other two and the
-failure is recorded in rounds.csv). Bounded in time; every process started here is killed at the end."""
+"""Real Flower deployments on loopback: one SuperLink and SuperNodes as subprocesses, each node with its own
+tiny feature store, started with the commands of fedhead/flower/DEPLOY.md.
+
+* insecure, 3 nodes, 2 rounds; node 1 crashes in round 2 (the round completes with the other two and the
+  failure is recorded in rounds.csv);
+* TLS (CA, server certificate and key made here with ``cryptography``, tests/certs.py): two nodes that trust
+  the CA train; a node that trusts another CA cannot connect (Flower's exit code 305, certificate verify
+  failed)
+  and the run finishes with the two;
+* TLS + SuperNode authentication (Flower's ``--enable-supernode-auth`` with the keys of
+  ``--auth-public-keys`` registered): the two listed nodes train; a node with an unlisted key and a node
+  without a key are refused by the SuperLink and the run finishes with the two.
+
+Every wait is bounded; every process started here is killed at the end, also when an assertion fails."""
 
 from __future__ import annotations
 
@@ -19,6 +30,7 @@ import pytest
 
 pytest.importorskip("flwr", reason="Flower is not installed (pip install 'fedhead[flower]')")
 
+from certs import make_ca, make_node_key, make_server_cert  # noqa: E402
 from extract.store import load_store, write_store  # noqa: E402
 from fedhead.synthetic import write_synthetic  # noqa: E402
 
@@ -72,43 +84,125 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
             p.wait(5)
 
 
-@pytest.mark.slow
-def test_superlink_and_three_supernodes_on_loopback(tmp_path):
-    server, stores = node_stores(tmp_path, 3)
-    link_port, *node_ports = free_ports(4)
+# ---------------------------------------------------------------- the commands (as fedhead/flower/DEPLOY.md shows them)
+
+
+def superlink_argv(link_port: int, server: Path, out: Path, clients: int, rounds: int, *security: str) -> list[str]:
+    return ["flower", "superlink", *security, "--host", "127.0.0.1", "--port", str(link_port),
+            "--features", str(server), "--clients", str(clients), "--rounds", str(rounds), "--local-epochs", "1",
+            "--batch-size", "10", "--partition", "iid", "--out", str(out), "--wait-timeout", "120",
+            "--round-timeout", "120"]
+
+
+def supernode_argv(link_port: int, store: Path, pid: int, port: int, *security: str) -> list[str]:
+    return ["flower", "supernode", *security, "--superlink", f"127.0.0.1:{link_port}", "--features", str(store),
+            "--partition-id", str(pid), "--port", str(port), "--device", "cpu"]
+
+
+def tls_server(pki: dict) -> tuple[str, ...]:
+    return ("--ssl-certfile", str(pki["cert"]), "--ssl-keyfile", str(pki["key"]), "--ssl-ca-certfile", str(pki["ca"]))
+
+
+def insecure_commands(link_port: int, node_ports: list[int], server: Path, stores: list[Path],
+                      out: Path) -> dict[str, list[str]]:
+    cmds = {f"node{i}": supernode_argv(link_port, store, i, port, "--insecure")
+            for i, (store, port) in enumerate(zip(stores, node_ports))}
+    return {**cmds, "superlink": superlink_argv(link_port, server, out, 3, 2, "--insecure")}
+
+
+def tls_commands(link_port: int, node_ports: list[int], server: Path, stores: list[Path], out: Path,
+                 pki: dict) -> dict[str, list[str]]:
+    """Two nodes that trust the CA; a rogue that trusts another CA (and claims node 1's partition id: had it
+    joined, the server would have seen partition 1 twice)."""
+    ca = ("--root-certificates", str(pki["ca"]))
+    cmds = {f"node{i}": supernode_argv(link_port, store, i, port, *ca)
+            for i, (store, port) in enumerate(zip(stores, node_ports))}
+    cmds["rogue"] = supernode_argv(link_port, stores[0], 1, node_ports[2], "--root-certificates",
+                                   str(pki["other_ca"]))
+    return {**cmds, "superlink": superlink_argv(link_port, server, out, 2, 1, *tls_server(pki))}
+
+
+def auth_commands(link_port: int, node_ports: list[int], server: Path, stores: list[Path], out: Path,
+                  pki: dict, keys: dict) -> dict[str, list[str]]:
+    """The SuperLink lists the keys of node0 and node1; the stranger's key is not listed; the keyless node has
+    none (both claim node 1's partition id)."""
+    ca = ("--root-certificates", str(pki["ca"]))
+    cmds = {"superlink": superlink_argv(link_port, server, out, 2, 1, *tls_server(pki),
+                                        "--auth-public-keys", str(keys["listed"]))}
+    for i, (store, port) in enumerate(zip(stores, node_ports)):
+        cmds[f"node{i}"] = supernode_argv(link_port, store, i, port, *ca, "--auth-supernode-private-key",
+                                          str(keys[f"node{i}"]))
+    cmds["stranger"] = supernode_argv(link_port, stores[0], 1, node_ports[2], *ca, "--auth-supernode-private-key",
+                                      str(keys["stranger"]))
+    cmds["keyless"] = supernode_argv(link_port, stores[0], 1, node_ports[3], *ca)
+    return cmds
+
+
+class Deployment:
+    """Processes of one loopback deployment, each in its own session with its own log file; :meth:`close`
+    kills them all (TERM, then KILL) whatever happened."""
+
+    def __init__(self, tmp: Path, env: dict):
+        self.tmp, self.env = tmp, env
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: list = []
+
+    def start(self, name: str, argv: list[str], **env: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "w")
+        self.logs.append(log)
+        p = subprocess.Popen([FEDHEAD, *argv], env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        self.procs[name] = p
+        return p
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")
+
+    def wait(self, name: str, timeout: float) -> int | None:
+        """The exit code of ``name``, or None if it still runs after ``timeout`` seconds."""
+        try:
+            return self.procs[name].wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def wait_for(self, name: str, text: str, count: int = 1, timeout: float = 120) -> None:
+        """Until ``name``'s log holds ``text`` ``count`` times (fails if it exits first or time runs out)."""
+        t0 = time.monotonic()
+        while self.log(name).count(text) < count:
+            p = self.procs[name]
+            assert p.poll() is None, f"{name} exited ({p.returncode}) before {text!r}:\n{self.log(name)[-3000:]}"
+            assert time.monotonic() - t0 < timeout, f"no {text!r} from {name} in {timeout} s:\n{self.log(name)[-3000:]}"
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        stop_all(list(self.procs.values()))
+        for log in self.logs:
+            log.close()
+
+
+@pytest.fixture
+def deployment(tmp_path):
     env = dict(os.environ, FLWR_HOME=str(tmp_path / "flwr-home"), FEDHEAD_NO_PROGRESS="1")
     env.pop("FEDHEAD_FLOWER_CRASH", None)
-    out = tmp_path / "run"
-    procs: list[subprocess.Popen] = []
-    logs = []
+    d = Deployment(tmp_path, env)
     try:
-        for i, (store, port) in enumerate(zip(stores, node_ports)):
-            node_env = dict(env, FEDHEAD_FLOWER_CRASH="1@2") if i == 1 else env
-            log = open(tmp_path / f"node{i}.log", "w")
-            logs.append(log)
-            procs.append(subprocess.Popen(
-                [FEDHEAD, "flower", "supernode", "--insecure", "--superlink", f"127.0.0.1:{link_port}",
-                 "--features", str(store), "--partition-id", str(i), "--port", str(port), "--device", "cpu"],
-                env=node_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        log = open(tmp_path / "superlink.log", "w")
-        logs.append(log)
-        link = subprocess.Popen(
-            [FEDHEAD, "flower", "superlink", "--insecure", "--host", "127.0.0.1", "--port", str(link_port),
-             "--features", str(server), "--clients", "3", "--rounds", "2", "--local-epochs", "2",
-             "--batch-size", "10", "--partition", "iid", "--out", str(out), "--wait-timeout", "120",
-             "--round-timeout", "120"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        procs.append(link)
-        try:
-            code = link.wait(TIMEOUT)
-        except subprocess.TimeoutExpired:
-            code = None
-        text = (tmp_path / "superlink.log").read_text()
-        assert code == 0, f"superlink run failed (exit {code}):\n{text[-4000:]}"
+        yield d
     finally:
-        stop_all(procs)
-        for log in logs:
-            log.close()
+        d.close()
+
+
+@pytest.mark.slow
+def test_superlink_and_three_supernodes_on_loopback(tmp_path, deployment):
+    server, stores = node_stores(tmp_path, 3)
+    link_port, *node_ports = free_ports(4)
+    out = tmp_path / "run"
+    d = deployment
+    cmds = insecure_commands(link_port, node_ports, server, stores, out)
+    for name in ("node0", "node1", "node2"):
+        d.start(name, cmds[name], **({"FEDHEAD_FLOWER_CRASH": "1@2"} if name == "node1" else {}))
+    d.start("superlink", cmds["superlink"])
+    code = d.wait("superlink", TIMEOUT)
+    assert code == 0, f"superlink run failed (exit {code}):\n{d.log('superlink')[-4000:]}"
 
     with open(out / "rounds.csv") as f:
         rows = list(csv.DictReader(f))
@@ -125,3 +219,118 @@ def test_superlink_and_three_supernodes_on_loopback(tmp_path):
     assert (out / "head-seed0.pt").exists() and not (out / "checkpoint.pt").exists()
     sizes = [int(r["size"]) for r in csv.DictReader(open(out / "clients.csv"))]
     assert sizes == [40, 40, 40]
+
+
+# ---------------------------------------------------------------- TLS and SuperNode authentication
+
+REFUSED = "Exit Code: 305"     # Flower's report of a SuperNode that cannot connect to (or is refused by) the SuperLink
+
+
+@pytest.fixture
+def pki(tmp_path):
+    """The CA, the SuperLink's certificate (SANs localhost, 127.0.0.1, ::1) and key, and a second CA."""
+    certs = tmp_path / "certs"
+    ca = make_ca(certs, "ca")
+    server_cert, server_key = make_server_cert(ca, certs, "server")
+    other = make_ca(certs, "other-ca")
+    return {"ca": ca.cert, "cert": server_cert, "key": server_key, "other_ca": other.cert}
+
+
+def _assert_finished_with_two(d: Deployment, out: Path) -> None:
+    code = d.wait("superlink", TIMEOUT)
+    assert code == 0, f"superlink run failed (exit {code}):\n{d.log('superlink')[-4000:]}"
+    with open(out / "rounds.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["round"]) for r in rows] == [1]
+    assert rows[0]["clients_trained"] == "2" and rows[0]["failures"] == "0", rows
+    assert 0.0 < float(rows[0]["accuracy"]) <= 1.0
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 1
+    sizes = [int(r["size"]) for r in csv.DictReader(open(out / "clients.csv"))]
+    assert sizes == [60, 60]                 # the two legitimate nodes' stores (120 training images / 2)
+
+
+def _assert_refused(d: Deployment, name: str, reason: str) -> None:
+    code = d.wait(name, 60)
+    assert code is not None and code != 0, f"{name} was not refused (exit {code}):\n{d.log(name)[-3000:]}"
+    assert REFUSED in d.log(name) and reason in d.log(name), d.log(name)[-3000:]
+
+
+@pytest.mark.slow
+def test_tls_deployment_refuses_a_node_that_trusts_another_ca(tmp_path, deployment, pki):
+    server, (store0, store1) = node_stores(tmp_path, 2)
+    link_port, *node_ports = free_ports(4)
+    out = tmp_path / "run"
+    d = deployment
+    cmds = tls_commands(link_port, node_ports, server, [store0, store1], out, pki)
+    for name in ("node0", "node1", "rogue"):       # nodes first, as on real machines: they retry until it listens
+        d.start(name, cmds[name])
+    d.start("superlink", cmds["superlink"])
+    _assert_refused(d, "rogue", "CERTIFICATE_VERIFY_FAILED")
+    _assert_finished_with_two(d, out)
+    assert f"Uvicorn running on https://127.0.0.1:{link_port}" in d.log("superlink")      # TLS, not plain HTTP
+
+
+@pytest.mark.slow
+def test_supernode_authentication_admits_only_listed_keys(tmp_path, deployment, pki):
+    server, (store0, store1) = node_stores(tmp_path, 2)
+    link_port, *node_ports = free_ports(5)
+    keys = tmp_path / "keys"
+    (k0, p0), (k1, p1) = make_node_key(keys, "node0"), make_node_key(keys, "node1")
+    unlisted, _ = make_node_key(keys, "stranger")
+    listed = keys / "supernodes.pub"                        # cat node0.pub node1.pub > supernodes.pub
+    listed.write_bytes(p0.read_bytes() + p1.read_bytes())
+    out = tmp_path / "run"
+    d = deployment
+    cmds = auth_commands(link_port, node_ports, server, [store0, store1], out, pki,
+                         {"listed": listed, "node0": k0, "node1": k1, "stranger": unlisted})
+    d.start("superlink", cmds["superlink"])
+    # Flower refuses a node whose key is not registered yet: the nodes start once the SuperLink registered the
+    # listed keys
+    d.wait_for("superlink", "registered the SuperNode key", count=2)
+    for name in ("stranger", "keyless", "node0", "node1"):
+        d.start(name, cmds[name])
+    _assert_refused(d, "stranger", "Failed to activate SuperNode")
+    _assert_refused(d, "keyless", "SuperNode authentication is enabled")
+    _assert_finished_with_two(d, out)
+    link = d.log("superlink")
+    assert "[/v1/fleet/activate-node][ApiError:2004]" in link           # the SuperLink refused the stranger
+    assert "[/v1/fleet/register-node][ApiError:2001]" in link           # ... and the node without a key
+    assert link.count("[Fleet.ActivateNode] Activated node_id") == 2     # only the two listed nodes joined
+
+
+# ---------------------------------------------------------------- the documented commands are the tested ones
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _documented(text: str) -> str:
+    """Shell lines of ``text`` with continuations joined, spaces collapsed and a trailing ``&`` dropped."""
+    text = text.replace("\\\n", " ")
+    return "\n".join(" ".join(line.split()).removesuffix(" &") for line in text.splitlines())
+
+
+def test_deploy_docs_show_the_commands_the_tests_run():
+    """Every command of the three loopback deployments above, with the file names and ports of the docs,
+    appears verbatim in fedhead/flower/DEPLOY.md; the README's section is the same text."""
+    import shlex
+
+    deploy = (ROOT / "fedhead" / "flower" / "DEPLOY.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Deploy across machines"):]
+    nxt = section.find("\n## ", 3)
+    section = section if nxt < 0 else section[:nxt + 1]
+    assert section.strip() == deploy.strip(), "README's 'Deploy across machines' differs from DEPLOY.md"
+
+    ports, stores, out = [9094, 9095, 9096, 9097], [Path(f"node{i}.h5") for i in range(3)], Path("runs/fl")
+    pki = {"ca": "ca.pem", "cert": "server.pem", "key": "server.key", "other_ca": "other-ca.pem"}
+    keys = {"listed": "supernodes.pub", "node0": "node0", "node1": "node1", "stranger": "stranger"}
+    commands = {**{f"insecure {k}": v for k, v in insecure_commands(9093, ports, Path("server.h5"), stores,
+                                                                     out).items()},
+                **{f"tls {k}": v for k, v in tls_commands(9093, ports, Path("server.h5"), stores[:2], out,
+                                                          pki).items()},
+                **{f"auth {k}": v for k, v in auth_commands(9093, ports, Path("server.h5"), stores[:2], out,
+                                                            pki, keys).items()}}
+    documented = _documented(deploy).splitlines()
+    for name, argv in commands.items():
+        line = "fedhead " + shlex.join(argv)
+        assert line in documented, f"{name}: DEPLOY.md does not show the tested command\n{line}"

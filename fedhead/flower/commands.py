@@ -6,6 +6,7 @@ calls :func:`fedhead.flower.common.require_flower` first.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -280,16 +281,280 @@ def _exe(name: str) -> str:
     return found
 
 
-def _tls_args(insecure: bool, certfile, keyfile, ca_certfile) -> list[str]:
-    if certfile or keyfile:
-        if not (certfile and keyfile):
-            raise FedheadError("The '--ssl-certfile' and '--ssl-keyfile' options go together. Got only one.")
-        args = ["--ssl-certfile", str(certfile), "--ssl-keyfile", str(keyfile)]
-        return args + (["--ssl-ca-certfile", str(ca_certfile)] if ca_certfile else [])
-    if not insecure:
-        raise FedheadError("The '--insecure' option is off but no certificate was given. Pass --ssl-certfile "
-                           "and --ssl-keyfile, or --insecure (loopback/tests only).")
-    return ["--insecure"]
+# ---------------------------------------------------------------- TLS and SuperNode authentication files
+# Checked before any process starts: a missing, unreadable or malformed file is one line naming the option,
+# the file and how to make a right one (fedhead/flower/DEPLOY.md, step 0 "Certificates and keys").
+
+_TLS_FIX = ("Make the CA and the server certificate as fedhead/flower/DEPLOY.md shows (step 0), or pass --insecure "
+            "on loopback.")
+_KEY_FIX = ("Make a SuperNode key pair with: ssh-keygen -t ecdsa -b 384 -N '' -f node-key "
+            "(node-key is the private key, node-key.pub the public one).")
+
+
+def _file_bytes(param: str, path: Path, want: str, fix: str) -> bytes:
+    """The bytes of the file an option names, or the one-line error (missing, not a file, unreadable, empty)."""
+    p = Path(path).expanduser()
+    head = f"The '{param}' parameter must name {want}. Got {str(path)!r} instead"
+    if not p.exists():
+        raise FedheadError(f"{head}, which does not exist. {fix}")
+    if not p.is_file():
+        raise FedheadError(f"{head}, which is not a regular file. {fix}")
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise FedheadError(f"{head}, which cannot be read ({exc.strerror}). {fix}") from None
+    if not data.strip():
+        raise FedheadError(f"{head}, which is empty. {fix}")
+    return data
+
+
+def check_certificates(param: str, path: Path, fix: str = _TLS_FIX) -> list:
+    """The PEM certificates in ``path`` (a certificate, or a chain / CA bundle)."""
+    from cryptography import x509
+
+    want = "a PEM certificate file (-----BEGIN CERTIFICATE-----)"
+    data = _file_bytes(param, path, want, fix)
+    try:
+        return x509.load_pem_x509_certificates(data)
+    except ValueError:
+        kind = "a private key" if b"PRIVATE KEY-----" in data else "not a PEM certificate"
+        raise FedheadError(f"The '{param}' parameter must name {want}. Got {str(path)!r} instead, which is "
+                           f"{kind}. {fix}") from None
+
+
+def check_tls_key(param: str, path: Path, cert_param: str, cert, fix: str = _TLS_FIX) -> None:
+    """An unencrypted PEM private key whose public half is the certificate's."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+
+    want = "an unencrypted PEM private key (-----BEGIN PRIVATE KEY-----)"
+    data = _file_bytes(param, path, want, fix)
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except TypeError:                     # encrypted: Flower's servers take no password
+        raise FedheadError(f"The '{param}' parameter must name {want}. Got {str(path)!r} instead, which is "
+                           f"encrypted. Decrypt it: openssl pkey -in KEY -out server.key") from None
+    except (ValueError, UnsupportedAlgorithm):
+        kind = "a certificate" if b"CERTIFICATE-----" in data else "not a PEM private key"
+        raise FedheadError(f"The '{param}' parameter must name {want}. Got {str(path)!r} instead, which is "
+                           f"{kind}. {fix}") from None
+    pub = serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    if key.public_key().public_bytes(*pub) != cert.public_key().public_bytes(*pub):
+        raise FedheadError(f"The '{param}' parameter must name the private key of the '{cert_param}' "
+                           f"certificate. Got {str(path)!r} instead, which belongs to another certificate. "
+                           f"Pass the key made with that certificate.")
+
+
+def check_server_certificate(chain: list, cas: list, certfile: Path, ca_certfile: Path,
+                             client_host: str | None) -> None:
+    """The SuperLink's certificate is in date, signed by the CA (directly or through the intermediates of its
+    file) and, when fedhead connects to the SuperLink itself (``client_host``), names that address."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+
+    leaf = chain[0]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if not leaf.not_valid_before_utc <= now <= leaf.not_valid_after_utc:
+        raise FedheadError(f"The '--ssl-certfile' certificate must be valid now. Got {str(certfile)!r} instead, "
+                           f"valid from {leaf.not_valid_before_utc:%Y-%m-%d %H:%M} to "
+                           f"{leaf.not_valid_after_utc:%Y-%m-%d %H:%M} UTC. Make a new one (DEPLOY.md step 0).")
+
+    def issued_by(cert, issuer) -> bool:
+        try:
+            cert.verify_directly_issued_by(issuer)
+            return True
+        except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm):     # not its issuer
+            return False
+
+    current, rest = leaf, list(chain[1:])
+    for _ in range(len(chain)):
+        if any(issued_by(current, ca) for ca in cas):
+            break
+        nxt = next((c for c in rest if issued_by(current, c)), None)
+        if nxt is None:
+            raise FedheadError(f"The '--ssl-certfile' certificate must be signed by the '--ssl-ca-certfile' CA. "
+                               f"Got {str(certfile)!r}, which {str(ca_certfile)!r} did not sign. Pass the CA "
+                               "certificate that signed it (the one the nodes get as --root-certificates).")
+        rest.remove(nxt)
+        current = nxt
+    if client_host is None:
+        return
+    try:
+        sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        sans = x509.SubjectAlternativeName([])
+    ips = {str(a) for a in sans.get_values_for_type(x509.IPAddress)}
+    dns = [d.lower() for d in sans.get_values_for_type(x509.DNSName)]
+    try:
+        ok = str(ipaddress.ip_address(client_host)) in ips
+    except ValueError:
+        host = client_host.lower()
+        ok = host in dns or any(d.startswith("*.") and host.partition(".")[2] == d[2:] for d in dns)
+    if not ok:
+        names = ", ".join([f"IP:{a}" for a in sorted(ips)] + [f"DNS:{d}" for d in dns]) or "none"
+        raise FedheadError(f"The '--ssl-certfile' certificate must name {client_host} in its subjectAltName "
+                           f"(fedhead connects to the SuperLink there to register keys and submit the job). Got "
+                           f"{str(certfile)!r}, which names {names}. Add it (DEPLOY.md step 0).")
+
+
+def _tls_args(insecure: bool, certfile, keyfile, ca_certfile, client_host: str | None = None) -> list[str]:
+    """Flower's TLS options of the SuperLink, after checking the three files (Flower needs all three) and
+    the certificate (:func:`check_server_certificate`)."""
+    given = {"--ssl-certfile": certfile, "--ssl-keyfile": keyfile, "--ssl-ca-certfile": ca_certfile}
+    if insecure:
+        if any(given.values()):
+            name = next(k for k, v in given.items() if v)
+            raise FedheadError(f"The '--insecure' option contradicts '{name}'. Got both. Drop --insecure to serve "
+                               "TLS, or drop the certificate options (loopback/tests only).")
+        return ["--insecure"]
+    if not any(given.values()):
+        raise FedheadError("The '--insecure' option is off but no certificate was given. Pass --ssl-certfile, "
+                           "--ssl-keyfile and --ssl-ca-certfile, or --insecure (loopback/tests only).")
+    missing = [k for k, v in given.items() if not v]
+    if missing:
+        raise FedheadError(f"The '{missing[0]}' parameter is required with the other TLS options. Got none. "
+                           "Pass --ssl-certfile, --ssl-keyfile and --ssl-ca-certfile together.")
+    cas = check_certificates("--ssl-ca-certfile", ca_certfile)
+    chain = check_certificates("--ssl-certfile", certfile)
+    check_tls_key("--ssl-keyfile", keyfile, "--ssl-certfile", chain[0])
+    check_server_certificate(chain, cas, certfile, ca_certfile, client_host)
+    return ["--ssl-certfile", str(certfile), "--ssl-keyfile", str(keyfile), "--ssl-ca-certfile", str(ca_certfile)]
+
+
+def _nist_ec(key) -> bool:
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    return isinstance(key, ec.EllipticCurvePublicKey) and isinstance(
+        key.curve, (ec.SECP192R1, ec.SECP224R1, ec.SECP256R1, ec.SECP384R1, ec.SECP521R1))
+
+
+def _key_kind(key) -> str:
+    """'an Ed25519 key', 'an RSA key', 'an ECDSA key on secp256k1', ... (for the messages)."""
+    curve = getattr(key, "curve", None)
+    if curve is not None:
+        return f"an ECDSA key on {curve.name}"
+    name = type(key).__name__.lstrip("_").replace("PublicKey", "").replace("PrivateKey", "")
+    return f"{'an' if name[:1] in 'AEIORU' else 'a'} {name} key"
+
+
+def check_auth_public_keys(files: list[Path]) -> list[tuple[str, bytes]]:
+    """``(label, key line)`` of every SuperNode public key in ``files`` (OpenSSH lines, ``ssh-keygen``'s
+    ``.pub``; several per file allowed, blank lines and ``#`` comments skipped), each an ECDSA key on a NIST
+    curve as Flower's ``flwr supernode register`` takes it, none twice."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+
+    want = "a file of SuperNode public keys (OpenSSH ECDSA lines, e.g. the .pub of ssh-keygen -t ecdsa -b 384)"
+    keys, seen = [], {}
+    for path in files:
+        lines = _file_bytes("--auth-public-keys", path, want, _KEY_FIX).splitlines()
+        for no, line in enumerate(lines, 1):
+            line = line.strip()
+            if not line or line.startswith(b"#"):
+                continue
+            label = f"{str(path)!r} line {no}"
+            try:
+                key = serialization.load_ssh_public_key(line)
+            except (ValueError, UnsupportedAlgorithm):
+                key = None
+            if not _nist_ec(key):
+                if key is not None:
+                    what = f"{_key_kind(key)}, not ECDSA on a NIST curve (Flower's SuperNode keys are)"
+                elif b"PRIVATE KEY" in line:
+                    what = "part of a private key: list the .pub file, and keep the private key on its node"
+                elif b"BEGIN PUBLIC KEY" in line:
+                    what = "a PEM public key (convert it: ssh-keygen -i -m PKCS8 -f KEY.pem > KEY.pub)"
+                else:
+                    what = "not an OpenSSH public key"
+                raise FedheadError(f"The '--auth-public-keys' parameter must name {want}. Got {label} instead, "
+                                   f"which is {what}. {_KEY_FIX}")
+            blob = line.split()[1]
+            if blob in seen:
+                raise FedheadError(f"The '--auth-public-keys' parameter lists the same key twice: {seen[blob]} and "
+                                   f"{label}. Give every SuperNode its own key pair and list each once.")
+            seen[blob] = label
+            keys.append((label, line))
+    if not keys:
+        raise FedheadError(f"The '--auth-public-keys' parameter must name {want}. Got {[str(f) for f in files]!r} "
+                           f"instead, which hold no key. {_KEY_FIX}")
+    return keys
+
+
+def check_auth_private_key(path: Path) -> None:
+    """The SuperNode's private key as ``flower-supernode --auth-supernode-private-key`` loads it: an
+    unencrypted OpenSSH ECDSA key on a NIST curve."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+
+    want = "an OpenSSH ECDSA private key (-----BEGIN OPENSSH PRIVATE KEY-----)"
+    data = _file_bytes("--auth-supernode-private-key", path, want, _KEY_FIX)
+    head = f"The '--auth-supernode-private-key' parameter must name {want}. Got {str(path)!r} instead, which is"
+    try:
+        key = serialization.load_ssh_private_key(data, password=None)
+    except TypeError:
+        raise FedheadError(f"{head} encrypted. Remove the passphrase: ssh-keygen -p -N '' -f KEY") from None
+    except (ValueError, UnsupportedAlgorithm):
+        kind = ("a PEM key, not OpenSSH (convert it: ssh-keygen -p -N '' -f KEY)" if b"-----BEGIN" in data
+                and b"OPENSSH" not in data else "not an OpenSSH private key")
+        raise FedheadError(f"{head} {kind}. {_KEY_FIX}") from None
+    if not _nist_ec(key.public_key()):
+        raise FedheadError(f"{head} {_key_kind(key)}, not ECDSA on a NIST curve (Flower's SuperNode keys are). "
+                           f"{_KEY_FIX}")
+
+
+@contextlib.contextmanager
+def flwr_connection(address: str, insecure: bool, root_cert: Optional[Path] = None):
+    """A throw-away FLWR_HOME whose ``config.toml`` names the SuperLink ``address`` as connection ``fedhead``
+    (what ``flwr run`` and ``flwr supernode register`` read)."""
+    import tomli_w
+
+    with tempfile.TemporaryDirectory(prefix="fedhead-flwr-") as home:
+        conn = {"address": address}
+        if insecure:
+            conn["insecure"] = True
+        if root_cert:
+            conn["root-certificates"] = str(Path(root_cert).expanduser().resolve())
+        Path(home, "config.toml").write_text(tomli_w.dumps({"superlink": {"default": "fedhead", "fedhead": conn}}))
+        yield home
+
+
+def register_supernodes(home: str, keys: list[tuple[str, bytes]], env: dict, parallel: int = 4) -> None:
+    """``flwr supernode register`` every key with the SuperLink of ``home``'s connection (Flower's CLI-managed
+    SuperNode authentication: with ``--enable-supernode-auth`` only registered keys may join); ``parallel``
+    registrations at a time."""
+    import json
+
+    e = dict(env, FLWR_HOME=home)
+    todo = list(enumerate(keys))
+    while todo:
+        batch, todo = todo[:parallel], todo[parallel:]
+        running = []
+        for i, (label, line) in batch:
+            keyfile = Path(home, f"supernode-{i}.pub")
+            keyfile.write_bytes(line + b"\n")
+            running.append((label, subprocess.Popen(
+                [_exe("flwr"), "supernode", "register", str(keyfile), "fedhead", "--format", "json"],
+                env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+        for label, proc in running:
+            out, err = proc.communicate()
+            try:
+                res = json.loads(out[out.index("{"):])
+            except ValueError:
+                res = {"success": False, "error-message": (err or out).strip()}
+            why = " ".join(str(res.get("error-message", "")).replace("Using SuperLink: fedhead", "").split())
+            if "Public key already in use" in why:      # a --database SuperLink that registered it before
+                print(f"fedhead: the SuperNode key in {label} was already registered", file=sys.stderr)
+            elif proc.returncode != 0 or not res.get("success"):
+                for _, other in running:
+                    _stop(other, grace=2)
+                raise FedheadError(f"The SuperLink refused to register the SuperNode key in {label} "
+                                   f"(flwr supernode register): {why[-300:]}")
+            else:
+                print(f"fedhead: registered the SuperNode key in {label} as node {res.get('node-id')}",
+                      file=sys.stderr)
 
 
 def _wait_port(host: str, port: int, timeout: float, proc: subprocess.Popen) -> None:
@@ -319,36 +584,31 @@ def _stop(proc: subprocess.Popen | None, grace: float = 10.0) -> None:
         proc.wait(5)
 
 
-def superlink_command(host: str, port: int, tls: list[str], database: Optional[str]) -> list[str]:
+def superlink_command(host: str, port: int, tls: list[str], database: Optional[str],
+                      supernode_auth: bool = False) -> list[str]:
     cmd = [_exe("flower-superlink"), *tls, "--host", host, "--port", str(port),
            "--disable-runtime-dependency-installation"]
+    if supernode_auth:
+        cmd.append("--enable-supernode-auth")
     if database:
         cmd += ["--database", database]
     return cmd
 
 
-def submit_run(address: str, rc: dict, tls_insecure: bool, root_cert: Optional[str] = None,
-               app_dir: Path | None = None, env: dict | None = None) -> int:
-    """``flwr run <fedhead> <connection> --run-config <toml> --stream`` against ``address`` (waits for the end)."""
+def submit_run(home: str, rc: dict, app_dir: Path | None = None, env: dict | None = None) -> int:
+    """``flwr run <fedhead> fedhead --run-config <toml> --stream`` with the connection of ``home``
+    (:func:`flwr_connection`); waits for the end of the run."""
     import tomli_w
 
     app_dir = app_dir or Path(__file__).resolve().parents[2]
     if not (app_dir / "pyproject.toml").exists():
         raise FedheadError(f"The fedhead Flower app needs its source tree (pyproject.toml) to build the FAB; "
                            f"none in {str(app_dir)!r}. Install fedhead from its repository (pip install -e).")
-    with tempfile.TemporaryDirectory(prefix="fedhead-flwr-") as home:
-        conn = {"address": address}
-        if tls_insecure:
-            conn["insecure"] = True
-        if root_cert:
-            conn["root-certificates"] = str(root_cert)
-        Path(home, "config.toml").write_text(tomli_w.dumps({"superlink": {"default": "fedhead",
-                                                                           "fedhead": conn}}))
-        Path(home, "run.toml").write_text(tomli_w.dumps(rc))
-        cmd = [_exe("flwr"), "run", str(app_dir), "fedhead", "--run-config", str(Path(home, "run.toml")), "--stream"]
-        e = dict(env or flower_env())
-        e["FLWR_HOME"] = home
-        return subprocess.call(cmd, env=e)
+    Path(home, "run.toml").write_text(tomli_w.dumps(rc))
+    cmd = [_exe("flwr"), "run", str(app_dir), "fedhead", "--run-config", str(Path(home, "run.toml")), "--stream"]
+    e = dict(env or flower_env())
+    e["FLWR_HOME"] = home
+    return subprocess.call(cmd, env=e)
 
 
 @cli_errors
@@ -357,23 +617,51 @@ def superlink_cmd(
     host: str = typer.Option("0.0.0.0", help="address the SuperLink listens on (nodes and flwr run connect)"),
     port: int = typer.Option(9093, help="the SuperLink's HTTP port (Fleet, Control and ServerApp APIs)"),
     insecure: bool = typer.Option(False, "--insecure", help="no TLS (loopback and tests only)"),
-    ssl_certfile: Optional[Path] = typer.Option(None, help="TLS certificate of the SuperLink"),
-    ssl_keyfile: Optional[Path] = typer.Option(None, help="TLS private key of the SuperLink"),
-    ssl_ca_certfile: Optional[Path] = typer.Option(None, help="CA certificate (given to flwr run as root)"),
+    ssl_certfile: Optional[Path] = typer.Option(None, help="TLS certificate of the SuperLink (PEM; SANs for the "
+                                                           "address nodes use and for 127.0.0.1)"),
+    ssl_keyfile: Optional[Path] = typer.Option(None, help="TLS private key of the SuperLink (PEM, unencrypted)"),
+    ssl_ca_certfile: Optional[Path] = typer.Option(None, help="CA certificate that signed --ssl-certfile (PEM)"),
+    auth_public_keys: Optional[List[Path]] = typer.Option(
+        None, "--auth-public-keys",
+        help="SuperNode authentication: only nodes whose public key is listed may join (OpenSSH ECDSA lines as "
+             "ssh-keygen -t ecdsa -b 384 writes them; repeat or list several per file). Starts Flower's SuperLink "
+             "with --enable-supernode-auth and registers each key with 'flwr supernode register'. Needs TLS"),
     database: Optional[str] = typer.Option(None, help="SuperLink state file [in memory]"),
     features: Optional[Path] = typer.Option(None, "--features",
                                             help="the server's store: with it, also submit the training run "
                                                  "(same options as 'fedhead flower simulate') and stop when done"),
-    wait_timeout: float = typer.Option(300.0, help="seconds to wait for --clients SuperNodes to connect"),
+    wait_timeout: float = typer.Option(300.0, help="seconds to wait for --clients SuperNodes to connect (then "
+                                                   "the run stops, naming how many did)"),
     **kw,
 ):
     """Start a Flower SuperLink; with --features, also run the training job on the connected SuperNodes."""
     require_flower()
-    tls = _tls_args(insecure, ssl_certfile, ssl_keyfile, ssl_ca_certfile)
+    # every file and option before any process starts
+    client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host    # where fedhead reaches it
+    connects = features is not None or bool(auth_public_keys)                 # ... to submit or register
+    tls = _tls_args(insecure, ssl_certfile, ssl_keyfile, ssl_ca_certfile, client_host if connects else None)
+    keys = check_auth_public_keys(list(auth_public_keys)) if auth_public_keys else []
+    if keys and insecure:
+        raise FedheadError("The '--auth-public-keys' option needs TLS (Flower refuses SuperNode authentication "
+                           "with --insecure). Got --insecure. Pass --ssl-certfile, --ssl-keyfile and "
+                           "--ssl-ca-certfile instead.")
+    validate("--port", port, Interval(1, 65535, integer=True))
+    validate("--wait-timeout", wait_timeout, Interval(0, None, closed="neither"))
     env = flower_env()
-    cmd = superlink_command(host, port, tls, database)
+    cmd = superlink_command(host, port, tls, database, supernode_auth=bool(keys))
     if features is None:
-        os.execve(cmd[0], cmd, env)          # serve in the foreground; runs come from 'flwr run'
+        if not keys:
+            os.execve(cmd[0], cmd, env)          # serve in the foreground; runs come from 'flwr run'
+        proc = subprocess.Popen(cmd, env=env)    # serve, after registering the listed SuperNodes
+        try:
+            _wait_port(client_host, port, 60.0, proc)
+            with flwr_connection(f"{client_host}:{port}", False, ssl_ca_certfile) as home:
+                register_supernodes(home, keys, env)
+            code = proc.wait()
+        finally:
+            _stop(proc)
+        raise SystemExit(code)
+    validate("--round-timeout", kw["round_timeout"], Interval(0, None, closed="neither"))
     kw["features"] = features
     cfg = train_config(kw)
     from extract.store import open_store
@@ -385,9 +673,11 @@ def superlink_cmd(
     proc = subprocess.Popen(cmd, env=env)
     prev = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         _wait_port(client_host, port, 60.0, proc)
-        code = submit_run(f"{client_host}:{port}", rc, not ssl_certfile, ssl_ca_certfile, env=env)
+        with flwr_connection(f"{client_host}:{port}", insecure, ssl_ca_certfile) as home:
+            if keys:
+                register_supernodes(home, keys, env)
+            code = submit_run(home, rc, env=env)
     finally:
         signal.signal(signal.SIGTERM, prev)
         _stop(proc)
@@ -411,25 +701,47 @@ def supernode_cmd(
     port: int = typer.Option(9094, help="port of this node's local runtime API (one per node per machine)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda for local training"),
     insecure: bool = typer.Option(False, "--insecure", help="no TLS (loopback and tests only)"),
-    root_certificates: Optional[Path] = typer.Option(None, help="CA certificate of the SuperLink's TLS"),
+    root_certificates: Optional[Path] = typer.Option(None, help="CA certificate of the SuperLink's TLS (PEM): "
+                                                                "the node connects only to a SuperLink it signed"),
+    auth_supernode_private_key: Optional[Path] = typer.Option(
+        None, "--auth-supernode-private-key",
+        help="this node's private key for SuperNode authentication (OpenSSH ECDSA, ssh-keygen -t ecdsa -b 384); "
+             "its .pub must be listed in the SuperLink's --auth-public-keys. Needs TLS"),
 ):
     """Start a Flower SuperNode that trains the head on this machine's own feature store."""
     require_flower()
     from extract.store import open_store
 
+    # every file and option before the node starts
+    if insecure and root_certificates is not None:
+        raise FedheadError("The '--insecure' option contradicts '--root-certificates'. Got both. Drop --insecure "
+                           "to connect with TLS, or drop --root-certificates (loopback/tests only).")
+    if not insecure and root_certificates is None:
+        raise FedheadError("The '--insecure' option is off but no --root-certificates was given. Pass the "
+                           "SuperLink's CA certificate, or --insecure (loopback/tests only).")
+    if root_certificates is not None:
+        check_certificates("--root-certificates", root_certificates,
+                           "Pass the CA certificate (ca.pem) that signed the SuperLink's certificate.")
+    if auth_supernode_private_key is not None:
+        if insecure:
+            raise FedheadError("The '--auth-supernode-private-key' option needs TLS (Flower's SuperLink refuses "
+                               "SuperNode authentication without it). Got --insecure. Pass --root-certificates "
+                               "instead.")
+        check_auth_private_key(auth_supernode_private_key)
     info = open_store(features, "--features")        # refuse a missing/partial/foreign file right here
     validate("--partition-id", partition_id, Interval(0, None, integer=True))
     if num_partitions is not None:
         validate("--num-partitions", num_partitions, Interval(1, None, integer=True))
         validate("--partition-id", partition_id, Interval(0, num_partitions - 1, integer=True))
-    if not insecure and root_certificates is None:
-        raise FedheadError("The '--insecure' option is off but no --root-certificates was given. Pass the "
-                           "SuperLink's CA certificate, or --insecure (loopback/tests only).")
+    validate("--port", port, Interval(1, 65535, integer=True))
     node_config = f"feature-store={str(Path(info.path).resolve())!r} partition-id={partition_id} device={device!r}"
     if num_partitions is not None:
         node_config += f" num-partitions={num_partitions}"
-    cmd = [_exe("flower-supernode"), *(["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]),
-           "--superlink", superlink, "--host", host, "--port", str(port), "--node-config", node_config]
+    tls = ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
+    if auth_supernode_private_key is not None:
+        tls += ["--auth-supernode-private-key", str(auth_supernode_private_key)]
+    cmd = [_exe("flower-supernode"), *tls, "--superlink", superlink, "--host", host, "--port", str(port),
+           "--node-config", node_config]
     os.execve(cmd[0], cmd, flower_env())
 
 
