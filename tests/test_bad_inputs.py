@@ -694,3 +694,229 @@ def test_the_matrix_covers_every_command():
                 "bench encoders", "bench noise", "bench participation", "bench geometry", "bench speed",
                 "bench extract", "bench flower", "bench baselines", "flower simulate"):
         assert per[cmd] >= 3, (cmd, per[cmd])
+
+
+# ---------------------------------------------------------------- flower superlink / supernode: TLS and keys
+# The deployment commands start processes (flower-superlink via Popen, flower-supernode via execve): every bad
+# certificate or key file must be refused before any of them starts. Processes are replaced by stand-ins that
+# record the call (reaching one fails the case); the other checks are those of the matrix above.
+
+SUPERLINK = ("flower superlink --host 127.0.0.1 --port 9 --features {store} --clients 2 --rounds 1 --out {out} "
+             "--ssl-certfile {cert} --ssl-keyfile {key} --ssl-ca-certfile {ca}")
+SERVE = "flower superlink --host 127.0.0.1 --port 9 --ssl-certfile {cert} --ssl-keyfile {key} --ssl-ca-certfile {ca}"
+SUPERNODE = ("flower supernode --superlink 127.0.0.1:9 --features {store} --partition-id 0 --port 9 "
+             "--root-certificates {ca} --auth-supernode-private-key {nodekey}")
+_ROOT = hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0
+
+DEPLOY_CASES = [
+    # ---- flower superlink: TLS files
+    Case(SUPERLINK, "--ssl-certfile {missing}", "'--ssl-certfile'"),
+    Case(SUPERLINK, "--ssl-certfile {text}", "'--ssl-certfile'"),
+    Case(SUPERLINK, "--ssl-certfile {empty}", "'--ssl-certfile'"),
+    Case(SUPERLINK, "--ssl-certfile {key}", "'--ssl-certfile'", name="--ssl-certfile <a private key>"),
+    Case(SUPERLINK, "--ssl-certfile {folder}", "'--ssl-certfile'", name="--ssl-certfile <a folder>"),
+    Case(SUPERLINK, "--ssl-certfile {unreadable}", "'--ssl-certfile'", name="--ssl-certfile <unreadable>"),
+    Case(SUPERLINK, "--ssl-keyfile {missing}", "'--ssl-keyfile'"),
+    Case(SUPERLINK, "--ssl-keyfile {cert}", "'--ssl-keyfile'", name="--ssl-keyfile <a certificate>"),
+    Case(SUPERLINK, "--ssl-keyfile {otherkey}", "'--ssl-keyfile'", name="--ssl-keyfile <another certificate's>"),
+    Case(SUPERLINK, "--ssl-keyfile {enckey}", "'--ssl-keyfile'", name="--ssl-keyfile <encrypted>"),
+    Case(SUPERLINK, "--ssl-keyfile {nodekey}", "'--ssl-keyfile'", name="--ssl-keyfile <an OpenSSH key>"),
+    Case(SUPERLINK, "--ssl-ca-certfile {missing}", "'--ssl-ca-certfile'"),
+    Case(SUPERLINK, "--ssl-ca-certfile {text}", "'--ssl-ca-certfile'"),
+    Case(SUPERLINK, "--ssl-ca-certfile {otherca}", "'--ssl-ca-certfile' CA",
+         name="--ssl-ca-certfile <a CA that did not sign --ssl-certfile>"),
+    Case(SUPERLINK, "--ssl-certfile {nosan} --ssl-keyfile {nosankey}", "subjectAltName",
+         name="--ssl-certfile <does not name 127.0.0.1>"),
+    Case(SUPERLINK, "--ssl-certfile {expired} --ssl-keyfile {expiredkey}", "'--ssl-certfile' certificate must be valid",
+         name="--ssl-certfile <expired>"),
+    Case(SUPERLINK.replace(" --ssl-ca-certfile {ca}", ""), "", "'--ssl-ca-certfile'",
+         name="--ssl-certfile without --ssl-ca-certfile"),
+    Case(SUPERLINK, "--insecure", "'--insecure'", name="--insecure with certificates"),
+    Case(SUPERLINK.split(" --ssl-certfile")[0], "", "'--insecure'", name="neither TLS nor --insecure"),
+    # ---- flower superlink: SuperNode public keys
+    Case(SUPERLINK, "--auth-public-keys {missing}", "'--auth-public-keys'"),
+    Case(SUPERLINK, "--auth-public-keys {text}", "'--auth-public-keys'"),
+    Case(SUPERLINK, "--auth-public-keys {empty}", "'--auth-public-keys'"),
+    Case(SUPERLINK, "--auth-public-keys {folder}", "'--auth-public-keys'", name="--auth-public-keys <a folder>"),
+    Case(SUPERLINK, "--auth-public-keys {nodekey}", "'--auth-public-keys'",
+         name="--auth-public-keys <a private key>"),
+    Case(SUPERLINK, "--auth-public-keys {edpub}", "'--auth-public-keys'", name="--auth-public-keys <ed25519>"),
+    Case(SUPERLINK, "--auth-public-keys {pempub}", "'--auth-public-keys'", name="--auth-public-keys <PEM>"),
+    Case(SUPERLINK, "--auth-public-keys {nodepub} --auth-public-keys {nodepub}", "'--auth-public-keys'",
+         name="--auth-public-keys <the same key twice>"),
+    Case(SUPERLINK, "--auth-public-keys {nodepub} --auth-public-keys {missing}", "'--auth-public-keys'",
+         name="--auth-public-keys <one good, one missing>"),
+    Case(SUPERLINK.split(" --ssl-certfile")[0], "--insecure --auth-public-keys {nodepub}", "'--auth-public-keys'",
+         name="--auth-public-keys with --insecure"),
+    Case(SERVE, "--auth-public-keys {text}", "'--auth-public-keys'", name="serve: --auth-public-keys <text>"),
+    Case(SERVE, "--ssl-keyfile {otherkey} --auth-public-keys {nodepub}", "'--ssl-keyfile'",
+         name="serve: --ssl-keyfile <another certificate's>"),
+    # ---- flower supernode
+    Case(SUPERNODE, "--root-certificates {missing}", "'--root-certificates'"),
+    Case(SUPERNODE, "--root-certificates {text}", "'--root-certificates'"),
+    Case(SUPERNODE, "--root-certificates {key}", "'--root-certificates'", name="--root-certificates <a key>"),
+    Case(SUPERNODE, "--root-certificates {folder}", "'--root-certificates'",
+         name="--root-certificates <a folder>"),
+    Case(SUPERNODE, "--root-certificates {unreadable}", "'--root-certificates'",
+         name="--root-certificates <unreadable>"),
+    Case(SUPERNODE, "--auth-supernode-private-key {missing}", "'--auth-supernode-private-key'"),
+    Case(SUPERNODE, "--auth-supernode-private-key {text}", "'--auth-supernode-private-key'"),
+    Case(SUPERNODE, "--auth-supernode-private-key {empty}", "'--auth-supernode-private-key'"),
+    Case(SUPERNODE, "--auth-supernode-private-key {pemkey}", "'--auth-supernode-private-key'",
+         name="--auth-supernode-private-key <PEM, not OpenSSH>"),
+    Case(SUPERNODE, "--auth-supernode-private-key {nodepub}", "'--auth-supernode-private-key'",
+         name="--auth-supernode-private-key <the public key>"),
+    Case(SUPERNODE, "--auth-supernode-private-key {edkey}", "'--auth-supernode-private-key'",
+         name="--auth-supernode-private-key <ed25519>"),
+    Case(SUPERNODE, "--auth-supernode-private-key {enckey_ssh}", "'--auth-supernode-private-key'",
+         name="--auth-supernode-private-key <encrypted>"),
+    Case(SUPERNODE, "--auth-supernode-private-key {folder}", "'--auth-supernode-private-key'",
+         name="--auth-supernode-private-key <a folder>"),
+    Case(SUPERNODE, "--insecure", "'--insecure'", name="--insecure with --root-certificates"),
+    Case(SUPERNODE.replace("--root-certificates {ca}", "--insecure"), "", "'--auth-supernode-private-key'",
+         name="--auth-supernode-private-key with --insecure"),
+    Case(SUPERNODE.replace(" --root-certificates {ca}", ""), "", "'--insecure'",
+         name="neither --root-certificates nor --insecure"),
+]
+
+_deploy_ids = [c.id for c in DEPLOY_CASES]
+assert len(_deploy_ids) == len(set(_deploy_ids)), sorted({i for i in _deploy_ids if _deploy_ids.count(i) > 1})
+
+
+@pytest.fixture(scope="session")
+def key_inputs(tmp_path_factory) -> dict[str, str]:
+    """A CA, the server's certificate and key, a SuperNode key pair (OpenSSH) and files of the wrong kind."""
+    import sys
+
+    pytest.importorskip("flwr", reason="Flower is not installed (pip install 'fedhead[flower]')")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from certs import make_ca, make_node_key, make_server_cert
+
+    d = tmp_path_factory.mktemp("bad-keys")
+    ca = make_ca(d, "ca")
+    cert, key = make_server_cert(ca, d, "server")
+    _, otherkey = make_server_cert(ca, d, "other")
+    nosan, nosankey = make_server_cert(ca, d, "nosan", hosts=("example.org",))
+    expired, expiredkey = make_server_cert(ca, d, "expired", expired=True)
+    otherca = make_ca(d, "other-ca")
+    nodekey, nodepub = make_node_key(d, "node")
+    pem = serialization.Encoding.PEM
+    none = serialization.NoEncryption()
+    ec_key = ec.generate_private_key(ec.SECP384R1())
+    (d / "node.pem").write_bytes(ec_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, none))
+    (d / "node-pub.pem").write_bytes(ec_key.public_key().public_bytes(
+        pem, serialization.PublicFormat.SubjectPublicKeyInfo))
+    (d / "enc.key").write_bytes(ec_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                                     serialization.BestAvailableEncryption(b"secret")))
+    (d / "enc-ssh").write_text(_ENCRYPTED_OPENSSH_KEY)
+    ed = ed25519.Ed25519PrivateKey.generate()
+    (d / "ed").write_bytes(ed.private_bytes(pem, serialization.PrivateFormat.OpenSSH, none))
+    (d / "ed.pub").write_bytes(ed.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                            serialization.PublicFormat.OpenSSH) + b"\n")
+    (d / "text.pem").write_text("not a certificate or a key\n")
+    (d / "empty.pem").write_bytes(b"")
+    (d / "folder").mkdir()
+    unreadable = d / "unreadable.pem"
+    unreadable.write_bytes(ca.cert.read_bytes())
+    unreadable.chmod(0)
+    return {"ca": str(ca.cert), "cert": str(cert), "key": str(key), "otherkey": str(otherkey),
+            "otherca": str(otherca.cert), "nosan": str(nosan), "nosankey": str(nosankey), "expired": str(expired),
+            "expiredkey": str(expiredkey),
+            "nodekey": str(nodekey), "nodepub": str(nodepub), "pemkey": str(d / "node.pem"),
+            "pempub": str(d / "node-pub.pem"), "enckey": str(d / "enc.key"), "enckey_ssh": str(d / "enc-ssh"),
+            "edkey": str(d / "ed"), "edpub": str(d / "ed.pub"), "text": str(d / "text.pem"),
+            "empty": str(d / "empty.pem"), "folder": str(d / "folder"), "unreadable": str(unreadable),
+            "missing": str(d / "missing.pem")}
+
+
+# a throw-away P-384 key, passphrase "secret" (ssh-keygen -t ecdsa -b 384 -N secret; cryptography needs bcrypt
+# to write one)
+_ENCRYPTED_OPENSSH_KEY = """-----BEGIN OPENSSH PRIVATE KEY-----
+b3BlbnNzaC1rZXktdjEAAAAACmFlczI1Ni1jdHIAAAAGYmNyeXB0AAAAGAAAABDKis3gvw
+YunGNSdeh+JWF4AAAAEAAAAAEAAACIAAAAE2VjZHNhLXNoYTItbmlzdHAzODQAAAAIbmlz
+dHAzODQAAABhBIgC7TO7uevmfhrev/JiXbRYd1gdj2Rzpzf1nqLcrfE+3odC47FSdX86bf
+QFhOKd/OQRvG73UrM46NWt+DdSQ8HpU9QomyghQLebkxrPoVTgF1a7nzNz843Ch4f7JsS5
+9gAAAND1VeYQJa13Ub6RptMKhja1ChLhpZ/ndMgduMi3mzBxe6zHVS2N3ptSLXsQZ8u7+I
+ooGsPR9uqgAC/LXeclXFxAGOqMsgmbVBseCh0IzlLYkn0y0M1tVXCQ51PslSzCsXikluEZ
+whuZD6KGVv09y/T37WYK8haNkqPsknPd7IN80rTIHjsL+E49KfEzCGqxGsogy0ClNch7sY
+eIAK5KN/Ri59m7SP9TdRtAfCKG7fw8wAi9gEa7jmuN6qu5XcBiz9Vm+5Vxyrgqz6h0R2hr
+1U/3
+-----END OPENSSH PRIVATE KEY-----
+"""
+
+
+def _fake_processes(monkeypatch) -> list:
+    """Stand-ins for every way the deployment commands start a process: they record the call and raise."""
+    import os
+    import subprocess
+
+    calls: list = []
+
+    def starts(name):
+        def fake(*args, **kw):
+            calls.append((name, args[:1]))
+            raise RuntimeError(f"stand-in {name}: the inputs passed every check, a process would start here")
+        return fake
+
+    monkeypatch.setattr(os, "execve", starts("os.execve"))
+    for name in ("Popen", "run", "call"):
+        monkeypatch.setattr(subprocess, name, starts(f"subprocess.{name}"))
+    return calls
+
+
+def _unreadable_as_root(monkeypatch, path: str) -> None:
+    """root reads a file without read permission: reading ``path`` fails as it would for anyone else."""
+    real = Path.read_bytes
+
+    def read_bytes(self):
+        if str(self) == path:
+            raise PermissionError(13, "Permission denied", path)
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in DEPLOY_CASES])
+def test_bad_key_or_certificate_is_refused_before_any_process(case: Case, inputs, key_inputs, tmp_path,
+                                                              monkeypatch):
+    paths = {**_case_paths(tmp_path, inputs), **key_inputs}
+    if "{unreadable}" in case.bad and _ROOT:
+        _unreadable_as_root(monkeypatch, key_inputs["unreadable"])
+    argv = shlex.split(f"{case.base} {case.bad}".format(**paths))
+    out = _out_of(argv)
+    before = _snapshot(out) if out is not None else None
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    started = _fake_processes(monkeypatch)
+
+    res = runner.invoke(cli.app, argv)
+
+    shown = f"$ fedhead {' '.join(argv)}\nexit {res.exit_code}\nstderr: {res.stderr!r}\nstdout: {res.stdout[-500:]!r}"
+    assert not started, f"started {started} before refusing the input\n" + shown
+    assert res.exit_code != 0, shown
+    assert res.exception is None or isinstance(res.exception, SystemExit), (repr(res.exception), shown)
+    assert "Traceback" not in res.output and "internal error" not in res.output, shown
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, shown
+    assert lines[0].startswith("error: ") and len(lines[0]) <= MAX_MESSAGE, shown
+    assert case.expect in lines[0], shown
+    if out is not None:
+        assert _snapshot(out) == before, f"{out} changed\n{shown}"
+        assert not Path(f"{out}.lock").exists(), f"{out}.lock left behind\n{shown}"
+    assert not any(cwd.iterdir()), f"wrote {sorted(p.name for p in cwd.iterdir())} in the working directory\n{shown}"
+
+
+def test_the_deploy_cases_reach_a_process_with_good_files(inputs, key_inputs, tmp_path, monkeypatch):
+    """The bases of the cases above are valid: with good files both commands get as far as starting Flower
+    (so each case is refused for its bad input, not for something in the base)."""
+    paths = {**_case_paths(tmp_path, inputs), **key_inputs}
+    monkeypatch.chdir(tmp_path)
+    for base in (SUPERLINK, SUPERLINK + " --auth-public-keys {nodepub}", SERVE + " --auth-public-keys {nodepub}",
+                 SUPERNODE):
+        started = _fake_processes(monkeypatch)
+        res = runner.invoke(cli.app, shlex.split(base.format(**paths)))
+        assert started and started[0][0] in ("subprocess.Popen", "os.execve"), (base, res.stderr)
