@@ -749,6 +749,10 @@ DEPLOY_CASES = [
     Case(SUPERLINK.split(" --ssl-certfile")[0], "--insecure --auth-public-keys {nodepub}", "'--auth-public-keys'",
          name="--auth-public-keys with --insecure"),
     Case(SERVE, "--auth-public-keys {text}", "'--auth-public-keys'", name="serve: --auth-public-keys <text>"),
+    Case(SUPERLINK, "--wait-timeout 0", "'--wait-timeout'"),
+    Case(SUPERLINK, "--round-timeout -1", "'--round-timeout'"),
+    Case(SUPERLINK, "--port 70000", "'--port'"),
+    Case(SUPERNODE, "--port 0", "'--port'"),
     Case(SERVE, "--ssl-keyfile {otherkey} --auth-public-keys {nodepub}", "'--ssl-keyfile'",
          name="serve: --ssl-keyfile <another certificate's>"),
     # ---- flower supernode
