@@ -361,8 +361,8 @@ def test_share_fraction_mixes_the_shared_set_and_counts_its_bytes_once(tmp_path)
     a, b = rows(tmp_path / "share"), rows(tmp_path / "plain")
     extra = 6 * s * (28 * 28 + 8)                                             # every client, once
     assert [int(float(x["bytes_shared_data"])) for x in a] == [extra, 0, 0]
-    assert [int(float(x["bytes_total"])) for x in a] == [int(float(b[0]["bytes_total"])) + extra,
-                                                        int(float(b[1]["bytes_total"])), int(float(b[2]["bytes_total"]))]
+    plain_bytes = [int(float(x["bytes_total"])) for x in b]
+    assert [int(float(x["bytes_total"])) for x in a] == [plain_bytes[0] + extra, plain_bytes[1], plain_bytes[2]]
     summary = json.loads((tmp_path / "share" / "summary.json").read_text())
     assert summary["per_seed"][0]["bytes_shared_data"] == extra
     with open(tmp_path / "share" / "clients.csv") as f:

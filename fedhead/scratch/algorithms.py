@@ -324,7 +324,7 @@ class Scaffold(FedAvg):
         self.var.load_state_dict(d["scaffold"])
 
 
-# ---------------------------------------------------------------- personalised: local, FedPer, FedRep, LG-FedAvg, FedRoD
+# ---------------------------------------------------------------- personalised: local, FedPer, FedRep, LG, FedRoD
 
 
 class Personalised(FedAvg):
@@ -504,7 +504,6 @@ class FedRoD(Personalised):
 ALGORITHMS: dict[str, type[Algorithm]] = {a.name: a for a in (FedAvg, FedOVA, FedABC, DivideAndConquer, Local,
                                                                 FedProx, Scaffold, FedPer, FedRep, FedRoD,
                                                                 LGFedAvg)}
-PERSONALISED = tuple(n for n, a in ALGORITHMS.items() if issubclass(a, Personalised))
 HEAD_SPLIT = ("fedper", "fedrep", "lg-fedavg")   # algorithms that take --head-layers
 
 

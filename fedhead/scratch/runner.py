@@ -4,11 +4,12 @@ A run writes its run directory under an exclusive lock (:func:`fedhead.util.excl
 round the whole state of the run is saved atomically in ``checkpoint.pt`` together with ``rounds.csv`` (one
 critical section: a SIGINT/SIGTERM waits for both): the algorithm's state (every tensor of the global model,
 FedOVA's per-class networks included, and the algorithm's own state, e.g. D&C's split and pre-pass
-divergences), the current seed's rows, the finished seeds' results, and the random state (``ctx.rng``'s bit
-generator state and the init generator's state; the global torch RNG is forked and keyed by (seed, round)
-inside every round, so nothing else random carries over). ``resume=True`` rebuilds the seed's deterministic
-setup, restores that state and continues: the rows and final models equal an uninterrupted run's bit for bit
-on CPU, with the recorded intra-op thread count (``cpu_threads`` in config.json) reused.
+divergences, the personalised algorithms' per-client tensors, SCAFFOLD's control variates), the current seed's
+rows, the finished seeds' results, and the random state (``ctx.rng``'s bit generator state and the init
+generator's state; the global torch RNG is forked and keyed by (seed, round) inside every round, so nothing else
+random carries over). ``resume=True`` rebuilds the seed's deterministic setup, restores that state and
+continues: the rows and final models equal an uninterrupted run's bit for bit on CPU, with the recorded
+intra-op thread count (``cpu_threads`` in config.json) reused.
 """
 
 from __future__ import annotations
