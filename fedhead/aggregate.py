@@ -9,12 +9,15 @@ aggregation can compute without seeing one client's message.
 - ``fedavg``: size-weighted average of the whole head, ``sum_k n_k W_k / sum_k n_k``; message ``n_k W_k``.
 - ``grouped`` (FedOVA style): row ``c`` is the unweighted mean over the clients that trained it (hold class
   ``c`` locally); a row nobody trained keeps its previous value; message ``holds_k * W_k`` (row-wise).
+- ``dp-fedavg`` (DP-FedAvg, McMahan et al. 2018; what a run uses with ``--dp-noise-multiplier``): message the
+  update ``W_k - theta`` clipped to L2 norm ``--dp-clip S``; the server adds ``N(0, (z S)^2 I)`` to the sum, keyed
+  by (seed, round), and divides by the number of clients sampled that round (README "Differential privacy").
 
 Users add rules with :func:`register_aggregator` (README "Your own head or method"); ``--aggregate NAME`` then
 selects one in ``fedhead train``, every bench command and Flower. Besides the message's tensors the server knows
 each client's sample count and which classes it holds (both are also sent without any rule: Flower's
 ``num-examples`` and the ``holds`` flags), summed into :class:`Totals`. The bytes a client uploads per round are
-its message's bytes (:meth:`Aggregator.nbytes`): the head's bytes for both built-in rules.
+its message's bytes (:meth:`Aggregator.nbytes`): the head's bytes for the built-in rules.
 
 :func:`fedavg` and :func:`grouped` are the same rules as pure functions of the stacked heads (for tests).
 """
@@ -31,12 +34,18 @@ from .errors import FedheadError, unknown_name
 @dataclass
 class Totals:
     """What the server has after a round: the clients' messages summed (float64 on CPU), the sample count
-    ``n``, the number of clients holding each class ``holds [C]`` and the number of ``clients``."""
+    ``n``, the number of clients holding each class ``holds [C]`` and the number of ``clients`` whose messages
+    were added; and what the server knows without any message: the run's ``seed``, the ``round`` and the number
+    of clients it ``sampled`` that round (public: fedhead samples by (seed, round); some may send nothing, an
+    empty client or a failed node). None where the caller did not say (a rule that needs them refuses)."""
 
     sums: dict
     n: torch.Tensor
     holds: torch.Tensor
     clients: int
+    round: int | None = None
+    seed: int | None = None
+    sampled: int | None = None
 
 
 class Aggregator:
@@ -50,6 +59,11 @@ class Aggregator:
 
     name = ""
     description = ""
+
+    @classmethod
+    def from_config(cls, cfg) -> "Aggregator":
+        """The rule for a run's :class:`fedhead.config.TrainConfig` (a rule with parameters reads them here)."""
+        return cls()
 
     def message(self, theta: torch.Tensor, trained: torch.Tensor, sizes: torch.Tensor,
                 holds: torch.Tensor) -> dict:
@@ -90,7 +104,56 @@ class Grouped(Aggregator):
         return out
 
 
-AGGREGATORS: dict[str, type] = {"fedavg": FedAvg, "grouped": Grouped}
+class DPFedAvg(Aggregator):
+    """DP-FedAvg with fixed clipping (McMahan et al. 2018, the rule of Flower's
+    ``DifferentialPrivacy{Client,Server}SideFixedClipping``): each client's update ``W_k - theta`` clipped to L2
+    norm ``clip`` (its message: clipped on the client, so the server never sees more), the unweighted sum plus
+    ``N(0, (noise_multiplier * clip)^2 I)``, divided by the number of clients sampled that round. Noise is drawn
+    by :func:`fedhead.dp.gaussian` keyed by (seed, round): the simulator, the loop backend and Flower add the same
+    noise, and a resumed run the same as an uninterrupted one."""
+
+    name = "dp-fedavg"
+    description = "DP-FedAvg: updates clipped to --dp-clip, unweighted sum + Gaussian noise, / clients sampled"
+
+    def __init__(self, clip: float | None = None, noise_multiplier: float | None = None):
+        self.clip, self.noise_multiplier = clip, noise_multiplier
+
+    @classmethod
+    def from_config(cls, cfg):
+        return cls(cfg.dp_clip, cfg.dp_noise_multiplier)
+
+    def _check(self):
+        if self.clip is None or self.noise_multiplier is None:
+            raise FedheadError("The aggregator 'dp-fedavg' needs --dp-clip and --dp-noise-multiplier. Got "
+                               f"clip={self.clip!r}, noise multiplier={self.noise_multiplier!r} instead. Give both "
+                               "(and --dp-delta); in Python build it with create_aggregator(name, cfg).")
+
+    def message(self, theta, trained, sizes, holds):
+        self._check()
+        d = trained - theta
+        norm = d.flatten(1).to(torch.float64).norm(dim=1)
+        factor = (self.clip / norm.clamp_min(1e-300)).clamp(max=1.0)
+        return {"clipped": d * factor.to(d.dtype).view(-1, *([1] * (d.dim() - 1)))}
+
+    def update(self, previous, totals):
+        self._check()
+        if totals.seed is None or totals.round is None:
+            raise FedheadError("The aggregator 'dp-fedavg' draws its noise by (seed, round), but the Totals it got "
+                               "carry none. Build the Accumulator with seed= and rnd= (as the engine and the Flower "
+                               "strategy do).")
+        from .dp import gaussian
+
+        m = totals.sampled if totals.sampled is not None else totals.clients
+        total = totals.sums["clipped"]
+        noise = gaussian(tuple(total.shape), self.noise_multiplier * self.clip, totals.seed, totals.round,
+                         "dp-fedavg")
+        return (previous + (total + noise.to(device=total.device, dtype=total.dtype)) / max(1, m)).to(previous.dtype)
+
+    def nbytes(self, theta):
+        return theta.numel() * theta.element_size()       # the clipped update: one head's bytes
+
+
+AGGREGATORS: dict[str, type] = {"fedavg": FedAvg, "grouped": Grouped, "dp-fedavg": DPFedAvg}
 
 
 def register_aggregator(name: str):
@@ -114,23 +177,34 @@ def aggregator_names() -> list[str]:
     return list(AGGREGATORS)
 
 
-def create_aggregator(name: str) -> Aggregator:
+def create_aggregator(name: str, cfg=None) -> Aggregator:
+    """The rule ``name``; with a run's ``cfg``, built from it (:meth:`Aggregator.from_config`: ``dp-fedavg``
+    reads --dp-clip and --dp-noise-multiplier)."""
     if name not in AGGREGATORS:
         from .plugins import load_plugins
 
         load_plugins()
     if name not in AGGREGATORS:
         raise unknown_name("--aggregate", name, AGGREGATORS, "aggregator")
-    return AGGREGATORS[name]()
+    cls = AGGREGATORS[name]
+    return cls() if cfg is None else cls.from_config(cfg)
+
+
+def aggregator_of(cfg) -> Aggregator:
+    """The rule a resolved :class:`fedhead.config.TrainConfig` runs (clients and server alike)."""
+    return create_aggregator(cfg.aggregate, cfg)
 
 
 class Accumulator:
     """A round's sums: ``add`` client blocks (simulator) or ``add_message`` one client's message (a server that
-    receives messages), then ``finish()``. ``previous`` is the head the clients started from."""
+    receives messages), then ``finish()``. ``previous`` is the head the clients started from; ``seed``, ``rnd``
+    and ``sampled`` (clients sampled this round) reach the rule in :class:`Totals`."""
 
-    def __init__(self, kind: str | Aggregator, previous: torch.Tensor):
+    def __init__(self, kind: str | Aggregator, previous: torch.Tensor, *, seed: int | None = None,
+                 rnd: int | None = None, sampled: int | None = None):
         self.agg = kind if isinstance(kind, Aggregator) else create_aggregator(kind)
         self.previous = previous
+        self.seed, self.rnd, self.sampled = seed, rnd, sampled     # handed to the rule in Totals
         dev = previous.device
         self.dtype = torch.float64 if dev.type == "cpu" else previous.dtype
         self.sums: dict = {}
@@ -158,7 +232,8 @@ class Accumulator:
         self.clients += len(sizes)
 
     def finish(self) -> torch.Tensor:
-        return self.agg.update(self.previous, Totals(self.sums, self.n, self.holds, self.clients))
+        return self.agg.update(self.previous, Totals(self.sums, self.n, self.holds, self.clients, round=self.rnd,
+                                                     seed=self.seed, sampled=self.sampled))
 
 
 def fedavg(stacked: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:

@@ -70,9 +70,15 @@ def message_bytes(num_classes_held: int, dim: int, gram: bool) -> int:
     return b
 
 
-def client_stats(x: np.ndarray | torch.Tensor, y: np.ndarray, num_classes: int, gram: bool) -> ClientStats:
-    """One client's message from its raw features ``x [n, D]`` and labels ``y [n]``."""
+def client_stats(x: np.ndarray | torch.Tensor, y: np.ndarray, num_classes: int, gram: bool,
+                 clip: float | None = None) -> ClientStats:
+    """One client's message from its raw features ``x [n, D]`` and labels ``y [n]``; ``clip``: every feature
+    vector first scaled to L2 norm at most ``clip`` (differential privacy, :func:`fedhead.dp.clip_rows`)."""
     xt = torch.as_tensor(np.asarray(x), dtype=F64)
+    if clip is not None:
+        from .dp import clip_rows
+
+        xt = clip_rows(xt, clip)
     yt = torch.as_tensor(np.asarray(y), dtype=torch.int64)
     sums = torch.zeros(num_classes, xt.shape[1], dtype=F64).index_add_(0, yt, xt)
     counts = torch.bincount(yt, minlength=num_classes)
@@ -117,13 +123,20 @@ class StatsAccumulator:
         self.cof_w = None
         if cof_counts is not None:
             cc = np.asarray(cof_counts)
-            n_c = cc.sum(0).astype(np.float64)
-            k_c = (cc > 0).sum(0).astype(np.float64)
-            self.cof_w = torch.as_tensor((n_c - 1.0).clip(0) / np.maximum(1.0, k_c - 1.0), dtype=F64)   # a_c
-            self.cof_k = torch.as_tensor(k_c, dtype=F64)
-            self.spread = torch.zeros(D, D, dtype=F64)
+            self.set_cof_weights(cc.sum(0), (cc > 0).sum(0))
         self.bytes_up = 0
         self.clients = 0
+        self.noisy = False         # differential privacy added noise to the sums (fedhead.dp.privatize_statistics)
+
+    def set_cof_weights(self, n_c: np.ndarray, k_c: np.ndarray) -> None:
+        """FedCOF's class weights ``a_c = (N_c - 1) / max(1, K_c - 1)`` from the class counts ``N_c`` and the numbers
+        of clients holding each class ``K_c`` (both sums over clients: secure aggregation gives them too), and an
+        empty spread."""
+        n_c = np.asarray(n_c, dtype=np.float64)
+        k_c = np.asarray(k_c, dtype=np.float64)
+        self.cof_w = torch.as_tensor((n_c - 1.0).clip(0) / np.maximum(1.0, k_c - 1.0), dtype=F64)   # a_c
+        self.cof_k = torch.as_tensor(k_c, dtype=F64)
+        self.spread = torch.zeros(self.D, self.D, dtype=F64)
 
     def add(self, m: ClientStats) -> None:
         """One client's message (the Flower server, the loop backend)."""
@@ -141,14 +154,19 @@ class StatsAccumulator:
         self.bytes_up += m.nbytes()
         self.clients += 1
 
-    def add_block(self, x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray]) -> None:
+    def add_block(self, x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray], clip: float | None = None) -> None:
         """The messages of a block of clients at once: ``x [N, D]`` raw features, ``y [N]`` labels, ``parts``
-        the block's clients' sample indices. Sums equal adding each client's :func:`client_stats`."""
+        the block's clients' sample indices, ``clip`` as in :func:`client_stats`. Sums equal adding each client's
+        :func:`client_stats`."""
         C, D = self.C, self.D
         idx = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         owner = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
         it = torch.as_tensor(idx, dtype=torch.int64)
         xb = x.index_select(0, it).to(F64)
+        if clip is not None:
+            from .dp import clip_rows
+
+            xb = clip_rows(xb, clip)
         yb = y.index_select(0, it).to(torch.int64)
         key = torch.as_tensor(owner, dtype=torch.int64) * C + yb
         cnt = torch.bincount(key, minlength=len(parts) * C).to(F64)                  # per client and class
@@ -170,9 +188,11 @@ class StatsAccumulator:
 
 
 def accumulate(x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray], num_classes: int, *, gram: bool,
-               cof: bool, block_rows: int = 8192, per_client: bool = False) -> StatsAccumulator:
+               cof: bool, block_rows: int = 8192, per_client: bool = False,
+               clip: float | None = None) -> StatsAccumulator:
     """Stream every client's message into a :class:`StatsAccumulator`, in blocks of about ``block_rows``
-    samples (``per_client``: one :func:`client_stats` message at a time, as a Flower server receives them)."""
+    samples (``per_client``: one :func:`client_stats` message at a time, as a Flower server receives them);
+    ``clip``: the clients' per-sample feature-norm clip (differential privacy)."""
     counts = None
     if cof:
         yn = y.cpu().numpy()
@@ -181,7 +201,7 @@ def accumulate(x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray], num_cl
     if per_client:
         xn, yn = x.cpu().numpy(), y.cpu().numpy()
         for p in parts:
-            acc.add(client_stats(xn[p], yn[p], num_classes, gram))
+            acc.add(client_stats(xn[p], yn[p], num_classes, gram, clip))
         return acc
     x, y = x.cpu(), y.cpu()
     # cof keeps [clients x classes, D] float64 class sums of a block: bound them to about 256 MB
@@ -191,10 +211,10 @@ def accumulate(x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray], num_cl
         block.append(p)
         rows += len(p)
         if rows >= block_rows or len(block) >= max_clients:
-            acc.add_block(x, y, block)
+            acc.add_block(x, y, block, clip)
             block, rows = [], 0
     if block:
-        acc.add_block(x, y, block)
+        acc.add_block(x, y, block, clip)
     return acc
 
 
@@ -213,6 +233,13 @@ def _spd_solve(a: torch.Tensor, b: torch.Tensor, param: str, fix: str) -> torch.
         raise FedheadError(f"The '{param}' parameter leaves the statistics too ill-conditioned to solve "
                            f"(condition number over 1e14). {fix}")
     return torch.linalg.solve(a, b)
+
+
+def psd_part(a: torch.Tensor) -> torch.Tensor:
+    """The nearest positive semidefinite matrix to the symmetric ``a`` (negative eigenvalues set to 0)."""
+    ev, vec = torch.linalg.eigh((a + a.T) / 2)
+    out = (vec * ev.clamp_min(0.0)) @ vec.T
+    return (out + out.T) / 2
 
 
 def _normalize_rows(t: torch.Tensor) -> torch.Tensor:
@@ -349,6 +376,8 @@ class LDAHead(ClosedFormHead):
         N = float(n.sum())
         second = acc.gram[:D, :D]
         within = (second - (mu * n[:, None]).T @ mu) / max(1.0, N - float(held.sum()))
+        if acc.noisy:             # DP noise can make the estimate indefinite: project it (post-processing)
+            within = psd_part(within)
         shrink = float(self.params["lda_shrinkage"]) * float(torch.trace(within)) / D
         sigma = within + shrink * torch.eye(D, dtype=F64)
         w = _spd_solve(sigma, mu.T, "--lda-shrinkage", "Raise it, e.g. --lda-shrinkage 0.01.").T.contiguous()

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .aggregate import Accumulator
+from .aggregate import Accumulator, Aggregator
 from .config import BACKENDS
 from .errors import FedheadError, OneOf, validate
 from .heads import Head, LossContext
@@ -476,7 +476,7 @@ class Engine:
     # -- public --------------------------------------------------------------------------------------
 
     def run_round(self, theta: torch.Tensor, selected: np.ndarray, seed: int, rnd: int,
-                  aggregator: str, *, prox_mu: float = 0.0,
+                  aggregator: str | Aggregator, *, prox_mu: float = 0.0,
                   scaffold: ScaffoldState | None = None) -> tuple[torch.Tensor, RoundStats]:
         """Local training of ``selected`` clients from ``theta [C, D+1]``; returns the aggregate and stats.
 
@@ -485,7 +485,7 @@ class Engine:
         clients, then the server's ``c``); the head is aggregated by ``aggregator`` as without it. Clients with
         no sample do not train and count as not participating."""
         self._check_scaffold(theta, scaffold)
-        acc = Accumulator(aggregator, theta)
+        acc = Accumulator(aggregator, theta, seed=seed, rnd=rnd, sampled=len(selected))
         stats = RoundStats()
         active = [int(k) for k in selected if len(self.data.parts[k]) > 0]
         for b in range(0, len(active), self.block_clients):

@@ -21,7 +21,8 @@ import torch
 from extract.store import Features, load_store
 from . import __version__
 from .config import TrainConfig
-from .aggregate import create_aggregator
+from .aggregate import aggregator_of, create_aggregator
+from .dp import epsilon_schedule, feature_clip, summary_fields
 from .engine import ClientSet, Engine, LocalConfig, OptimConfig, evaluate
 from .errors import FedheadError, unknown_name
 from .central import central_reference, first_reach
@@ -58,20 +59,28 @@ class FeatureStats:
     bytes_down_per_client: int
 
 
-def federated_feature_stats(x: np.ndarray, parts: list[np.ndarray], center: bool, scale: str) -> FeatureStats:
+def federated_feature_stats(x: np.ndarray, parts: list[np.ndarray], center: bool, scale: str,
+                            cfg: TrainConfig | None = None, seed: int = 0) -> FeatureStats:
     """Each client sends its feature sum, squared-norm sum and count; the server adds them up.
 
-    Costs one extra exchange of ``D + 2`` floats per client (counted in round 1's bytes)."""
+    Costs one extra exchange of ``D + 2`` floats per client (counted in round 1's bytes). With differential
+    privacy (``cfg``), each client clips its features to --dp-feature-clip first and the server adds noise to the
+    sums (:func:`fedhead.dp.noisy_feature_sums`, keyed by ``seed``)."""
+    from .dp import clip_rows, feature_clip, noisy_feature_sums
+
     if not center and scale == "none":
         return FeatureStats(None, 1.0, 0, 0)
     d = x.shape[1]
     total = np.zeros(d, dtype=np.float64)
     sq, n = 0.0, 0
+    clip = feature_clip(cfg) if cfg is not None else None
     for p in parts:
-        xp = x[p].astype(np.float64)
+        xp = x[p].astype(np.float64) if clip is None else clip_rows(x[p], clip)
         total += xp.sum(0)
         sq += float((xp * xp).sum())
         n += len(p)
+    if cfg is not None:
+        total, sq, n = noisy_feature_sums(total, sq, n, cfg, seed)
     mean = total / max(1, n)
     s = 1.0
     if scale == "rms":
@@ -124,7 +133,7 @@ def build_federation(store: Features, cfg: TrainConfig, seed: int, partition: st
     for p, yl in zip(parts, noisy):
         labels[p] = yl
     counts = class_counts(parts, labels, C)
-    stats = federated_feature_stats(store.train_x, parts, cfg.center, cfg.scale)
+    stats = federated_feature_stats(store.train_x, parts, cfg.center, cfg.scale, cfg, seed)
     return Federation(parts, labels, counts, realised, stats)
 
 
@@ -296,6 +305,7 @@ def _run_locked(cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, s
     solver = create_head(cfg.head if is_closed_form(cfg.head) else cfg.init, **cfg.head_params) \
         if (is_closed_form(cfg.head) or cfg.init) else None
     last_round = 1 if is_closed_form(cfg.head) else cfg.rounds
+    privacy = epsilon_schedule(cfg, last_round)          # DP: epsilon per round ({} without DP)
     optim = OptimConfig(name=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum)
     local = LocalConfig(epochs=cfg.local_epochs, batch_size=cfg.batch_size, steps=cfg.local_steps)
     C, D = store.info.num_classes, store.train_x.shape[1]
@@ -358,14 +368,15 @@ def _run_locked(cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, s
                         t0 = time.perf_counter()
                         sacc = accumulate(raw_train, torch.as_tensor(fed.labels), [fed.parts[k] for k in sel], C,
                                           gram=solver.needs_gram, cof=solver.needs_client_means,
-                                          per_client=cfg.backend == "loop")
+                                          per_client=cfg.backend == "loop", clip=feature_clip(cfg))
                         t1 = time.perf_counter()
-                        theta = solve_statistics(solver, sacc, cfg, fed.stats, device)
+                        theta = solve_statistics(solver, sacc, cfg, fed.stats, device, seed=seed)
                         row = statistics_row(sacc, t1 - t0, time.perf_counter() - t1, cfg, nsel, head_bytes,
                                              extra_up, stats_bytes)
                     else:
                         prev = theta
-                        theta, st = engine.run_round(theta, sel, seed, rnd, cfg.aggregate, **server.engine_kwargs())
+                        theta, st = engine.run_round(theta, sel, seed, rnd, aggregator_of(cfg),
+                                                     **server.engine_kwargs())
                         t0 = time.perf_counter()
                         theta = server.step(prev, theta)
                         server_s = st.server_s + time.perf_counter() - t0
@@ -380,7 +391,7 @@ def _run_locked(cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, s
                     acc = evaluate(theta, xt if not is_closed_form(cfg.head) else _with_ones(raw_test, device),
                                    y_test) if evaluate_now else float("nan")
                     rows.append({"seed": seed, "round": rnd, "accuracy": acc, **row, "ratio_to_iid": None,
-                                 "run": vname, "partition": part})
+                                 "run": vname, "partition": part, **privacy.get(rnd, {})})
                     if rtask is not None:
                         prog.update(rtask, advance=1, info=f"acc {acc:.4f}")
                     with signals_deferred():          # the checkpoint and rounds.csv move together
@@ -435,9 +446,17 @@ def _with_ones(x: torch.Tensor, device) -> torch.Tensor:
 INIT_SCALE = {"ncm": 1.0, "ridge": 10.0, "cof": 1.0, "lda": 1.0}   # measured, see README "Baselines"
 
 
-def solve_statistics(solver, acc, cfg: TrainConfig, stats: FeatureStats, device) -> torch.Tensor:
+def solve_statistics(solver, acc, cfg: TrainConfig, stats: FeatureStats, device,
+                     seed: int | None = None) -> torch.Tensor:
     """The server's solve after the statistics exchange: a closed-form head on raw features, or an ``--init``
-    head mapped to the run's prepared features and multiplied by the init scale."""
+    head mapped to the run's prepared features and multiplied by the init scale. With differential privacy the
+    summed statistics get their noise here first (:func:`fedhead.dp.privatize_statistics`, keyed by ``seed``)."""
+    from .dp import enabled, privatize_statistics
+
+    if enabled(cfg):
+        if seed is None:
+            raise FedheadError("solve_statistics needs the run's seed to draw the DP noise of the statistics.")
+        privatize_statistics(acc, cfg, seed)
     theta = solver.solve(acc)
     if not is_closed_form(cfg.head):
         scale = cfg.init_scale if cfg.init_scale is not None else INIT_SCALE[solver.name]
@@ -606,6 +625,7 @@ def summarize(rows: list[dict], cfg: TrainConfig, realised: dict, wall_s: float,
         m, s = mean_std(vals)
         summary[k] = m
         summary[k + "_std"] = s
+    summary.update(summary_fields(cfg, epsilon_schedule(cfg, summary["rounds"])))   # DP: final epsilon, delta
     summary["wall_seconds"] = wall_s
     summary["per_seed"] = per_seed
     summary["fedhead_version"] = __version__
