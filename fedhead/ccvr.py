@@ -208,6 +208,23 @@ class PooledStats:
                 self.means[c] += delta * (nb / n)
             self.counts[c] += nb
 
+    @classmethod
+    def from_moments(cls, counts: np.ndarray, sums: np.ndarray, second: np.ndarray) -> "PooledStats":
+        """The pooled statistics from sums over all clients (what secure aggregation gives instead of each client's
+        :class:`ClassStats`): class counts ``N_c [C]``, feature sums ``[C, D]`` and second moments ``sum x x^T``
+        ``[C, D, D]``; ``M2_c = S2_c - N_c mu_c mu_c^T`` (the raw-moment form: when a class mean is large against
+        its spread this loses the digits the merge form of :meth:`add` keeps)."""
+        sums = np.asarray(sums, dtype=np.float64)
+        C, D = sums.shape
+        p = cls(C, D)
+        n = np.rint(np.asarray(counts, dtype=np.float64)).astype(np.int64)
+        held = n > 0
+        p.counts = n
+        p.means[held] = sums[held] / n[held, None]
+        mu = p.means[held]
+        p._m2[held] = np.asarray(second, dtype=np.float64)[held] - n[held, None, None] * (mu[:, :, None] * mu[:, None, :])
+        return p
+
     def finish(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``counts [C]`` int64, ``means [C, D]`` and ``covs [C, D, D]`` float64 (pooled unbiased
         covariance; zeros for ``N_c <= 1``, zero mean for ``N_c = 0``)."""

@@ -25,6 +25,7 @@ RECIPES: dict[str, dict] = {
 # size: Fed3R+FT (README "Baselines", measured by `fedhead bench baselines`); an explicit --head keeps the ridge
 # start, a closed-form head ignores it; an explicit --local-epochs replaces the 30 steps.
 RECIPES["fast"] = dict(RECIPES["default"], head="softmax", init="ridge", local_steps=30)
+SECURE_MIN_CLIENTS = 3                   # fewest clients per round --secure-aggregation accepts (config check)
 LOCAL_EPOCHS = 3                         # when neither --local-epochs nor --local-steps (nor a recipe) says
 
 
@@ -75,6 +76,8 @@ class TrainConfig:
     server_tau: float | None = None        # adaptivity tau [Flower's default]
     calibrate: str = "none"                # none | ccvr: calibrate the head on virtual features after the last round
     ccvr_samples: int = 200                # ccvr: virtual features per class
+    # -- secure aggregation (Flower only; README "Secure aggregation"; fedhead.flower.secure)
+    secure_aggregation: bool = False       # the server learns only sums over clients (Flower's SecAgg+)
 
     def resolved(self) -> "TrainConfig":
         """A copy with the recipe applied to every field left as None, validated."""
@@ -123,6 +126,14 @@ class TrainConfig:
             validate("--seed", s, Interval(0, None, integer=True))
         if c.noise != "none" and c.noise_rate == 0:
             raise FedheadError(f"The '--noise-rate' parameter must be > 0 with --noise {c.noise}. Got 0.0 instead.")
+        if c.secure_aggregation:
+            m = max(1, int(round(c.participation * c.clients)))      # clients per round (fedhead.train.sample_clients)
+            if m < SECURE_MIN_CLIENTS:
+                raise FedheadError(f"The '--secure-aggregation' option needs at least {SECURE_MIN_CLIENTS} clients per "
+                                   f"round (SecAgg+ hides a client only among others: with 2, each could read the "
+                                   f"other's update off the new head). Got --clients {c.clients} with --participation "
+                                   f"{c.participation:g} ({m} per round) instead. Raise --clients or --participation, "
+                                   "or drop --secure-aggregation.")
         return c
 
     def to_dict(self) -> dict:
@@ -133,4 +144,6 @@ class TrainConfig:
         d = self.to_dict()
         for k in ("device", "block_clients", "memory_budget_mb"):
             d.pop(k, None)
+        if not d.get("secure_aggregation"):
+            d.pop("secure_aggregation", None)     # runs from before the option keep their identity
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]

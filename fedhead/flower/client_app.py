@@ -52,10 +52,12 @@ from ..closedform import client_stats  # noqa: E402
 from .common import (MESSAGE_PREFIX, check_fingerprint, client_stats_record, config_from_json,  # noqa: E402
                      crash_rounds, store_fingerprint)
 from ..aggregate import Accumulator  # noqa: E402
+from .secure import is_secure, node_values, plain_content, secure_mod, secure_reply  # noqa: E402
 
 _STORES: dict[str, Features] = {}
 _LOCAL: dict[tuple, "LocalData"] = {}
 VARIATES = "fedhead-scaffold"      # Context.state record: this node's SCAFFOLD c_k, by version tag
+SECURE_KIND = "secure-kind"        # the config key of a secure exchange (fedhead.flower.secure.KIND)
 
 
 @dataclass
@@ -170,6 +172,8 @@ def _fedhead_errors(fn):
         try:
             return fn(msg, context)
         except FedheadError as exc:
+            if str(exc).startswith("[["):     # marked already (a handler called by another)
+                raise
             raise FedheadError(f"[[{exc}]]") from None
 
     wrapper.__name__ = fn.__name__
@@ -190,6 +194,13 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
         check_fingerprint(store_fingerprint(store.info), _json(c["server-store"]),
                           f"The feature store {ns.store!r} of node partition {ns.pid}")
         ld = local_data(ns, cfg, int(c["seed"]))
+        if cfg.secure_aggregation and not str(c.get(SECURE_KIND, "")):
+            # secure aggregation: sizes, class counts and statistics reach the server only summed (SecAgg+)
+            content = {"metrics": MetricRecord({"partition-id": ns.pid})}
+            if cfg.scaffold:
+                held = context.state.get(VARIATES)
+                content["config"] = ConfigRecord({"scaffold-tags": " ".join(held.keys() if held is not None else [])})
+            return Message(RecordDict(content), reply_to=msg)
         flipped = int((ld.labels[ld.mine] != store.train_y[ld.mine]).sum())
         metrics = {"partition-id": ns.pid, "num-examples": int(len(ld.mine)), "noise-flipped": flipped}
         arrays = {"class-counts": Array(np.asarray(ld.counts[ns.pid], dtype=np.int64))}
@@ -230,9 +241,15 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
                                 "client-ms": 1000 * (time.perf_counter() - t0)})
         return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
 
-    @app.train()
+    @app.train(mods=[secure_mod])
     @_fedhead_errors
     def train(msg: Message, context: Context) -> Message:
+        if is_secure(msg):                 # a SecAgg+ exchange: the plain handler's numbers, masked
+            return _secure(msg, context, {"train": plain_train, "census": hello, "statistics": hello,
+                                          "cof-spread": hello, "ccvr": ccvr}, default_store)
+        return plain_train(msg, context)
+
+    def plain_train(msg: Message, context: Context) -> Message:
         c = msg.content["config"]
         cfg = config_from_json(str(c["train-config"]))
         seed, rnd = int(c["seed"]), int(c["round"])
@@ -275,6 +292,20 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
         return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
 
     return app
+
+
+def _secure(msg: Message, context: Context, handlers: dict, default_store: str | None) -> Message:
+    """One node's part of a secure exchange (:mod:`fedhead.flower.secure`): the plain handler of the exchange runs
+    on the fedhead message the SecAgg+ one carries, and its reply becomes the vector ``secaggplus_mod`` masks."""
+    kind, content = plain_content(msg)
+    if kind not in handlers:
+        raise FedheadError(f"Unknown secure exchange {kind!r} from the server. Update this node's fedhead.")
+    msg.content = content
+    reply = handlers[kind](msg, context)
+    cfg = config_from_json(str(content["config"]["train-config"]))
+    store = open_node_store(node_settings(context, default_store).store)
+    layout, values = node_values(kind, content, reply, store.info.num_classes, store.train_x.shape[1], cfg)
+    return secure_reply(msg, layout.encode(values, f"{kind} message"))
 
 
 def _feature_stats(c) -> FeatureStats:

@@ -70,6 +70,9 @@ TRAIN_OPTIONS = [
     ("out", Optional[Path], _O(None, help="run directory [runs/<timestamp>-flower-<head>-<partition>]")),
     ("resume", bool, _O(False, "--resume", help="continue an interrupted run in --out from its checkpoint")),
     ("round_timeout", float, _O(600.0, help="seconds to wait for a round's replies (late nodes = failures)")),
+    ("secure_aggregation", bool, _O(False, "--secure-aggregation",
+                                    help="Flower's SecAgg+: the server learns only sums over each round's clients "
+                                         "(head updates, feature and closed-form statistics; >= 3 clients a round)")),
 ]
 # the method options of every training command (closed-form heads, --init, FedProx, server optimisers, ...)
 TRAIN_OPTIONS += [(n, t, o) for n, (t, o) in METHOD_OPTIONS.items()]
@@ -111,7 +114,8 @@ def train_config(kw: dict) -> TrainConfig:
         recipe=kw["recipe"], optimizer=kw["optimizer"], lr=kw["lr"], weight_decay=kw["weight_decay"],
         momentum=kw["momentum"], aggregate=kw["aggregate"], center=kw["center"], scale=kw["scale"],
         participation=kw["participation"], noise=kw["noise"], noise_rate=kw["noise_rate"],
-        asym_rule=kw["asym_map"], seeds=list(kw["seed"]), backend=kw["backend"], device=kw["device"])
+        asym_rule=kw["asym_map"], seeds=list(kw["seed"]), backend=kw["backend"], device=kw["device"],
+        secure_aggregation=bool(kw.get("secure_aggregation", False)))
 
 
 def run_config_of(cfg: TrainConfig, out: Path, resume: bool, round_timeout: float, wait_timeout: float) -> dict:

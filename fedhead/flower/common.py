@@ -18,6 +18,11 @@ Protocol (message types, all in one run):
 ``query.ccvr``  server -> every node, once after the last round (``--calibrate ccvr``): the node replies with
            :func:`fedhead.train.ccvr_client_stats` of its prepared features as
            :meth:`fedhead.ccvr.ClassStats.to_bytes` (``ccvr-stats``, uint8).
+
+With ``--secure-aggregation`` (:mod:`fedhead.flower.secure`) the ``query`` reply carries only the partition id,
+and every exchange whose numbers the server adds up (the statistics before round 1, each ``train`` round,
+``ccvr``) runs as Flower's SecAgg+ on ``train`` messages: the same request travels as the workflow's ``FitIns``
+(config ``secure-kind`` names the exchange) and the node's plain reply becomes the vector that is masked.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ RUN_CONFIG_FIELDS = {
     "server-opt": "server_opt", "server-lr": "server_lr", "server-momentum": "server_momentum",
     "server-tau": "server_tau", "server-betas": "server_betas", "scaffold": "scaffold", "calibrate": "calibrate",
     "ccvr-samples": "ccvr_samples",
+    "secure-aggregation": "secure_aggregation",
 }
 
 # The test hooks (documented in DEPLOY.md): make a client raise in a given round, stop the server after a

@@ -64,6 +64,7 @@ from ..train import (CHECKPOINT, PAUSE_ENV, FeatureStats, ServerUpdate, prepare,
 from .common import client_stats_from_record  # noqa: E402
 from ..util import atomic_torch_save, pause_hook, raise_if_stopped, resolve_device  # noqa: E402
 from .common import MESSAGE_PREFIX, ServerStopped, config_to_json, stop_after, store_fingerprint  # noqa: E402
+from .secure import SecureRounds  # noqa: E402
 
 LOG = logging.getLogger("flwr")
 FLOWER_ROUND_FIELDS = ROUND_FIELDS + ["run", "partition", "clients_trained", "failures", "failed_clients",
@@ -180,6 +181,8 @@ class FedheadStrategy(Strategy):
         self.server = self.server_update()
         self.variates: NodeVariates | None = None   # SCAFFOLD: which c_k each node trains from
         self.lost_variates: str | None = None       # SCAFFOLD: why it must restart before the next round
+        # --secure-aggregation: every sum below comes from Flower's SecAgg+ (fedhead.flower.secure)
+        self.secure = SecureRounds(self) if cfg.secure_aggregation else None
 
     def server_update(self) -> ServerUpdate:
         """The simulator's :class:`fedhead.train.ServerUpdate` for one seed (server optimiser, SCAFFOLD's ``c``).
@@ -278,24 +281,34 @@ class FedheadStrategy(Strategy):
         holds = torch.stack([torch.as_tensor(r.content["arrays"]["holds"].numpy()).bool()
                              for _, r in good]).to(self.device)
         sizes = torch.as_tensor([int(r.content["metrics"]["num-examples"]) for _, r in good], device=self.device)
+        deltas = torch.stack([torch.as_tensor(r.content["arrays"]["scaffold-delta"].numpy()) for _, r in good]) \
+            if self.server.scaffold is not None else None
+        return self._finish_round(server_round, msg, sizes, holds, len(good), deltas, [pid for pid, _ in good],
+                                  sum(float(r.content["metrics"]["train-loss"]) for _, r in good),
+                                  [float(r.content["metrics"]["client-ms"]) for _, r in good], t0)
+
+    def _finish_round(self, server_round: int, msg: dict, sizes: torch.Tensor, holds: torch.Tensor, clients: int,
+                      deltas: torch.Tensor | None, pids: list, loss_sum: float, client_ms: list, t0: float):
+        """The server's half of a round from ``clients`` clients' messages: stacked per client (a plain round), or
+        one secure sum (``[1, ...]`` each, :meth:`fedhead.flower.secure.SecureRounds.train_round`)."""
         acc = Accumulator(self.cfg.aggregate, self.theta)      # the simulator's sums of the same messages
         acc.add_message(msg, sizes, holds)
+        acc.clients = clients
         aggregated = acc.finish()
         if self.server.scaffold is not None:      # the simulator's rule: c += sum of the deltas / N
-            self.server.scaffold.add_deltas(torch.stack([
-                torch.as_tensor(r.content["arrays"]["scaffold-delta"].numpy()) for _, r in good]).to(self.device))
+            self.server.scaffold.add_deltas(deltas.to(self.device))
             self.server.scaffold.server_update()
-            for pid, _ in good:
+            for pid in pids:
                 self.variates.accepted[pid] = server_round
         theta = self.server.step(self.theta, aggregated)
         self.last.server_s = time.perf_counter() - t0
-        self.last.trained = len(good)
-        self.last.loss_sum = float(sum(float(r.content["metrics"]["train-loss"]) for _, r in good))
-        self.last.client_ms = [float(r.content["metrics"]["client-ms"]) for _, r in good]
+        self.last.trained = clients
+        self.last.loss_sum = float(loss_sum)
+        self.last.client_ms = list(client_ms)
         self.theta = theta
         return (ArrayRecord({"head": Array(theta.cpu().numpy())}),
-                MetricRecord({"clients-trained": len(good), "failures": len(self.last.failed),
-                              "train-loss": self.last.loss_sum / len(good)}))
+                MetricRecord({"clients-trained": clients, "failures": len(self.last.failed),
+                              "train-loss": self.last.loss_sum / clients}))
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
@@ -396,16 +409,25 @@ class FedheadStrategy(Strategy):
             total += r.content["arrays"]["feature-sum"].numpy()
             sq += float(r.content["metrics"]["feature-sq"])
             n += int(r.content["metrics"]["feature-count"])
+        return self.stats_from_sums(total, sq, n, (d + 2) * 4, (d + 1) * 4)
+
+    def stats_from_sums(self, total: np.ndarray, sq: float, n, up: float, down: float) -> FeatureStats:
+        """The federated mean and scale from the summed feature statistics (a plain run's replies added in partition
+        order, or a secure census); ``up``/``down``: bytes per client of that exchange."""
+        cfg = self.cfg
         mean = total / max(1, n)
         s = 1.0
         if cfg.scale == "rms":
             var = sq / max(1, n) - (float(mean @ mean) if cfg.center else 0.0)
             s = float(np.sqrt(max(var, 1e-12)))
-        return FeatureStats(mean if cfg.center else None, s, (d + 2) * 4, (d + 1) * 4)
+        return FeatureStats(mean if cfg.center else None, s, up, down)
 
-    def statistics(self, info: dict, pids: list[int]):
+    def statistics(self, info: dict, pids: list[int], grid: Grid | None = None):
         """The server half of the statistics exchange: the sampled clients' messages added in partition order
-        into the accumulator the simulator uses (:class:`fedhead.closedform.StatsAccumulator`)."""
+        into the accumulator the simulator uses (:class:`fedhead.closedform.StatsAccumulator`); with secure
+        aggregation their sums, from a SecAgg+ exchange over ``grid``."""
+        if self.secure is not None:
+            return self.secure.statistics(grid, sorted(pids))
         C, D = self.store.info.num_classes, self.store.test_x.shape[1]
         msgs = [client_stats_from_record(info[p].content["arrays"], D) for p in sorted(pids)]
         counts = None
@@ -425,32 +447,38 @@ class FedheadStrategy(Strategy):
         cfg = self.cfg
         self.refresh_nodes(grid)
         cr = self._round_config(rnd)
-        msgs = [Message(RecordDict({"config": cr}), dst_node_id=self.node_of[p], message_type="query.ccvr",
+        mtype = MessageType.TRAIN if self.secure is not None else "query.ccvr"      # SecAgg+ runs on train messages
+        msgs = [Message(RecordDict({"config": cr}), dst_node_id=self.node_of[p], message_type=mtype,
                         group_id="ccvr") for p in range(cfg.clients) if p in self.node_of]
         got, failed = {}, {p: "no connected SuperNode has this partition id"
                            for p in range(cfg.clients) if p not in self.node_of}
         pid_of = {n: p for p, n in self.node_of.items()}
-        for r in grid.send_and_receive(msgs, timeout=self.settings.round_timeout):
-            pid = pid_of.get(r.metadata.src_node_id)
-            if pid is None:
-                continue
-            if r.has_error():
-                failed[pid] = _short(r.error.reason)
-            else:
-                got[pid] = r
-        for p in range(cfg.clients):
-            if p not in got and p not in failed:
-                failed[p] = f"no reply within {self.settings.round_timeout:g} s"
-        pooled = PooledStats(self.store.info.num_classes, self.store.test_x.shape[1])
-        up, client_ms = 0, 0.0
-        for p in sorted(got):                     # partition order = the simulator's order
-            blob = got[p].content["arrays"]["ccvr-stats"].numpy().tobytes()
-            client_ms += float(got[p].content["metrics"]["client-ms"])
-            if blob:
-                pooled.add(ClassStats.from_bytes(blob, pooled.dim))
-                up += len(blob)
+        if self.secure is not None:               # the class moments, summed by SecAgg+
+            pooled, got, failed, up, client_ms = self.secure.ccvr(grid, msgs, rnd, failed)
+        else:
+            for r in grid.send_and_receive(msgs, timeout=self.settings.round_timeout):
+                pid = pid_of.get(r.metadata.src_node_id)
+                if pid is None:
+                    continue
+                if r.has_error():
+                    failed[pid] = _short(r.error.reason)
+                else:
+                    got[pid] = r
+            for p in range(cfg.clients):
+                if p not in got and p not in failed:
+                    failed[p] = f"no reply within {self.settings.round_timeout:g} s"
+            pooled = PooledStats(self.store.info.num_classes, self.store.test_x.shape[1])
+            up, client_ms = 0, 0.0
+            for p in sorted(got):                     # partition order = the simulator's order
+                blob = got[p].content["arrays"]["ccvr-stats"].numpy().tobytes()
+                client_ms += float(got[p].content["metrics"]["client-ms"])
+                if blob:
+                    pooled.add(ClassStats.from_bytes(blob, pooled.dim))
+                    up += len(blob)
         self.theta, row = ccvr_calibrate(self.head, self.theta, pooled, cfg, self.seed, xt, y_test, rnd,
                                          cfg.clients, up, client_ms / 1000)
+        if self.secure is not None:
+            row.update(self.secure.take_bytes(cfg.clients, cfg.clients * self.theta.numel() * self.theta.element_size()))
         lost = sorted(failed)
         LOG.log(INFO, "[fedhead] seed %s CCVR calibration: accuracy %.4f from %s nodes%s", self.seed, row["accuracy"],
                 len(got), f", {len(lost)} failed ({failed[lost[0]]})" if lost else "")
@@ -519,15 +547,18 @@ class FedheadStrategy(Strategy):
                         self.lost_variates = (f"the nodes of partitions {lost} no longer hold their control variates "
                                               "(the server resumed in a new Flower run)")
             else:
-                self.stats = self.combine_stats(info)
                 self.theta = torch.zeros(C, D + 1, device=self.device)
                 start = 1
-                counts = [info[p].content["arrays"]["class-counts"].numpy().tolist() for p in range(cfg.clients)]
-                client_rows = [r for r in client_rows if r["seed"] != seed]
-                client_rows.append({"seed": seed, "sizes": [int(sum(c)) for c in counts], "counts": counts})
-                flipped = sum(int(info[p].content["metrics"].get("noise-flipped", 0)) for p in range(cfg.clients))
-                total = sum(int(info[p].content["metrics"]["num-examples"]) for p in range(cfg.clients))
-                realised[f"{seed}:main"] = flipped / total if total else 0.0
+                if self.secure is not None:      # the server never sees a node's counts: no clients.csv rows
+                    self.stats, realised[f"{seed}:main"] = self.secure.census(grid)
+                else:
+                    self.stats = self.combine_stats(info)
+                    counts = [info[p].content["arrays"]["class-counts"].numpy().tolist() for p in range(cfg.clients)]
+                    client_rows = [r for r in client_rows if r["seed"] != seed]
+                    client_rows.append({"seed": seed, "sizes": [int(sum(c)) for c in counts], "counts": counts})
+                    flipped = sum(int(info[p].content["metrics"].get("noise-flipped", 0)) for p in range(cfg.clients))
+                    total = sum(int(info[p].content["metrics"]["num-examples"]) for p in range(cfg.clients))
+                    realised[f"{seed}:main"] = flipped / total if total else 0.0
             xt = prepare(self.store.test_x, self.stats, self.device)
             head_bytes = self.theta.numel() * self.theta.element_size()
             msg_bytes = create_aggregator(cfg.aggregate).nbytes(self.theta)
@@ -542,13 +573,13 @@ class FedheadStrategy(Strategy):
                     sel = sample_clients(cfg.clients, cfg.participation, seed, 1)
                     self._selected = [int(k) for k in sel]
                     t0 = time.perf_counter()
-                    sacc = self.statistics(info, self._selected)
+                    sacc = self.statistics(info, self._selected, grid)
                     t1 = time.perf_counter()
                     self.theta = solve_statistics(self.solver, sacc, cfg, self.stats, self.device)
                     row = statistics_row(sacc, 0.0, time.perf_counter() - t1, cfg, len(sel), head_bytes, extra_up,
                                          stats_clients * (extra_up + extra_down))
-                    row["client_ms"] = float(np.mean([float(info[p].content["metrics"].get("stats-ms", 0.0))
-                                                      for p in self._selected]))
+                    row["client_ms"] = self.secure.client_ms if self.secure is not None else float(np.mean(
+                        [float(info[p].content["metrics"].get("stats-ms", 0.0)) for p in self._selected]))
                     row["server_ms"] = 1000 * (time.perf_counter() - t0)
                     self.last = _Round(trained=sacc.clients)
                     lr = self.last
@@ -560,15 +591,20 @@ class FedheadStrategy(Strategy):
                         restarts.append([seed, rnd])
                         self.lost_variates = None
                     arrays = ArrayRecord({"head": Array(self.theta.cpu().numpy())})
-                    replies = grid.send_and_receive(self.configure_train(rnd, arrays, ConfigRecord(), grid),
-                                                    timeout=st.round_timeout)
-                    self.aggregate_train(rnd, replies)
+                    msgs = self.configure_train(rnd, arrays, ConfigRecord(), grid)
+                    if self.secure is not None:
+                        self.secure.train_round(grid, rnd, msgs)
+                    else:
+                        self.aggregate_train(rnd, grid.send_and_receive(msgs, timeout=st.round_timeout))
                     lr = self.last
                     row = {"stage": self.head.stage(rnd), "train_loss": lr.loss_sum / max(1, lr.trained),
                            "client_ms": float(np.mean(lr.client_ms)) if lr.client_ms else 0.0,
                            "server_ms": 1000 * lr.server_s, "bytes_up_per_client": up + extra_up,
                            "bytes_total": len(self._selected) * (up + down) + stats_clients * (extra_up + extra_down),
                            "clients_trained": lr.trained}
+                if self.secure is not None:       # every SecAgg+ message of the round (a closed-form head: + its head)
+                    row.update(self.secure.take_bytes(len(self._selected),
+                                                      len(self._selected) * head_bytes if is_closed_form(cfg.head) else 0))
                 evaluate_now = rnd % cfg.eval_every == 0 or rnd == rounds
                 acc = evaluate(self.theta, xt, y_test) if evaluate_now else float("nan")
                 failed = sorted(lr.failed)
@@ -604,12 +640,15 @@ class FedheadStrategy(Strategy):
             torch.save(self.theta.cpu(), run_dir / f"head-seed{seed}.pt")
 
         write_csv(run_dir / "rounds.csv", rows, FLOWER_ROUND_FIELDS)
-        write_clients_per_seed(run_dir, client_rows)
+        if client_rows:                   # none with --secure-aggregation
+            write_clients_per_seed(run_dir, client_rows)
         summary = summarize(rows, cfg, realised, time.perf_counter() - wall0)
         summary["runtime"] = "flower"
         summary["failures"] = int(sum(r["failures"] for r in rows))
         if cfg.scaffold:
             summary["scaffold_restarts"] = [{"seed": int(s), "round": int(r)} for s, r in restarts]
+        if self.secure is not None:
+            summary["secure_aggregation"] = self.secure.summary()
         write_summary(run_dir, summary)
         if ckpt_path.exists():
             ckpt_path.unlink()
