@@ -40,6 +40,7 @@ def _register() -> None:
         ("fedhead.bench.commands", "participation_cmd", "participation", bench_app),
         ("fedhead.bench.commands", "geometry_cmd", "geometry", bench_app),
         ("fedhead.bench.baselines", "baselines_cmd", "baselines", bench_app),
+        ("fedhead.bench.privacy", "privacy_cmd", "privacy", bench_app),
         ("fedhead.bench.speed", "speed_cmd", "speed", bench_app),
         ("fedhead.flower.commands", "simulate_cmd", "simulate", flower_app),
         ("fedhead.flower.commands", "superlink_cmd", "superlink", flower_app),

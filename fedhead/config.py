@@ -76,6 +76,13 @@ class TrainConfig:
     server_tau: float | None = None        # adaptivity tau [Flower's default]
     calibrate: str = "none"                # none | ccvr: calibrate the head on virtual features after the last round
     ccvr_samples: int = 200                # ccvr: virtual features per class
+    # -- differential privacy (README "Differential privacy"; fedhead.dp): on when dp_noise_multiplier is given
+    dp_noise_multiplier: float | None = None  # z: Gaussian noise std = z x the L2 sensitivity (0: clipping only)
+    dp_clip: float | None = None           # S: client update L2 clip (iterative head, DP-FedAvg) or per-sample
+                                           # feature-norm clip (closed-form head)
+    dp_delta: float | None = None          # delta of the (epsilon, delta) the accountant reports
+    dp_feature_clip: float | None = None   # iterative head: per-sample feature-norm clip of its statistics
+                                           # (--center / --scale rms sums, --init statistics)
     # -- secure aggregation (Flower only; README "Secure aggregation"; fedhead.flower.secure)
     secure_aggregation: bool = False       # the server learns only sums over clients (Flower's SecAgg+)
 
@@ -126,6 +133,9 @@ class TrainConfig:
             validate("--seed", s, Interval(0, None, integer=True))
         if c.noise != "none" and c.noise_rate == 0:
             raise FedheadError(f"The '--noise-rate' parameter must be > 0 with --noise {c.noise}. Got 0.0 instead.")
+        from .dp import validate_dp
+
+        validate_dp(c)            # DP options, and the rule: DP-FedAvg replaces fedavg (aggregate = dp-fedavg)
         if c.secure_aggregation:
             m = max(1, int(round(c.participation * c.clients)))      # clients per round (fedhead.train.sample_clients)
             if m < SECURE_MIN_CLIENTS:
@@ -146,4 +156,7 @@ class TrainConfig:
             d.pop(k, None)
         if not d.get("secure_aggregation"):
             d.pop("secure_aggregation", None)     # runs from before the option keep their identity
+        for k in ("dp_noise_multiplier", "dp_clip", "dp_delta", "dp_feature_clip"):
+            if d.get(k) is None:
+                d.pop(k, None)                    # runs without DP keep the identity they had before it
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -1,7 +1,8 @@
 """The method options every training command shares (``train``, each grid ``bench`` command, ``flower
-simulate``), declared once: closed-form start, classic baselines, the central ceiling, and the closed-form and
-FedLC heads' parameters. :func:`with_method_options` adds them to a typer command and hands the command one
-dict of :class:`fedhead.config.TrainConfig` fields (``head_params`` holds the head parameters given)."""
+simulate``), declared once: closed-form start, classic baselines, the central ceiling, differential privacy,
+and the closed-form and FedLC heads' parameters. :func:`with_method_options` adds them to a typer command and
+hands the command one dict of :class:`fedhead.config.TrainConfig` fields (``head_params`` holds the head
+parameters given)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ METHOD_OPTIONS = {
     "server_tau": (Optional[float], typer.Option(None, "--server-tau", help="server adaptivity tau [Flower's]")),
     "calibrate": (str, typer.Option("none", "--calibrate", help="none | ccvr (after the last round)")),
     "ccvr_samples": (int, typer.Option(200, "--ccvr-samples", help="ccvr: virtual features per class")),
+    "dp_noise_multiplier": (Optional[float], typer.Option(None, "--dp-noise-multiplier",
+                                                          help="differential privacy: Gaussian noise z x sensitivity "
+                                                               "(needs --dp-clip, --dp-delta; 0 = clipping only)")),
+    "dp_clip": (Optional[float], typer.Option(None, "--dp-clip", help="DP: client update L2 clip (DP-FedAvg), or "
+                                                                      "the feature-norm clip of a closed-form head")),
+    "dp_delta": (Optional[float], typer.Option(None, "--dp-delta", help="DP: delta of the reported (epsilon, delta)")),
+    "dp_feature_clip": (Optional[float], typer.Option(None, "--dp-feature-clip",
+                                                      help="DP, iterative head: feature-norm clip of its statistics "
+                                                           "(--center, --scale rms, --init)")),
     "ridge_lambda": (Optional[float], typer.Option(None, "--ridge-lambda", help="ridge: lambda [0.01]")),
     "ridge_normalize": (Optional[bool], typer.Option(None, "--ridge-normalize/--no-ridge-normalize",
                                                      help="ridge: L2-normalise solved rows (Fed3R's code) [no]")),

@@ -88,7 +88,9 @@ BENCH_EXTRACT = ("bench extract --dataset imagefolder --data-dir {imgs} --encode
 BENCH_FLOWER = ("bench flower --clients 4 --rounds 1 --num-classes 4 --train-per-class 10 --dim 4 --partition iid "
                 "--out {out}")
 BASELINES = "bench baselines " + GRID + " --methods ova2 --partitions iid"
+PRIVACY = "bench privacy " + GRID + " --methods ncm --partitions iid --epsilons 8"
 SIMULATE = "flower simulate --features {store} --clients 2 --rounds 1 --out {out}"
+DP = "--dp-noise-multiplier 1 --dp-clip 0.5 --dp-delta 1e-5 --no-center"     # valid DP options, no statistics
 
 
 CASES = [
@@ -222,6 +224,30 @@ CASES = [
     Case(TRAIN, "--head lda --server-opt fedadam", "'--server-opt'"),
     Case(TRAIN, "--recipe fast --head ridge --init ncm", "'--init'"),
     Case(TRAIN, "--head softmax --server-lr 0.1", "'--server-lr'"),
+    # ---- train: differential privacy (DP = noise, clip and delta, no statistics)
+    Case(TRAIN, "--dp-noise-multiplier 1 --dp-delta 1e-5", "'--dp-clip'", name="DP noise without --dp-clip"),
+    Case(TRAIN, "--dp-noise-multiplier 1 --dp-clip 0.5", "'--dp-delta'", name="DP noise without --dp-delta"),
+    Case(TRAIN, "--dp-clip 0.5", "'--dp-clip'", name="--dp-clip without --dp-noise-multiplier"),
+    Case(TRAIN, "--dp-delta 1e-5", "'--dp-delta'", name="--dp-delta without --dp-noise-multiplier"),
+    Case(TRAIN, "--dp-feature-clip 1", "'--dp-feature-clip'", name="--dp-feature-clip without DP"),
+    Case(TRAIN, "--aggregate dp-fedavg", "'--aggregate'", name="--aggregate dp-fedavg without DP"),
+    Case(TRAIN, DP + " --dp-noise-multiplier -1", "'--dp-noise-multiplier'"),
+    Case(TRAIN, DP + " --dp-clip 0", "'--dp-clip'"),
+    Case(TRAIN, DP + " --dp-clip -0.5", "'--dp-clip'"),
+    Case(TRAIN, DP + " --dp-delta 0", "'--dp-delta'"),
+    Case(TRAIN, DP + " --dp-delta 1", "'--dp-delta'"),
+    Case(TRAIN, DP + " --dp-delta 1.5", "'--dp-delta'"),
+    Case(TRAIN, DP + " --aggregate grouped", "'--aggregate'"),
+    Case(TRAIN, DP + " --scaffold", "'--scaffold'"),
+    Case(TRAIN, DP + " --calibrate ccvr", "'--calibrate'"),
+    Case(TRAIN, DP + " --head cof", "'--head'"),
+    Case(TRAIN, DP + " --init cof --dp-feature-clip 1", "'--init'"),
+    Case(TRAIN, DP + " --center", "'--dp-feature-clip'", name="DP with --center, no --dp-feature-clip"),
+    Case(TRAIN, DP + " --init ridge", "'--dp-feature-clip'", name="DP with --init, no --dp-feature-clip"),
+    Case(TRAIN, DP + " --center --dp-feature-clip 0", "'--dp-feature-clip'"),
+    Case(TRAIN, DP + " --dp-feature-clip 1", "'--dp-feature-clip'", name="--dp-feature-clip, no statistics"),
+    Case(TRAIN, DP + " --head ridge --dp-feature-clip 1", "'--dp-feature-clip'",
+         name="--dp-feature-clip with a closed-form head"),
     # ---- train: device, resume, --out
     Case(TRAIN, "--device cuda", "'--device'"),
     Case(TRAIN, "--device cuda:0", "'--device'"),
@@ -438,8 +464,18 @@ CASES = [
     Case(BASELINES, "--methods ncm --init ridge", "'--init'"),
     Case(BASELINES, "--methods ridge --ridge-lambda 0", "'--ridge-lambda'"),
     Case(BASELINES, "--clients 0", "'--clients'"),
+    Case(BASELINES, "--dp-noise-multiplier 1 --dp-delta 1e-5", "'--dp-clip'", name="DP noise without --dp-clip"),
     Case(BASELINES, "--seeds x", "'--seeds'"),
     Case(BASELINES, "--features {missing}", "does not exist"),
+    Case(PRIVACY, "--methods fedlc", "'--methods'"),
+    Case(PRIVACY, "--epsilons 0", "'--epsilons'"),
+    Case(PRIVACY, "--epsilons x", "'--epsilons'"),
+    Case(PRIVACY, "--epsilons 1e-9", "'--epsilons'", name="epsilon out of the accountant's reach"),
+    Case(PRIVACY, "--delta 1", "'--delta'"),
+    Case(PRIVACY, "--update-clip 0", "'--update-clip'"),
+    Case(PRIVACY, "--feature-clip -1", "'--feature-clip'"),
+    Case(PRIVACY, "--dp-clip 1", "'--dp-clip'", name="DP options are the bench's own"),
+    Case(PRIVACY, "--partitions bogus", "'--partitions'"),
     # ---- flower simulate (Flower's run_simulation stand-in; must not be reached)
     Case(SIMULATE, "--clients 0", "'--clients'"),
     Case(SIMULATE, "--rounds 0", "'--rounds'"),
@@ -466,6 +502,9 @@ CASES = [
     Case(SIMULATE, "--server-opt fedadam --server-betas 1.5,0.9", "'--server-betas'"),
     Case(SIMULATE, "--head ridge --init ridge", "'--init'"),
     Case(SIMULATE, "--head fedabc --fedabc-margins 1,2", "'--fedabc-margins'"),
+    Case(SIMULATE, "--dp-noise-multiplier 1 --dp-clip 0.5", "'--dp-delta'", name="DP noise without --dp-delta"),
+    Case(SIMULATE, DP + " --dp-delta 1", "'--dp-delta'"),
+    Case(SIMULATE, DP + " --scaffold", "'--scaffold'"),
     Case(SIMULATE, "--features {nan}", "NaN"),
     Case(SIMULATE, "--clients 401", "'--clients'"),
     Case(SIMULATE, "--backend bogus", "'--backend'"),

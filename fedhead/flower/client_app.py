@@ -51,8 +51,9 @@ from ..util import resolve_device  # noqa: E402
 from ..closedform import client_stats  # noqa: E402
 from .common import (MESSAGE_PREFIX, check_fingerprint, client_stats_record, config_from_json,  # noqa: E402
                      crash_rounds, store_fingerprint)
-from ..aggregate import Accumulator  # noqa: E402
+from ..aggregate import Accumulator, aggregator_of  # noqa: E402
 from .secure import is_secure, node_values, plain_content, secure_mod, secure_reply  # noqa: E402
+from ..dp import clip_rows, feature_clip  # noqa: E402
 
 _STORES: dict[str, Features] = {}
 _LOCAL: dict[tuple, "LocalData"] = {}
@@ -84,9 +85,11 @@ class LocalData:
     def mine(self) -> np.ndarray:
         return self.parts[self.pid]
 
-    def stats_message(self) -> tuple[np.ndarray, float, int]:
-        """Feature sum (float64), sum of squared norms and count over this node's samples."""
-        xp = self.store.train_x[self.mine].astype(np.float64)
+    def stats_message(self, clip: float | None = None) -> tuple[np.ndarray, float, int]:
+        """Feature sum (float64), sum of squared norms and count over this node's samples (``clip``: DP's
+        per-sample feature-norm clip first, as :func:`fedhead.train.federated_feature_stats` does)."""
+        xp = self.store.train_x[self.mine].astype(np.float64) if clip is None else clip_rows(
+            self.store.train_x[self.mine], clip)
         return xp.sum(0), float((xp * xp).sum()), len(self.mine)
 
     def engine(self, cfg, stats: FeatureStats) -> Engine:
@@ -205,7 +208,7 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
         metrics = {"partition-id": ns.pid, "num-examples": int(len(ld.mine)), "noise-flipped": flipped}
         arrays = {"class-counts": Array(np.asarray(ld.counts[ns.pid], dtype=np.int64))}
         if bool(c["want-stats"]):
-            s, sq, n = ld.stats_message()
+            s, sq, n = ld.stats_message(feature_clip(cfg))
             arrays["feature-sum"] = Array(s)
             metrics["feature-sq"] = sq
             metrics["feature-count"] = n
@@ -213,7 +216,8 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
             # the statistics exchange of a closed-form head / --init start: the simulator's client_stats
             solver = create_head(str(c["closed-form"]), **cfg.head_params)
             t0 = time.perf_counter()
-            m = client_stats(store.train_x[ld.mine], ld.labels[ld.mine], store.info.num_classes, solver.needs_gram)
+            m = client_stats(store.train_x[ld.mine], ld.labels[ld.mine], store.info.num_classes, solver.needs_gram,
+                             feature_clip(cfg))
             metrics["stats-ms"] = 1000 * (time.perf_counter() - t0)
             arrays.update(client_stats_record(m))
         content = {"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics)}
@@ -279,8 +283,8 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
             ms = 1000 * (time.perf_counter() - t0)
             w, holds, loss = ws[0], hs[0], float(losses[0])
         # the aggregation rule's message (fedavg: n_k W_k), the simulator's Accumulator.message for one client
-        sent = Accumulator(cfg.aggregate, theta).message(w[None], torch.tensor([float(n)], device=w.device),
-                                                         holds[None].to(w.device))
+        sent = Accumulator(aggregator_of(cfg), theta).message(w[None], torch.tensor([float(n)], device=w.device),
+                                                              holds[None].to(w.device))
         arrays = ArrayRecord({**{MESSAGE_PREFIX + k: Array(v[0].detach().cpu().numpy()) for k, v in sent.items()},
                               "holds": Array(holds.cpu().numpy().astype(np.uint8))})
         if scaffold is not None:

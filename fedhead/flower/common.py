@@ -52,7 +52,8 @@ RUN_CONFIG_FIELDS = {
     "server-opt": "server_opt", "server-lr": "server_lr", "server-momentum": "server_momentum",
     "server-tau": "server_tau", "server-betas": "server_betas", "scaffold": "scaffold", "calibrate": "calibrate",
     "ccvr-samples": "ccvr_samples",
-    "secure-aggregation": "secure_aggregation",
+    "dp-noise-multiplier": "dp_noise_multiplier", "dp-clip": "dp_clip", "dp-delta": "dp_delta",
+    "dp-feature-clip": "dp_feature_clip", "secure-aggregation": "secure_aggregation",
 }
 
 # The test hooks (documented in DEPLOY.md): make a client raise in a given round, stop the server after a

@@ -49,7 +49,8 @@ from flwr.serverapp import Grid  # noqa: E402
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
 from extract.store import Features  # noqa: E402
-from ..aggregate import Accumulator, create_aggregator  # noqa: E402
+from ..aggregate import Accumulator, aggregator_of, create_aggregator  # noqa: E402
+from ..dp import epsilon_schedule, noisy_feature_sums  # noqa: E402
 from ..config import TrainConfig  # noqa: E402
 from ..ccvr import ClassStats, PooledStats  # noqa: E402
 from ..engine import ScaffoldState, evaluate  # noqa: E402
@@ -291,7 +292,8 @@ class FedheadStrategy(Strategy):
                       deltas: torch.Tensor | None, pids: list, loss_sum: float, client_ms: list, t0: float):
         """The server's half of a round from ``clients`` clients' messages: stacked per client (a plain round), or
         one secure sum (``[1, ...]`` each, :meth:`fedhead.flower.secure.SecureRounds.train_round`)."""
-        acc = Accumulator(self.cfg.aggregate, self.theta)      # the simulator's sums of the same messages
+        acc = Accumulator(aggregator_of(self.cfg), self.theta, seed=self.seed, rnd=server_round,
+                          sampled=len(self._selected))        # the simulator's sums of the same messages
         acc.add_message(msg, sizes, holds)
         acc.clients = clients
         aggregated = acc.finish()
@@ -415,6 +417,7 @@ class FedheadStrategy(Strategy):
         """The federated mean and scale from the summed feature statistics (a plain run's replies added in partition
         order, or a secure census); ``up``/``down``: bytes per client of that exchange."""
         cfg = self.cfg
+        total, sq, n = noisy_feature_sums(total, sq, n, cfg, self.seed)      # DP: the simulator's noise (no-op)
         mean = total / max(1, n)
         s = 1.0
         if cfg.scale == "rms":
@@ -494,6 +497,7 @@ class FedheadStrategy(Strategy):
         if timeout is not None:
             st.round_timeout = timeout
         rounds = 1 if is_closed_form(cfg.head) else (num_rounds or cfg.rounds)
+        privacy = epsilon_schedule(cfg, rounds)          # DP: epsilon per round ({} without DP)
         run_dir = Path(st.out) if st.out else default_run_dir(st.runs_root, "flower", cfg.head, cfg.partition)
         ckpt_path = run_dir / CHECKPOINT
         ckpt = self._load_resume(run_dir, ckpt_path)
@@ -575,7 +579,7 @@ class FedheadStrategy(Strategy):
                     t0 = time.perf_counter()
                     sacc = self.statistics(info, self._selected, grid)
                     t1 = time.perf_counter()
-                    self.theta = solve_statistics(self.solver, sacc, cfg, self.stats, self.device)
+                    self.theta = solve_statistics(self.solver, sacc, cfg, self.stats, self.device, seed=seed)
                     row = statistics_row(sacc, 0.0, time.perf_counter() - t1, cfg, len(sel), head_bytes, extra_up,
                                          stats_clients * (extra_up + extra_down))
                     row["client_ms"] = self.secure.client_ms if self.secure is not None else float(np.mean(
@@ -612,7 +616,7 @@ class FedheadStrategy(Strategy):
                     "seed": seed, "round": rnd, "accuracy": acc, **row,
                     "ratio_to_iid": None, "run": "main", "partition": cfg.partition,
                     "failures": len(failed), "failed_clients": " ".join(map(str, failed)),
-                    "failure_reason": lr.failed[failed[0]] if failed else "",
+                    "failure_reason": lr.failed[failed[0]] if failed else "", **privacy.get(rnd, {}),
                 })
                 LOG.log(INFO, "[fedhead] seed %s round %s/%s: accuracy %.4f, %s clients trained%s", seed, rnd,
                         rounds, acc, lr.trained,

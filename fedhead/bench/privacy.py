@@ -1,0 +1,202 @@
+"""``fedhead bench privacy``: accuracy against the privacy budget, and what the protections cost.
+
+For each method (iterative heads under DP-FedAvg, closed-form heads under the Gaussian mechanism on their summed
+statistics; fedhead.dp) and partition, one run per target epsilon plus one without DP. The noise multiplier of a
+run is the smallest z whose final epsilon (the run's own accountant, fedhead.dp.epsilon_schedule, at
+``--dp-delta``) is at most the target: found by bisection on the accountant, so the runs' epsilons are what their
+summaries report, not a table of z values. An iterative head's epsilon is client level (its head updates); a
+closed-form head's, sample level (its one release of statistics); an iterative head that centres its features
+also releases the feature sums once, at a sample-level epsilon reported beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+import typer
+
+from ..errors import FedheadError, Interval, unknown_name, validate
+from . import plots as P
+from .baselines import _csv, _partition
+from .commands import FEATURES_OPT, Common, _print_report, grid_command, start_report
+from .report import Cell, CellResult, StoreCache, Stat, md_table, write_curves, write_report, write_results
+
+METHODS = ("ova2", "softmax", "ridge", "ncm")
+NONE = "none"                       # the run without DP
+Z_RANGE = (0.05, 500.0)             # noise multipliers the bisection searches
+
+
+def noise_for_epsilon(cfg, epsilon: float, tol: float = 1e-3) -> float:
+    """The smallest noise multiplier z (to ``tol`` relative) whose final epsilon for ``cfg`` (resolved, DP fields
+    set; its z is replaced) is at most ``epsilon``."""
+    from ..closedform import is_closed_form
+    from ..dp import epsilon_schedule
+
+    last = 1 if is_closed_form(cfg.head) else cfg.rounds
+
+    def eps(z: float) -> float:
+        return float(epsilon_schedule(dataclasses.replace(cfg, dp_noise_multiplier=z), last)[last]["dp_epsilon"])
+
+    lo, hi = Z_RANGE
+    if eps(hi) > epsilon:
+        raise FedheadError(f"The '--epsilons' parameter asks for epsilon {epsilon:g}, which needs a noise multiplier "
+                           f"above {hi:g} for {cfg.head} over {last} round(s). Use a larger epsilon or fewer "
+                           "--rounds.")
+    if eps(lo) <= epsilon:
+        return lo
+    while hi / lo > 1 + tol:                 # eps decreases in z
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if eps(mid) > epsilon else (lo, mid)
+    return hi
+
+
+@grid_command("privacy")
+def privacy_cmd(
+    features: Path = FEATURES_OPT,
+    methods: str = typer.Option(",".join(METHODS), "--methods", help="comma-separated: ova2, softmax (DP-FedAvg), "
+                                                                      "ridge, ncm (noisy statistics)"),
+    partitions: str = typer.Option("iid,shard-2", "--partitions", help="comma-separated partitions"),
+    epsilons: str = typer.Option("1,3,8", "--epsilons", help="target epsilons (each run: the smallest noise "
+                                                             "multiplier that meets it)"),
+    delta: float = typer.Option(1e-5, "--delta", help="delta of every epsilon"),
+    update_clip: float = typer.Option(1.0, "--update-clip", help="iterative heads: L2 clip of a client's update"),
+    feature_clip: float = typer.Option(50.0, "--feature-clip", help="L2 clip of each feature vector in statistics "
+                                                                     "(closed-form heads, the centring sums)"),
+    dp_ridge_lambda: float = typer.Option(1e5, "--dp-ridge-lambda", help="ridge's lambda under DP (at the scale of "
+                                                                         "the Gram's noise; without DP: --ridge-lambda)"),
+    *, common: Common,
+):
+    """Accuracy against epsilon (DP-FedAvg for iterative heads, noisy statistics for closed-form heads) and the
+    time and bytes DP adds, against the same runs without DP."""
+    from ..closedform import is_closed_form
+
+    names = _csv("--methods", methods)
+    for m in names:
+        if m not in METHODS:
+            raise unknown_name("--methods", m, METHODS, "method")
+    plabels = _csv("--partitions", partitions)
+    parts = {p: _partition(p) for p in plabels}
+    eps = []
+    for tok in _csv("--epsilons", epsilons):
+        try:
+            v = float(tok)
+        except ValueError:
+            raise FedheadError(f"The '--epsilons' parameter must be numbers > 0. Got {tok!r} instead. "
+                               "Use e.g. --epsilons 1,3,8.") from None
+        validate("--epsilons", v, Interval(0, None, closed="neither"))
+        eps.append(v)
+    validate("--delta", delta, Interval(0, 1, closed="neither"), "Use e.g. --delta 1e-5 (below 1/N).")
+    validate("--update-clip", update_clip, Interval(0, None, closed="neither"))
+    validate("--feature-clip", feature_clip, Interval(0, None, closed="neither"))
+    validate("--dp-ridge-lambda", dp_ridge_lambda, Interval(0, None, closed="neither"))
+    for k in ("dp_noise_multiplier", "dp_clip", "dp_delta", "dp_feature_clip"):
+        if common.train.get(k) is not None:
+            raise FedheadError(f"The '--{k.replace('_', '-')}' option is set per run by 'bench privacy'. Got "
+                               f"{common.train[k]!r}. Use --epsilons, --delta, --update-clip and --feature-clip.")
+    cells, zs = [], {}
+    for m in names:
+        closed = is_closed_form(m)
+        for p in plabels:
+            pname, pparams = parts[p]
+            base = {"head": m, "partition": pname, "partition_params": pparams}
+            cells.append(Cell(f"{m}--{p}--{NONE}", {"method": m, "partition": p, "epsilon": NONE},
+                              common.cfg(features, **base)))
+            for e in eps:
+                dp = {"dp_delta": delta, "dp_clip": feature_clip if closed else update_clip}
+                if not closed:
+                    dp["dp_feature_clip"] = feature_clip
+                kw = dict(base, **dp, dp_noise_multiplier=1.0)
+                if m == "ridge":
+                    kw["head_params"] = {**common.train.get("head_params", {}), "ridge_lambda": dp_ridge_lambda}
+                cfg = common.cfg(features, **kw)
+                z = zs.setdefault((m, p, e), noise_for_epsilon(cfg.resolved(), e))
+                cells.append(Cell(f"{m}--{p}--eps{e:g}", {"method": m, "partition": p, "epsilon": f"{e:g}"},
+                                  dataclasses.replace(cfg, dp_noise_multiplier=z)))
+    elabels = [f"{e:g}" for e in eps] + [NONE]
+    config = {**common.describe(), "methods": names, "partitions": plabels, "epsilons": eps, "delta": delta,
+              "update_clip": update_clip, "feature_clip": feature_clip, "dp_ridge_lambda": dp_ridge_lambda,
+              "features": str(features)}
+    cache = StoreCache()
+    cmd = start_report(common, cells, cache, config)
+    from .report import run_grid
+
+    results = run_grid(cells, common.out, cache)
+    sections = _sections(results, names, plabels, elabels, common, config)
+    plots = [_plot(results, names, plabels, eps, common)]
+    write_results(common.out, results, "privacy")
+    write_curves(common.out, results, {})
+    path = write_report(common.out, "fedhead bench privacy: accuracy against epsilon, and the cost of DP", cmd,
+                        config, sections, results, plots)
+    _print_report(path, sections)
+
+
+def _key(r: CellResult) -> tuple:
+    return r.cell.labels["method"], r.cell.labels["partition"], r.cell.labels["epsilon"]
+
+
+def _sections(results, names, plabels, elabels, common: Common, config: dict) -> list[str]:
+    by = {_key(r): r for r in results}
+    seeds = ", ".join(map(str, common.seeds))
+    out = []
+    heads = ["method", "partition"] + [f"eps {e}" if e != NONE else "no DP" for e in elabels]
+    rows = [[m, p] + [Stat.of(by[(m, p, e)].per_seed("final_accuracy")).fmt(100, 2) for e in elabels]
+            for m in names for p in plabels]
+    out.append("\n".join([
+        f"## Final test accuracy (%) against epsilon (delta {config['delta']:g}; {common.clients} clients, "
+        f"{common.rounds} rounds for iterative heads, seeds {seeds})", "",
+        "Iterative heads (ova2, softmax): DP-FedAvg, client-level epsilon of the head updates (update clip "
+        f"{config['update_clip']:g}; their feature centring sums add the sample-level epsilon in the next table). "
+        "Closed-form heads (ridge, ncm): one release of noisy statistics, sample-level epsilon (feature clip "
+        f"{config['feature_clip']:g}; ridge's lambda {config['dp_ridge_lambda']:g} under DP, its default without).",
+        "", md_table(heads, rows), ""]))
+    rows = []
+    for m in names:
+        for e in elabels:
+            if e == NONE:
+                continue
+            rs = [by[(m, p, e)] for p in plabels]
+            z = rs[0].cell.cfg.dp_noise_multiplier
+            rows.append([m, e, f"{z:.4g}", Stat.of([r.summary.get("dp_epsilon") for r in rs]).fmt(1, 3),
+                         Stat.of([r.summary.get("dp_epsilon_statistics") for r in rs]).fmt(1, 3)])
+    out.append("\n".join([
+        "## Noise multipliers and the epsilons the runs report", "",
+        "z: the smallest noise multiplier meeting the target (bisection on the run's own RDP accountant); "
+        "epsilon: summary.json's dp_epsilon; statistics: the sample-level epsilon of the feature sums or the "
+        "closed-form statistics.", "",
+        md_table(["method", "target", "z", "epsilon (reported)", "statistics epsilon"], rows), ""]))
+    rows = []
+    for m in names:
+        dp = [by[(m, p, e)] for p in plabels for e in elabels if e != NONE]
+        plain = [by[(m, p, NONE)] for p in plabels]
+
+        def mean(rs, key):
+            return float(np.nanmean([Stat.of(r.per_seed(key)).mean for r in rs]))
+
+        rows.append([m] + [f"{mean(rs, 'client_ms'):.2f}" for rs in (plain, dp)]
+                    + [f"{mean(rs, 'server_ms'):.2f}" for rs in (plain, dp)]
+                    + [f"{mean(rs, 'mb_per_client'):.3f}" for rs in (plain, dp)])
+    out.append("\n".join([
+        "## What DP costs in time and bytes (mean over partitions and epsilons)", "",
+        "client ms: per client and round; server ms: per round (DP: clipping on the client, noise on the server); "
+        "MB: uploaded per client over the run (a DP message is the clipped update, the size of a head).", "",
+        md_table(["method", "client ms", "client ms (DP)", "server ms", "server ms (DP)", "MB up/client",
+                  "MB up/client (DP)"], rows), ""]))
+    return out
+
+
+def _plot(results, names, plabels, eps, common: Common) -> Path:
+    by = {_key(r): r for r in results}
+    panels = []
+    for p in plabels:
+        panel = P.Panel(p)
+        for m in names:
+            accs = [Stat.of(by[(m, p, f"{e:g}")].per_seed("final_accuracy")) for e in eps]
+            panel.lines.append(P.Line(m, eps, [a.mean for a in accs], [a.std for a in accs]))
+            plain = Stat.of(by[(m, p, NONE)].per_seed("final_accuracy")).mean
+            panel.lines.append(P.Line(f"{m} (no DP)", [min(eps), max(eps)], [plain, plain], style=":"))
+        panels.append(panel)
+    return P.write_curves(common.out / "privacy-accuracy.png", panels, "epsilon (delta fixed)", "final test accuracy",
+                          "accuracy against the privacy budget (dotted: without DP)", xscale="log")
