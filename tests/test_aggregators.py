@@ -117,20 +117,15 @@ def test_readme_method_example_runs_as_written(tiny_store, tmp_path):
 def test_user_rule_on_flower_equals_train(fedexp, tmp_path):
     """The Flower client sends the rule's message, the server sums and updates: the simulator's numbers."""
     pytest.importorskip("flwr")
-    from flwr.supercore.task_identity import TaskIdentity
-    from test_flower_sim import accs, cfg_of, local_run
+    from test_flower_sim import accs, cfg_of
+    from fedhead.flower.inprocess import run_in_process
     from fedhead.synthetic import write_synthetic
     from fedhead.train import run_training
 
     store = write_synthetic(tmp_path / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
     cfg = cfg_of(store, aggregate="fedexp", head="softmax")
     ref = run_training(cfg, out=tmp_path / "train", progress=False)
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = 1, 1, 1   # as a SuperLink sets it
-    try:
-        res = local_run(cfg, tmp_path / "flower")
-    finally:
-        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+    res = run_in_process(cfg, tmp_path / "flower")                # the wire format: messages serialised
     np.testing.assert_allclose(accs(res.rows), accs(ref.rows), atol=1e-9)
     assert [r["bytes_total"] for r in res.rows] == [r["bytes_total"] for r in ref.rows]
     torch.testing.assert_close(torch.load(tmp_path / "flower" / "head-seed0.pt"),

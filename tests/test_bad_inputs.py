@@ -88,7 +88,7 @@ BENCH_EXTRACT = ("bench extract --dataset imagefolder --data-dir {imgs} --encode
 BENCH_FLOWER = ("bench flower --clients 4 --rounds 1 --num-classes 4 --train-per-class 10 --dim 4 --partition iid "
                 "--out {out}")
 BASELINES = "bench baselines " + GRID + " --methods ova2 --partitions iid"
-PRIVACY = "bench privacy " + GRID + " --methods ncm --partitions iid --epsilons 8"
+PRIVACY = "bench privacy " + GRID + " --methods ncm --partitions iid --epsilons 8 --secagg-clients 0"
 SIMULATE = "flower simulate --features {store} --clients 2 --rounds 1 --out {out}"
 DP = "--dp-noise-multiplier 1 --dp-clip 0.5 --dp-delta 1e-5 --no-center"     # valid DP options, no statistics
 
@@ -476,6 +476,8 @@ CASES = [
     Case(PRIVACY, "--feature-clip -1", "'--feature-clip'"),
     Case(PRIVACY, "--dp-clip 1", "'--dp-clip'", name="DP options are the bench's own"),
     Case(PRIVACY, "--partitions bogus", "'--partitions'"),
+    Case(PRIVACY, "--secagg-clients 2", "'--secagg-clients'"),
+    Case(PRIVACY, "--secagg-rounds 0", "'--secagg-rounds'"),
     # ---- flower simulate (Flower's run_simulation stand-in; must not be reached)
     Case(SIMULATE, "--clients 0", "'--clients'"),
     Case(SIMULATE, "--rounds 0", "'--rounds'"),
@@ -734,7 +736,7 @@ def test_the_matrix_covers_every_command():
     assert len(CASES) >= 60
     for cmd in ("extract", "info", "train", "synth", "demo", "scratch", "bench ablation", "bench partitions",
                 "bench encoders", "bench noise", "bench participation", "bench geometry", "bench speed",
-                "bench extract", "bench flower", "bench baselines", "flower simulate"):
+                "bench extract", "bench flower", "bench baselines", "bench privacy", "flower simulate"):
         assert per[cmd] >= 3, (cmd, per[cmd])
 
 

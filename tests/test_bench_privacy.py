@@ -34,11 +34,14 @@ def test_quick_report(tiny_store, tmp_path):
     out = tmp_path / "pv"
     r = CliRunner().invoke(cli.app, ["bench", "privacy", "--features", str(tiny_store), "--quick", "--rounds", "2",
                                      "--clients", "4", "--partitions", "iid", "--epsilons", "2,8",
-                                     "--out", str(out)])
+                                     "--secagg-clients", "3", "--secagg-rounds", "1", "--out", str(out)])
     assert r.exit_code == 0, r.output
     report = (out / "report.md").read_text()
-    for section in ("Final test accuracy (%) against epsilon", "Noise multipliers", "What DP costs"):
+    for section in ("Final test accuracy (%) against epsilon", "Noise multipliers", "What DP costs",
+                    "What SecAgg+ costs"):
         assert section in report
+    secagg = report[report.index("What SecAgg+ costs"):]
+    assert secagg.count("| yes |") == 4           # secure == plain accuracy, each method
     assert (out / "privacy-accuracy.png").stat().st_size > 0
     runs = sorted(p.name for p in (out / "runs").iterdir() if p.is_dir())
     assert runs == sorted(f"{m}--iid--{e}" for m in ("ova2", "softmax", "ridge", "ncm") for e in ("eps2", "eps8", "none"))
@@ -51,6 +54,6 @@ def test_quick_report(tiny_store, tmp_path):
     # the same command again reuses every finished run
     r = CliRunner().invoke(cli.app, ["bench", "privacy", "--features", str(tiny_store), "--quick", "--rounds", "2",
                                      "--clients", "4", "--partitions", "iid", "--epsilons", "2,8",
-                                     "--out", str(out)])
+                                     "--secagg-clients", "3", "--secagg-rounds", "1", "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert "| ran |" not in (out / "report.md").read_text()

@@ -18,14 +18,14 @@ import torch
 
 flwr = pytest.importorskip("flwr", reason="Flower is not installed (pip install 'fedhead[flower]')")
 
-from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
-from flwr.serverapp import Grid  # noqa: E402
 
 from extract.store import load_store, write_store  # noqa: E402
 from fedhead.config import TrainConfig  # noqa: E402
 from fedhead.errors import FedheadError  # noqa: E402
 from fedhead.flower.client_app import make_client_app  # noqa: E402
 from fedhead.flower.commands import run_config_of, simulate  # noqa: E402
+from fedhead.flower.inprocess import InProcessGrid, sim_nodes  # noqa: E402
+from fedhead.flower.inprocess import task_identity as flower_task_identity  # noqa: E402
 from fedhead.flower.common import CRASH_ENV, STOP_ENV, ServerStopped, config_from_run_config  # noqa: E402
 from fedhead.flower.server_app import run_server  # noqa: E402
 from fedhead.flower.strategy import FedheadStrategy, ServerSettings  # noqa: E402
@@ -34,53 +34,15 @@ from fedhead.synthetic import write_synthetic  # noqa: E402
 from fedhead.train import build_federation, run_training  # noqa: E402
 
 
-class LocalGrid(Grid):
-    """Delivers each message to the ClientApp of its node synchronously; an exception becomes an error reply
-    with Flower's own reason format, as the SuperNode runtime makes it."""
-
-    def __init__(self, app, node_configs: list[dict], run_config: dict | None = None):
-        self.app = app
-        self.ctx = {1000 + i: Context(run_id=1, node_id=1000 + i, node_config=nc, state=RecordDict(),
-                                      run_config=run_config or {}) for i, nc in enumerate(node_configs)}
-
-    def set_run(self, run_id):
-        pass
-
-    @property
-    def run(self):
-        return None
-
-    def create_message(self, *a, **k):
-        raise NotImplementedError
-
-    def get_node_ids(self):
-        return list(self.ctx)
-
-    def push_messages(self, messages):
-        raise NotImplementedError
-
-    def pull_messages(self, message_ids):
-        raise NotImplementedError
-
-    def send_and_receive(self, messages, *, timeout=None):
-        out = []
-        for m in messages:
-            try:
-                out.append(self.app(m, self.ctx[m.metadata.dst_node_id]))
-            except Exception as ex:  # noqa: BLE001
-                out.append(Message(Error(code=1, reason=str(type(ex)) + ":<'" + str(ex) + "'>"), reply_to=m))
-        return out
+class LocalGrid(InProcessGrid):
+    """The in-process grid without the wire format (messages handed over as objects)."""
 
 
 @pytest.fixture(autouse=True)
 def task_identity():
     """Flower's Message constructor reads the process's task identity (a SuperLink sets it; so do we)."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = 1, 1, 1
-    yield
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+    with flower_task_identity():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +56,6 @@ def cfg_of(store, **kw) -> TrainConfig:
                 clients=4, rounds=3, local_epochs=2, batch_size=10, device="cpu")
     base.update(kw)
     return TrainConfig(**base)
-
-
-def sim_nodes(k: int) -> list[dict]:
-    return [{"partition-id": i, "num-partitions": k} for i in range(k)]
 
 
 def local_run(cfg, out, store_for_clients=None, nodes=None, resume=False):

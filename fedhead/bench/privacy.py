@@ -67,6 +67,9 @@ def privacy_cmd(
                                                                      "(closed-form heads, the centring sums)"),
     dp_ridge_lambda: float = typer.Option(1e5, "--dp-ridge-lambda", help="ridge's lambda under DP (at the scale of "
                                                                          "the Gram's noise; without DP: --ridge-lambda)"),
+    secagg_clients: int = typer.Option(10, "--secagg-clients", help="SecAgg+'s cost: clients of the secure and plain "
+                                                                    "Flower runs per method, in process (0: skip)"),
+    secagg_rounds: int = typer.Option(3, "--secagg-rounds", help="rounds of those runs (iterative heads)"),
     *, common: Common,
 ):
     """Accuracy against epsilon (DP-FedAvg for iterative heads, noisy statistics for closed-form heads) and the
@@ -92,6 +95,13 @@ def privacy_cmd(
     validate("--update-clip", update_clip, Interval(0, None, closed="neither"))
     validate("--feature-clip", feature_clip, Interval(0, None, closed="neither"))
     validate("--dp-ridge-lambda", dp_ridge_lambda, Interval(0, None, closed="neither"))
+    validate("--secagg-rounds", secagg_rounds, Interval(1, None, integer=True))
+    if secagg_clients:
+        validate("--secagg-clients", secagg_clients, Interval(3, None, integer=True),
+                 "SecAgg+ needs at least 3 clients; use 0 to skip its measurement.")
+        from ..flower.common import require_flower
+
+        require_flower()
     for k in ("dp_noise_multiplier", "dp_clip", "dp_delta", "dp_feature_clip"):
         if common.train.get(k) is not None:
             raise FedheadError(f"The '--{k.replace('_', '-')}' option is set per run by 'bench privacy'. Got "
@@ -125,6 +135,8 @@ def privacy_cmd(
 
     results = run_grid(cells, common.out, cache)
     sections = _sections(results, names, plabels, elabels, common, config)
+    if secagg_clients:
+        sections.append(_secagg_section(features, names, plabels[0], secagg_clients, secagg_rounds, common))
     plots = [_plot(results, names, plabels, eps, common)]
     write_results(common.out, results, "privacy")
     write_curves(common.out, results, {})
@@ -200,3 +212,58 @@ def _plot(results, names, plabels, eps, common: Common) -> Path:
         panels.append(panel)
     return P.write_curves(common.out / "privacy-accuracy.png", panels, "epsilon (delta fixed)", "final test accuracy",
                           "accuracy against the privacy budget (dotted: without DP)", xscale="log")
+
+
+def _secagg_run(cfg, out: Path) -> tuple[dict, list[dict], float]:
+    """(summary, rows, wall seconds) of one in-process Flower run; a finished run in ``out`` is reused."""
+    import json
+    import shutil
+    import time
+
+    from ..flower.inprocess import run_in_process
+    from ..rundir import read_csv
+
+    done = out / "summary.json"
+    if done.exists() and (out / "wall.json").exists():
+        return json.loads(done.read_text()), read_csv(out / "rounds.csv"), json.loads((out / "wall.json").read_text())
+    if out.exists():
+        shutil.rmtree(out)                    # an interrupted run: these runs are short, run it again
+    t0 = time.perf_counter()
+    res = run_in_process(cfg, out)
+    wall = time.perf_counter() - t0
+    from ..util import atomic_write_json
+
+    atomic_write_json(out / "wall.json", wall)
+    return res.summary, res.rows, wall
+
+
+def _secagg_section(features, names, partition: str, clients: int, rounds: int, common: Common) -> str:
+    """SecAgg+'s bytes and seconds against the same Flower run without it (fedhead.flower.secure), per method."""
+    from ..closedform import is_closed_form
+
+    pname, pparams = _partition(partition)
+    rows = []
+    for m in names:
+        res = {}
+        for secure in (False, True):
+            cfg = dataclasses.replace(common.cfg(features, head=m, partition=pname, partition_params=pparams,
+                                                 secure_aggregation=secure),
+                                      clients=clients, rounds=rounds, seeds=[common.seeds[0]])
+            res[secure] = _secagg_run(cfg, common.out / "secagg" / f"{m}-{'secure' if secure else 'plain'}")
+        (sp, rp, wp), (ss, rs, ws) = res[False], res[True]
+        n = len(rp)
+        up_p = float(np.mean([float(r["bytes_up_per_client"]) for r in rp])) / 1e6
+        up_s = float(np.mean([float(r["bytes_up_per_client"]) for r in rs])) / 1e6
+        same = len(rp) == len(rs) and all(abs(float(a["accuracy"]) - float(b["accuracy"])) < 1e-9
+                                          for a, b in zip(rp, rs))
+        kind = "statistics, once" if is_closed_form(m) else f"{n} rounds"
+        rows.append([m, kind, f"{up_p:.3f}", f"{up_s:.3f}", f"{up_s / up_p:.2f}x" if up_p else "–",
+                     f"{wp / n:.2f}", f"{ws / n:.2f}", "yes" if same else "no"])
+    return "\n".join([
+        f"## What SecAgg+ costs ({clients} clients, {partition}, seed {common.seeds[0]}; Flower in process)", "",
+        "The same Flower run with and without --secure-aggregation (Flower's SecAggPlusWorkflow and secaggplus_mod; "
+        "fedhead.flower.secure), every message serialised as on the wire but no network: seconds are compute and "
+        "serialisation only (each secure exchange adds three round trips on a real network). MB: uploaded per client "
+        "per round (secure: all of SecAgg+'s messages); s: wall seconds per round of the whole run.", "",
+        md_table(["method", "exchanges", "MB up/client (plain)", "MB up/client (SecAgg+)", "bytes", "s/round (plain)",
+                  "s/round (SecAgg+)", "same accuracy"], rows), ""])

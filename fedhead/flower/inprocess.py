@@ -1,0 +1,95 @@
+"""fedhead's ServerApp strategy and ClientApp in one process, without Ray or sockets: a synchronous Grid that
+hands each message to the ClientApp of its node, optionally through Flower's wire format (every message and
+reply serialised and parsed, so sizes and contents are what a network would carry).
+
+The test suite runs the fault and parity cases on it (seconds, not a Ray start-up); ``fedhead bench privacy``
+measures SecAgg+'s bytes and compute on it (no network latency: say so where its times are shown).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from .common import require_flower
+
+require_flower()
+
+from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
+from flwr.common.serde import recorddict_from_proto, recorddict_to_proto  # noqa: E402
+from flwr.serverapp import Grid  # noqa: E402
+
+
+class InProcessGrid(Grid):
+    """Delivers each message to the ClientApp of its node synchronously; an exception becomes an error reply
+    with Flower's own reason format, as the SuperNode runtime makes it. ``wire``: serialise and parse every
+    message and reply (Flower's protobuf), as a network would."""
+
+    def __init__(self, app, node_configs: list[dict], run_config: dict | None = None, wire: bool = False):
+        self.app, self.wire = app, wire
+        self.ctx = {1000 + i: Context(run_id=1, node_id=1000 + i, node_config=nc, state=RecordDict(),
+                                      run_config=run_config or {}) for i, nc in enumerate(node_configs)}
+
+    def set_run(self, run_id):
+        pass
+
+    @property
+    def run(self):
+        return None
+
+    def create_message(self, *a, **k):
+        raise NotImplementedError
+
+    def get_node_ids(self):
+        return list(self.ctx)
+
+    def push_messages(self, messages):
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):
+        raise NotImplementedError
+
+    def send_and_receive(self, messages, *, timeout=None):
+        out = []
+        for m in messages:
+            if self.wire:
+                m = Message(recorddict_from_proto(recorddict_to_proto(m.content)), dst_node_id=m.metadata.dst_node_id,
+                            message_type=m.metadata.message_type, group_id=m.metadata.group_id)
+            try:
+                r = self.app(m, self.ctx[m.metadata.dst_node_id])
+                if self.wire and not r.has_error():
+                    r = Message(recorddict_from_proto(recorddict_to_proto(r.content)), reply_to=m)
+                out.append(r)
+            except Exception as ex:  # noqa: BLE001
+                out.append(Message(Error(code=1, reason=str(type(ex)) + ":<'" + str(ex) + "'>"), reply_to=m))
+        return out
+
+
+@contextlib.contextmanager
+def task_identity():
+    """Flower's Message constructor reads the process's task identity (a SuperLink sets it; so does this)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = 1, 1, 1
+    try:
+        yield
+    finally:
+        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
+def sim_nodes(k: int) -> list[dict]:
+    return [{"partition-id": i, "num-partitions": k} for i in range(k)]
+
+
+def run_in_process(cfg, out: str | Path, *, wire: bool = True, wait_timeout: float = 5.0):
+    """Run ``cfg`` with fedhead's ServerApp strategy and ``cfg.clients`` ClientApp nodes in this process (each
+    node reads the server's store and takes its partition, as ``flower simulate`` does); the run directory goes
+    to ``out``. Returns the strategy's outcome."""
+    from .client_app import make_client_app
+    from .server_app import run_server
+    from .strategy import ServerSettings
+
+    with task_identity():
+        grid = InProcessGrid(make_client_app(str(cfg.features)), sim_nodes(cfg.clients), wire=wire)
+        return run_server(grid, cfg, ServerSettings(out=str(out), wait_timeout=wait_timeout))
