@@ -41,6 +41,7 @@ def _register() -> None:
         ("fedhead.bench.commands", "geometry_cmd", "geometry", bench_app),
         ("fedhead.bench.baselines", "baselines_cmd", "baselines", bench_app),
         ("fedhead.bench.privacy", "privacy_cmd", "privacy", bench_app),
+        ("fedhead.bench.papers", "papers_cmd", "papers", bench_app),
         ("fedhead.bench.speed", "speed_cmd", "speed", bench_app),
         ("fedhead.flower.commands", "simulate_cmd", "simulate", flower_app),
         ("fedhead.flower.commands", "superlink_cmd", "superlink", flower_app),

@@ -90,6 +90,7 @@ BENCH_FLOWER = ("bench flower --clients 4 --rounds 1 --num-classes 4 --train-per
 BASELINES = "bench baselines " + GRID + " --methods ova2 --partitions iid"
 PRIVACY = "bench privacy " + GRID + " --methods ncm --partitions iid --epsilons 8 --secagg-clients 0"
 SIMULATE = "flower simulate --features {store} --clients 2 --rounds 1 --out {out}"
+PAPERS = "bench papers dnc --data-dir {imgs} --quick --out {out}"     # {imgs} has CIFAR-10's folder layout
 DP = "--dp-noise-multiplier 1 --dp-clip 0.5 --dp-delta 1e-5 --no-center"     # valid DP options, no statistics
 
 
@@ -478,6 +479,27 @@ CASES = [
     Case(PRIVACY, "--partitions bogus", "'--partitions'"),
     Case(PRIVACY, "--secagg-clients 2", "'--secagg-clients'"),
     Case(PRIVACY, "--secagg-rounds 0", "'--secagg-rounds'"),
+    # ---- bench papers
+    Case(PAPERS.replace(" dnc ", " bogus "), "", "'PAPER'", name="PAPER bogus"),
+    Case(PAPERS, "--scale gpu", "'--scale'"),
+    Case("bench papers dnc --quick --out {out}", "", "'--data-dir'", name="--data-dir missing"),
+    Case(PAPERS, "--data-dir {missing}", "'--data-dir'"),
+    Case(PAPERS, "--data-dir {notimgs}", "'--data-dir'", name="--data-dir <none of the paper's datasets>"),
+    Case(PAPERS.replace(" dnc ", " fedova "), "", "'--data-dir'",
+         name="fedova, --data-dir <only a column --scale cpu leaves out>"),
+    Case(PAPERS.replace(" dnc ", " fedova "), "--datasets mnist", "'--data-dir'",
+         name="--datasets <not in --data-dir>"),
+    Case(PAPERS, "--datasets mnist", "'--datasets'", name="--datasets <not the paper's>"),
+    Case(PAPERS, "--datasets ''", "'--datasets'"),
+    Case(PAPERS, "--alphas 0.1", "'--alphas'", name="--alphas with dnc"),
+    Case(PAPERS.replace(" dnc ", " fedabc ") + " --datasets cifar10", "--alphas 0", "'--alphas'"),
+    Case(PAPERS.replace(" dnc ", " fedabc ") + " --datasets cifar10", "", "'--min-size'",
+         name="fedabc on 8 images: one run's check fails before any run starts"),
+    Case(PAPERS, "--seeds x", "'--seeds'"),
+    Case(PAPERS, "--backend bogus", "'--backend'"),
+    Case(PAPERS, "--device cuda", "'--device'"),
+    Case(PAPERS, "--out {file}", "'--out'"),
+    Case(PAPERS, "--out {under_file}", "'--out'"),
     # ---- flower simulate (Flower's run_simulation stand-in; must not be reached)
     Case(SIMULATE, "--clients 0", "'--clients'"),
     Case(SIMULATE, "--rounds 0", "'--rounds'"),
@@ -736,7 +758,8 @@ def test_the_matrix_covers_every_command():
     assert len(CASES) >= 60
     for cmd in ("extract", "info", "train", "synth", "demo", "scratch", "bench ablation", "bench partitions",
                 "bench encoders", "bench noise", "bench participation", "bench geometry", "bench speed",
-                "bench extract", "bench flower", "bench baselines", "bench privacy", "flower simulate"):
+                "bench extract", "bench flower", "bench baselines", "bench papers", "bench privacy",
+                "flower simulate"):
         assert per[cmd] >= 3, (cmd, per[cmd])
 
 

@@ -166,5 +166,16 @@ def test_every_model_builds_and_runs(name):
     params = E.init_params(m, torch.Generator().manual_seed(0))
     out = torch.func.functional_call(m, params, (torch.randn(2, *shape),))
     assert out.shape == (2, 10)
+    base = name.split("-w")[0] if name.startswith("vgg") else name      # vgg9-w4: a narrower vgg9
     assert len(weight_layers(m)) == {"cnn": 3, "fedabc-mlp": 3, "fedabc-convnet": 5, "vgg11": 11, "vgg9": 9,
-                                     "kws-cnn": 5}[name]
+                                     "kws-cnn": 5}[base]
+
+
+@pytest.mark.parametrize("name,div", [("vgg9", 4), ("vgg11", 8)])
+def test_narrow_vgg_divides_every_width(name, div):
+    wide, narrow = create_model(name, (3, 32, 32), 10), create_model(f"{name}-w{div}", (3, 32, 32), 10)
+    for (n1, p1), (n2, p2) in zip(wide.named_parameters(), narrow.named_parameters()):
+        assert n1 == n2
+        if p1.dim() > 1:   # out x in: the image channels (3) and the classes (10) stay
+            assert p2.shape[0] == (10 if p1.shape[0] == 10 else p1.shape[0] // div)
+            assert p2.shape[1] == (3 if p1.shape[1] == 3 else p1.shape[1] // div)

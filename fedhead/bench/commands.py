@@ -7,6 +7,7 @@ resume (:func:`fedhead.bench.report.run_grid`), and writes one report folder (se
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,13 +166,8 @@ def grid_command(command: str, clients: int = 100, clients_help: str = "clients"
             common.train.update({k: v for k, v in method.items() if k != "head_params"})
             if method["head_params"]:
                 common.train["head_params"] = method["head_params"]
-            with exclusive_writer(common.out, f"the report folder {str(common.out)!r}"):
-                try:
-                    return fn(**kw, common=common)
-                except Interrupted as exc:
-                    raise Interrupted(exc.signum, f"interrupted; re-run the same command with --out {common.out} to "
-                                                  "continue (finished runs are reused, the interrupted one resumes)") \
-                        from None
+            with report_writer(common.out):
+                return fn(**kw, common=common)
 
         wrapper.__signature__ = inspect.Signature(params)
         wrapper.__annotations__ = {p.name: p.annotation for p in params}
@@ -180,16 +176,31 @@ def grid_command(command: str, clients: int = 100, clients_help: str = "clients"
     return deco
 
 
+@contextlib.contextmanager
+def report_writer(out: Path):
+    """This process is the report folder's one writer; an interrupt ends with how to continue."""
+    with exclusive_writer(out, f"the report folder {str(out)!r}"):
+        try:
+            yield
+        except Interrupted as exc:
+            raise Interrupted(exc.signum, f"interrupted; re-run the same command with --out {out} to continue "
+                                          "(finished runs are reused, the interrupted one resumes)") from None
+
+
 def start_report(common: Common, cells: list[Cell], cache: StoreCache, config: dict) -> str:
     """Validate every run first (nothing is written on bad input), then create the folder and bench.json."""
+    validate_cells(cells, cache)
+    return begin_report(common.out, cells, config)
+
+
+def begin_report(out: Path, cells: list[Cell], config: dict) -> str:
+    """After every run was validated: create the folder and bench.json; returns the command line."""
     import sys
 
-    validate_cells(cells, cache)
-    common.out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     cmd = command_line()
-    write_bench_json(common.out, cmd, cells, config)
-    print(f"report folder: {common.out} (re-run with --out {common.out} to reuse finished runs and resume)",
-          file=sys.stderr)
+    write_bench_json(out, cmd, cells, config)
+    print(f"report folder: {out} (re-run with --out {out} to reuse finished runs and resume)", file=sys.stderr)
     return cmd
 
 

@@ -177,6 +177,18 @@ def run_grid(cells: Sequence[Cell], out: Path, stores: StoreCache, progress: boo
     # one centralised ceiling per head, preparation and labels for the whole report
     runner = runner or functools.partial(run_training, central_cache={})
     validate_cells(cells, stores)
+
+    def run_one(c: Cell, d: Path, resume: bool, prog) -> None:
+        runner(c.cfg, out=d, resume=resume, progress=progress, store=stores.get(c.cfg.features))
+
+    return run_cells(cells, out, run_one, progress)
+
+
+def run_cells(cells: Sequence[Cell], out: Path, run_one, progress: bool = True) -> list[CellResult]:
+    """The grid loop, written once for every kind of run: each cell into ``out/runs/<name>``, reused when
+    finished, resumed from its checkpoint when interrupted, started again when it holds nothing finished.
+    ``run_one(cell, run_dir, resume, progress)`` writes a run directory with ``summary.json``, ``config.json``
+    and ``rounds.csv`` (``progress``: the outer rich progress, or None)."""
     results = []
     with make_progress() as prog:
         task = prog.add_task("bench runs", total=len(cells), info="") if progress else None
@@ -187,8 +199,7 @@ def run_grid(cells: Sequence[Cell], out: Path, stores: StoreCache, progress: boo
                 shutil.rmtree(d)
             if task is not None:
                 prog.update(task, info=f"{c.name} ({'ran' if status in ('new', 'stale') else status})")
-            runner(c.cfg, out=d, resume=status in ("reused", "resumed"), progress=progress,
-                   store=stores.get(c.cfg.features))
+            run_one(c, d, status in ("reused", "resumed"), prog if progress else None)
             results.append(load_result(c, d, "ran" if status in ("new", "stale") else status))
             if task is not None:
                 prog.advance(task)
@@ -375,6 +386,8 @@ def command_line() -> str:
     if ctx is None:
         return " ".join(shlex.quote(a) for a in ["fedhead", *sys.argv[1:]])
     words = ["fedhead", *ctx.command_path.split()[1:]]
+    words += [str(ctx.params[p.name]) for p in ctx.command.params
+              if isinstance(p, click.Argument) and ctx.params.get(p.name) is not None]
     for p in ctx.command.params:
         if not isinstance(p, click.Option) or p.name not in ctx.params:
             continue

@@ -129,6 +129,10 @@ def _convnet(in_shape, n):
     return _Seq(f, [120, 64, n], in_shape)
 
 
+VGG9_CFG = [32, 64, "M", 128, 128, "M", 256, 256, "M"]        # FedMA ModerateCNN (D&C)
+VGG11_CFG = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
+
+
 def _vgg_features(cfg, c):
     layers: list[nn.Module] = []
     for v in cfg:
@@ -140,16 +144,20 @@ def _vgg_features(cfg, c):
     return nn.Sequential(*layers)
 
 
-@register_model("vgg11", "VGG11 (no batch norm; FedOVA CIFAR-10): 8 conv + FC 512, 512, n")
-def _vgg11(in_shape, n):
-    f = _vgg_features([64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"], in_shape[0])
-    return _Seq(f, [512, 512, n], in_shape)
+def _vgg(cfg: list, div: int = 1):
+    """A VGG without batch norm: ``cfg``'s convs (3x3) and FC 512, 512, n, every width divided by ``div``."""
+    convs = [v if v == "M" else max(1, v // div) for v in cfg]
+    return lambda in_shape, n: _Seq(_vgg_features(convs, in_shape[0]), [512 // div, 512 // div, n], in_shape)
 
 
-@register_model("vgg9", "VGG-9 (FedMA ModerateCNN, D&C): conv 32,64,P,128,128,P,256,256,P + FC 512, 512, n")
-def _vgg9(in_shape, n):
-    f = _vgg_features([32, 64, "M", 128, 128, "M", 256, 256, "M"], in_shape[0])
-    return _Seq(f, [512, 512, n], in_shape)
+register_model("vgg11", "VGG11 (no batch norm; FedOVA CIFAR-10): 8 conv + FC 512, 512, n")(_vgg(VGG11_CFG))
+register_model("vgg9", "VGG-9 (FedMA ModerateCNN, D&C): conv 32,64,P,128,128,P,256,256,P + FC 512, 512, n")(
+    _vgg(VGG9_CFG))
+for _div in (2, 4, 8):   # narrower copies (every conv and hidden FC width / div): paper protocols cut to CPU size
+    register_model(f"vgg11-w{_div}", f"VGG11 at 1/{_div} width: 8 conv ({64 // _div}..{512 // _div}) + FC "
+                   f"{512 // _div}, {512 // _div}, n")(_vgg(VGG11_CFG, _div))
+    register_model(f"vgg9-w{_div}", f"VGG-9 at 1/{_div} width: conv {32 // _div}..{256 // _div} + FC {512 // _div}, "
+                   f"{512 // _div}, n")(_vgg(VGG9_CFG, _div))
 
 
 @register_model("kws-cnn", "Keyword-spotting CNN: 3 conv (16/32/64, 3x3, 1x2 pooling) + FC 256, n on 50x16 MFCCs",

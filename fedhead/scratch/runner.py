@@ -540,17 +540,23 @@ def save_torch(obj, path: Path) -> None:
     atomic_torch_save(obj, path)
 
 
+def check_config(cfg: ScratchConfig) -> tuple[ScratchConfig, ScratchData]:
+    """Every check of a run that needs no output: the resolved configuration and its loaded dataset."""
+    cfg = resolve_config(cfg)
+    data = load_dataset(cfg.dataset, cfg.data_dir)
+    check_model_input(cfg.model, data.input_kind, cfg.dataset)
+    check_data(cfg, data)
+    return cfg, data
+
+
 def run_scratch(cfg: ScratchConfig, out_dir: str | Path, log: Callable[[str], None] = lambda s: None,
                 progress=None, resume: bool = False) -> dict:
     """Resolve, load, run (or, with ``resume``, continue) every seed, write the run directory; returns the
     summary. Everything is validated before anything is written; the run directory has one writer."""
     from ..util import Interrupted, check_out, exclusive_writer, resolve_device
 
-    cfg = resolve_config(cfg)
+    cfg, data = check_config(cfg)
     device = resolve_device(cfg.device)
-    data = load_dataset(cfg.dataset, cfg.data_dir)
-    check_model_input(cfg.model, data.input_kind, cfg.dataset)
-    check_data(cfg, data)
     out_dir = check_out(out_dir, kind="dir")
     with exclusive_writer(out_dir, f"the run directory {str(out_dir)!r}"):
         try:
