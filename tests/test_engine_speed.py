@@ -2,6 +2,7 @@
 give the loop backend's result to float tolerance. Not timed: speed is measured by ``fedhead bench speed``."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -197,3 +198,62 @@ def test_speed_bench_child_smoke():
         assert rec[k] > 0, k
     assert abs(sum(rec[f"profile_{p}_fraction"] for p in ("matmul", "optimizer", "gather", "loss_other")) - 1) < 1e-6
     json.dumps(rec)
+
+
+def test_scratch_speed_child_smoke():
+    """One tiny scratch configuration of ``fedhead bench speed`` in-process: engine and loop rows with positive
+    rates, and FlopCounterMode's count equal to the MLP's hand count."""
+    from fedhead.bench.speed import scratch_protocol, scratch_speed
+
+    cfg = dict(scratch_protocol("fedabc-mlp", quick=True), threads=1, quick=True, repeat=1, nets=["vmap"])
+    rec = scratch_speed(cfg)
+    # 784-260-200-10 per sample: forward and weight gradient 2*in*out each for every layer, input gradient for
+    # all but the first (the images need none)
+    layers = [(784, 260), (260, 200), (200, 10)]
+    want = sum(2 * i * o * (2 if k == 0 else 3) for k, (i, o) in enumerate(layers))
+    assert rec["gflop_per_sample"] * 1e9 == pytest.approx(want)
+    assert rec["samples_per_call"] == cfg["members"] * cfg["steps"] * cfg["batch"]
+    for k in ("engine", "loop", "net_vmap"):
+        assert rec[f"{k}_samples_per_s"] > 0 and rec[f"{k}_gflops"] > 0, k
+    assert rec["machine_matmul_gflops"] > 0 and rec["speedup_vs_loop"] > 0
+    assert rec["engine_formulation"].startswith("StackedNet")
+    json.dumps(rec)
+
+
+def test_scratch_protocols_follow_the_runner():
+    """The scratch rows are timed at the runner's defaults: members per round, batch size and optimizer."""
+    from fedhead.bench.speed import SCRATCH_PROTOCOLS, scratch_protocol
+    from fedhead.scratch.models import MODELS
+
+    assert set(SCRATCH_PROTOCOLS) == {"cnn", "fedabc-mlp", "fedabc-convnet", "vgg9", "kws-cnn"} <= set(MODELS)
+    assert {m: (scratch_protocol(m)["members"], scratch_protocol(m)["batch"], scratch_protocol(m)["optimizer"])
+            for m in SCRATCH_PROTOCOLS} == {"cnn": (20, 15, "adam"), "fedabc-mlp": (10, 64, "sgd"),
+                                            "fedabc-convnet": (10, 64, "sgd"), "vgg9": (2, 64, "sgd"),
+                                            "kws-cnn": (20, 15, "adam")}
+
+
+def test_bench_speed_scratch_cli(tmp_path):
+    """The real command with one scratch model: the table on stdout, the flat record in --out; bad scratch options
+    are one line and exit 2 before any measurement."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "FEDHEAD_NO_PROGRESS": "1"}
+    out = tmp_path / "speed.json"
+    base = [sys.executable, "-m", "cli", "bench", "speed", "--quick", "--no-heads", "--no-extraction", "--threads", "1"]
+    r = subprocess.run(base + ["--scratch-model", "cnn", "--scratch-repeat", "1", "--out", str(out)],
+                       capture_output=True, text=True, cwd=repo, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "scratch engine vs loop" in r.stdout and "cnn" in r.stdout
+    rec = json.loads(out.read_text())
+    assert rec["scratch_cnn_engine_samples_per_s"] > 0 and rec["scratch_cnn_loop_samples_per_s"] > 0
+    assert not any(k.startswith(("trainer_", "scale_", "closedform_")) for k in rec)
+    md = (tmp_path / "speed.md").read_text()
+    assert "| cnn | fedavg mnist: 2 x 8 adam |" in md and "FlopCounterMode" in md
+    for bad in (["--scratch-model", "resnet"], ["--scratch-repeat", "0"]):
+        r = subprocess.run(base + bad + ["--out", str(tmp_path / "bad.json")], capture_output=True, text=True,
+                           cwd=repo, env=env, timeout=600)
+        assert r.returncode == 2 and bad[0] in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not (tmp_path / "bad.json").exists()

@@ -11,8 +11,15 @@ gradient ``G^T X``; the loss and the optimizer are not counted), optimizer bytes
 4 * 7`` for AdamW (reads W, G, m, v; writes W, m, v) or ``* 5`` for SGD with momentum. One extra round runs
 under torch.profiler to split the time into matmul, optimizer, batch gather and loss/other.
 
+The scratch engine (``fedhead scratch``, CPU): for each of ``cnn``, ``fedabc-mlp``, ``fedabc-convnet``, ``vgg9`` and
+``kws-cnn`` a subprocess times local training at the runner's protocol for that model (members per round, batch,
+optimizer: :data:`SCRATCH_PROTOCOLS`) with the engine and with its loop backend, interleaved, and reports
+training samples/s and useful GFLOP/s (FLOPs of one sample's forward + backward counted by
+``torch.utils.flop_counter.FlopCounterMode``: convolutions and matrix products) against the same thread count's
+dense float32 matmul, through torch.mm (MKL) and through oneDNN.
+
 The record ``speed.json`` has flat prefixed keys (``trainer_*``, ``machine_*``, ``loop_*``, ``scale_*``,
-``extract_*``); the rich table on stdout shows the same numbers.
+``extract_*``, ``scratch_<model>_*``); the rich tables on stdout show the same numbers.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import Optional
 
 import typer
 
-from fedhead.errors import FedheadError, Interval, cli_errors, validate
+from fedhead.errors import FedheadError, Interval, OneOf, cli_errors, validate
 from fedhead.train import PAUSE_ENV  # test hook: pause after the k-th job
 from fedhead.util import pause_hook
 
@@ -77,6 +84,21 @@ def machine_limits(dev, quick: bool = False) -> dict:
     t_cp = _best_time(lambda: y.copy_(x), dev, 5)
     return {"machine_matmul_gflops": 2 * n**3 / t_mm / 1e9, "machine_copy_gb_per_s": 2 * m * 4 / t_cp / 1e9,
             "machine_matmul_size": n, "machine_copy_mb": m * 4 / 2**20}
+
+
+def onednn_matmul_gflops(quick: bool = False) -> float:
+    """The same dense float32 product as :func:`machine_limits` through oneDNN (``mkldnn_linear``), the library
+    behind PyTorch's CPU convolutions; 0 where it does not run. ``torch.mm`` goes through MKL, which on some CPUs
+    (AMD EPYC here) runs far below what oneDNN's kernels reach on the same core."""
+    import torch
+
+    n = 1024 if quick else 2048
+    try:
+        a, b = torch.randn(n, n).to_mkldnn(), torch.randn(n, n).to_mkldnn()
+        t = _best_time(lambda: torch._C._nn.mkldnn_linear(a, b, None), torch.device("cpu"), 3)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return 0.0
+    return 2 * n**3 / t / 1e9
 
 
 # ---------------------------------------------------------------- one trainer configuration (child process)
@@ -240,6 +262,156 @@ def closed_form_speed(cfg: dict) -> dict:
     return rec
 
 
+# ---------------------------------------------------------------- the scratch engine (fedhead scratch)
+
+# model -> (algorithm, dataset) whose protocol it is timed at: members per round (clients x participation), batch
+# size and optimizer come from the runner's defaults (fedhead.scratch.runner.ALGO_DEFAULTS, FEDABC_LR)
+SCRATCH_PROTOCOLS = {"cnn": ("fedavg", "mnist"), "fedabc-mlp": ("fedabc", "mnist"),
+                     "fedabc-convnet": ("fedabc", "cifar10"), "vgg9": ("dnc", "cifar10"),
+                     "kws-cnn": ("fedavg", "speech-commands")}
+SCRATCH_SHAPES = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32), "speech-commands": (1, 50, 16)}  # (C, H, W)
+# optimizer steps per member in one timed call (about a second of work per backend on one core)
+SCRATCH_STEPS = {"cnn": 10, "fedabc-mlp": 40, "fedabc-convnet": 3, "vgg9": 2, "kws-cnn": 6}
+SCRATCH_QUICK = dict(members=2, batch=8, steps=2)
+
+
+def scratch_protocol(model: str, quick: bool = False) -> dict:
+    """The training configuration ``fedhead bench speed`` times ``model`` at (see :data:`SCRATCH_PROTOCOLS`)."""
+    from fedhead.scratch.runner import ALGO_DEFAULTS, FEDABC_LR
+
+    algo, dataset = SCRATCH_PROTOCOLS[model]
+    d = ALGO_DEFAULTS[algo]
+    lr = d["lr"] if d["lr"] is not None else FEDABC_LR[dataset]
+    cfg = dict(model=model, algo=algo, dataset=dataset, shape=SCRATCH_SHAPES[dataset],
+               members=max(1, round(d["clients"] * d["participation"])), batch=d["batch_size"],
+               steps=SCRATCH_STEPS[model], optimizer=d["optimizer"], lr=lr, momentum=d["momentum"],
+               weight_decay=d["weight_decay"])
+    if quick:
+        cfg.update(SCRATCH_QUICK)
+    return cfg
+
+
+def scratch_flops_per_sample(model, params: dict, x, loss_fn) -> float:
+    """Useful FLOPs of one sample's training step, counted by ``torch.utils.flop_counter.FlopCounterMode``: the
+    convolutions and matrix products of one member's forward and backward at the timed batch size (gradients of the
+    parameters only, as the engine takes them), divided by the batch. Elementwise work, pooling, the loss and the
+    optimizer are not counted."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    p = {n: v[0].detach().clone().requires_grad_(True) for n, v in params.items()}
+    y = torch.zeros(x.shape[0], dtype=torch.long)
+    with FlopCounterMode(display=False) as fc:
+        out = torch.func.functional_call(model, p, (x,)).unsqueeze(0)
+        loss = loss_fn(out, y.unsqueeze(0), torch.ones_like(y, dtype=torch.bool).unsqueeze(0), {})
+        torch.autograd.grad(loss.sum(), list(p.values()))
+    return fc.get_total_flops() / x.shape[0]
+
+
+def scratch_speed(cfg: dict) -> dict:
+    """Time local training of one scratch model: the engine (``train_members``, default formulation, and any in
+    ``cfg['nets']``) against the loop backend, interleaved, ``repeat`` calls each (after a warm-up call each).
+
+    Members get equal-sized synthetic data (uint8 images, or float MFCCs; the values do not change the speed) of
+    ``steps x batch`` samples: one epoch of ``steps`` full batches each. The record keys are unprefixed."""
+    import inspect
+
+    import numpy as np
+    import torch
+
+    from fedhead.scratch import engine as E
+    from fedhead.scratch.models import create_model
+    from fedhead.util import set_cpu_threads
+
+    threads = set_cpu_threads(cfg.get("threads"))
+    dev = torch.device("cpu")
+    rec = {"threads": threads, "load_before": _load()}
+    rec.update(machine_limits(dev, cfg.get("quick", False)))
+    rec["machine_onednn_matmul_gflops"] = onednn_matmul_gflops(cfg.get("quick", False))
+    peak = max(rec["machine_matmul_gflops"], rec["machine_onednn_matmul_gflops"])
+    M, B, S, shape = cfg["members"], cfg["batch"], cfg["steps"], tuple(cfg["shape"])
+    model = create_model(cfg["model"], shape, 10)
+    params = E.init_params(model, torch.Generator().manual_seed(0), count=M)
+    g = torch.Generator().manual_seed(1)
+    n = M * S * B
+    if cfg["dataset"] == "speech-commands":                    # float MFCCs
+        x_all, to_float = torch.randn(n, *shape, generator=g), (lambda b: b)
+    else:                                                       # uint8 pixels
+        x_all = torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=g)
+        to_float = lambda b: b.float() / 255  # noqa: E731
+    y_all = torch.randint(0, 10, (n,), generator=g)
+    idx = [np.arange(m * S * B, (m + 1) * S * B) for m in range(M)]
+    optim = E.OptimSpec(cfg["optimizer"], cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"])
+    flops = scratch_flops_per_sample(model, params, to_float(x_all[:B]), E.softmax_ce)
+    has_net = "net" in inspect.signature(E.train_members).parameters
+
+    def runner(backend, net=None, short=False):
+        kw = {"net": net} if net and has_net else {}
+        ix = [i[:B] for i in idx] if short else idx
+
+        def run():
+            E.train_members(model, params, ix, {}, E.softmax_ce, x_all=x_all, y_all=y_all, to_float=to_float,
+                            epochs=1, batch_size=B, optim=optim, rng=np.random.default_rng(0), backend=backend, **kw)
+        return run
+
+    kinds = {"engine": ("vmap", None), "loop": ("loop", None)}
+    kinds.update({f"net_{net}": ("vmap", net) for net in (cfg.get("nets") or ()) if has_net})
+    variants = {k: runner(*v) for k, v in kinds.items()}
+    for v in kinds.values():                        # warm-up: one step per member
+        runner(*v, short=True)()
+    wall = {k: [] for k in variants}
+    cpu = {k: [] for k in variants}
+    for _ in range(cfg.get("repeat", 3)):
+        for k, fn in variants.items():
+            t, c = time.perf_counter(), time.process_time()
+            fn()
+            wall[k].append(time.perf_counter() - t)
+            cpu[k].append(time.process_time() - c)
+    samples = M * S * B
+    rec.update(model=cfg["model"], algo=cfg["algo"], dataset=cfg["dataset"], members=M, batch=B, steps=S,
+               optimizer=cfg["optimizer"], samples_per_call=samples, gflop_per_sample=flops / 1e9,
+               flop_count="FlopCounterMode: convolutions and matmuls of one member's forward + backward",
+               engine_formulation=_engine_formulation(model), repeat=len(wall["engine"]))
+    for k in variants:
+        med = float(np.median(wall[k]))
+        rec[f"{k}_s"] = med
+        rec[f"{k}_s_min"] = min(wall[k])
+        rec[f"{k}_cpu_s"] = float(np.median(cpu[k]))
+        rec[f"{k}_samples_per_s"] = samples / med
+        rec[f"{k}_gflops"] = samples * flops / med / 1e9
+        rec[f"{k}_matmul_fraction"] = rec[f"{k}_gflops"] / peak    # of the faster of MKL's and oneDNN's products
+    rec["speedup_vs_loop"] = rec["loop_s"] / rec["engine_s"]
+    rec["speedup_vs_loop_min"] = rec["loop_s_min"] / rec["engine_s_min"]
+    rec["load_after"] = _load()
+    return rec
+
+
+def _engine_formulation(model) -> str:
+    from fedhead.scratch import engine as E
+
+    net = getattr(E, "StackedNet", None)
+    if net is None:
+        return "vmap"
+    return "StackedNet (per-member channels-last convolutions)" if net.build(model) is not None else "vmap"
+
+
+def measure_scratch_speed(*, quick: bool = False, threads: Optional[int] = None, models=None, repeat: int = 3,
+                          nets=(), progress=None) -> dict:
+    """The scratch engine against its loop backend for every model of :data:`SCRATCH_PROTOCOLS` (or ``models``);
+    one subprocess per model. Keys ``scratch_<model>_*``."""
+    rec: dict = {}
+    for model in models or SCRATCH_PROTOCOLS:
+        cfg = dict(scratch_protocol(model, quick), threads=threads, quick=quick, repeat=repeat, nets=list(nets),
+                   scratch=True)
+        if progress:
+            progress(f"scratch {model}: {cfg['members']} members x {cfg['steps']} steps x batch {cfg['batch']} "
+                     f"({cfg['algo']} on {cfg['dataset']})")
+        r = run_child(cfg)
+        for k, v in r.items():
+            rec[f"scratch_{model}_{k}"] = v
+    return rec
+
+
 def _peak_rss_mb() -> float:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -261,7 +433,8 @@ def run_child(cfg: dict, timeout: float = 900) -> dict:
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
         tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
-        raise FedheadError(f"speed benchmark child for {cfg['clients']} clients failed: {tail}")
+        what = f"model {cfg['model']}" if cfg.get("scratch") else f"{cfg.get('clients')} clients"
+        raise FedheadError(f"speed benchmark child for {what} failed: {tail}")
     return json.loads(lines[-1])
 
 
@@ -276,14 +449,32 @@ def _load() -> str:
 
 
 def measure_speed(*, quick: bool = False, rounds: int = 3, device: str = "cpu", threads: Optional[int] = None,
-                  loop_rounds: int = 1, extraction: bool = True, progress=None) -> dict:
-    """All four measurements; returns the flat record written to ``speed.json``."""
+                  loop_rounds: int = 1, extraction: bool = True, heads: bool = True, scratch: bool = True,
+                  scratch_models=None, scratch_repeat: int = 3, scratch_nets=(), progress=None) -> dict:
+    """All measurements; returns the flat record written to ``speed.json``. ``heads``: the head trainer and the
+    closed-form statistics; ``scratch``: the scratch engine against its loop (CPU), one row per model."""
+    rec: dict = {"bench_quick": quick, "bench_device": device, "bench_load_before": _load()}
+    if heads:
+        rec.update(_measure_heads(quick=quick, rounds=rounds, device=device, threads=threads,
+                                  loop_rounds=loop_rounds, extraction=extraction, progress=progress))
+    elif extraction:
+        if progress:
+            progress("extraction")
+        rec.update(_extraction(quick, device))
+    if scratch:
+        rec.update(measure_scratch_speed(quick=quick, threads=threads, models=scratch_models, repeat=scratch_repeat,
+                                         nets=scratch_nets, progress=progress))
+    rec["bench_load_after"] = _load()
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}
+
+
+def _measure_heads(*, quick, rounds, device, threads, loop_rounds, extraction, progress) -> dict:
+    """The head trainer against the machine, a per-client loop and 100..1000 clients; extraction; closed form."""
     size = QUICK if quick else PAPER
     counts = (10, 30, 100) if quick else (100, 300, 1000)
     big = dict(size, classes=40, dim=256) if quick else dict(size, classes=200, dim=1280)
     base = dict(size, device=device, threads=threads, rounds=rounds, quick=quick)
-    rec: dict = {"bench_quick": quick, "bench_device": device, "bench_rounds": rounds,
-                 "bench_load_before": _load(), "bench_head": "ova2", "bench_optimizer": "adamw",
+    rec: dict = {"bench_rounds": rounds, "bench_head": "ova2", "bench_optimizer": "adamw",
                  "bench_partition": "shard(2)", "bench_epochs": size["epochs"], "bench_batch": size["batch"],
                  "bench_samples": size["samples"], "bench_dim": size["dim"], "bench_classes": size["classes"]}
     jobs = [("trainer", dict(base, clients=counts[0], machine=True, profile=True, loop_rounds=loop_rounds))]
@@ -332,8 +523,7 @@ def measure_speed(*, quick: bool = False, rounds: int = 3, device: str = "cpu", 
     cf = dict(dim=1280, classes=200, clients=1000, samples_per_client=50, block=50) if not quick else \
         dict(dim=64, classes=10, clients=50, samples_per_client=20, block=10)
     rec.update(run_child(dict(cf, threads=threads, closedform=True)))
-    rec["bench_load_after"] = _load()
-    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}
+    return rec
 
 
 def _extraction(quick: bool, device: str) -> dict:
@@ -412,9 +602,67 @@ def speed_table(rec: dict):
     return t
 
 
+SCRATCH_COLUMNS = ("model", "protocol: members x batch", "GFLOP/sample", "engine samples/s", "loop samples/s",
+                   "engine/loop", "engine GFLOP/s", "loop GFLOP/s", "engine/matmul", "load", "other nets")
+
+
+def scratch_rows(rec: dict) -> list[list[str]]:
+    """One row per model measured, as printed; the engine's other formulations (``--scratch-net``) in the last
+    column."""
+    rows = []
+    for model in dict.fromkeys(k.split("_")[1] for k in rec if k.startswith("scratch_") and k.endswith("_model")):
+        r = {k[len(f"scratch_{model}_"):]: v for k, v in rec.items() if k.startswith(f"scratch_{model}_")}
+        rows.append([model, f"{r['algo']} {r['dataset']}: {r['members']} x {r['batch']} {r['optimizer']}",
+                     f"{r['gflop_per_sample']:.4f}", f"{r['engine_samples_per_s']:.0f}",
+                     f"{r['loop_samples_per_s']:.0f}", f"{r['speedup_vs_loop']:.2f}x", f"{r['engine_gflops']:.1f}",
+                     f"{r['loop_gflops']:.1f}", f"{r['engine_matmul_fraction']:.1%}",
+                     f"{r['load_before'].split()[0]}-{r['load_after'].split()[0]}",
+                     " ".join(f"{k[4:-len('_samples_per_s')]} {v:.0f}/s" for k, v in r.items()
+                              if k.startswith("net_") and k.endswith("_samples_per_s"))])
+    return rows
+
+
+def scratch_table(rec: dict):
+    from rich.table import Table
+
+    first = next((k[:-len("_threads")] for k in rec if k.startswith("scratch_") and k.endswith("_threads")), None)
+    t = Table(title=f"fedhead bench speed: scratch engine vs loop backend (cpu, {rec.get(f'{first}_threads')} "
+                    f"threads; float32 matmul {rec.get(f'{first}_machine_matmul_gflops', 0):.0f} GFLOP/s by "
+                    f"torch.mm/MKL, {rec.get(f'{first}_machine_onednn_matmul_gflops', 0):.0f} by oneDNN)",
+              caption="FLOPs: FlopCounterMode, convolutions + matmuls of forward and backward. samples/s: median of "
+                      "the timed calls. engine/matmul: of the faster matmul. load: 1-min load average before-after")
+    rows = scratch_rows(rec)
+    cols = SCRATCH_COLUMNS if any(r[-1] for r in rows) else SCRATCH_COLUMNS[:-1]
+    for c in cols:
+        t.add_column(c, justify="left" if c.startswith(("model", "protocol")) else "right")
+    for row in rows:
+        t.add_row(*row[:len(cols)])
+    return t
+
+
+def scratch_markdown(rec: dict) -> str:
+    """The scratch table as Markdown (written next to the JSON record as ``<out>.md``)."""
+    rows = scratch_rows(rec)
+    cols = SCRATCH_COLUMNS if any(r[-1] for r in rows) else SCRATCH_COLUMNS[:-1]
+    first = next((k[:-len("_threads")] for k in rec if k.startswith("scratch_") and k.endswith("_threads")), None)
+    lines = ["# fedhead bench speed: scratch engine vs loop backend",
+             "",
+             f"CPU, {rec.get(f'{first}_threads')} threads; dense float32 matmul at that thread count: "
+             f"{rec.get(f'{first}_machine_matmul_gflops', 0):.0f} GFLOP/s through torch.mm (MKL), "
+             f"{rec.get(f'{first}_machine_onednn_matmul_gflops', 0):.0f} GFLOP/s through oneDNN. FLOPs per sample: "
+             "torch.utils.flop_counter.FlopCounterMode on one member's forward + backward (convolutions and matrix "
+             "products). samples/s: median of the timed calls. engine/matmul: engine GFLOP/s over the faster "
+             "matmul. load: 1-minute load average before-after each model.",
+             "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(r[:len(cols)]) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 @cli_errors
 def speed_cmd(
-    out: Path = typer.Option(Path("speed.json"), "--out", help="JSON file for the flat record."),
+    out: Path = typer.Option(Path("speed.json"), "--out", help="JSON file for the flat record (the scratch table "
+                             "also goes to the same name with .md)."),
     quick: bool = typer.Option(False, "--quick", help="Small sizes (smoke test, seconds)."),
     rounds: int = typer.Option(3, "--rounds", help="Timed rounds per configuration (after one warm-up round)."),
     loop_rounds: int = typer.Option(1, "--loop-rounds", help="Timed rounds of the loop backend."),
@@ -422,24 +670,50 @@ def speed_cmd(
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: all cores, or "
                                           "FEDHEAD_THREADS)."),
     extraction: bool = typer.Option(True, "--extraction/--no-extraction", help="Also time `fedhead extract`."),
+    heads: bool = typer.Option(True, "--heads/--no-heads", help="Time the head trainer and the closed-form "
+                               "statistics."),
+    scratch: bool = typer.Option(True, "--scratch/--no-scratch", help="Time the scratch engine against its loop "
+                                 "backend (cpu) for every scratch model."),
+    scratch_model: Optional[list[str]] = typer.Option(None, "--scratch-model", help="Only this scratch model "
+                                                      "(repeat for several)."),
+    scratch_repeat: int = typer.Option(3, "--scratch-repeat", help="Timed calls per scratch backend (median)."),
+    scratch_net: Optional[list[str]] = typer.Option(None, "--scratch-net", help="Also time the engine with this "
+                                                    "formulation: member | grouped | vmap (repeat for several)."),
 ) -> None:
-    """Trainer speed vs the machine's matmul/memory limits, vs a per-client loop, and in 100..1000 clients."""
-    from fedhead.util import atomic_write_json, check_out, resolve_device, stderr_console, stdout_console
+    """Trainer speed vs the machine's matmul/memory limits, vs a per-client loop, and in 100..1000 clients; the
+    scratch engine's samples/s and GFLOP/s per model vs its loop backend."""
+    from fedhead.util import (atomic_write_json, atomic_write_text, check_out, resolve_device, stderr_console,
+                              stdout_console)
 
     check_out(out)                      # a folder there, or below a file: refused before the measurement
     validate("--rounds", rounds, Interval(1, None, integer=True))
     validate("--loop-rounds", loop_rounds, Interval(0, None, integer=True))
     if threads is not None:
         validate("--threads", threads, Interval(1, None, integer=True))
+    validate("--scratch-repeat", scratch_repeat, Interval(1, None, integer=True))
+    for m in scratch_model or ():
+        validate("--scratch-model", m, OneOf(tuple(SCRATCH_PROTOCOLS)))
+    for n in scratch_net or ():
+        validate("--scratch-net", n, OneOf(("member", "grouped", "vmap")))
     resolve_device(device)
     err = stderr_console()
     rec = measure_speed(quick=quick, rounds=rounds, device=device, threads=threads, loop_rounds=loop_rounds,
-                        extraction=extraction, progress=lambda s: err.print(f"[bold]bench speed[/]: {s}"))
+                        extraction=extraction, heads=heads, scratch=scratch, scratch_models=scratch_model or None,
+                        scratch_repeat=scratch_repeat, scratch_nets=tuple(scratch_net or ()),
+                        progress=lambda s: err.print(f"[bold]bench speed[/]: {s}"))
+    if scratch:
+        md = out.with_suffix(".md") if out.suffix != ".md" else out.with_name(out.name + ".table.md")
+        atomic_write_text(md, scratch_markdown(rec))
     atomic_write_json(out, rec)
-    stdout_console().print(speed_table(rec))
-    stdout_console().print(str(out))
+    con = stdout_console()
+    if heads:
+        con.print(speed_table(rec))
+    if scratch:
+        con.print(scratch_table(rec))
+    con.print(str(out))
 
 
 if __name__ == "__main__":
     _cfg = json.loads(sys.argv[1])
-    print(json.dumps(closed_form_speed(_cfg) if _cfg.get("closedform") else run_config(_cfg)), flush=True)
+    _fn = closed_form_speed if _cfg.get("closedform") else scratch_speed if _cfg.get("scratch") else run_config
+    print(json.dumps(_fn(_cfg)), flush=True)

@@ -95,22 +95,63 @@ class OptimSpec:
     eps: float = 1e-8
 
 
-class StackedOptimizer:
-    """SGD(momentum) / Adam with per-member state; members not ``active`` in a step are left untouched."""
+_FUSED_OK: dict = {}
 
-    def __init__(self, params: Params, spec: OptimSpec):
+
+def _fused_ok(name: str, device) -> bool:
+    """Whether torch's fused multi-tensor kernel (``torch._fused_adam_`` / ``torch._fused_sgd_``: one pass over the
+    parameters, gradients and state) runs on ``device``; checked once per device type."""
+    key = (name, torch.device(device).type)
+    if key not in _FUSED_OK:
+        try:
+            w, g, m = [torch.zeros(2, device=device)], [torch.ones(2, device=device)], [torch.zeros(2, device=device)]
+            if name == "adam":
+                torch._fused_adam_(w, g, m, [torch.zeros(2, device=device)], [], [torch.ones((), device=device)],
+                                   lr=0.1, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
+                                   maximize=False)
+            else:
+                torch._fused_sgd_(w, g, m, weight_decay=0.0, momentum=0.9, lr=0.1, dampening=0.0, nesterov=False,
+                                  maximize=False, is_first_step=False)
+            _FUSED_OK[key] = bool(torch.isfinite(w[0]).all()) and float(w[0][0]) < 0
+        except (AttributeError, RuntimeError, NotImplementedError, TypeError):
+            _FUSED_OK[key] = False
+    return _FUSED_OK[key]
+
+
+class StackedOptimizer:
+    """SGD(momentum) / Adam (torch.optim semantics) with per-member state; members not ``active`` in a step are
+    left untouched.
+
+    :meth:`step_prefix` is the engine's step: the first ``k`` members, all with the same number of past steps
+    (the engine orders members so that the active ones always are such a prefix), updated in place by one fused
+    multi-tensor call over every tensor (``torch._fused_adam_`` / ``torch._fused_sgd_``, or the same maths as
+    ``torch._foreach_*`` calls where the fused kernel does not run). :meth:`step` takes any ``active`` mask and
+    falls back to masked updates when it is not such a prefix."""
+
+    def __init__(self, params: Params, spec: OptimSpec, fused: bool | None = None):
         if spec.name not in ("sgd", "adam"):
             raise FedheadError(f"The '--optimizer' parameter must be one of 'sgd', 'adam'. Got {spec.name!r} "
                                f"instead.")
         self.spec = spec
         m = next(iter(params.values())).shape[0]
         dev = next(iter(params.values())).device
-        self.t = torch.zeros(m, device=dev)
+        self.t = torch.zeros(m, device=dev)          # steps taken per member (the masked path's bias correction)
+        self.count = np.zeros(m, dtype=np.int64)     # the same on the host (no device sync to test a prefix)
         self.buf = {n: torch.zeros_like(p) for n, p in params.items()}
         self.sq = {n: torch.zeros_like(p) for n, p in params.items()} if spec.name == "adam" else {}
+        self.fused = _fused_ok(spec.name, dev) if fused is None else fused
+        self._step = torch.zeros((), device=dev)    # the fused Adam kernel's step count (shared by the prefix)
 
     @torch.no_grad()
     def step(self, params: Params, grads: Params, active: torch.Tensor) -> None:
+        """One step for the members where ``active`` [M] is true; ``grads`` are ``[M, ...]``."""
+        a = active.detach().cpu().numpy().astype(bool)
+        k = int(a.sum())
+        if a[:k].all() and (k == 0 or self.count[:k].min() == self.count[:k].max()):
+            if k:
+                self.step_prefix(params, {n: g[:k] for n, g in grads.items()}, k)
+            return
+        self.count += a
         s = self.spec
         self.t += active.float()
         for n, p in params.items():
@@ -134,25 +175,76 @@ class StackedOptimizer:
                 vhat = v / (1 - b2 ** t)
                 p.sub_(torch.where(a, s.lr * mhat / (vhat.sqrt() + s.eps), torch.zeros_like(m)))
 
+    @torch.no_grad()
+    def step_prefix(self, params: Params, grads: Params, k: int) -> None:
+        """One step for members ``0..k-1`` (equal step counts); ``params`` are ``[M, ...]``, ``grads`` ``[k, ...]``."""
+        if self.count[:k].min() != self.count[:k].max():
+            raise FedheadError(f"step_prefix: members 0..{k - 1} have taken different numbers of steps "
+                               f"({sorted(set(self.count[:k].tolist()))}).")
+        s = self.spec
+        self.count[:k] += 1
+        self.t[:k] += 1
+        names = list(params)
+        ps = [params[n][:k] for n in names]
+        gs = [grads[n].contiguous() for n in names]     # the fused kernels read gradients in the params' layout
+        fused = self.fused and all(p.is_contiguous() for p in ps)
+        if s.name == "sgd":
+            bufs = [self.buf[n][:k] for n in names] if s.momentum else []
+            if fused:
+                torch._fused_sgd_(ps, gs, bufs, weight_decay=s.weight_decay, momentum=s.momentum, lr=s.lr,
+                                  dampening=0.0, nesterov=False, maximize=False, is_first_step=False)
+                return
+            if s.weight_decay:
+                gs = torch._foreach_add(gs, ps, alpha=s.weight_decay)
+            if s.momentum:                   # zero buffers at first: the first step's buffer is the gradient
+                torch._foreach_mul_(bufs, s.momentum)
+                torch._foreach_add_(bufs, gs)
+                gs = bufs
+            torch._foreach_add_(ps, gs, alpha=-s.lr)
+            return
+        b1, b2 = s.betas
+        ms, vs = [self.buf[n][:k] for n in names], [self.sq[n][:k] for n in names]
+        t = int(self.count[0])
+        if fused:
+            self._step.fill_(t)
+            torch._fused_adam_(ps, gs, ms, vs, [], [self._step] * len(ps), lr=s.lr, beta1=b1, beta2=b2,
+                               weight_decay=s.weight_decay, eps=s.eps, amsgrad=False, maximize=False)
+            return
+        if s.weight_decay:
+            gs = torch._foreach_add(gs, ps, alpha=s.weight_decay)
+        torch._foreach_lerp_(ms, gs, 1 - b1)
+        torch._foreach_mul_(vs, b2)
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+        denom = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denom, math.sqrt(1 - b2 ** t))
+        torch._foreach_add_(denom, s.eps)
+        torch._foreach_addcdiv_(ps, ms, denom, value=-s.lr / (1 - b1 ** t))
+
 
 # ---------------------------------------------------------------- losses (per member, mean over valid samples)
 
 
 def _masked_mean(per_sample: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    v = valid.float()
+    v = valid.to(per_sample.dtype)
     return (per_sample * v).sum(1) / v.sum(1).clamp(min=1)
+
+
+def _f32(out: torch.Tensor) -> torch.Tensor:
+    """Autocast's half-precision outputs in float32 for the loss; float32 and float64 stay as they are."""
+    return out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
 
 
 def softmax_ce(out, y, valid, aux):
     m, b, c = out.shape
-    ce = F.cross_entropy(out.reshape(m * b, c).float(), y.reshape(-1), reduction="none").view(m, b)
+    ce = F.cross_entropy(_f32(out).reshape(m * b, c), y.reshape(-1), reduction="none").view(m, b)
     return _masked_mean(ce, valid)
 
 
 def binary_bce(out, y, valid, aux):
     """One logit per member; target 1 where y == aux['cls'][member] (FedOVA's binary networks)."""
-    target = (y == aux["cls"].view(-1, 1)).float()
-    bce = F.binary_cross_entropy_with_logits(out[..., 0].float(), target, reduction="none")
+    s = _f32(out[..., 0])
+    target = (y == aux["cls"].view(-1, 1)).to(s.dtype)
+    bce = F.binary_cross_entropy_with_logits(s, target, reduction="none")
     return _masked_mean(bce, valid)
 
 
@@ -163,7 +255,7 @@ def fedabc_loss(out, y, valid, aux):
     (m_p, m_n, m_nn, gamma). Summed over classes, divided by the (valid) batch size.
     """
     mp, mn, mnn, gamma = aux["margins"]
-    s = out.float()
+    s = _f32(out)
     q = torch.sigmoid(s)
     pos = F.one_hot(y, s.shape[-1]).bool()
     present = aux["present"].unsqueeze(1)  # [M, 1, C]
@@ -186,13 +278,13 @@ def fedrod_loss(out, y, valid, aux):
     probability 0 in the generic loss, never a target there)."""
     m, b, c2 = out.shape
     c = c2 // 2
-    s = out.float()
+    s = _f32(out)
     g = s[..., :c] + aux["log_counts"].unsqueeze(1)
     yy = y.reshape(-1)
     bsm = F.cross_entropy(g.reshape(m * b, c), yy, reduction="none").view(m, b)
     ce = F.cross_entropy(s[..., c:].reshape(m * b, c), yy, reduction="none").view(m, b)
     per = torch.where(valid, bsm + ce, torch.zeros_like(bsm))   # padding rows may hit a -inf target: dropped
-    return per.sum(1) / valid.float().sum(1).clamp(min=1)
+    return per.sum(1) / valid.to(per.dtype).sum(1).clamp(min=1)
 
 
 # ---------------------------------------------------------------- local training
@@ -245,20 +337,166 @@ class _GradMods:
             self.offset = {n: grad_offset[n].to(device) for n in train_p}
 
     @torch.no_grad()
-    def apply(self, train_p: Params, grads: Params) -> None:
+    def apply(self, train_p: Params, grads: Params, k: int) -> None:
+        """Add the terms of members ``0..k-1`` to their gradients ``grads [k, ...]``."""
         if self.mu:
             for n, g in grads.items():
-                g.add_(train_p[n], alpha=self.mu).sub_(self.mu_start[n])
+                g.add_(train_p[n][:k], alpha=self.mu).sub_(self.mu_start[n][:k])
         if self.offset is not None:
             for n, g in grads.items():
-                g.add_(self.offset[n])
+                g.add_(self.offset[n][:k])
+
+
+# ---------------------------------------------------------------- the member-stacked network
+
+
+class StackedNet:
+    """A registered model run for ``A`` members at once: member-major inputs ``[A*B, ...]`` -> ``[A, B, O]``, the
+    same maths as ``A`` calls of the module (what ``vmap(functional_call)`` computes), formulated for the CPU:
+
+    * the convolutional features member by member (``conv="member"``), in channels-last layout, so that one
+      member's activations stay small; ``vmap`` turns A members' convolutions into one grouped convolution over
+      activations A times larger (``conv="grouped"``, kept for tests and comparison), which oneDNN ran slower
+      here, and max pooling on NCHW tensors ran many times slower than on channels-last ones;
+    * a ReLU right before a max pooling runs after it (``pool(relu(x)) == relu(pool(x))`` exactly, values and
+      gradients, on a quarter of the elements);
+    * the linear layers as one batched matrix product over the members (:class:`_StackedLinear`: its weight
+      gradients come out in the weights' own layout, as the fused optimizer reads them).
+
+    ``fedhead bench speed`` measures the whole training step against the loop backend. :meth:`build` returns None
+    for models with other layers (the engine then uses ``vmap``)."""
+
+    def __init__(self, feature_ops: list, classifier_ops: list, dual: bool, conv: str):
+        self.fops, self.cops, self.dual, self.conv = feature_ops, classifier_ops, dual, conv
+
+    @classmethod
+    def build(cls, model: nn.Module, conv: str = "member") -> "StackedNet | None":
+        from .models import DualHead, _Seq
+
+        if type(model) not in (_Seq, DualHead):
+            return None
+        feats = model.features
+        if isinstance(feats, nn.Identity):
+            mods = []
+        elif type(feats) is nn.Sequential:
+            mods = list(feats.named_children())
+        else:
+            return None
+        fops, i = [], 0
+        while i < len(mods):
+            name, m = mods[i]
+            nxt = mods[i + 1][1] if i + 1 < len(mods) else None
+            if type(m) is nn.Conv2d and m.padding_mode == "zeros":
+                fops.append(("conv", f"features.{name}", m))
+            elif type(m) is nn.ReLU and type(nxt) is nn.MaxPool2d and not nxt.return_indices:
+                fops += [("pool", "", nxt), ("relu", "", m)]
+                i += 1
+            elif type(m) is nn.ReLU:
+                fops.append(("relu", "", m))
+            elif type(m) is nn.MaxPool2d and not m.return_indices:
+                fops.append(("pool", "", m))
+            elif type(m) is not nn.Identity:
+                return None
+            i += 1
+        cops = []
+        for name, m in model.classifier.named_children():
+            if type(m) is nn.Linear:
+                cops.append(("linear", f"classifier.{name}", m))
+            elif type(m) is nn.ReLU:
+                cops.append(("relu", "", m))
+            elif not (type(m) is nn.Identity or (type(m) is nn.Dropout and m.p == 0)):
+                return None
+        if not cops or cops[-1][0] != "linear":
+            return None
+        return cls(fops, cops, isinstance(model, DualHead), conv)
+
+    def __call__(self, p: Params, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """``p``: name -> ``[a, ...]``; ``x``: ``[a*b, ...]`` member-major -> ``[a, b, O]``."""
+        if not self.fops:
+            h = x.reshape(a, b, -1)
+        elif self.conv == "grouped":
+            h = self._grouped_features(p, x, a, b)
+        else:                                # member by member: each one's activations stay small (in cache)
+            ws = {n: t.unbind(0) for n, t in p.items() if n.startswith("features.")}  # one backward node each
+            xs = x.contiguous(memory_format=torch.channels_last).split(b)
+            h = torch.stack([self._features({n: t[i] for n, t in ws.items()}, xs[i]).reshape(b, -1)
+                             for i in range(a)])    # flattened in (C, H, W) order, as the module does
+        *body, (_, last, _) = self.cops
+        for kind, pre, _ in body:
+            h = _linear(p, pre, h) if kind == "linear" else F.relu(h)
+        g = _linear(p, last, h)
+        if self.dual:                        # FedRoD: DualHead.forward
+            return torch.cat([g, g.detach() + _linear(p, "p_head", h.detach())], dim=-1)
+        return g
+
+    def _features(self, p: dict, h: torch.Tensor) -> torch.Tensor:
+        for kind, pre, m in self.fops:
+            if kind == "conv":
+                h = F.conv2d(h, p[f"{pre}.weight"], p.get(f"{pre}.bias"), m.stride, m.padding, m.dilation,
+                             m.groups).contiguous(memory_format=torch.channels_last)  # 1 input channel: NCHW
+            elif kind == "pool":
+                h = F.max_pool2d(h, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
+            else:
+                h = F.relu(h)
+        return h
+
+    def _grouped_features(self, p: Params, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        h = x.view(a, b, *x.shape[1:]).transpose(0, 1).reshape(b, a * x.shape[1], *x.shape[2:])
+        for kind, pre, m in self.fops:       # [B, A*C, H, W]: member a's channels are group a
+            if kind == "conv":
+                w, bias = p[f"{pre}.weight"], p.get(f"{pre}.bias")
+                h = F.conv2d(h, w.reshape(-1, *w.shape[2:]), None if bias is None else bias.reshape(-1), m.stride,
+                             m.padding, m.dilation, a * m.groups)
+            elif kind == "pool":
+                h = F.max_pool2d(h, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
+            else:
+                h = F.relu(h)
+        return h.reshape(b, a, -1).transpose(0, 1)
+
+
+class _StackedLinear(torch.autograd.Function):
+    """``out[a] = h[a] w[a]^T + b[a]`` for every member: ``[A, B, F]``, ``[A, O, F]``, ``[A, O]`` -> ``[A, B, O]``.
+
+    The backward computes the weight gradient as ``bmm(grad^T, h)``, in the weight's own ``[A, O, F]`` layout;
+    autograd's rule for ``bmm(h, w^T)`` gives it as a transposed view, and making that contiguous for the fused
+    optimizer cost three times the product itself (the keyword-spotting CNN's 6400 x 256 layer)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, h, w, b):
+        ctx.save_for_backward(h, w)
+        ctx.bias = b is not None
+        wt = w.transpose(1, 2)
+        return torch.bmm(h, wt) if b is None else torch.baddbmm(b.unsqueeze(1), h, wt)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, g):
+        h, w = ctx.saved_tensors
+        gh = torch.bmm(g, w) if ctx.needs_input_grad[0] else None
+        gw = torch.bmm(g.transpose(1, 2), h) if ctx.needs_input_grad[1] else None
+        gb = g.sum(1) if ctx.bias and ctx.needs_input_grad[2] else None
+        return gh, gw, gb
+
+
+def _linear(p: Params, pre: str, h: torch.Tensor) -> torch.Tensor:
+    return _StackedLinear.apply(h, p[f"{pre}.weight"], p.get(f"{pre}.bias"))
+
+
+def _take(v, order: torch.Tensor | None, copy: bool = False):
+    """Rows of tensor ``v`` in ``order`` (None: as they are; a copy if ``copy``); anything else as it is."""
+    if not torch.is_tensor(v):
+        return v
+    if order is None:
+        return v.clone(memory_format=torch.contiguous_format) if copy else v
+    return v[order.to(v.device)].contiguous()
 
 
 def train_members(model: nn.Module, params: Params, member_idx: list[np.ndarray], aux: dict,
                   loss_fn: Callable, *, x_all: torch.Tensor, y_all: torch.Tensor, to_float: Callable,
                   epochs: int, batch_size: int, optim: OptimSpec, rng: np.random.Generator,
                   trainable: set[str] | None = None, backend: str = "vmap", prox_mu: float = 0.0,
-                  grad_offset: Params | None = None) -> TrainResult:
+                  grad_offset: Params | None = None, net: str = "auto") -> TrainResult:
     """Train M members (stacked ``params``) on their own index arrays; returns the trainable params.
 
     Parameters not in ``trainable`` stay fixed (D&C). ``x_all`` / ``y_all`` live on the device.
@@ -268,55 +506,68 @@ def train_members(model: nn.Module, params: Params, member_idx: list[np.ndarray]
     it), as the head trainer's vectorized backend does (:mod:`fedhead.engine`); ``mu = 0`` runs no extra operation,
     so FedProx at 0 is FedAvg bit for bit. ``grad_offset`` (SCAFFOLD's ``c - c_k``): ``name -> [M, ...]`` added to
     every step's gradient of that trainable tensor, after the FedProx term.
+
+    The members are trained in order of their number of steps (most first), so that the members still training
+    at any step are a prefix ``0..A-1``: every step is views of the stacked tensors (no gather of parameters or
+    optimizer state) and one fused optimizer call. ``net``: ``auto`` runs :class:`StackedNet` on the CPU and
+    ``vmap`` on other devices or for models it does not know; ``member`` / ``grouped`` / ``vmap`` force one
+    formulation (tests, ``fedhead bench speed``).
     """
     if backend == "loop":
         return _train_loop(model, params, member_idx, aux, loss_fn, x_all=x_all, y_all=y_all,
                            to_float=to_float, epochs=epochs, batch_size=batch_size, optim=optim, rng=rng,
                            trainable=trainable, prox_mu=prox_mu, grad_offset=grad_offset)
+    if net not in ("auto", "member", "grouped", "vmap"):
+        raise FedheadError(f"The 'net' parameter of train_members must be one of 'auto', 'member', 'grouped', "
+                           f"'vmap'. Got {net!r} instead.")
     device = x_all.device
     names = list(params)
     trainable = set(names) if trainable is None else set(trainable)
-    train_p = {n: params[n].detach().clone().to(device).requires_grad_(True) for n in names if n in trainable}
-    fixed_p = {n: params[n].detach().to(device) for n in names if n not in trainable}
-    opt = StackedOptimizer(train_p, optim)
-    mods = _GradMods(train_p, prox_mu, grad_offset, device)
     sched, steps = _schedule(member_idx, epochs, batch_size, rng)
-    sched_t = torch.from_numpy(sched).to(device)
+    order = np.argsort(-steps, kind="stable")            # most steps first: the active members are a prefix
+    same = bool((order == np.arange(len(order))).all())
+    order_t = None if same else torch.from_numpy(order).to(device)
+    n_active = (steps[order][None, :] > np.arange(sched.shape[0])[:, None]).sum(1)
+    sched_t = torch.from_numpy(np.ascontiguousarray(sched[:, order])).to(device)
+    train_p = {n: _take(params[n].detach().to(device), order_t, copy=True) for n in names if n in trainable}
+    fixed_p = {n: _take(params[n].detach().to(device), order_t) for n in names if n not in trainable}
+    aux_o = {k: _take(v, order_t) for k, v in aux.items()}
+    offset_o = None if grad_offset is None else {n: _take(v, order_t) for n, v in grad_offset.items()}
+    opt = StackedOptimizer(train_p, optim)
+    mods = _GradMods(train_p, prox_mu, offset_o, device)
     m_count = len(member_idx)
     loss_sum = torch.zeros(m_count, device=device)
 
-    def fwd(p, x):
-        return functional_call(model, p, (x,))
-
-    batched = vmap(fwd, in_dims=(0, 0), randomness="different")
+    stacked = None
+    if net in ("member", "grouped") or (net == "auto" and device.type == "cpu"):
+        stacked = StackedNet.build(model, conv="member" if net == "auto" else net)
+        if stacked is None and net != "auto":
+            raise FedheadError(f"train_members: net={net!r} does not support {type(model).__name__}; use 'vmap'.")
+    batched = vmap(lambda p, x: functional_call(model, p, (x,)), in_dims=(0, 0), randomness="different")
+    b = batch_size
     for t in range(sched.shape[0]):
-        idx = sched_t[t]                       # [M, B]
+        a = int(n_active[t])
+        full = a == m_count
+        idx = sched_t[t] if full else sched_t[t, :a]      # [A, B]
         valid = idx >= 0
-        active = valid.any(1)
-        act = torch.nonzero(active).view(-1)
-        full = bool(active.all())
-        sel = slice(None) if full else act
-        idx_a, valid_a = idx[sel], valid[sel]
-        flat = idx_a.clamp(min=0).reshape(-1)
-        xb = to_float(x_all[flat]).view(*idx_a.shape, *x_all.shape[1:])
-        yb = y_all[flat].view(idx_a.shape)
-        p_all = {n: (train_p[n] if full else train_p[n][act]) for n in train_p}
-        p_all.update({n: (fixed_p[n] if full else fixed_p[n][act]) for n in fixed_p})
-        aux_a = {k: (v if full or not torch.is_tensor(v) else v[act]) for k, v in aux.items()}
+        flat = idx.clamp(min=0).reshape(-1)
+        xb = to_float(x_all[flat])                         # [A*B, ...] member-major
+        yb = y_all[flat].view(a, b)
+        leaves = {n: (p if full else p[:a]).detach().requires_grad_(True) for n, p in train_p.items()}
+        p_all = {n: (leaves[n] if n in leaves else fixed_p[n] if full else fixed_p[n][:a]) for n in names}
+        aux_a = aux_o if full else {k: (v[:a] if torch.is_tensor(v) else v) for k, v in aux_o.items()}
         with _autocast(device):
-            out = batched(p_all, xb)
-        losses = loss_fn(out, yb, valid_a, aux_a)
-        grads = torch.autograd.grad(losses.sum(), list(train_p.values()), allow_unused=True)
-        grads = {n: (g if g is not None else torch.zeros_like(train_p[n])) for n, g in zip(train_p, grads)}
-        mods.apply(train_p, grads)
-        opt.step(train_p, grads, active)
+            out = stacked(p_all, xb, a, b) if stacked is not None else batched(p_all, xb.view(a, b, *xb.shape[1:]))
+        losses = loss_fn(out, yb, valid, aux_a)
+        grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
+        grads = {n: (g if g is not None else torch.zeros_like(leaves[n])) for n, g in zip(leaves, grads)}
+        mods.apply(train_p, grads, a)
+        opt.step_prefix(train_p, grads, a)
         with torch.no_grad():
-            if full:
-                loss_sum += losses.detach()
-            else:
-                loss_sum.index_add_(0, act, losses.detach())
-    mean_loss = loss_sum / torch.from_numpy(np.maximum(steps, 1)).to(device)
-    return TrainResult({n: p.detach() for n, p in train_p.items()}, mean_loss.cpu(), steps)
+            loss_sum[:a] += losses.detach()
+    mean_loss = loss_sum / torch.from_numpy(np.maximum(steps[order], 1)).to(device)
+    inv = None if same else torch.from_numpy(np.argsort(order)).to(device)
+    return TrainResult({n: _take(p, inv) for n, p in train_p.items()}, _take(mean_loss, inv).cpu(), steps)
 
 
 def _train_loop(model, params, member_idx, aux, loss_fn, *, x_all, y_all, to_float, epochs, batch_size,
@@ -362,8 +613,8 @@ def _run_fixed(model, params, sched, aux, loss_fn, x_all, y_all, to_float, optim
         names = list(train_p)
         grads = torch.autograd.grad(loss.sum(), [train_p[n] for n in names], allow_unused=True)
         grads = {n: (g if g is not None else torch.zeros_like(train_p[n])) for n, g in zip(names, grads)}
-        mods.apply(train_p, grads)
-        opt.step(train_p, grads, valid.any(1))
+        mods.apply(train_p, grads, 1)
+        opt.step_prefix(train_p, grads, 1)             # the loop's schedule holds this member's batches only
         total += loss.detach()
     return TrainResult({n: p.detach() for n, p in train_p.items()}, (total / max(sched.shape[0], 1)).cpu(),
                        np.array([sched.shape[0]]))
