@@ -62,6 +62,17 @@ def _partition(label: str) -> tuple[str, dict]:
                            " Or dirichlet-ALPHA, e.g. dirichlet-0.1.") from None
 
 
+def methods_and_partitions(methods: str, partitions: str, known) -> tuple[list[str], list[str], dict]:
+    """``--methods`` (each one of ``known``) and ``--partitions`` of a bench command: the method names, the
+    partition labels and label -> (partition, parameters)."""
+    names = _csv("--methods", methods)
+    for m in names:
+        if m not in known:
+            raise unknown_name("--methods", m, known, "method")
+    plabels = _csv("--partitions", partitions)
+    return names, plabels, {p: _partition(p) for p in plabels}
+
+
 def _csv(param: str, text: str) -> list[str]:
     items = [t for t in str(text).replace(",", " ").split() if t]
     if not items:
@@ -83,12 +94,7 @@ def baselines_cmd(
     from ..plugins import load_plugins
 
     load_plugins()                  # methods registered by users' modules
-    names = _csv("--methods", methods)
-    for m in names:
-        if m not in METHODS:
-            raise unknown_name("--methods", m, METHODS, "method")
-    plabels = _csv("--partitions", partitions)
-    parts = {p: _partition(p) for p in plabels}
+    names, plabels, parts = methods_and_partitions(methods, partitions, METHODS)
     cells = []
     for m in names:
         for p in plabels:

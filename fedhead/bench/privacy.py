@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import typer
 
-from ..errors import FedheadError, Interval, unknown_name, validate
+from ..errors import FedheadError, Interval, validate
 from . import plots as P
-from .baselines import _csv, _partition
-from .commands import FEATURES_OPT, Common, _print_report, grid_command, start_report
-from .report import Cell, CellResult, StoreCache, Stat, md_table, write_curves, write_report, write_results
+from .baselines import _partition, methods_and_partitions
+from .commands import FEATURES_OPT, Common, _print_report, grid_command, parse_rates, start_report
+from .report import Cell, CellResult, StoreCache, Stat, md_table, run_grid, write_curves, write_report, write_results
 
 METHODS = ("ova2", "softmax", "ridge", "ncm")
 NONE = "none"                       # the run without DP
@@ -76,21 +76,8 @@ def privacy_cmd(
     time and bytes DP adds, against the same runs without DP."""
     from ..closedform import is_closed_form
 
-    names = _csv("--methods", methods)
-    for m in names:
-        if m not in METHODS:
-            raise unknown_name("--methods", m, METHODS, "method")
-    plabels = _csv("--partitions", partitions)
-    parts = {p: _partition(p) for p in plabels}
-    eps = []
-    for tok in _csv("--epsilons", epsilons):
-        try:
-            v = float(tok)
-        except ValueError:
-            raise FedheadError(f"The '--epsilons' parameter must be numbers > 0. Got {tok!r} instead. "
-                               "Use e.g. --epsilons 1,3,8.") from None
-        validate("--epsilons", v, Interval(0, None, closed="neither"))
-        eps.append(v)
+    names, plabels, parts = methods_and_partitions(methods, partitions, METHODS)
+    eps = parse_rates("--epsilons", epsilons, low_closed=False, high=None)
     validate("--delta", delta, Interval(0, 1, closed="neither"), "Use e.g. --delta 1e-5 (below 1/N).")
     validate("--update-clip", update_clip, Interval(0, None, closed="neither"))
     validate("--feature-clip", feature_clip, Interval(0, None, closed="neither"))
@@ -131,8 +118,6 @@ def privacy_cmd(
               "features": str(features)}
     cache = StoreCache()
     cmd = start_report(common, cells, cache, config)
-    from .report import run_grid
-
     results = run_grid(cells, common.out, cache)
     sections = _sections(results, names, plabels, elabels, common, config)
     if secagg_clients:
