@@ -21,7 +21,7 @@ import torch
 from extract.store import Features, load_store
 from . import __version__
 from .config import TrainConfig
-from .aggregate import aggregator_of, create_aggregator
+from .aggregate import aggregator_of
 from .dp import epsilon_schedule, feature_clip, summary_fields
 from .engine import ClientSet, Engine, LocalConfig, OptimConfig, evaluate
 from .errors import FedheadError, unknown_name
@@ -354,7 +354,7 @@ def _run_locked(cfg: TrainConfig, run_dir: Path, resume: bool, progress: bool, s
                     start = int(ckpt["round"]) + 1
                     server.load_state_dict(ckpt.get("server", {}), device)
                 head_bytes = theta.numel() * theta.element_size()
-                msg_bytes = create_aggregator(cfg.aggregate).nbytes(theta)
+                msg_bytes = aggregator_of(cfg).nbytes(theta)
                 rtask = prog.add_task(f"seed {seed} {vname} {part}", total=last_round, completed=start - 1,
                                       info="") if progress else None
                 for rnd in range(start, last_round + 1):

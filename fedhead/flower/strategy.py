@@ -49,7 +49,7 @@ from flwr.serverapp import Grid  # noqa: E402
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
 from extract.store import Features  # noqa: E402
-from ..aggregate import Accumulator, aggregator_of, create_aggregator  # noqa: E402
+from ..aggregate import Accumulator, aggregator_of  # noqa: E402
 from ..dp import epsilon_schedule, noisy_feature_sums  # noqa: E402
 from ..config import TrainConfig  # noqa: E402
 from ..ccvr import ClassStats, PooledStats  # noqa: E402
@@ -565,7 +565,7 @@ class FedheadStrategy(Strategy):
                     realised[f"{seed}:main"] = flipped / total if total else 0.0
             xt = prepare(self.store.test_x, self.stats, self.device)
             head_bytes = self.theta.numel() * self.theta.element_size()
-            msg_bytes = create_aggregator(cfg.aggregate).nbytes(self.theta)
+            msg_bytes = aggregator_of(cfg).nbytes(self.theta)
             down = self.server.transfer_multiplier() * head_bytes      # SCAFFOLD's c travels too
             up = down - head_bytes + msg_bytes                          # the rule's message (+ the c_k delta)
             for rnd in range(start, rounds + 1):
