@@ -33,6 +33,23 @@ def wait_for_pause(marker, proc, timeout: float = 300) -> int:
     return int(marker.read_text())
 
 
+def cut_after(monkeypatch, n_rounds: int):
+    """Make the ``n_rounds + 1``-th scratch round of this process die with KeyboardInterrupt (as a crash would);
+    returns a function that puts the real round back (the scratch resume tests)."""
+    import fedhead.scratch.runner as R
+
+    real, calls = R._round, {"n": 0}
+
+    def dying(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == n_rounds + 1:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(R, "_round", dying)
+    return lambda: monkeypatch.setattr(R, "_round", real)
+
+
 def run_example_with_plugin(example: str, plugin: str, store, tmp_path, cli_args: list[str], bench_method: str) -> str:
     """A README example file run as a user runs it, then its registrations through the CLI (``train``) and
     ``bench baselines`` via FEDHEAD_PLUGINS; each must exit 0. Returns the example's stdout."""

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from typer.testing import CliRunner
 
+from conftest import cut_after
 import cli
 import fedhead.scratch.runner as R
 from fedhead.scratch import algorithms as A
@@ -410,17 +411,6 @@ def test_new_algorithms_end_to_end_on_digits(tmp_path, algo):
 # ---------------------------------------------------------------- resume of personalised state
 
 
-def cut_after(monkeypatch, n_rounds: int):
-    real, calls = R._round, {"n": 0}
-
-    def dying(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == n_rounds + 1:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(R, "_round", dying)
-    return lambda: monkeypatch.setattr(R, "_round", real)
 
 
 @needs_mnist

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import wait_for_pause
+from conftest import cut_after, wait_for_pause
 import torch
 from typer.testing import CliRunner
 
@@ -88,18 +88,6 @@ def assert_same_run(a: Path, b: Path, seeds=(0, 1)) -> None:
     assert not (a / CHECKPOINT).exists() and not (b / CHECKPOINT).exists()
 
 
-def cut_after(monkeypatch, n_rounds: int):
-    """Make the ``n_rounds + 1``-th round of this process die with KeyboardInterrupt (as a crash would)."""
-    real, calls = R._round, {"n": 0}
-
-    def dying(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == n_rounds + 1:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(R, "_round", dying)
-    return lambda: monkeypatch.setattr(R, "_round", real)
 
 
 def _popen(args: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
