@@ -252,7 +252,7 @@ def test_bench_speed_scratch_cli(tmp_path):
     assert not any(k.startswith(("trainer_", "scale_", "closedform_")) for k in rec)
     md = (tmp_path / "speed.md").read_text()
     assert "| cnn | fedavg mnist: 2 x 8 adam |" in md and "FlopCounterMode" in md
-    for bad in (["--scratch-model", "resnet"], ["--scratch-repeat", "0"]):
+    for bad in (["--scratch-model", "resnet"], ["--scratch-repeat", "0"], ["--scratch-net", "fast"]):
         r = subprocess.run(base + bad + ["--out", str(tmp_path / "bad.json")], capture_output=True, text=True,
                            cwd=repo, env=env, timeout=600)
         assert r.returncode == 2 and bad[0] in r.stderr and "Traceback" not in r.stderr, r.stderr
