@@ -132,8 +132,12 @@ def test_protocol_parameters():
                                 dict(head="softmax", init="ridge", center=True, rounds=2),
                                 dict(head="cof", partition="dirichlet", partition_params={"alpha": 0.3, "min_size": 2}),
                                 dict(calibrate="ccvr", rounds=2),
-                                dict(scaffold=True, aggregate="grouped", participation=0.75, rounds=3)],
-                         ids=["ova2", "ridge", "init-ridge", "cof", "ccvr", "scaffold-grouped"])
+                                dict(scaffold=True, aggregate="grouped", participation=0.75, rounds=3),
+                                # DP with SecAgg+: the server adds the noise to the secure sum (the same keyed draw)
+                                dict(participation=0.75, dp_noise_multiplier=0.8, dp_clip=0.3, dp_delta=1e-4,
+                                     dp_feature_clip=2.0),
+                                dict(head="ridge", dp_noise_multiplier=0.8, dp_clip=2.0, dp_delta=1e-4)],
+                         ids=["ova2", "ridge", "init-ridge", "cof", "ccvr", "scaffold-grouped", "dp-ova2", "dp-ridge"])
 def test_secure_run_matches_plain_run(store, tmp_path, kw):
     plain, _ = run(cfg_of(store, **kw), tmp_path / "plain")
     sec, grid = run(cfg_of(store, secure_aggregation=True, **kw), tmp_path / "secure")
@@ -150,6 +154,9 @@ def test_secure_run_matches_plain_run(store, tmp_path, kw):
     assert all(float(s["bytes_total"]) > float(p["bytes_total"]) for s, p in zip(sec.rows, plain.rows))
     assert not (tmp_path / "secure" / "clients.csv").exists() and (tmp_path / "plain" / "clients.csv").exists()
     assert summary["realised_noise_rate"] == plain.summary["realised_noise_rate"]
+    if kw.get("dp_noise_multiplier"):
+        assert [r["dp_epsilon"] for r in sec.rows] == [r["dp_epsilon"] for r in plain.rows]
+        assert summary["dp_epsilon"] == plain.summary["dp_epsilon"] > 0
 
 
 # ---------------------------------------------------------------- what the server sees
