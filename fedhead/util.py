@@ -243,6 +243,22 @@ def busy_cores(window: float = 0.1) -> float:
         return 0.0
 
 
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give (``MemAvailable`` on Linux; free pages elsewhere), or None when
+    the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def set_cpu_threads(n: int | None = None) -> int:
     """Intra-op threads on CPU: ``n``, else ``FEDHEAD_THREADS`` if set, else the cores not already busy.
 

@@ -159,6 +159,31 @@ def test_secure_run_matches_plain_run(store, tmp_path, kw):
         assert summary["dp_epsilon"] == plain.summary["dp_epsilon"] > 0
 
 
+@pytest.mark.parametrize("kw,per_node,match", [
+    # CCVR: every class's counts, sums and second moments, C (D(D+1)/2 + D + 1) + 1 values
+    (dict(calibrate="ccvr"), 6 + 6 * 16 + 6 * 16 * 17 // 2 + 1,
+     r"'--calibrate' option 'ccvr' with .* masked class moments \(4 nodes x 22,056 bytes: 6 classes.*Drop --calibrate"),
+    # ridge: class sums, counts, holders and the Gram's upper triangle, C D + 2 C + 1 + (D+1)(D+2)/2 values
+    (dict(head="ridge"), 6 * 16 + 2 * 6 + 1 + 17 * 18 // 2,
+     r"'--head' 'ridge' with .* masked statistics \(4 nodes x 6,288 bytes: 17x17 Gram.*Use a head without")],
+    ids=["ccvr", "ridge"])
+def test_an_exchange_that_cannot_fit_the_server_memory_is_refused_before_round_1(store, tmp_path, monkeypatch,
+                                                                                 kw, per_node, match):
+    """SecAgg+ sums dense vectors of 3 int64 digits per value and the server receives one from each node of an
+    exchange: above the machine's free memory the run stops before training, in one line; at it, it runs."""
+    import fedhead.util as util
+
+    cfg = cfg_of(store, rounds=2, secure_aggregation=True, **kw)
+    need = per_node * 3 * 8 * cfg.clients                        # CCVR asks every node; ridge the round's sample
+    monkeypatch.setattr(util, "available_memory", lambda: need - 1)
+    with pytest.raises(FedheadError, match=match):
+        run(cfg, tmp_path / "refused")
+    assert not (tmp_path / "refused" / "rounds.csv").exists()
+    monkeypatch.setattr(util, "available_memory", lambda: need)
+    res, _ = run(cfg, tmp_path / "fits")
+    assert len(res.rows) >= 1
+
+
 # ---------------------------------------------------------------- what the server sees
 
 

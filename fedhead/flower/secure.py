@@ -209,6 +209,10 @@ def ccvr_layout(C: int, D: int) -> Layout:
 # ---------------------------------------------------------------- the protocol's parameters
 
 
+def _mb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB" if n >= 1e5 else f"{int(n):,} bytes"
+
+
 def protocol_params(n: int) -> tuple[int | float, int]:
     """``(num_shares, reconstruction_threshold)`` for ``n`` nodes: every node shares with all others up to
     :data:`COMPLETE_GRAPH_UP_TO` nodes (``1.0``: Flower's "all"), else with ``2 ceil(2 log2 n) + 1`` neighbours
@@ -541,10 +545,44 @@ class SecureRounds:
         self.up = self.down = 0
         self.client_ms = 0.0           # the statistics exchange's mean client time (its row)
         self.exchanges: list = []      # one record per exchange (summary.json)
+        self.check_memory()
 
     @property
     def dims(self) -> tuple[int, int]:
         return self.s.store.info.num_classes, self.s.store.test_x.shape[1]
+
+    def check_memory(self) -> None:
+        """Refuse, before round 1, an exchange whose masked vectors cannot fit in this server's memory: SecAgg+
+        sums dense vectors (a closed-form head's Gram, CCVR's second moments of every class, where a plain node
+        sends only the classes it holds), and the server receives one from each node of the exchange at once."""
+        from ..util import available_memory
+        from .strategy import LOG
+
+        cfg, (C, D) = self.s.cfg, self.dims
+        per_round = max(1, int(round(cfg.participation * cfg.clients)))
+        needs = [("census", cfg.clients, census_layout(C, D, bool(cfg.center or cfg.scale != "none")), None)]
+        if self.s.solver is not None:
+            what = (f"'--head' {cfg.head!r}" if cfg.head == self.s.solver.name else f"'--init' {cfg.init!r}")
+            needs.append(("statistics", per_round, statistics_layout(C, D, self.s.solver.needs_gram),
+                          (what, f"{D + 1}x{D + 1} Gram" if self.s.solver.needs_gram else f"{C}x{D} class sums",
+                           "use a head without a Gram (ncm, lda) or fewer --clients / --participation")))
+        if cfg.calibrate == "ccvr":
+            needs.append(("ccvr", cfg.clients, ccvr_layout(C, D),
+                          ("'--calibrate' option 'ccvr'", f"{C} classes x {D}-dim covariances",
+                           "drop --calibrate ccvr, or run it without --secure-aggregation (each node then sends "
+                           "only the classes it holds)")))
+        free = available_memory()
+        for kind, nodes, layout, why in needs:
+            per_node = layout.size * layout.fmt.limbs * 8                 # int64 digits
+            if per_node > 1e6:
+                LOG.info("[fedhead] SecAgg+ %s: %.1f MB from each of %s nodes", kind, per_node / 1e6, nodes)
+            if why is not None and free is not None and per_node * nodes > free:
+                opt, size, fix = why
+                raise FedheadError(
+                    f"The {opt} with '--secure-aggregation' needs {_mb(per_node * nodes)} on the server for its "
+                    f"masked {'class moments' if kind == 'ccvr' else kind} ({nodes} nodes x {_mb(per_node)}: "
+                    f"{size}), but this machine has {_mb(free)} free. {fix[0].upper() + fix[1:]}, or run the server on a "
+                    "machine with more memory.")
 
     def _run(self, grid, msgs: list, kind: str, layout: Layout, rnd: int) -> SecureSum:
         from .strategy import LOG
