@@ -849,6 +849,9 @@ DEPLOY_CASES = [
          name="--auth-supernode-private-key with --insecure"),
     Case(SUPERNODE.replace(" --root-certificates {ca}", ""), "", "'--insecure'",
          name="neither --root-certificates nor --insecure"),
+    Case(SUPERNODE, "--state-dir {cert}", "'--state-dir'", name="--state-dir <a file>"),
+    Case(SUPERNODE, "--state-dir {cert}/node", "'--state-dir'", name="--state-dir <below a file>"),
+    Case(SUPERNODE, "--state-dir {folder} --port 0", "'--port'", name="--state-dir with a bad --port"),
 ]
 
 _deploy_ids = [c.id for c in DEPLOY_CASES]
@@ -992,3 +995,22 @@ def test_the_deploy_cases_reach_a_process_with_good_files(inputs, key_inputs, tm
         started = _fake_processes(monkeypatch)
         res = runner.invoke(cli.app, shlex.split(base.format(**paths)))
         assert started and started[0][0] in ("subprocess.Popen", "os.execve"), (base, res.stderr)
+
+
+def test_supernode_state_dir_reaches_the_node_config(inputs, key_inputs, tmp_path, monkeypatch):
+    """A good --state-dir is made (with its parents) and named in the node config Flower's SuperNode gets."""
+    import os
+
+    paths = {**_case_paths(tmp_path, inputs), **key_inputs}
+    argv: list = []
+
+    def execve(exe, args, env):
+        argv.extend(args)
+        raise RuntimeError("stand-in os.execve")
+
+    monkeypatch.setattr(os, "execve", execve)
+    state = tmp_path / "node disk" / "state"
+    runner.invoke(cli.app, shlex.split(SUPERNODE.format(**paths)) + ["--state-dir", str(state)])
+    assert state.is_dir()
+    node_config = shlex.split(argv[argv.index("--node-config") + 1])
+    assert f"state-dir={state.resolve()}" in node_config and "partition-id=0" in node_config

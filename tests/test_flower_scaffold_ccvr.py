@@ -114,28 +114,80 @@ def test_scaffold_lost_reply_keeps_c_the_mean_of_the_nodes_variates(store, tmp_p
 
 def test_scaffold_resume(store, tmp_path, monkeypatch):
     """A server resume with nodes that kept their variates continues exactly (the checkpoint holds c and which
-    c_k each node holds); with nodes that lost them (a new Flower run starts with an empty Context.state),
-    SCAFFOLD restarts from zero variates at the first resumed round and c stays the mean of the c_k."""
+    c_k each node holds): in the same Flower run (Context.state) or in a new one whose nodes keep them in a state
+    folder; with nodes that lost them (a new Flower run starts with an empty Context.state), SCAFFOLD restarts
+    from zero variates at the first resumed round and c stays the mean of the c_k."""
     cfg = cfg_of(store, scaffold=True, rounds=4, head="softmax")
     ref = run_training(cfg, out=tmp_path / "train", progress=False)
-    for name, fresh_nodes in (("kept", False), ("lost", True)):
-        grid = LocalGrid(make_client_app(str(store)), sim_nodes(cfg.clients))
+
+    def nodes(state_dir=None):
+        return [{**nc, "state-dir": str(state_dir)} if state_dir else nc for nc in sim_nodes(cfg.clients)]
+
+    for name, fresh_nodes, state_dir in (("kept", False, None), ("lost", True, None),
+                                         ("disk", True, tmp_path / "node-state")):
+        grid = LocalGrid(make_client_app(str(store)), nodes(state_dir))
         monkeypatch.setenv(STOP_ENV, "2")
         with pytest.raises(ServerStopped):
             strategy_run(cfg, tmp_path / name, grid)
         monkeypatch.delenv(STOP_ENV)
         if fresh_nodes:
-            grid = LocalGrid(make_client_app(str(store)), sim_nodes(cfg.clients))
+            grid = LocalGrid(make_client_app(str(store)), nodes(state_dir))
+            assert all(VARIATES not in ctx.state for ctx in grid.ctx.values())
         strat, res = strategy_run(cfg, tmp_path / name, grid, resume=True)
         torch.testing.assert_close(strat.server.scaffold.c, node_variates(strat, grid).sum(0) / cfg.clients,
                                    atol=1e-6, rtol=1e-5)
-        if not fresh_nodes:
+        if name != "lost":
             assert_same_rows(res.rows, ref.rows)
             assert res.summary["scaffold_restarts"] == []
+            torch.testing.assert_close(torch.load(tmp_path / name / "head-seed0.pt"),
+                                       torch.load(tmp_path / "train" / "head-seed0.pt"), atol=1e-5, rtol=1e-5)
         else:
             assert res.summary["scaffold_restarts"] == [{"seed": 0, "round": 3}]
             assert_same_rows(res.rows[:2], ref.rows[:2])
             assert strat.variates.generation == 1 and len(res.rows) == 4
+    assert len(list((tmp_path / "node-state").glob("scaffold-p*-*.pt"))) == cfg.clients   # one file a node
+
+
+@pytest.mark.parametrize("damage", ["other-run", "corrupt"])
+def test_scaffold_resume_never_takes_variates_it_did_not_make(store, tmp_path, monkeypatch, damage):
+    """The state folder's file of another run of the same config (its tags name that run) or a damaged file is
+    a lost variate: SCAFFOLD restarts at the first resumed round, as without a folder, and c stays the mean."""
+    cfg = cfg_of(store, scaffold=True, rounds=4, head="softmax")
+    state = tmp_path / "node-state"
+    nodes = [{**nc, "state-dir": str(state)} for nc in sim_nodes(cfg.clients)]
+    monkeypatch.setenv(STOP_ENV, "2")
+    with pytest.raises(ServerStopped):
+        strategy_run(cfg, tmp_path / "r", LocalGrid(make_client_app(str(store)), nodes))
+    if damage == "other-run":           # a second run of the same config, with the same nodes' folder
+        with pytest.raises(ServerStopped):
+            strategy_run(cfg, tmp_path / "other", LocalGrid(make_client_app(str(store)), nodes))
+    else:
+        victim = sorted(state.glob("scaffold-p1-*.pt"))[0]
+        victim.write_bytes(victim.read_bytes()[:40])
+    monkeypatch.delenv(STOP_ENV)
+    grid = LocalGrid(make_client_app(str(store)), nodes)
+    strat, res = strategy_run(cfg, tmp_path / "r", grid, resume=True)
+    assert res.summary["scaffold_restarts"] == [{"seed": 0, "round": 3}]
+    torch.testing.assert_close(strat.server.scaffold.c, node_variates(strat, grid).sum(0) / cfg.clients,
+                               atol=1e-6, rtol=1e-5)
+
+
+def test_simulation_nodes_keep_variates_in_the_run_folder():
+    """Flower's simulation (no feature-store in the node config): the state folder is <run-dir>/node-state; a
+    SuperNode's comes only from its own node config."""
+    from flwr.app import Context, RecordDict
+
+    from fedhead.flower.client_app import node_settings
+
+    def settings(nc, rc):
+        return node_settings(Context(run_id=1, node_id=1, node_config=nc, state=RecordDict(), run_config=rc))
+
+    sim = {"partition-id": 0, "num-partitions": 4}
+    assert settings(sim, {"feature-store": "s.h5", "run-dir": "/r"}).state_dir == "/r/node-state"
+    assert settings(sim, {"feature-store": "s.h5"}).state_dir is None
+    own = {"feature-store": "mine.h5", "partition-id": 0}
+    assert settings(own, {"run-dir": "/r"}).state_dir is None
+    assert settings({**own, "state-dir": "/n"}, {"run-dir": "/r"}).state_dir == "/n"
 
 
 @pytest.mark.slow

@@ -121,13 +121,14 @@ def test_second_writer_is_refused_and_a_killed_holder_does_not_block(tiny_store,
 
 @pytest.mark.slow
 def test_signal_mid_flower_simulate_then_resume(tmp_path):
-    """Ray's driver aborts on SIGTERM; fedhead's handler stops the strategy after a round's checkpoint."""
+    """Ray's driver aborts on SIGTERM; fedhead's handler stops the strategy after a round's checkpoint. With
+    SCAFFOLD: the resumed run is a new Flower run, whose virtual nodes find their variates in the run folder."""
     pytest.importorskip("flwr")
     from fedhead.synthetic import write_synthetic
 
     store = write_synthetic(tmp_path / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
     args = ["flower", "simulate", "--features", str(store), "--clients", "3", "--rounds", "3",
-            "--partition", "shard", "--num-cpus", "2"]
+            "--partition", "shard", "--num-cpus", "2", "--scaffold"]
     out, marker = tmp_path / "cut", tmp_path / "paused"
     p = _popen(args + ["--out", str(out)], env={PAUSE: f"2:{marker}"})
     _wait_for(marker, p)
@@ -142,6 +143,7 @@ def test_signal_mid_flower_simulate_then_resume(tmp_path):
     rc, _, err = _run(args + ["--out", str(tmp_path / "full")])
     assert rc == 0, err
     assert _accs(out / "rounds.csv") == _accs(tmp_path / "full" / "rounds.csv")
+    assert json.loads((out / "summary.json").read_text())["scaffold_restarts"] == []
 
 
 def test_full_disk_during_training_is_one_line_and_resumes(tiny_store, tmp_path):

@@ -9,6 +9,9 @@ Node config (``flower-supernode --node-config``; Flower's simulation sets the la
                     ``fedhead train`` (:func:`fedhead.train.build_federation`). Without it the node's whole
                     training split is its local data.
 ``device``          optional: auto | cpu | cuda (default auto)
+``state-dir``       optional: a folder where the node also keeps its SCAFFOLD variates on disk, so that a server
+                    resumed in a new Flower run finds them (``fedhead flower supernode --state-dir``); in
+                    Flower's simulation (no ``feature-store`` in the node config) it is ``<run-dir>/node-state``
 
 Local training is the simulator's own code: ``Engine.train_block(theta, [partition-id], seed, round)``, whose
 batch order is keyed by (seed, round, client, epoch), so a Flower client reproduces the simulated client's
@@ -19,13 +22,16 @@ SCAFFOLD (``--scaffold``): the node keeps its control variate ``c_k`` in Flower'
 one-client :class:`fedhead.engine.ScaffoldState` built from it and the server's ``c``; it replies with its head
 and its delta ``c_k+ - c_k``. It keeps two versions, by the tags the server gives: the variate the round started
 from and the one it ended with, so the server (which names the version whose delta it applied last) and the node
-agree even when a reply is lost. CCVR (``--calibrate ccvr``): the ``query.ccvr`` message returns
+agree even when a reply is lost. With a state folder the record is also written there (atomically, one file per
+partition and (config, seed)) and read back when a new Flower run starts with an empty ``Context.state``; the tags
+name the config, seed and SCAFFOLD generation, so a file of another run is never taken for this one's. CCVR (``--calibrate ccvr``): the ``query.ccvr`` message returns
 :func:`fedhead.train.ccvr_client_stats` of the node's prepared features (:meth:`fedhead.ccvr.ClassStats.to_bytes`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +53,7 @@ from ..heads import create_head  # noqa: E402
 from ..noise import apply_noise  # noqa: E402
 from ..partitions import class_counts  # noqa: E402
 from ..train import FeatureStats, build_federation, ccvr_client_stats, noise_dataset_name, prepare  # noqa: E402
-from ..util import resolve_device  # noqa: E402
+from ..util import atomic_torch_save, resolve_device  # noqa: E402
 from ..closedform import client_stats  # noqa: E402
 from .common import (MESSAGE_PREFIX, check_fingerprint, client_stats_record, config_from_json,  # noqa: E402
                      crash_rounds, store_fingerprint)
@@ -55,6 +61,7 @@ from ..aggregate import Accumulator, aggregator_of  # noqa: E402
 from .secure import is_secure, node_values, plain_content, secure_mod, secure_reply  # noqa: E402
 from ..dp import clip_rows, feature_clip  # noqa: E402
 
+LOG = logging.getLogger("flwr")
 _STORES: dict[str, Features] = {}
 _LOCAL: dict[tuple, "LocalData"] = {}
 VARIATES = "fedhead-scaffold"      # Context.state record: this node's SCAFFOLD c_k, by version tag
@@ -67,6 +74,7 @@ class NodeSettings:
     pid: int
     num_partitions: int | None
     device: str = "auto"
+    state_dir: str | None = None       # SCAFFOLD: where the node's variates are also kept on disk
 
 
 @dataclass
@@ -110,7 +118,8 @@ class LocalData:
         return eng
 
 
-def node_settings(context: Context, default_store: str | None = None) -> NodeSettings:
+def node_settings(context: Context, default_store: str | None = None,
+                  default_state_dir: str | None = None) -> NodeSettings:
     nc = dict(context.node_config)
     store = nc.get("feature-store") or context.run_config.get("client-feature-store") or default_store
     if not store and nc.get("num-partitions", "") != "":
@@ -128,7 +137,12 @@ def node_settings(context: Context, default_store: str | None = None) -> NodeSet
     except (TypeError, ValueError):
         raise FedheadError(f"The node config 'partition-id'/'num-partitions' must be integers. Got "
                            f"{nc.get('partition-id')!r}/{nc.get('num-partitions')!r} instead.") from None
-    return NodeSettings(str(store), pid, nparts, str(nc.get("device", "auto")))
+    state_dir = nc.get("state-dir") or None
+    if state_dir is None and not nc.get("feature-store"):      # simulation: the nodes share the server's machine
+        run_dir = context.run_config.get("run-dir")
+        state_dir = str(Path(str(run_dir)) / "node-state") if run_dir else default_state_dir
+    return NodeSettings(str(store), pid, nparts, str(nc.get("device", "auto")),
+                        None if state_dir is None else str(state_dir))
 
 
 def open_node_store(path: str) -> Features:
@@ -183,16 +197,20 @@ def _fedhead_errors(fn):
     return wrapper
 
 
-def make_client_app(default_store: str | None = None) -> "ClientApp":
-    """A ClientApp; ``default_store`` is used by nodes whose node config names no store (simulation)."""
+def make_client_app(default_store: str | None = None, default_state_dir: str | None = None) -> "ClientApp":
+    """A ClientApp; ``default_store`` and ``default_state_dir`` are used by nodes whose node config names no store
+    (simulation; the run config's ``run-dir`` names the state folder first)."""
     app = ClientApp()
+
+    def settings(context: Context) -> NodeSettings:
+        return node_settings(context, default_store, default_state_dir)
 
     @app.query()
     @_fedhead_errors
     def hello(msg: Message, context: Context) -> Message:
         c = msg.content["config"]
         cfg = config_from_json(str(c["train-config"]))
-        ns = node_settings(context, default_store)
+        ns = settings(context)
         store = open_node_store(ns.store)
         check_fingerprint(store_fingerprint(store.info), _json(c["server-store"]),
                           f"The feature store {ns.store!r} of node partition {ns.pid}")
@@ -201,7 +219,7 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
             # secure aggregation: sizes, class counts and statistics reach the server only summed (SecAgg+)
             content = {"metrics": MetricRecord({"partition-id": ns.pid})}
             if cfg.scaffold:
-                held = context.state.get(VARIATES)
+                held = held_variates(context, ns, cfg, int(c["seed"]))
                 content["config"] = ConfigRecord({"scaffold-tags": " ".join(held.keys() if held is not None else [])})
             return Message(RecordDict(content), reply_to=msg)
         flipped = int((ld.labels[ld.mine] != store.train_y[ld.mine]).sum())
@@ -222,7 +240,7 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
             arrays.update(client_stats_record(m))
         content = {"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics)}
         if cfg.scaffold:               # the server checks, on (re)connecting, that the node still holds its c_k
-            held = context.state.get(VARIATES)
+            held = held_variates(context, ns, cfg, int(c["seed"]))
             content["config"] = ConfigRecord({"scaffold-tags": " ".join(held.keys() if held is not None else [])})
         return Message(RecordDict(content), reply_to=msg)
 
@@ -231,7 +249,7 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
     def ccvr(msg: Message, context: Context) -> Message:
         c = msg.content["config"]
         cfg = config_from_json(str(c["train-config"]))
-        ns = node_settings(context, default_store)
+        ns = settings(context)
         ld = local_data(ns, cfg, int(c["seed"]))
         if int(c["round"]) in crash_rounds(ns.pid):
             raise RuntimeError(f"injected crash of partition {ns.pid} in round {c['round']} (FEDHEAD_FLOWER_CRASH)")
@@ -257,7 +275,7 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
         c = msg.content["config"]
         cfg = config_from_json(str(c["train-config"]))
         seed, rnd = int(c["seed"]), int(c["round"])
-        ns = node_settings(context, default_store)
+        ns = settings(context)
         ld = local_data(ns, cfg, seed)
         if rnd in crash_rounds(ns.pid):
             raise RuntimeError(f"injected crash of partition {ns.pid} in round {rnd} (FEDHEAD_FLOWER_CRASH)")
@@ -266,7 +284,7 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
         n = len(ld.mine)
         scaffold = None
         if cfg.scaffold and n > 0:
-            scaffold = _node_variate(msg, context, ns.pid, theta)
+            scaffold = _node_variate(msg, held_variates(context, ns, cfg, seed), ns.pid, theta)
             if scaffold is None:            # the server names a c_k this node no longer holds (it restarted)
                 return Message(RecordDict({"metrics": MetricRecord({"partition-id": ns.pid, "num-examples": int(n),
                                                                     "scaffold-lost": 1})}), reply_to=msg)
@@ -290,7 +308,8 @@ def make_client_app(default_store: str | None = None) -> "ClientApp":
         if scaffold is not None:
             # one client's pending sum is its delta c_k+ - c_k (float32 values, exact in float32)
             arrays["scaffold-delta"] = Array(scaffold.pending.to(torch.float32).cpu().numpy())
-            _keep_variates(context, str(c["scaffold-in"]), start, str(c["scaffold-out"]), scaffold.ck[0])
+            _keep_variates(context, variates_file(ns, cfg, seed), str(c["scaffold-in"]), start,
+                           str(c["scaffold-out"]), scaffold.ck[0])
         metrics = MetricRecord({"partition-id": ns.pid, "num-examples": int(n), "train-loss": loss,
                                 "client-ms": ms})
         return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
@@ -318,12 +337,35 @@ def _feature_stats(c) -> FeatureStats:
     return FeatureStats(mean, float(c["stats-scale"]), 0, 0)
 
 
-def _node_variate(msg: Message, context: Context, pid: int, theta: torch.Tensor) -> ScaffoldState | None:
+def variates_file(ns: NodeSettings, cfg, seed: int) -> Path | None:
+    """The node's file of SCAFFOLD variates for one (config, seed), or None without a state folder."""
+    if ns.state_dir is None:
+        return None
+    key = hashlib.sha1(f"{cfg.identity()}/{int(seed)}".encode()).hexdigest()[:16]
+    return Path(ns.state_dir) / f"scaffold-p{ns.pid}-{key}.pt"
+
+
+def held_variates(context: Context, ns: NodeSettings, cfg, seed: int) -> ArrayRecord | None:
+    """The versions of ``c_k`` this node holds: ``Context.state``'s record, else (a new Flower run) the state
+    folder's file, which then becomes the record."""
+    held = context.state.get(VARIATES)
+    path = variates_file(ns, cfg, seed)
+    if held is None and path is not None and path.is_file():
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:   # a damaged file is a lost variate: the server restarts SCAFFOLD, as without it
+            LOG.warning("[fedhead] ignoring the SCAFFOLD variates in %s (%s): %s", path, type(exc).__name__, exc)
+            return None
+        held = ArrayRecord({str(t): Array(v.numpy()) for t, v in saved.items()})
+        context.state[VARIATES] = held
+    return held
+
+
+def _node_variate(msg: Message, held: ArrayRecord | None, pid: int, theta: torch.Tensor) -> ScaffoldState | None:
     """This node's one-client SCAFFOLD state: the server's ``c`` (sent with the head) and the ``c_k`` kept under
     the tag the server names (``''``: the zero variate SCAFFOLD starts from); None when that version is gone."""
     tag = str(msg.content["config"]["scaffold-in"])
     c = torch.as_tensor(msg.content["arrays"]["scaffold-c"].numpy(), dtype=theta.dtype, device=theta.device)
-    held = context.state.get(VARIATES)
     if not tag:
         ck = None
     elif held is not None and tag in held:
@@ -333,13 +375,18 @@ def _node_variate(msg: Message, context: Context, pid: int, theta: torch.Tensor)
     return ScaffoldState.held_by([pid], c, ck)
 
 
-def _keep_variates(context: Context, tag_in: str, start: torch.Tensor, tag_out: str, end: torch.Tensor) -> None:
+def _keep_variates(context: Context, path: Path | None, tag_in: str, start: torch.Tensor, tag_out: str,
+                   end: torch.Tensor) -> None:
     """Keep the variate the round started from and the one it ended with (older versions are dropped): the
-    server's next message names the second if it applied this round's delta, the first if the reply was lost."""
-    keep = {tag_out: Array(end.detach().cpu().numpy())}
+    server's next message names the second if it applied this round's delta, the first if the reply was lost.
+    With a state folder the two are also written to ``path`` (atomically) before the reply leaves the node."""
+    keep = {tag_out: end.detach().cpu().clone()}
     if tag_in:
-        keep[tag_in] = Array(start.detach().cpu().numpy())
-    context.state[VARIATES] = ArrayRecord(keep)
+        keep[tag_in] = start.detach().cpu().clone()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_torch_save(keep, path)
+    context.state[VARIATES] = ArrayRecord({t: Array(v.numpy()) for t, v in keep.items()})
 
 
 def _json(v):

@@ -220,13 +220,16 @@ def simulate(cfg: TrainConfig, out: Path | None = None, resume: bool = False, ro
         ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **backend["init_args"])
     with signals_flag():
         run_simulation(make_server_app(cfg, settings, results, store=store),
-                       make_client_app(client_store if client_store is not None else cfg.features),
+                       make_client_app(client_store if client_store is not None else cfg.features,
+                                       str(Path(out).resolve() / "node-state") if out else None),
                        num_supernodes=cfg.clients, backend_config=backend)
     if not results:
         raise FedheadError("The Flower simulation ended without a result (see the log above). "
                            "Re-run with FEDHEAD_DEBUG=1 for details.")
     if isinstance(results[0], BaseException):
         raise results[0]
+    if out:                    # the virtual nodes' SCAFFOLD variates are needed only to resume an unfinished run
+        shutil.rmtree(Path(out) / "node-state", ignore_errors=True)
     return results[0]
 
 
@@ -711,10 +714,15 @@ def supernode_cmd(
         None, "--auth-supernode-private-key",
         help="this node's private key for SuperNode authentication (OpenSSH ECDSA, ssh-keygen -t ecdsa -b 384); "
              "its .pub must be listed in the SuperLink's --auth-public-keys. Needs TLS"),
+    state_dir: Optional[Path] = typer.Option(
+        None, help="folder where this node also keeps its SCAFFOLD control variates, so that a server resumed "
+                   "in a new Flower run continues SCAFFOLD; without it a resume restarts SCAFFOLD from zero"),
 ):
     """Start a Flower SuperNode that trains the head on this machine's own feature store."""
     require_flower()
     from extract.store import open_store
+
+    from ..util import check_out
 
     # every file and option before the node starts
     if insecure and root_certificates is not None:
@@ -741,9 +749,21 @@ def supernode_cmd(
     node_config = f"feature-store={str(Path(info.path).resolve())!r} partition-id={partition_id} device={device!r}"
     if num_partitions is not None:
         node_config += f" num-partitions={num_partitions}"
+    if state_dir is not None:
+        state_dir = check_out(state_dir, "--state-dir", kind="dir").resolve()
     tls = ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
     if auth_supernode_private_key is not None:
         tls += ["--auth-supernode-private-key", str(auth_supernode_private_key)]
+    if state_dir is not None:          # last: the folder is made only when every other option is good
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise FedheadError(f"The '--state-dir' parameter names {str(state_dir)!r}, which cannot be created "
+                               f"({exc.strerror}). Choose a folder this user can write.") from None
+        if not os.access(state_dir, os.W_OK | os.X_OK):
+            raise FedheadError(f"The '--state-dir' parameter names {str(state_dir)!r}, which this user cannot "
+                               "write. Choose a folder this user can write.")
+        node_config += f" state-dir={str(state_dir)!r}"
     cmd = [_exe("flower-supernode"), *tls, "--superlink", superlink, "--host", host, "--port", str(port),
            "--node-config", node_config]
     os.execve(cmd[0], cmd, flower_env())

@@ -17,7 +17,8 @@
 - SCAFFOLD: the server's ``c`` (and ``N``) in the simulator's :class:`fedhead.engine.ScaffoldState`, sent with the
   head; each node keeps its own ``c_k`` in Flower's ``Context.state`` and returns its delta, which the server adds
   and applies with the simulator's rule (:class:`NodeVariates` keeps which version of ``c_k`` each node must
-  train from; a node that lost its ``c_k`` restarts SCAFFOLD from zero variates everywhere);
+  train from; nodes with a state folder also keep ``c_k`` on disk, so a resumed server continues; a node that lost
+  its ``c_k`` restarts SCAFFOLD from zero variates everywhere);
 - CCVR: after the last round one ``query.ccvr`` exchange with every node (the simulator's
   :func:`fedhead.train.ccvr_client_stats` there), pooled in partition order and calibrated by
   :func:`fedhead.train.ccvr_calibrate`.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass, field, replace
@@ -140,16 +142,18 @@ class NodeVariates:
     variate SCAFFOLD starts from); the train message names that version of ``c_k`` (:meth:`tag`) and the one the
     node is to keep after training, so a node whose reply was lost (its delta never applied) trains again from
     the version the server's ``c`` counts. ``generation`` changes the tags when SCAFFOLD restarts (``restarts``:
-    the rounds where it did)."""
+    the rounds where it did); ``run`` is drawn when a run starts and kept by its checkpoint, so the variates a node
+    kept on disk for another run of the same config are never taken for this run's."""
 
     identity: str
     seed: int
     accepted: np.ndarray                              # [N] int64
     generation: int = 0
     restarts: list = field(default_factory=list)
+    run: str = field(default_factory=lambda: os.urandom(6).hex())
 
     def tag(self, rnd: int) -> str:
-        return f"{self.identity}/{self.seed}/{self.generation}/{int(rnd)}" if rnd else ""
+        return f"{self.identity}/{self.seed}/{self.run}/{self.generation}/{int(rnd)}" if rnd else ""
 
     def lost(self, pid: int, reply: Message) -> bool:
         """Whether the query reply of partition ``pid`` shows that its node no longer holds the ``c_k`` it needs."""
@@ -159,7 +163,8 @@ class NodeVariates:
         return self.tag(self.accepted[pid]) not in held
 
     def state_dict(self) -> dict:
-        return {"accepted": self.accepted.copy(), "generation": self.generation, "restarts": list(self.restarts)}
+        return {"accepted": self.accepted.copy(), "generation": self.generation, "restarts": list(self.restarts),
+                "run": self.run}
 
 
 class FedheadStrategy(Strategy):
@@ -545,7 +550,9 @@ class FedheadStrategy(Strategy):
                     v = ckpt["variates"]
                     self.variates.accepted[:] = v["accepted"]
                     self.variates.generation = int(v["generation"])
-                    # a resumed server is a new Flower run: its nodes start with an empty Context.state
+                    self.variates.run = str(v.get("run", ""))
+                    # a resumed server is a new Flower run: its nodes start with an empty Context.state and find
+                    # their variates only if they keep them in a state folder (node config state-dir)
                     lost = [p for p in range(cfg.clients) if self.variates.lost(p, info[p])]
                     if lost:
                         self.lost_variates = (f"the nodes of partitions {lost} no longer hold their control variates "
