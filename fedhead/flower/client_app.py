@@ -12,6 +12,7 @@ Node config (``flower-supernode --node-config``; Flower's simulation sets the la
 ``state-dir``       optional: a folder where the node also keeps its SCAFFOLD variates on disk, so that a server
                     resumed in a new Flower run finds them (``fedhead flower supernode --state-dir``); in
                     Flower's simulation (no ``feature-store`` in the node config) it is ``<run-dir>/node-state``
+                    (:data:`NODE_STATE`)
 
 Local training is the simulator's own code: ``Engine.train_block(theta, [partition-id], seed, round)``, whose
 batch order is keyed by (seed, round, client, epoch), so a Flower client reproduces the simulated client's
@@ -24,8 +25,8 @@ and its delta ``c_k+ - c_k``. It keeps two versions, by the tags the server give
 from and the one it ended with, so the server (which names the version whose delta it applied last) and the node
 agree even when a reply is lost. With a state folder the record is also written there (atomically, one file per
 partition and (config, seed)) and read back when a new Flower run starts with an empty ``Context.state``; the tags
-name the config, seed and SCAFFOLD generation, so a file of another run is never taken for this one's. CCVR (``--calibrate ccvr``): the ``query.ccvr`` message returns
-:func:`fedhead.train.ccvr_client_stats` of the node's prepared features (:meth:`fedhead.ccvr.ClassStats.to_bytes`).
+name the config, seed, the server's run id and SCAFFOLD's generation, so a file of another run is never taken for
+this one's. CCVR (``--calibrate ccvr``): the ``query.ccvr`` message returns :func:`fedhead.train.ccvr_client_stats` of the node's prepared features (:meth:`fedhead.ccvr.ClassStats.to_bytes`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ LOG = logging.getLogger("flwr")
 _STORES: dict[str, Features] = {}
 _LOCAL: dict[tuple, "LocalData"] = {}
 VARIATES = "fedhead-scaffold"      # Context.state record: this node's SCAFFOLD c_k, by version tag
+NODE_STATE = "node-state"          # simulation: the virtual nodes' state folder inside the server's run folder
 SECURE_KIND = "secure-kind"        # the config key of a secure exchange (fedhead.flower.secure.KIND)
 
 
@@ -140,7 +142,7 @@ def node_settings(context: Context, default_store: str | None = None,
     state_dir = nc.get("state-dir") or None
     if state_dir is None and not nc.get("feature-store"):      # simulation: the nodes share the server's machine
         run_dir = context.run_config.get("run-dir")
-        state_dir = str(Path(str(run_dir)) / "node-state") if run_dir else default_state_dir
+        state_dir = str(Path(str(run_dir)) / NODE_STATE) if run_dir else default_state_dir
     return NodeSettings(str(store), pid, nparts, str(nc.get("device", "auto")),
                         None if state_dir is None else str(state_dir))
 

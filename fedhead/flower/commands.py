@@ -195,7 +195,7 @@ def simulate(cfg: TrainConfig, out: Path | None = None, resume: bool = False, ro
     require_flower()
     from flwr.simulation import run_simulation
 
-    from .client_app import make_client_app
+    from .client_app import NODE_STATE, make_client_app
     from .server_app import make_server_app
     from .strategy import ServerSettings
 
@@ -206,6 +206,7 @@ def simulate(cfg: TrainConfig, out: Path | None = None, resume: bool = False, ro
     settings = ServerSettings(out=str(out) if out else None, resume=resume, round_timeout=round_timeout,
                               wait_timeout=round_timeout)
     ncpu = num_cpus or os.cpu_count() or 1
+    node_state = Path(out).resolve() / NODE_STATE if out else None   # SCAFFOLD's c_k of the virtual nodes
     backend = {"client_resources": {"num_cpus": float(client_cpus), "num_gpus": 0.0},
                "init_args": {"num_cpus": int(ncpu), "include_dashboard": False, "logging_level": "ERROR",
                              "log_to_driver": True}}
@@ -221,15 +222,15 @@ def simulate(cfg: TrainConfig, out: Path | None = None, resume: bool = False, ro
     with signals_flag():
         run_simulation(make_server_app(cfg, settings, results, store=store),
                        make_client_app(client_store if client_store is not None else cfg.features,
-                                       str(Path(out).resolve() / "node-state") if out else None),
+                                       str(node_state) if node_state else None),
                        num_supernodes=cfg.clients, backend_config=backend)
     if not results:
         raise FedheadError("The Flower simulation ended without a result (see the log above). "
                            "Re-run with FEDHEAD_DEBUG=1 for details.")
     if isinstance(results[0], BaseException):
         raise results[0]
-    if out:                    # the virtual nodes' SCAFFOLD variates are needed only to resume an unfinished run
-        shutil.rmtree(Path(out) / "node-state", ignore_errors=True)
+    if node_state:             # the virtual nodes' SCAFFOLD variates are needed only to resume an unfinished run
+        shutil.rmtree(node_state, ignore_errors=True)
     return results[0]
 
 
@@ -749,12 +750,11 @@ def supernode_cmd(
     node_config = f"feature-store={str(Path(info.path).resolve())!r} partition-id={partition_id} device={device!r}"
     if num_partitions is not None:
         node_config += f" num-partitions={num_partitions}"
-    if state_dir is not None:
-        state_dir = check_out(state_dir, "--state-dir", kind="dir").resolve()
     tls = ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
     if auth_supernode_private_key is not None:
         tls += ["--auth-supernode-private-key", str(auth_supernode_private_key)]
     if state_dir is not None:          # last: the folder is made only when every other option is good
+        state_dir = check_out(state_dir, "--state-dir", kind="dir").resolve()
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
