@@ -50,6 +50,7 @@ from .aggregate import Accumulator, Aggregator
 from .config import BACKENDS
 from .errors import FedheadError, OneOf, validate
 from .heads import Head, LossContext
+from .util import flush_denormals
 
 
 @dataclass
@@ -485,6 +486,8 @@ class Engine:
         clients, then the server's ``c``); the head is aggregated by ``aggregator`` as without it. Clients with
         no sample do not train and count as not participating."""
         self._check_scaffold(theta, scaffold)
+        if self.device.type == "cpu":
+            flush_denormals()            # a decaying optimizer state must not fall into slow subnormal arithmetic
         acc = Accumulator(aggregator, theta, seed=seed, rnd=rnd, sampled=len(selected))
         stats = RoundStats()
         active = [int(k) for k in selected if len(self.data.parts[k]) > 0]
@@ -519,6 +522,8 @@ class Engine:
         clients' ``c_k`` are updated in place and their deltas wait in ``scaffold.pending`` until the caller
         runs ``scaffold.server_update()`` after the round's last block."""
         self._check_scaffold(theta, scaffold)
+        if self.device.type == "cpu":
+            flush_denormals()
         return self._block(theta, block, seed, rnd, False, prox_mu, scaffold)
 
     def _check_scaffold(self, theta, scaffold):

@@ -36,7 +36,7 @@ import typer
 
 from fedhead.errors import FedheadError, Interval, OneOf, cli_errors, validate
 from fedhead.train import PAUSE_ENV  # test hook: pause after the k-th job
-from fedhead.util import pause_hook
+from fedhead.util import DENORMALS_ENV, pause_hook
 
 PAPER = dict(samples=50_000, dim=1024, classes=100, epochs=3, batch=50)
 QUICK = dict(samples=4_000, dim=128, classes=20, epochs=3, batch=50)
@@ -155,11 +155,11 @@ def run_config(cfg: dict) -> dict:
 
     from fedhead.engine import Engine, LocalConfig, OptimConfig, _fused_available
     from fedhead.heads import create_head
-    from fedhead.util import resolve_device, set_cpu_threads
+    from fedhead.util import flush_denormals, resolve_device, set_cpu_threads
 
     dev = resolve_device(cfg["device"])
     threads = set_cpu_threads(cfg.get("threads"))
-    rec = {"threads": threads, "device": str(dev)}
+    rec = {"threads": threads, "device": str(dev), "denormals_flushed": dev.type == "cpu" and flush_denormals()}
     if cfg.get("machine"):
         rec.update(machine_limits(dev, cfg.get("quick", False)))
     K, C, D, E, B = cfg["clients"], cfg["classes"], cfg["dim"], cfg["epochs"], cfg["batch"]
@@ -428,6 +428,9 @@ def _peak_rss_mb() -> float:
 def run_child(cfg: dict, timeout: float = 900) -> dict:
     """Run :func:`run_config` in a fresh interpreter (own peak memory); errors become one line."""
     env = dict(os.environ, FEDHEAD_NO_PROGRESS="1")
+    env.pop(DENORMALS_ENV, None)
+    if cfg.get("keep_denormals"):
+        env[DENORMALS_ENV] = "keep"          # subnormal arithmetic left on: what flushing saves
     p = subprocess.run([sys.executable, "-m", "fedhead.bench.speed", json.dumps(cfg)], capture_output=True,
                        text=True, timeout=timeout, env=env)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
@@ -481,6 +484,8 @@ def _measure_heads(*, quick, rounds, device, threads, loop_rounds, extraction, p
     jobs += [(f"scale_{k}", dict(base, clients=k, loop_rounds=loop_rounds if k == counts[-1] else 0))
              for k in counts[1:]]
     jobs += [(f"scale_{counts[-1]}x{big['classes']}x{big['dim']}", dict(base, **big, clients=counts[-1], rounds=1))]
+    if device != "cuda":        # the trainer again with subnormal arithmetic left on (CPU only: GPUs don't slow)
+        jobs += [("denormals_kept", dict(base, clients=counts[0], keep_denormals=True))]
     t0 = time.perf_counter()
     for name, cfg in jobs:
         if progress:
@@ -504,6 +509,9 @@ def _measure_heads(*, quick, rounds, device, threads, loop_rounds, extraction, p
             if loop is not None:
                 rec["loop_s_per_round"] = loop
                 rec[f"speedup_vs_loop_{counts[0]}"] = loop / r["s_per_round"]
+        elif name == "denormals_kept":
+            rec["trainer_denormals_kept_s_per_round"] = r["s_per_round"]
+            rec["trainer_denormal_slowdown"] = r["s_per_round"] / rec["trainer_s_per_round"]
         else:
             for k in ("s_per_round", "peak_mb", "block_clients", "tile_clients", "matmul_gflops"):
                 rec[f"{name}_{k}"] = r[k]
@@ -560,6 +568,9 @@ def speed_table(rec: dict):
         f"tile {rec.get('trainer_tile_clients')}, block {rec.get('trainer_block_clients')}, "
         f"closed-form loss {rec.get('trainer_closed_form_loss')}, fused opt {rec.get('trainer_fused_optimizer')}")
     row("est. 50 rounds (s)", "trainer_est_50_rounds_s", "{:.1f}", "goal < 90")
+    row("trainer s/round, subnormals kept", "trainer_denormals_kept_s_per_round",
+        note=f"flushed in the run above: {rec.get('trainer_denormals_flushed')}; "
+             f"{rec.get('trainer_denormal_slowdown', float('nan')):.2f}x slower kept")
     row("trainer matmul GFLOP/s", "trainer_matmul_gflops", "{:.1f}",
         f"{rec.get('trainer_matmul_gflop_per_round', 0):.1f} GFLOP/round over the whole round")
     row("bmm kernels GFLOP/s", "trainer_bmm_gflops", "{:.1f}", "FLOPs / profiled matmul time")

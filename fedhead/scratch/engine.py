@@ -22,6 +22,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from ..errors import FedheadError
+from ..util import flush_denormals
 
 Params = dict[str, torch.Tensor]
 
@@ -513,6 +514,8 @@ def train_members(model: nn.Module, params: Params, member_idx: list[np.ndarray]
     ``vmap`` on other devices or for models it does not know; ``member`` / ``grouped`` / ``vmap`` force one
     formulation (tests, ``fedhead bench speed``).
     """
+    if x_all.device.type == "cpu":
+        flush_denormals()                # a decaying optimizer state must not fall into slow subnormal arithmetic
     if backend == "loop":
         return _train_loop(model, params, member_idx, aux, loss_fn, x_all=x_all, y_all=y_all,
                            to_float=to_float, epochs=epochs, batch_size=batch_size, optim=optim, rng=rng,
