@@ -23,6 +23,8 @@ demo: $(STAMP)
 	$(BIN)/fedhead demo --out $(DEMO_DIR)
 
 test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest tests
 
 clean:

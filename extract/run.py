@@ -79,8 +79,8 @@ class Plan:
 
     dataset: str
     encoder: Encoder
-    splits: dict            # split -> ImageSplit (already limited)
-    device: object          # torch.device
+    splits: dict  # split -> ImageSplit (already limited)
+    device: object  # torch.device
     precision: str
     dtype: str
     batch_size: int
@@ -98,10 +98,24 @@ def _autocast(device, precision: str):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
-def prepare(dataset: str, data_dir, encoder: str, *, weights=None, pretrained: bool = True, image_size=None,
-            batch_size: int = 64, device: str = "auto", precision: str = "fp32", limit=None,
-            dtype: str = "float16", download: bool = False, num_workers=None, splits=D.SPLITS,
-            state_dict=None) -> Plan:
+def prepare(
+    dataset: str,
+    data_dir,
+    encoder: str,
+    *,
+    weights=None,
+    pretrained: bool = True,
+    image_size=None,
+    batch_size: int = 64,
+    device: str = "auto",
+    precision: str = "fp32",
+    limit=None,
+    dtype: str = "float16",
+    download: bool = False,
+    num_workers=None,
+    splits=D.SPLITS,
+    state_dict=None,
+) -> Plan:
     """Validate every input, load the data and the encoder, and build the store request."""
     import torch
 
@@ -122,8 +136,7 @@ def prepare(dataset: str, data_dir, encoder: str, *, weights=None, pretrained: b
     for s in splits:
         if limit is not None:
             data[s] = data[s].subset(D.select_limit(data[s].labels, limit))
-    enc = load_encoder(encoder, weights=weights, pretrained=pretrained, image_size=image_size,
-                       state_dict=state_dict)
+    enc = load_encoder(encoder, weights=weights, pretrained=pretrained, image_size=image_size, state_dict=state_dict)
     enc.model.to(dev)
     channels_last = dev.type == "cuda"
     if channels_last:
@@ -141,30 +154,56 @@ def prepare(dataset: str, data_dir, encoder: str, *, weights=None, pretrained: b
     class_names = data[splits[0]].class_names
     pre = enc.preprocessing.as_dict()
     request = {
-        "dataset": label, "loader": dataset, "encoder": encoder, "weights_sha256": enc.weights_sha256,
-        "preprocessing": pre, "image_size": enc.preprocessing.image_size, "dtype": dtype, "precision": precision,
-        "limit": limit, "limit_seed": D.LIMIT_SEED if limit is not None else None,
+        "dataset": label,
+        "loader": dataset,
+        "encoder": encoder,
+        "weights_sha256": enc.weights_sha256,
+        "preprocessing": pre,
+        "image_size": enc.preprocessing.image_size,
+        "dtype": dtype,
+        "precision": precision,
+        "limit": limit,
+        "limit_seed": D.LIMIT_SEED if limit is not None else None,
         "sizes": {s: len(data[s]) for s in splits},
-        "labels_sha256": {s: hashlib.sha256(np.ascontiguousarray(data[s].labels).tobytes()).hexdigest()
-                          for s in splits},
+        "labels_sha256": {
+            s: hashlib.sha256(np.ascontiguousarray(data[s].labels).tobytes()).hexdigest() for s in splits
+        },
         "class_names": class_names,
         "batch_size": batch_size,  # batch composition can change the last bits of the features
     }
     attrs = {
-        "dataset": label, "dataset_loader": dataset,
+        "dataset": label,
+        "dataset_loader": dataset,
         "data_dir": str(Path(data_dir).resolve()) if data_dir is not None else "",
-        "encoder": encoder, "encoder_family": enc.cfg.family, "weights_source": enc.weights_source,
-        "weights_sha256": enc.weights_sha256, "preprocessing": pre, "image_size": enc.preprocessing.image_size,
-        "default_image_size": enc.default_image_size, "precision": precision, "batch_size": batch_size,
+        "encoder": encoder,
+        "encoder_family": enc.cfg.family,
+        "weights_source": enc.weights_source,
+        "weights_sha256": enc.weights_sha256,
+        "preprocessing": pre,
+        "image_size": enc.preprocessing.image_size,
+        "default_image_size": enc.default_image_size,
+        "precision": precision,
+        "batch_size": batch_size,
         "limit": -1 if limit is None else int(limit),
         "limit_selection": "seeded class-stratified round-robin (seed 0), dataset order" if limit else "all",
-        "device": str(dev), "torch_version": str(torch.__version__),
+        "device": str(dev),
+        "torch_version": str(torch.__version__),
         # the CPU thread count changes the last bits of the features: a resumed store reuses this one
         "cpu_threads": int(threads),
     }
-    return Plan(dataset=dataset, encoder=enc, splits=data, device=dev, precision=precision, dtype=dtype,
-                batch_size=batch_size, num_workers=num_workers, channels_last=channels_last, request=request,
-                attrs=attrs)
+    return Plan(
+        dataset=dataset,
+        encoder=enc,
+        splits=data,
+        device=dev,
+        precision=precision,
+        dtype=dtype,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        channels_last=channels_last,
+        request=request,
+        attrs=attrs,
+    )
 
 
 # ---------------------------------------------------------------- batches
@@ -220,7 +259,7 @@ class _MemoryBatches:
         import torch
 
         i = self.start + b * self.bs
-        return torch.from_numpy(self.split.images[i:i + self.bs])
+        return torch.from_numpy(self.split.images[i : i + self.bs])
 
 
 class Batch(NamedTuple):
@@ -252,21 +291,35 @@ def iter_batches(plan: Plan, split: str, start: int = 0) -> Iterator[Batch]:
     if data.in_memory:
         if workers == 0:
             for i in range(start, len(data), bs):
-                x = torch.from_numpy(data.images[i:i + bs])
-                yield Batch(x.pin_memory() if pin else x, data.labels[i:i + bs], i, len(x))
+                x = torch.from_numpy(data.images[i : i + bs])
+                yield Batch(x.pin_memory() if pin else x, data.labels[i : i + bs], i, len(x))
             return
         ds = _MemoryBatches(data, start, bs)
-        loader = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=workers,
-                                             pin_memory=pin, prefetch_factor=4, worker_init_fn=worker_signals)
+        loader = torch.utils.data.DataLoader(
+            ds,
+            batch_size=None,
+            shuffle=False,
+            num_workers=workers,
+            pin_memory=pin,
+            prefetch_factor=4,
+            worker_init_fn=worker_signals,
+        )
         i = start
         for x in loader:
-            yield Batch(x, data.labels[i:i + len(x)], i, len(x))
+            yield Batch(x, data.labels[i : i + len(x)], i, len(x))
             i += len(x)
         return
     loader = torch.utils.data.DataLoader(
-        _FileImages(data, start), batch_size=bs, shuffle=False, num_workers=workers,
-        collate_fn=_Collate(pre), pin_memory=pin, worker_init_fn=worker_signals if workers > 0 else None,
-        prefetch_factor=4 if workers > 0 else None, persistent_workers=False)
+        _FileImages(data, start),
+        batch_size=bs,
+        shuffle=False,
+        num_workers=workers,
+        collate_fn=_Collate(pre),
+        pin_memory=pin,
+        worker_init_fn=worker_signals if workers > 0 else None,
+        prefetch_factor=4 if workers > 0 else None,
+        persistent_workers=False,
+    )
     i = start
     for x, bad in loader:
         n = (0 if x is None else len(x)) + len(bad)
@@ -280,8 +333,7 @@ def to_input(plan: Plan, x):
     import torch
 
     if x.dtype == torch.uint8:
-        return preprocess_batch(x, plan.encoder.preprocessing, device=plan.device,
-                                channels_last=plan.channels_last)
+        return preprocess_batch(x, plan.encoder.preprocessing, device=plan.device, channels_last=plan.channels_last)
     x = x.to(plan.device, non_blocking=True)
     return x.contiguous(memory_format=torch.channels_last) if plan.channels_last else x
 
@@ -352,19 +404,26 @@ def _reusable(out: Path, plan: Plan, overwrite: bool, skip_corrupt: bool, progre
             if overwrite:
                 return False
             first = next(iter(v[0] for v in info.skipped.values()))
-            raise FedheadError(f"The '--out' parameter names {str(out)!r}, a store of this request that lacks "
-                               f"{_images(info.n_skipped)} (first: {first!r}), left out by --skip-corrupt. "
-                               "Pass --skip-corrupt to use it as it is, or --overwrite to extract again.")
+            raise FedheadError(
+                f"The '--out' parameter names {str(out)!r}, a store of this request that lacks "
+                f"{_images(info.n_skipped)} (first: {first!r}), left out by --skip-corrupt. "
+                "Pass --skip-corrupt to use it as it is, or --overwrite to extract again."
+            )
         if progress:
-            lacks = (f"; it lacks {_images(info.n_skipped)}, listed under skipped/; --overwrite extracts "
-                     "again") if info.n_skipped else ""
+            lacks = (
+                (f"; it lacks {_images(info.n_skipped)}, listed under skipped/; --overwrite extracts again")
+                if info.n_skipped
+                else ""
+            )
             stderr_console().print(f"reusing {out} (same request{lacks})", soft_wrap=True)
         return True
     if not overwrite:
         diff = sorted(k for k in set(old or {}) | set(req) if (old or {}).get(k) != req.get(k))
-        raise FedheadError(f"The '--out' parameter names {str(out)!r}, a store made by a different request "
-                           f"(differs in: {', '.join(diff) or 'format'}). Pass --overwrite to replace it "
-                           "or choose another --out.")
+        raise FedheadError(
+            f"The '--out' parameter names {str(out)!r}, a store made by a different request "
+            f"(differs in: {', '.join(diff) or 'format'}). Pass --overwrite to replace it "
+            "or choose another --out."
+        )
     return False
 
 
@@ -373,9 +432,11 @@ def _images(n: int) -> str:
 
 
 def _unreadable_error(u: D.Unreadable) -> FedheadError:
-    return FedheadError(f"The '--data-dir' parameter holds an unreadable image: {u.path!r} is {u.reason}. "
-                        "Replace or delete it, or pass --skip-corrupt to leave unreadable images out (the store "
-                        "then lists them).")
+    return FedheadError(
+        f"The '--data-dir' parameter holds an unreadable image: {u.path!r} is {u.reason}. "
+        "Replace or delete it, or pass --skip-corrupt to leave unreadable images out (the store "
+        "then lists them)."
+    )
 
 
 def _check_finite(plan: Plan, split: str, b: Batch, feats: np.ndarray) -> None:
@@ -387,8 +448,10 @@ def _check_finite(plan: Plan, split: str, b: Batch, feats: np.ndarray) -> None:
         fix = "Use --precision fp32." if plan.precision != "fp32" else "Check the encoder's weights."
         raise FedheadError(f"The encoder produced NaN or inf features for {where}. {fix}")
     if plan.dtype == "float16" and float(np.abs(feats).max()) > FLOAT16_MAX:
-        raise FedheadError(f"The '--dtype' parameter is 'float16', but the encoder's features for {where} reach "
-                           f"{float(np.abs(feats).max()):.4g}, beyond float16's {FLOAT16_MAX:g}. Use --dtype float32.")
+        raise FedheadError(
+            f"The '--dtype' parameter is 'float16', but the encoder's features for {where} reach "
+            f"{float(np.abs(feats).max()):.4g}, beyond float16's {FLOAT16_MAX:g}. Use --dtype float32."
+        )
 
 
 def _pause_hook(written: int) -> None:
@@ -414,10 +477,27 @@ class _Tally:
     total: int | None = None
 
 
-def extract_features(dataset: str, data_dir, encoder: str, *, weights=None, pretrained: bool = True,
-                     image_size=None, batch_size: int = 64, device: str = "auto", precision: str = "fp32",
-                     limit=None, out=None, dtype: str = "float16", overwrite: bool = False, download: bool = False,
-                     num_workers=None, progress: bool = True, state_dict=None, skip_corrupt: bool = False) -> Path:
+def extract_features(
+    dataset: str,
+    data_dir,
+    encoder: str,
+    *,
+    weights=None,
+    pretrained: bool = True,
+    image_size=None,
+    batch_size: int = 64,
+    device: str = "auto",
+    precision: str = "fp32",
+    limit=None,
+    out=None,
+    dtype: str = "float16",
+    overwrite: bool = False,
+    download: bool = False,
+    num_workers=None,
+    progress: bool = True,
+    state_dict=None,
+    skip_corrupt: bool = False,
+) -> Path:
     """Encode the train and test splits of ``dataset`` with ``encoder`` into an HDF5 store; return its path.
 
     An existing complete store with the same request is reused; a different one is an error unless
@@ -460,28 +540,75 @@ def extract_features(dataset: str, data_dir, encoder: str, *, weights=None, pret
     tally = _Tally()
     with signals_raise():
         try:
-            return _extract(dataset, data_dir, encoder, tally, weights=weights, pretrained=pretrained,
-                            image_size=image_size, batch_size=batch_size, device=device, precision=precision,
-                            limit=limit, out=out, dtype=dtype, overwrite=overwrite, download=download,
-                            num_workers=num_workers, progress=progress, state_dict=state_dict,
-                            skip_corrupt=skip_corrupt)
+            return _extract(
+                dataset,
+                data_dir,
+                encoder,
+                tally,
+                weights=weights,
+                pretrained=pretrained,
+                image_size=image_size,
+                batch_size=batch_size,
+                device=device,
+                precision=precision,
+                limit=limit,
+                out=out,
+                dtype=dtype,
+                overwrite=overwrite,
+                download=download,
+                num_workers=num_workers,
+                progress=progress,
+                state_dict=state_dict,
+                skip_corrupt=skip_corrupt,
+            )
         except Interrupted as exc:
             if tally.total is None:
                 msg = "interrupted before encoding began; re-run the same command to start"
             else:
-                msg = (f"interrupted; re-run the same command to resume from {tally.read:,} of {tally.total:,} "
-                       "images")
+                msg = f"interrupted; re-run the same command to resume from {tally.read:,} of {tally.total:,} images"
             raise Interrupted(exc.signum, msg) from None
 
 
-def _extract(dataset, data_dir, encoder, tally: _Tally, *, weights, pretrained, image_size, batch_size, device,
-             precision, limit, out, dtype, overwrite, download, num_workers, progress, state_dict,
-             skip_corrupt) -> Path:
+def _extract(
+    dataset,
+    data_dir,
+    encoder,
+    tally: _Tally,
+    *,
+    weights,
+    pretrained,
+    image_size,
+    batch_size,
+    device,
+    precision,
+    limit,
+    out,
+    dtype,
+    overwrite,
+    download,
+    num_workers,
+    progress,
+    state_dict,
+    skip_corrupt,
+) -> Path:
     from fedhead.util import exclusive_writer, make_progress, signals_deferred, stderr_console
 
-    plan = prepare(dataset, data_dir, encoder, weights=weights, pretrained=pretrained, image_size=image_size,
-                   batch_size=batch_size, device=device, precision=precision, limit=limit, dtype=dtype,
-                   download=download, num_workers=num_workers, state_dict=state_dict)
+    plan = prepare(
+        dataset,
+        data_dir,
+        encoder,
+        weights=weights,
+        pretrained=pretrained,
+        image_size=image_size,
+        batch_size=batch_size,
+        device=device,
+        precision=precision,
+        limit=limit,
+        dtype=dtype,
+        download=download,
+        num_workers=num_workers,
+        state_dict=state_dict,
+    )
     enc = plan.encoder
     if out is None:
         out = default_out(dataset, data_dir, encoder, enc.preprocessing.image_size, enc.default_image_size)
@@ -497,18 +624,27 @@ def _extract(dataset, data_dir, encoder, tally: _Tally, *, weights, pretrained, 
         written = 0
         sizes = {s: len(v) for s, v in plan.splits.items()}
         with _writing(tmp):
-            w = StoreWriter(out, request=plan.request, sizes=sizes, feature_dim=enc.feature_dim,
-                            class_names=plan.request["class_names"], attrs=plan.attrs, dtype=dtype)
+            w = StoreWriter(
+                out,
+                request=plan.request,
+                sizes=sizes,
+                feature_dim=enc.feature_dim,
+                class_names=plan.request["class_names"],
+                attrs=plan.attrs,
+                dtype=dtype,
+            )
         with w:
             _reuse_threads(plan, w)
             left = {s: w.n_skipped(s) for s in plan.splits}
             if any(left.values()) and not skip_corrupt:
                 s = next(s for s, n in left.items() if n)
                 first = plan.splits[s].paths[int(w.skipped_indices(s)[0])]
-                raise FedheadError(f"The '--out' parameter names {str(out)!r}, whose unfinished {tmp.name} left out "
-                                   f"{_images(sum(left.values()))} under --skip-corrupt (first: "
-                                   f"{os.path.abspath(first)!r}). Pass --skip-corrupt to continue it, or delete "
-                                   f"{tmp.name} to start again.")
+                raise FedheadError(
+                    f"The '--out' parameter names {str(out)!r}, whose unfinished {tmp.name} left out "
+                    f"{_images(sum(left.values()))} under --skip-corrupt (first: "
+                    f"{os.path.abspath(first)!r}). Pass --skip-corrupt to continue it, or delete "
+                    f"{tmp.name} to start again."
+                )
             tally.total = sum(sizes.values())
             tally.read = sum(w.n_read(s) for s in plan.splits)
             prog = make_progress() if progress else contextlib.nullcontext()
@@ -537,12 +673,16 @@ def _extract(dataset, data_dir, encoder, tally: _Tally, *, weights, pretrained, 
                         _pause_hook(written)
             per = {s: w.n_skipped(s) for s in plan.splits}
             skipped = sum(per.values())
-            names = {s: [os.path.abspath(p) for p in v.paths] for s, v in plan.splits.items()
-                     if skipped and v.paths is not None}
+            names = {
+                s: [os.path.abspath(p) for p in v.paths]
+                for s, v in plan.splits.items()
+                if skipped and v.paths is not None
+            }
             with signals_deferred(), _writing(tmp):
                 path = w.finish(names or None)
     if skipped and progress:
         where = ", ".join(f"{n} in {s}" for s, n in per.items() if n)
-        stderr_console().print(f"skipped {_images(skipped)} ({where}); {path} lists them under skipped/",
-                               soft_wrap=True)
+        stderr_console().print(
+            f"skipped {_images(skipped)} ({where}); {path} lists them under skipped/", soft_wrap=True
+        )
     return path

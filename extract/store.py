@@ -89,8 +89,10 @@ def check_room(path: Path, need: int) -> None:
     size = path.stat().st_size if path.exists() else 0
     soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if soft != resource.RLIM_INFINITY and size + need > soft:
-        raise OSError(errnos.EFBIG, f"the file size limit ('ulimit -f') allows {_mb(soft)}, the store needs "
-                                    f"about {_mb(size + need)}")
+        raise OSError(
+            errnos.EFBIG,
+            f"the file size limit ('ulimit -f') allows {_mb(soft)}, the store needs about {_mb(size + need)}",
+        )
     st = os.statvfs(path.parent)
     free = st.f_bavail * st.f_frsize
     if need > free:
@@ -107,8 +109,11 @@ def reserve(path: Path) -> None:
     except OSError as exc:
         if exc.errno not in (errnos.EOPNOTSUPP, errnos.ENOSYS, errnos.EINVAL):
             st = os.statvfs(path)
-            raise OSError(exc.errno, f"{exc.strerror}: reserving {_mb(os.fstat(fd).st_size)} for the store, "
-                                     f"{_mb(st.f_bavail * st.f_frsize)} free") from None
+            raise OSError(
+                exc.errno,
+                f"{exc.strerror}: reserving {_mb(os.fstat(fd).st_size)} for the store, "
+                f"{_mb(st.f_bavail * st.f_frsize)} free",
+            ) from None
     finally:
         os.close(fd)
 
@@ -139,8 +144,7 @@ def write_error(path: Path, exc: OSError) -> FedheadError:
     if exc.errno in SPACE_ERRNOS:
         fix = "Free space (or raise the file size limit) and re-run the same command: it resumes."
         return FedheadError(f"No space left while writing {str(path)!r} ({why}). {fix}")
-    return FedheadError(f"Writing {str(path)!r} failed ({why}). Fix the cause and re-run the same command: "
-                        "it resumes.")
+    return FedheadError(f"Writing {str(path)!r} failed ({why}). Fix the cause and re-run the same command: it resumes.")
 
 
 # ---------------------------------------------------------------- writing
@@ -151,8 +155,15 @@ def _early(shape: tuple, chunks: tuple, dtype, fill: bool = False) -> dict:
     then only if ``fill`` (rows past ``n_done`` are never read, so the big arrays skip that write)."""
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-    return dict(shape=shape, dtype=dtype, chunks=chunks, maxshape=(None, *shape[1:]), dcpl=dcpl,
-                fillvalue=0 if fill else None, fill_time="alloc" if fill else "never")
+    return dict(
+        shape=shape,
+        dtype=dtype,
+        chunks=chunks,
+        maxshape=(None, *shape[1:]),
+        dcpl=dcpl,
+        fillvalue=0 if fill else None,
+        fill_time="alloc" if fill else "never",
+    )
 
 
 class StoreWriter:
@@ -165,26 +176,40 @@ class StoreWriter:
     Raises ``OSError`` (ENOSPC/EFBIG with the sizes) if the store cannot fit; see the module docstring.
     """
 
-    def __init__(self, out: str | os.PathLike, *, request: dict, sizes: dict[str, int], feature_dim: int,
-                 class_names: list[str], attrs: dict[str, Any], dtype: str = "float16"):
+    def __init__(
+        self,
+        out: str | os.PathLike,
+        *,
+        request: dict,
+        sizes: dict[str, int],
+        feature_dim: int,
+        class_names: list[str],
+        attrs: dict[str, Any],
+        dtype: str = "float16",
+    ):
         if dtype not in ("float16", "float32"):
             raise FedheadError(f"The '--dtype' parameter must be 'float16' or 'float32'. Got {dtype!r} instead.")
         from fedhead.util import make_parent_dirs
 
         self.out = Path(out)
         self.tmp = partial_path(out)
-        if self.out.is_dir():       # found now, not by the rename at the end of the work
-            raise FedheadError(f"The '--out' parameter names {str(self.out)!r}, which is a folder, not a store "
-                               "file. Choose another --out.")
-        make_parent_dirs(self.out, "--out")   # a file in the way: one line
+        if self.out.is_dir():  # found now, not by the rename at the end of the work
+            raise FedheadError(
+                f"The '--out' parameter names {str(self.out)!r}, which is a folder, not a store "
+                "file. Choose another --out."
+            )
+        make_parent_dirs(self.out, "--out")  # a file in the way: one line
         req = json.dumps(request, sort_keys=True)
         self.f = None
         if self.tmp.exists():
             try:
                 f = h5py.File(self.tmp, "r+")
-                same = (f.attrs.get("format") == FORMAT and f.attrs.get("request") == req
-                        and "class_names" in f and all(s in f and "features" in f[s] and "labels" in f[s]
-                                                       for s in sizes))
+                same = (
+                    f.attrs.get("format") == FORMAT
+                    and f.attrs.get("request") == req
+                    and "class_names" in f
+                    and all(s in f and "features" in f[s] and "labels" in f[s] for s in sizes)
+                )
             except OSError:
                 f, same = None, False
             if same:
@@ -204,8 +229,15 @@ class StoreWriter:
             self.close()
             raise
 
-    def _create(self, req: str, sizes: dict[str, int], feature_dim: int, class_names: list[str],
-                attrs: dict[str, Any], dtype: str):
+    def _create(
+        self,
+        req: str,
+        sizes: dict[str, int],
+        feature_dim: int,
+        class_names: list[str],
+        attrs: dict[str, Any],
+        dtype: str,
+    ):
         f = h5py.File(self.tmp, "w")
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = FORMAT_VERSION
@@ -219,8 +251,7 @@ class StoreWriter:
         f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         for k, v in attrs.items():
             f.attrs[k] = json.dumps(v) if isinstance(v, (dict, list)) else v
-        f.create_dataset("class_names", data=np.array(class_names, dtype=object),
-                         dtype=h5py.string_dtype("utf-8"))
+        f.create_dataset("class_names", data=np.array(class_names, dtype=object), dtype=h5py.string_dtype("utf-8"))
         for split, n in sizes.items():
             g = f.create_group(split)
             for k in ("n_done", "n_read", "n_skipped"):
@@ -229,8 +260,9 @@ class StoreWriter:
             g.create_dataset("features", **_early((n, feature_dim), (rows, feature_dim), dtype))
             g.create_dataset("labels", **_early((n,), (rows,), "int64"))
             g.create_dataset("skipped_mask", **_early((n,), (rows,), "uint8", fill=True))
-            f.create_dataset(f"skipped/{split}", shape=(0,), maxshape=(None,), chunks=(256,),
-                             dtype=h5py.string_dtype("utf-8"))
+            f.create_dataset(
+                f"skipped/{split}", shape=(0,), maxshape=(None,), chunks=(256,), dtype=h5py.string_dtype("utf-8")
+            )
         f.flush()
         return f
 
@@ -259,7 +291,7 @@ class StoreWriter:
         g = self.f[split]
         if "skipped_mask" not in g or self.n_skipped(split) == 0:
             return np.zeros(0, dtype=np.int64)
-        return np.flatnonzero(g["skipped_mask"][:self.n_read(split)]).astype(np.int64)
+        return np.flatnonzero(g["skipped_mask"][: self.n_read(split)]).astype(np.int64)
 
     def append(self, split: str, features: np.ndarray, labels: np.ndarray, skipped: Sequence[int] = ()) -> None:
         """Write the next rows of ``split`` and record progress. The batch covers the next
@@ -273,12 +305,12 @@ class StoreWriter:
             raise ValueError(f"{split}: {r} + {m} source images is more than the split's {self.size(split)}")
         with hdf5_io():
             if n:
-                g["features"][i:i + n] = features
-                g["labels"][i:i + n] = labels
+                g["features"][i : i + n] = features
+                g["labels"][i : i + n] = labels
             if skipped or "skipped_mask" in g:  # every batch: a redone batch clears its old flags
                 flags = np.zeros(m, dtype=np.uint8)
                 flags[np.asarray(skipped, dtype=np.int64) - r] = 1
-                g.require_dataset("skipped_mask", shape=g["labels"].shape, dtype="uint8")[r:r + m] = flags
+                g.require_dataset("skipped_mask", shape=g["labels"].shape, dtype="uint8")[r : r + m] = flags
             g.attrs.modify("n_done", i + n)
             g.attrs.modify("n_read", r + m)
             g.attrs.modify("n_skipped", r + m - i - n)
@@ -300,8 +332,13 @@ class StoreWriter:
                 g, n = self.f[split], self.n_done(split)
                 if len(left[split]):
                     key = f"skipped/{split}"
-                    d = self.f[key] if key in self.f else self.f.create_dataset(
-                        key, shape=(0,), maxshape=(None,), chunks=(256,), dtype=h5py.string_dtype("utf-8"))
+                    d = (
+                        self.f[key]
+                        if key in self.f
+                        else self.f.create_dataset(
+                            key, shape=(0,), maxshape=(None,), chunks=(256,), dtype=h5py.string_dtype("utf-8")
+                        )
+                    )
                     d.resize((len(names[split]),))
                     d[:] = np.array(names[split], dtype=object)
                 for k in ("features", "labels"):
@@ -337,14 +374,28 @@ def _shrink(g: h5py.Group, name: str, n: int) -> None:
     g.create_dataset(name, data=data, maxshape=(None, *data.shape[1:]))
 
 
-def write_store(out: str | os.PathLike, *, train: tuple[np.ndarray, np.ndarray],
-                test: tuple[np.ndarray, np.ndarray], class_names: list[str], attrs: dict[str, Any],
-                dtype: str = "float32", request: dict | None = None) -> Path:
+def write_store(
+    out: str | os.PathLike,
+    *,
+    train: tuple[np.ndarray, np.ndarray],
+    test: tuple[np.ndarray, np.ndarray],
+    class_names: list[str],
+    attrs: dict[str, Any],
+    dtype: str = "float32",
+    request: dict | None = None,
+) -> Path:
     """Write a whole store from in-memory arrays (synthetic benchmarks, tests)."""
     sizes = {"train": len(train[1]), "test": len(test[1])}
     request = request or {"in_memory": True, **{k: v for k, v in attrs.items() if isinstance(v, (str, int, float))}}
-    with StoreWriter(out, request=request, sizes=sizes, feature_dim=train[0].shape[1],
-                     class_names=class_names, attrs=attrs, dtype=dtype) as w:
+    with StoreWriter(
+        out,
+        request=request,
+        sizes=sizes,
+        feature_dim=train[0].shape[1],
+        class_names=class_names,
+        attrs=attrs,
+        dtype=dtype,
+    ) as w:
         w.append("train", train[0], train[1])
         w.append("test", test[0], test[1])
         return w.finish()
@@ -418,9 +469,12 @@ def _check_layout(f: h5py.File, p: Path, param: str, attrs: dict, names: list[st
     """Structure checks (metadata only, microseconds): version, splits, shapes, dimensions, class count."""
     version = attrs.get("format_version", 1)
     if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise _bad_store(param, p, f"format version is {version!r}, newer than the {FORMAT_VERSION} this fedhead "
-                         f"reads", "Upgrade fedhead to read it, or re-create it with this one "
-                         "('fedhead extract --overwrite').")
+        raise _bad_store(
+            param,
+            p,
+            f"format version is {version!r}, newer than the {FORMAT_VERSION} this fedhead reads",
+            "Upgrade fedhead to read it, or re-create it with this one ('fedhead extract --overwrite').",
+        )
     dims = {}
     for s in SPLITS:
         g = f.get(s)
@@ -435,8 +489,12 @@ def _check_layout(f: h5py.File, p: Path, param: str, attrs: dict, names: list[st
     declared = attrs.get("feature_dim")
     if len(set(dims.values())) > 1 or (declared is not None and dims["train"] != declared):
         got = ", ".join(f"{s} {d}" for s, d in dims.items())
-        raise _bad_store(param, p, f"feature dimension differs between splits or from its feature_dim "
-                         f"attribute ({got}; feature_dim {declared})")
+        raise _bad_store(
+            param,
+            p,
+            f"feature dimension differs between splits or from its feature_dim "
+            f"attribute ({got}; feature_dim {declared})",
+        )
     declared = attrs.get("num_classes")
     if declared is not None and declared != len(names):
         raise _bad_store(param, p, f"num_classes attribute ({declared}) differs from its {len(names)} class names")
@@ -446,27 +504,44 @@ def _first_nonfinite(x: np.ndarray, start: int = 0) -> int | None:
     """Row of the first NaN/inf in ``x`` (blocks of about 4M values: no full-size temporary), else None."""
     step = max(1, (1 << 22) // max(1, x.shape[1] if x.ndim == 2 else 1))
     for i in range(0, len(x), step):
-        ok = np.isfinite(x[i:i + step])
+        ok = np.isfinite(x[i : i + step])
         if not ok.all():
             return start + i + int(np.flatnonzero(~ok.reshape(len(ok), -1).all(axis=1))[0])
     return None
 
 
-def _check_values(p: Path, param: str, split: str, x: np.ndarray | None, y: np.ndarray, num_classes: int,
-                  attrs: dict, bad_row: int | None = None) -> None:
+def _check_values(
+    p: Path,
+    param: str,
+    split: str,
+    x: np.ndarray | None,
+    y: np.ndarray,
+    num_classes: int,
+    attrs: dict,
+    bad_row: int | None = None,
+) -> None:
     """Value checks: finite features (``x``, or ``bad_row`` found by the caller) and labels in [0, C)."""
     bad_row = _first_nonfinite(x) if x is not None else bad_row
     if bad_row is not None:
-        hint = " (it was made with --precision fp16/bf16: use fp32)" if attrs.get("precision") in ("fp16", "bf16") \
-            else ""
-        raise _bad_store(param, p, f"{split}/features hold NaN or inf (first at row {bad_row})",
-                         f"Re-create it with 'fedhead extract --overwrite'{hint}.")
+        hint = (
+            " (it was made with --precision fp16/bf16: use fp32)" if attrs.get("precision") in ("fp16", "bf16") else ""
+        )
+        raise _bad_store(
+            param,
+            p,
+            f"{split}/features hold NaN or inf (first at row {bad_row})",
+            f"Re-create it with 'fedhead extract --overwrite'{hint}.",
+        )
     if len(y):
         out = (y < 0) | (y >= num_classes)
         if out.any():
             i = int(np.flatnonzero(out)[0])
-            raise _bad_store(param, p, f"{split}/labels hold {int(y[i])} at row {i}, outside [0, {num_classes}) "
-                             f"for its {num_classes} class names")
+            raise _bad_store(
+                param,
+                p,
+                f"{split}/labels hold {int(y[i])} at row {i}, outside [0, {num_classes}) "
+                f"for its {num_classes} class names",
+            )
 
 
 def open_store(path: str | os.PathLike, param: str = "--features", check_values: bool = False) -> StoreInfo:
@@ -481,19 +556,26 @@ def open_store(path: str | os.PathLike, param: str = "--features", check_values:
     p = Path(path)
     if not p.exists():
         if partial_path(p).exists():
-            raise FedheadError(f"The '{param}' parameter names {str(p)!r}, which is only partly written "
-                               f"({partial_path(p).name} exists). Re-run the same 'fedhead extract' to finish it.")
-        raise FedheadError(f"The '{param}' parameter names {str(p)!r}, which does not exist. "
-                           "Create it with 'fedhead extract'.")
+            raise FedheadError(
+                f"The '{param}' parameter names {str(p)!r}, which is only partly written "
+                f"({partial_path(p).name} exists). Re-run the same 'fedhead extract' to finish it."
+            )
+        raise FedheadError(
+            f"The '{param}' parameter names {str(p)!r}, which does not exist. Create it with 'fedhead extract'."
+        )
     try:
         with h5py.File(p, "r") as f:
             attrs = {k: _decode(v) for k, v in f.attrs.items()}
             if attrs.get("format") != FORMAT:
-                raise FedheadError(f"The '{param}' parameter names {str(p)!r}, an HDF5 file that is not a "
-                                   "fedhead feature store. Create one with 'fedhead extract'.")
+                raise FedheadError(
+                    f"The '{param}' parameter names {str(p)!r}, an HDF5 file that is not a "
+                    "fedhead feature store. Create one with 'fedhead extract'."
+                )
             if not attrs.get("complete", False):
-                raise FedheadError(f"The '{param}' parameter names {str(p)!r}, a store that was never "
-                                   "completed. Re-run 'fedhead extract' with --overwrite.")
+                raise FedheadError(
+                    f"The '{param}' parameter names {str(p)!r}, a store that was never "
+                    "completed. Re-run 'fedhead extract' with --overwrite."
+                )
             names = _strings(f["class_names"])
             _check_layout(f, p, param, attrs, names)
             shapes = {f"{s}/{k}": tuple(f[s][k].shape) for s in SPLITS for k in ("features", "labels")}
@@ -504,16 +586,25 @@ def open_store(path: str | os.PathLike, param: str = "--features", check_values:
                     x = f[s]["features"]
                     rows = x.chunks[0] if x.chunks else CHUNK_ROWS
                     step = rows * max(1, (1 << 22) // (rows * max(1, x.shape[1])))  # whole chunks, ~4M values
-                    bad = next((r for i in range(0, x.shape[0], step)
-                                if (r := _first_nonfinite(x[i:i + step], i)) is not None), None)
+                    bad = next(
+                        (
+                            r
+                            for i in range(0, x.shape[0], step)
+                            if (r := _first_nonfinite(x[i : i + step], i)) is not None
+                        ),
+                        None,
+                    )
                     _check_values(p, param, s, None, f[s]["labels"][()], len(names), attrs, bad)
     except FedheadError:
         raise
     except (OSError, KeyError) as exc:
-        raise FedheadError(f"The '{param}' parameter names {str(p)!r}, which is not a readable fedhead "
-                           f"feature store ({exc}). Re-create it with 'fedhead extract --overwrite'.") from None
-    return StoreInfo(path=p, attrs=attrs, shapes=shapes, class_names=names,
-                     skipped={s: v for s, v in skipped.items() if v})
+        raise FedheadError(
+            f"The '{param}' parameter names {str(p)!r}, which is not a readable fedhead "
+            f"feature store ({exc}). Re-create it with 'fedhead extract --overwrite'."
+        ) from None
+    return StoreInfo(
+        path=p, attrs=attrs, shapes=shapes, class_names=names, skipped={s: v for s, v in skipped.items() if v}
+    )
 
 
 def load_store(path: str | os.PathLike, param: str = "--features") -> Features:
@@ -524,9 +615,12 @@ def load_store(path: str | os.PathLike, param: str = "--features") -> Features:
     with h5py.File(info.path, "r") as f:
         arrs = {}
         for s in SPLITS:
-            arrs[s] = (np.asarray(f[s]["features"][()], dtype=np.float32),
-                       np.asarray(f[s]["labels"][()], dtype=np.int64))
+            arrs[s] = (
+                np.asarray(f[s]["features"][()], dtype=np.float32),
+                np.asarray(f[s]["labels"][()], dtype=np.int64),
+            )
     for s in SPLITS:
         _check_values(info.path, param, s, arrs[s][0], arrs[s][1], info.num_classes, info.attrs)
-    return Features(info=info, train_x=arrs["train"][0], train_y=arrs["train"][1],
-                    test_x=arrs["test"][0], test_y=arrs["test"][1])
+    return Features(
+        info=info, train_x=arrs["train"][0], train_y=arrs["train"][1], test_x=arrs["test"][0], test_y=arrs["test"][1]
+    )

@@ -65,8 +65,7 @@ class Aggregator:
         """The rule for a run's :class:`fedhead.config.TrainConfig` (a rule with parameters reads them here)."""
         return cls()
 
-    def message(self, theta: torch.Tensor, trained: torch.Tensor, sizes: torch.Tensor,
-                holds: torch.Tensor) -> dict:
+    def message(self, theta: torch.Tensor, trained: torch.Tensor, sizes: torch.Tensor, holds: torch.Tensor) -> dict:
         raise NotImplementedError
 
     def update(self, previous: torch.Tensor, totals: Totals) -> torch.Tensor:
@@ -74,8 +73,12 @@ class Aggregator:
 
     def nbytes(self, theta: torch.Tensor) -> int:
         """Bytes one client uploads: its message's tensors (a dry run on one client)."""
-        msg = self.message(theta, theta[None], torch.ones(1, device=theta.device),
-                           torch.ones(1, theta.shape[0], dtype=torch.bool, device=theta.device))
+        msg = self.message(
+            theta,
+            theta[None],
+            torch.ones(1, device=theta.device),
+            torch.ones(1, theta.shape[0], dtype=torch.bool, device=theta.device),
+        )
         return int(sum(v[0].numel() * v.element_size() for v in msg.values()))
 
 
@@ -124,9 +127,11 @@ class DPFedAvg(Aggregator):
 
     def _check(self):
         if self.clip is None or self.noise_multiplier is None:
-            raise FedheadError("The aggregator 'dp-fedavg' needs --dp-clip and --dp-noise-multiplier. Got "
-                               f"clip={self.clip!r}, noise multiplier={self.noise_multiplier!r} instead. Give both "
-                               "(and --dp-delta); in Python build it with create_aggregator(name, cfg).")
+            raise FedheadError(
+                "The aggregator 'dp-fedavg' needs --dp-clip and --dp-noise-multiplier. Got "
+                f"clip={self.clip!r}, noise multiplier={self.noise_multiplier!r} instead. Give both "
+                "(and --dp-delta); in Python build it with create_aggregator(name, cfg)."
+            )
 
     def message(self, theta, trained, sizes, holds):
         self._check()
@@ -138,19 +143,20 @@ class DPFedAvg(Aggregator):
     def update(self, previous, totals):
         self._check()
         if totals.seed is None or totals.round is None:
-            raise FedheadError("The aggregator 'dp-fedavg' draws its noise by (seed, round), but the Totals it got "
-                               "carry none. Build the Accumulator with seed= and rnd= (as the engine and the Flower "
-                               "strategy do).")
+            raise FedheadError(
+                "The aggregator 'dp-fedavg' draws its noise by (seed, round), but the Totals it got "
+                "carry none. Build the Accumulator with seed= and rnd= (as the engine and the Flower "
+                "strategy do)."
+            )
         from .dp import gaussian
 
         m = totals.sampled if totals.sampled is not None else totals.clients
         total = totals.sums["clipped"]
-        noise = gaussian(tuple(total.shape), self.noise_multiplier * self.clip, totals.seed, totals.round,
-                         "dp-fedavg")
+        noise = gaussian(tuple(total.shape), self.noise_multiplier * self.clip, totals.seed, totals.round, "dp-fedavg")
         return (previous + (total + noise.to(device=total.device, dtype=total.dtype)) / max(1, m)).to(previous.dtype)
 
     def nbytes(self, theta):
-        return theta.numel() * theta.element_size()       # the clipped update: one head's bytes
+        return theta.numel() * theta.element_size()  # the clipped update: one head's bytes
 
 
 AGGREGATORS: dict[str, type] = {"fedavg": FedAvg, "grouped": Grouped, "dp-fedavg": DPFedAvg}
@@ -161,8 +167,10 @@ def register_aggregator(name: str):
 
     def deco(cls):
         if not (isinstance(cls, type) and issubclass(cls, Aggregator)):
-            raise FedheadError(f"The aggregator {name!r} must be a subclass of fedhead.Aggregator. Got {cls!r} "
-                               "instead. Subclass it and override message() and update().")
+            raise FedheadError(
+                f"The aggregator {name!r} must be a subclass of fedhead.Aggregator. Got {cls!r} "
+                "instead. Subclass it and override message() and update()."
+            )
         cls.name = name
         AGGREGATORS[name] = cls
         return cls
@@ -200,11 +208,18 @@ class Accumulator:
     receives messages), then ``finish()``. ``previous`` is the head the clients started from; ``seed``, ``rnd``
     and ``sampled`` (clients sampled this round) reach the rule in :class:`Totals`."""
 
-    def __init__(self, kind: str | Aggregator, previous: torch.Tensor, *, seed: int | None = None,
-                 rnd: int | None = None, sampled: int | None = None):
+    def __init__(
+        self,
+        kind: str | Aggregator,
+        previous: torch.Tensor,
+        *,
+        seed: int | None = None,
+        rnd: int | None = None,
+        sampled: int | None = None,
+    ):
         self.agg = kind if isinstance(kind, Aggregator) else create_aggregator(kind)
         self.previous = previous
-        self.seed, self.rnd, self.sampled = seed, rnd, sampled     # handed to the rule in Totals
+        self.seed, self.rnd, self.sampled = seed, rnd, sampled  # handed to the rule in Totals
         dev = previous.device
         self.dtype = torch.float64 if dev.type == "cpu" else previous.dtype
         self.sums: dict = {}
@@ -222,8 +237,10 @@ class Accumulator:
     def add_message(self, msg: dict, sizes: torch.Tensor, holds: torch.Tensor) -> None:
         """Add messages ``{key: [K, ...]}`` of K clients with their sample counts ``[K]`` and holds ``[K, C]``."""
         if self.sums and set(msg) != set(self.sums):
-            raise FedheadError(f"The aggregator {self.agg.name!r} sent messages with keys {sorted(msg)} after "
-                               f"{sorted(self.sums)}. Its message() must return the same keys for every client.")
+            raise FedheadError(
+                f"The aggregator {self.agg.name!r} sent messages with keys {sorted(msg)} after "
+                f"{sorted(self.sums)}. Its message() must return the same keys for every client."
+            )
         for k, v in msg.items():
             s = v.to(self.previous.device).sum(0, dtype=self.dtype)
             self.sums[k] = s if k not in self.sums else self.sums[k] + s
@@ -232,8 +249,10 @@ class Accumulator:
         self.clients += len(sizes)
 
     def finish(self) -> torch.Tensor:
-        return self.agg.update(self.previous, Totals(self.sums, self.n, self.holds, self.clients, round=self.rnd,
-                                                     seed=self.seed, sampled=self.sampled))
+        return self.agg.update(
+            self.previous,
+            Totals(self.sums, self.n, self.holds, self.clients, round=self.rnd, seed=self.seed, sampled=self.sampled),
+        )
 
 
 def fedavg(stacked: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:

@@ -55,12 +55,12 @@ CALIBRATION_ROUND = 10**9
 
 @dataclass
 class CCVRConfig:
-    samples_per_class: int = 200     # virtual features per class with N_c > 0 (FL-bench --sample_per_class)
-    epochs: int = 1                  # passes over the virtual features (FL-bench: one pass)
-    lr: float = 0.01                 # SGD learning rate (FL-bench: common.optimizer.lr)
-    batch_size: int = 32             # (FL-bench: common.batch_size)
-    momentum: float = 0.0            # SGD momentum (FL-bench: none; 0.9 measured worse, see below)
-    weight_decay: float = 0.0        # SGD weight decay (FL-bench: 0)
+    samples_per_class: int = 200  # virtual features per class with N_c > 0 (FL-bench --sample_per_class)
+    epochs: int = 1  # passes over the virtual features (FL-bench: one pass)
+    lr: float = 0.01  # SGD learning rate (FL-bench: common.optimizer.lr)
+    batch_size: int = 32  # (FL-bench: common.batch_size)
+    momentum: float = 0.0  # SGD momentum (FL-bench: none; 0.9 measured worse, see below)
+    weight_decay: float = 0.0  # SGD weight decay (FL-bench: 0)
 
     def __post_init__(self):
         validate("--ccvr-samples-per-class", self.samples_per_class, Interval(1, None, integer=True))
@@ -78,10 +78,10 @@ class CCVRConfig:
 class ClassStats:
     """What one client sends: statistics of the classes it holds (``m`` of them)."""
 
-    classes: np.ndarray      # [m] int class ids present locally (distinct)
-    counts: np.ndarray       # [m] int64, >= 1
-    means: np.ndarray        # [m, D] float64
-    covs: np.ndarray         # [m, D, D] float64, unbiased (n - 1 normaliser); zeros where count == 1
+    classes: np.ndarray  # [m] int class ids present locally (distinct)
+    counts: np.ndarray  # [m] int64, >= 1
+    means: np.ndarray  # [m, D] float64
+    covs: np.ndarray  # [m, D, D] float64, unbiased (n - 1 normaliser); zeros where count == 1
 
     @property
     def dim(self) -> int:
@@ -96,20 +96,24 @@ class ClassStats:
     def to_bytes(self) -> bytes:
         """The wire format: ids, counts, means, upper triangles (row-major), each block contiguous."""
         iu = np.triu_indices(self.dim)
-        return b"".join([
-            np.ascontiguousarray(self.classes, dtype="<i4").tobytes(),
-            np.ascontiguousarray(self.counts, dtype="<i8").tobytes(),
-            np.ascontiguousarray(self.means, dtype="<f8").tobytes(),
-            np.ascontiguousarray(self.covs[:, iu[0], iu[1]], dtype="<f8").tobytes(),
-        ])
+        return b"".join(
+            [
+                np.ascontiguousarray(self.classes, dtype="<i4").tobytes(),
+                np.ascontiguousarray(self.counts, dtype="<i8").tobytes(),
+                np.ascontiguousarray(self.means, dtype="<f8").tobytes(),
+                np.ascontiguousarray(self.covs[:, iu[0], iu[1]], dtype="<f8").tobytes(),
+            ]
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes, dim: int) -> "ClassStats":
         D, T = dim, dim * (dim + 1) // 2
         per = 4 + 8 + 8 * D + 8 * T
         if len(data) % per:
-            raise FedheadError(f"CCVR statistics of {len(data)} bytes are not a whole number of {per}-byte "
-                               f"class records for feature dimension {D}; check the encoder of the run.")
+            raise FedheadError(
+                f"CCVR statistics of {len(data)} bytes are not a whole number of {per}-byte "
+                f"class records for feature dimension {D}; check the encoder of the run."
+            )
         m = len(data) // per
         buf = memoryview(data)
         o = 0
@@ -147,7 +151,7 @@ def client_class_stats(x: np.ndarray | torch.Tensor, y: np.ndarray | torch.Tenso
     means = np.zeros((m, D))
     covs = np.zeros((m, D, D))
     for j, (s, n) in enumerate(zip(starts, counts)):
-        xc = x[order[s:s + n]]
+        xc = x[order[s : s + n]]
         means[j] = xc.mean(0)
         if n > 1:
             d = xc - means[j]
@@ -177,19 +181,24 @@ class PooledStats:
 
     def add(self, s: ClassStats) -> None:
         if self._result is not None:
-            raise FedheadError("CCVR statistics were already pooled (finish() was called); "
-                               "create a new PooledStats for another pooling.")
+            raise FedheadError(
+                "CCVR statistics were already pooled (finish() was called); "
+                "create a new PooledStats for another pooling."
+            )
         classes = np.asarray(s.classes, dtype=np.int64)
         m = len(classes)
         if m == 0:
             return
         D = self.dim
         if s.means.shape != (m, D) or s.covs.shape != (m, D, D) or np.shape(s.counts) != (m,):
-            raise FedheadError(f"CCVR client statistics must have means [m, {D}] and covs [m, {D}, {D}] for "
-                               f"m = {m} classes; got {s.means.shape} and {s.covs.shape}.")
+            raise FedheadError(
+                f"CCVR client statistics must have means [m, {D}] and covs [m, {D}, {D}] for "
+                f"m = {m} classes; got {s.means.shape} and {s.covs.shape}."
+            )
         if classes.min() < 0 or classes.max() >= self.num_classes or len(np.unique(classes)) != m:
-            raise FedheadError(f"CCVR client class ids must be distinct and in [0, {self.num_classes}); "
-                               f"got {classes.tolist()}.")
+            raise FedheadError(
+                f"CCVR client class ids must be distinct and in [0, {self.num_classes}); got {classes.tolist()}."
+            )
         if np.any(np.asarray(s.counts) < 1):
             raise FedheadError(f"CCVR client class counts must be >= 1; got {np.asarray(s.counts).tolist()}.")
         for j, c in enumerate(classes):
@@ -222,7 +231,9 @@ class PooledStats:
         p.counts = n
         p.means[held] = sums[held] / n[held, None]
         mu = p.means[held]
-        p._m2[held] = np.asarray(second, dtype=np.float64)[held] - n[held, None, None] * (mu[:, :, None] * mu[:, None, :])
+        p._m2[held] = np.asarray(second, dtype=np.float64)[held] - n[held, None, None] * (
+            mu[:, :, None] * mu[:, None, :]
+        )
         return p
 
     def finish(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -234,7 +245,7 @@ class PooledStats:
                 n = int(self.counts[c])
                 if n >= 2:
                     covs[c] /= n - 1
-                    covs[c] += covs[c].T          # exact symmetry (rounding in the merges is not symmetric)
+                    covs[c] += covs[c].T  # exact symmetry (rounding in the merges is not symmetric)
                     covs[c] *= 0.5
                 else:
                     covs[c] = 0.0
@@ -250,8 +261,9 @@ def pool_stats(stats, num_classes: int, dim: int) -> tuple[np.ndarray, np.ndarra
     return p.finish()
 
 
-def sample_virtual(counts: np.ndarray, means: np.ndarray, covs: np.ndarray, samples_per_class: int,
-                   seed: int) -> tuple[np.ndarray, np.ndarray]:
+def sample_virtual(
+    counts: np.ndarray, means: np.ndarray, covs: np.ndarray, samples_per_class: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Virtual features ``[M, D]`` float32 and labels ``[M]`` int64: ``samples_per_class`` draws from
     ``N(mu_c, Sigma_c)`` for every class with ``N_c > 0``, in class order, from ``default_rng(seed)``.
 
@@ -264,8 +276,10 @@ def sample_virtual(counts: np.ndarray, means: np.ndarray, covs: np.ndarray, samp
     covs = np.asarray(covs, dtype=np.float64)
     C, D = means.shape
     if counts.shape != (C,) or covs.shape != (C, D, D):
-        raise FedheadError(f"CCVR sampling needs counts [C], means [C, D] and covs [C, D, D]; got "
-                           f"{counts.shape}, {means.shape} and {covs.shape}.")
+        raise FedheadError(
+            f"CCVR sampling needs counts [C], means [C, D] and covs [C, D, D]; got "
+            f"{counts.shape}, {means.shape} and {covs.shape}."
+        )
     S = int(samples_per_class)
     live = np.flatnonzero(counts > 0)
     rng = np.random.default_rng(seed)
@@ -274,19 +288,27 @@ def sample_virtual(counts: np.ndarray, means: np.ndarray, covs: np.ndarray, samp
     for j, c in enumerate(live):
         z = rng.standard_normal((S, D))
         lam, V = np.linalg.eigh(covs[c])
-        A = V * np.sqrt(np.clip(lam, 0.0, None))       # Sigma = A A^T
-        x[j * S:(j + 1) * S] = z @ A.T + means[c]
+        A = V * np.sqrt(np.clip(lam, 0.0, None))  # Sigma = A A^T
+        x[j * S : (j + 1) * S] = z @ A.T + means[c]
     return x, y
 
 
 # ---------------------------------------------------------------- retraining
 
 
-def retrain_head(theta: torch.Tensor, head: Head, x_virtual: torch.Tensor, y_virtual: torch.Tensor, *,
-                 epochs: int = CCVRConfig.epochs, lr: float = CCVRConfig.lr,
-                 batch_size: int = CCVRConfig.batch_size, seed: int = 0,
-                 weight_decay: float = CCVRConfig.weight_decay,
-                 momentum: float = CCVRConfig.momentum) -> torch.Tensor:
+def retrain_head(
+    theta: torch.Tensor,
+    head: Head,
+    x_virtual: torch.Tensor,
+    y_virtual: torch.Tensor,
+    *,
+    epochs: int = CCVRConfig.epochs,
+    lr: float = CCVRConfig.lr,
+    batch_size: int = CCVRConfig.batch_size,
+    seed: int = 0,
+    weight_decay: float = CCVRConfig.weight_decay,
+    momentum: float = CCVRConfig.momentum,
+) -> torch.Tensor:
     """Fine-tune the head ``theta [C, D+1]`` on the virtual features and return the new head (``theta`` is
     not modified).
 
@@ -305,12 +327,14 @@ def retrain_head(theta: torch.Tensor, head: Head, x_virtual: torch.Tensor, y_vir
     C, D1 = theta.shape
     M = len(y_virtual)
     if x_virtual.shape != (M, D1):
-        raise FedheadError(f"CCVR virtual features must be [M, {D1}] (features with the trailing 1) for a head "
-                           f"{tuple(theta.shape)}; got {tuple(x_virtual.shape)} for {M} labels.")
+        raise FedheadError(
+            f"CCVR virtual features must be [M, {D1}] (features with the trailing 1) for a head "
+            f"{tuple(theta.shape)}; got {tuple(x_virtual.shape)} for {M} labels."
+        )
     dev, dtype = theta.device, theta.dtype
     x = x_virtual.to(device=dev, dtype=dtype)
     y = y_virtual.to(device=dev, dtype=torch.int64)
-    counts = torch.bincount(y, minlength=C).to(dtype)[None]          # [1, C]
+    counts = torch.bincount(y, minlength=C).to(dtype)[None]  # [1, C]
     present = torch.ones(1, C, dtype=torch.bool, device=dev)
     w = torch.nn.Parameter(theta.detach().clone())
     if M == 0 or epochs == 0:
@@ -320,7 +344,7 @@ def retrain_head(theta: torch.Tensor, head: Head, x_virtual: torch.Tensor, y_vir
     for _ in range(int(epochs)):
         perm = torch.from_numpy(rng.permutation(M)).to(dev)
         for s in range(0, M, batch_size):
-            it = perm[s:s + batch_size]
+            it = perm[s : s + batch_size]
             B = len(it)
             u = torch.from_numpy(rng.random(B, dtype=np.float32)).to(device=dev)[None]
             ctx = LossContext(round=CALIBRATION_ROUND, present=present, counts=counts, u=u)

@@ -21,27 +21,42 @@ from .closedform import is_closed_form
 from .engine import evaluate
 from .heads import Head, LossContext
 
-LAST_ROUND = 10**9      # a round number past any schedule: two-stage heads are in their last stage
+LAST_ROUND = 10**9  # a round number past any schedule: two-stage heads are in their last stage
 
 
 @dataclass
 class Central:
     accuracy: float
-    theta: torch.Tensor          # [C, D+1] on the run's prepared features (closed form: raw features)
+    theta: torch.Tensor  # [C, D+1] on the run's prepared features (closed form: raw features)
     iterations: int
 
 
-def central_head(head: Head, x: torch.Tensor, y: torch.Tensor, num_classes: int, weight_decay: float,
-                 max_iter: int = 500, tol: float = 1e-7) -> tuple[torch.Tensor, int]:
+def central_head(
+    head: Head,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int,
+    weight_decay: float,
+    max_iter: int = 500,
+    tol: float = 1e-7,
+) -> tuple[torch.Tensor, int]:
     """Minimise the head's pooled loss + wd/2 ||theta||^2 with full-batch L-BFGS; ``x [N, D+1]`` prepared."""
     C, D1 = num_classes, x.shape[1]
     counts = torch.bincount(y, minlength=C).to(x.dtype)[None]
-    ctx = LossContext(round=LAST_ROUND, present=counts > 0, counts=counts,
-                      u=torch.zeros(1, len(y), device=x.device, dtype=x.dtype))
+    ctx = LossContext(
+        round=LAST_ROUND, present=counts > 0, counts=counts, u=torch.zeros(1, len(y), device=x.device, dtype=x.dtype)
+    )
     mask = torch.ones(1, len(y), device=x.device, dtype=x.dtype)
     theta = torch.zeros(C, D1, device=x.device, dtype=x.dtype, requires_grad=True)
-    opt = torch.optim.LBFGS([theta], lr=1.0, max_iter=max_iter, tolerance_grad=tol, tolerance_change=1e-12,
-                            history_size=20, line_search_fn="strong_wolfe")
+    opt = torch.optim.LBFGS(
+        [theta],
+        lr=1.0,
+        max_iter=max_iter,
+        tolerance_grad=tol,
+        tolerance_change=1e-12,
+        history_size=20,
+        line_search_fn="strong_wolfe",
+    )
 
     def closure():
         opt.zero_grad()
@@ -56,9 +71,18 @@ def central_head(head: Head, x: torch.Tensor, y: torch.Tensor, num_classes: int,
     return theta.detach(), int(state.get("n_iter", 0))
 
 
-def central_reference(head: Head, *, x_prepared: torch.Tensor, x_raw: torch.Tensor, y: torch.Tensor,
-                      x_test_prepared: torch.Tensor, x_test_raw: torch.Tensor, y_test: torch.Tensor,
-                      num_classes: int, weight_decay: float) -> Central:
+def central_reference(
+    head: Head,
+    *,
+    x_prepared: torch.Tensor,
+    x_raw: torch.Tensor,
+    y: torch.Tensor,
+    x_test_prepared: torch.Tensor,
+    x_test_raw: torch.Tensor,
+    y_test: torch.Tensor,
+    num_classes: int,
+    weight_decay: float,
+) -> Central:
     """The ceiling of ``head`` on the pooled training set, evaluated on the test set."""
     if is_closed_form(head.name):
         theta = head.solve_central(x_raw, y, num_classes).to(torch.float32)

@@ -51,14 +51,13 @@ class ClientStats:
     """What one client sends once: the classes it holds, their counts and feature sums, and (``ridge``,
     ``lda``) its Gram matrix of ``[x, 1]``."""
 
-    classes: np.ndarray            # [m] int
-    counts: np.ndarray             # [m] int64
-    sums: np.ndarray               # [m, D] float64
-    gram: np.ndarray | None        # [D+1, D+1] float64 (symmetric; sent as the upper triangle)
+    classes: np.ndarray  # [m] int
+    counts: np.ndarray  # [m] int64
+    sums: np.ndarray  # [m, D] float64
+    gram: np.ndarray | None  # [D+1, D+1] float64 (symmetric; sent as the upper triangle)
 
     def nbytes(self) -> int:
-        return message_bytes(len(self.classes), self.sums.shape[1] if self.sums.ndim == 2 else 0,
-                             self.gram is not None)
+        return message_bytes(len(self.classes), self.sums.shape[1] if self.sums.ndim == 2 else 0, self.gram is not None)
 
 
 def message_bytes(num_classes_held: int, dim: int, gram: bool) -> int:
@@ -70,8 +69,9 @@ def message_bytes(num_classes_held: int, dim: int, gram: bool) -> int:
     return b
 
 
-def client_stats(x: np.ndarray | torch.Tensor, y: np.ndarray, num_classes: int, gram: bool,
-                 clip: float | None = None) -> ClientStats:
+def client_stats(
+    x: np.ndarray | torch.Tensor, y: np.ndarray, num_classes: int, gram: bool, clip: float | None = None
+) -> ClientStats:
     """One client's message from its raw features ``x [n, D]`` and labels ``y [n]``; ``clip``: every feature
     vector first scaled to L2 norm at most ``clip`` (differential privacy, :func:`fedhead.dp.clip_rows`)."""
     xt = torch.as_tensor(np.asarray(x), dtype=F64)
@@ -87,8 +87,7 @@ def client_stats(x: np.ndarray | torch.Tensor, y: np.ndarray, num_classes: int, 
     if gram:
         phi = torch.cat([xt, torch.ones(len(xt), 1, dtype=F64)], 1)
         g = (phi.T @ phi).numpy()
-    return ClientStats(held.numpy().astype(np.int64), counts[held].numpy().astype(np.int64),
-                       sums[held].numpy(), g)
+    return ClientStats(held.numpy().astype(np.int64), counts[held].numpy().astype(np.int64), sums[held].numpy(), g)
 
 
 def pack_upper(a: np.ndarray) -> np.ndarray:
@@ -126,7 +125,7 @@ class StatsAccumulator:
             self.set_cof_weights(cc.sum(0), (cc > 0).sum(0))
         self.bytes_up = 0
         self.clients = 0
-        self.noisy = False         # differential privacy added noise to the sums (fedhead.dp.privatize_statistics)
+        self.noisy = False  # differential privacy added noise to the sums (fedhead.dp.privatize_statistics)
 
     def set_cof_weights(self, n_c: np.ndarray, k_c: np.ndarray) -> None:
         """FedCOF's class weights ``a_c = (N_c - 1) / max(1, K_c - 1)`` from the class counts ``N_c`` and the numbers
@@ -134,7 +133,7 @@ class StatsAccumulator:
         empty spread."""
         n_c = np.asarray(n_c, dtype=np.float64)
         k_c = np.asarray(k_c, dtype=np.float64)
-        self.cof_w = torch.as_tensor((n_c - 1.0).clip(0) / np.maximum(1.0, k_c - 1.0), dtype=F64)   # a_c
+        self.cof_w = torch.as_tensor((n_c - 1.0).clip(0) / np.maximum(1.0, k_c - 1.0), dtype=F64)  # a_c
         self.cof_k = torch.as_tensor(k_c, dtype=F64)
         self.spread = torch.zeros(self.D, self.D, dtype=F64)
 
@@ -169,7 +168,7 @@ class StatsAccumulator:
             xb = clip_rows(xb, clip)
         yb = y.index_select(0, it).to(torch.int64)
         key = torch.as_tensor(owner, dtype=torch.int64) * C + yb
-        cnt = torch.bincount(key, minlength=len(parts) * C).to(F64)                  # per client and class
+        cnt = torch.bincount(key, minlength=len(parts) * C).to(F64)  # per client and class
         self.sums.index_add_(0, yb, xb)
         self.counts += cnt.view(len(parts), C).sum(0)
         if self.gram is not None:
@@ -179,7 +178,7 @@ class StatsAccumulator:
             self.gram[D, :D] += colsum
             self.gram[D, D] += float(len(xb))
         if self.cof_w is not None:
-            per = torch.zeros(len(parts) * C, D, dtype=F64).index_add_(0, key, xb)    # the clients' class sums
+            per = torch.zeros(len(parts) * C, D, dtype=F64).index_add_(0, key, xb)  # the clients' class sums
             w = (self.cof_w.repeat(len(parts)) / cnt.clamp_min(1.0)) * (cnt > 0)
             self.spread += (per * w[:, None]).T @ per
         held = (cnt.view(len(parts), C) > 0).sum(1)
@@ -187,9 +186,18 @@ class StatsAccumulator:
         self.clients += len(parts)
 
 
-def accumulate(x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray], num_classes: int, *, gram: bool,
-               cof: bool, block_rows: int = 8192, per_client: bool = False,
-               clip: float | None = None) -> StatsAccumulator:
+def accumulate(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    parts: list[np.ndarray],
+    num_classes: int,
+    *,
+    gram: bool,
+    cof: bool,
+    block_rows: int = 8192,
+    per_client: bool = False,
+    clip: float | None = None,
+) -> StatsAccumulator:
     """Stream every client's message into a :class:`StatsAccumulator`, in blocks of about ``block_rows``
     samples (``per_client``: one :func:`client_stats` message at a time, as a Flower server receives them);
     ``clip``: the clients' per-sample feature-norm clip (differential privacy)."""
@@ -226,12 +234,14 @@ def _spd_solve(a: torch.Tensor, b: torch.Tensor, param: str, fix: str) -> torch.
     L, info = torch.linalg.cholesky_ex(a)
     if int(info) == 0:
         d = L.diagonal().abs()
-        if float(d.min()) > 0 and float(d.max() / d.min()) ** 2 < 1e14:     # condition number under 1e14
+        if float(d.min()) > 0 and float(d.max() / d.min()) ** 2 < 1e14:  # condition number under 1e14
             return torch.cholesky_solve(b, L)
     ev = torch.linalg.eigvalsh(a)
     if float(ev.min()) <= 1e-14 * float(ev.abs().max().clamp_min(1e-300)):
-        raise FedheadError(f"The '{param}' parameter leaves the statistics too ill-conditioned to solve "
-                           f"(condition number over 1e14). {fix}")
+        raise FedheadError(
+            f"The '{param}' parameter leaves the statistics too ill-conditioned to solve "
+            f"(condition number over 1e14). {fix}"
+        )
     return torch.linalg.solve(a, b)
 
 
@@ -259,11 +269,13 @@ class ClosedFormHead(Head):
 
     closed_form = True
     needs_gram = False
-    needs_client_means = False     # cof: the spread of the clients' class means
+    needs_client_means = False  # cof: the spread of the clients' class means
 
     def per_sample(self, logits, y, ctx):
-        raise FedheadError(f"The '--head' parameter {self.name!r} is solved in closed form and has no local loss. "
-                           "Use it as --head, or as --init for an iterative head.")
+        raise FedheadError(
+            f"The '--head' parameter {self.name!r} is solved in closed form and has no local loss. "
+            "Use it as --head, or as --init for an iterative head."
+        )
 
     def solve(self, acc: StatsAccumulator) -> torch.Tensor:
         """``theta [C, D+1]`` (float64) on raw features with a trailing 1."""
@@ -307,7 +319,7 @@ class RidgeHead(ClosedFormHead):
         D = acc.D
         lam = float(self.params["ridge_lambda"])
         a = acc.gram + lam * torch.eye(D + 1, dtype=F64)
-        b = torch.cat([acc.sums, acc.counts[:, None]], 1).T                    # Phi^T Y  [D+1, C]
+        b = torch.cat([acc.sums, acc.counts[:, None]], 1).T  # Phi^T Y  [D+1, C]
         w = _spd_solve(a, b, "--ridge-lambda", f"Got {lam!r}; raise it, e.g. --ridge-lambda 1.").T.contiguous()
         w[acc.counts == 0] = 0.0
         return _normalize_rows(w) if self.params["ridge_normalize"] else w
@@ -336,7 +348,7 @@ class COFHead(ClosedFormHead):
         L, info = torch.linalg.cholesky_ex(G)
         if int(info) == 0:
             w = torch.cholesky_solve(acc.sums.T, L).T
-        else:   # the reference code's pseudo-inverse (gamma = 0 with few clients per class)
+        else:  # the reference code's pseudo-inverse (gamma = 0 with few clients per class)
             w = (torch.linalg.pinv(G, hermitian=True) @ acc.sums.T).T
         w = w.contiguous()
         w[~held] = 0.0
@@ -348,14 +360,14 @@ class COFHead(ClosedFormHead):
         # weights a_c are 1 (N_c >= 2) and the spread is sum_i x_i x_i^T over classes with N_c >= 2.
         yn = y.cpu().numpy()
         n_c = np.bincount(yn, minlength=num_classes)
-        acc = StatsAccumulator(num_classes, x.shape[1], cof_counts=np.diag(n_c))   # a_c from counts only
+        acc = StatsAccumulator(num_classes, x.shape[1], cof_counts=np.diag(n_c))  # a_c from counts only
         acc.cof_w = torch.as_tensor((n_c >= 2).astype(np.float64))
         x64 = x.cpu().to(F64)
         acc.sums.index_add_(0, y.cpu().to(torch.int64), x64)
         acc.counts += torch.as_tensor(n_c, dtype=F64)
         keep = torch.as_tensor(n_c[yn] >= 2)
         for i in range(0, len(yn), 8192):
-            xb = x64[i:i + 8192][keep[i:i + 8192]]
+            xb = x64[i : i + 8192][keep[i : i + 8192]]
             acc.spread += xb.T @ xb
         return self.solve(acc)
 
@@ -376,7 +388,7 @@ class LDAHead(ClosedFormHead):
         N = float(n.sum())
         second = acc.gram[:D, :D]
         within = (second - (mu * n[:, None]).T @ mu) / max(1.0, N - float(held.sum()))
-        if acc.noisy:             # DP noise can make the estimate indefinite: project it (post-processing)
+        if acc.noisy:  # DP noise can make the estimate indefinite: project it (post-processing)
             within = psd_part(within)
         shrink = float(self.params["lda_shrinkage"]) * float(torch.trace(within)) / D
         sigma = within + shrink * torch.eye(D, dtype=F64)

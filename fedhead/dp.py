@@ -54,63 +54,98 @@ def validate_dp(c) -> None:
     if z is None:
         for flag, v in given:
             if v is not None:
-                raise FedheadError(f"The '{flag}' parameter needs --dp-noise-multiplier (differential privacy is on "
-                                   f"only with a noise multiplier). Got {flag} {v!r} alone. Add "
-                                   "--dp-noise-multiplier Z (e.g. 1.0), or drop it.")
+                raise FedheadError(
+                    f"The '{flag}' parameter needs --dp-noise-multiplier (differential privacy is on "
+                    f"only with a noise multiplier). Got {flag} {v!r} alone. Add "
+                    "--dp-noise-multiplier Z (e.g. 1.0), or drop it."
+                )
         if c.aggregate == "dp-fedavg":
-            raise FedheadError("The '--aggregate' parameter dp-fedavg needs --dp-noise-multiplier, --dp-clip and "
-                               "--dp-delta. Got none of them. Give them (the rule is then chosen for you).")
+            raise FedheadError(
+                "The '--aggregate' parameter dp-fedavg needs --dp-noise-multiplier, --dp-clip and "
+                "--dp-delta. Got none of them. Give them (the rule is then chosen for you)."
+            )
         return
-    validate("--dp-noise-multiplier", z, Interval(0, None), "Use 0 for clipping without noise (no privacy), "
-                                                           "e.g. 1.0 for privacy.")
+    validate(
+        "--dp-noise-multiplier",
+        z,
+        Interval(0, None),
+        "Use 0 for clipping without noise (no privacy), e.g. 1.0 for privacy.",
+    )
     if c.dp_clip is None:
-        raise FedheadError(f"The '--dp-clip' parameter is required with --dp-noise-multiplier {z!r}: the noise is "
-                           "calibrated to it. Got none. Add --dp-clip S (an update norm bound, e.g. 0.5, or for a "
-                           "closed-form head a feature-norm bound).")
+        raise FedheadError(
+            f"The '--dp-clip' parameter is required with --dp-noise-multiplier {z!r}: the noise is "
+            "calibrated to it. Got none. Add --dp-clip S (an update norm bound, e.g. 0.5, or for a "
+            "closed-form head a feature-norm bound)."
+        )
     validate("--dp-clip", c.dp_clip, Interval(0, None, closed="neither"), "Use a positive norm bound, e.g. 0.5.")
     if c.dp_delta is None:
-        raise FedheadError(f"The '--dp-delta' parameter is required with --dp-noise-multiplier {z!r}: epsilon is "
-                           "reported at it. Got none. Add --dp-delta D, below 1/(number of clients), e.g. 1e-5.")
-    validate("--dp-delta", c.dp_delta, Interval(0, 1, closed="neither"), "Use a delta below 1/(number of "
-                                                                         "clients), e.g. 1e-5.")
+        raise FedheadError(
+            f"The '--dp-delta' parameter is required with --dp-noise-multiplier {z!r}: epsilon is "
+            "reported at it. Got none. Add --dp-delta D, below 1/(number of clients), e.g. 1e-5."
+        )
+    validate(
+        "--dp-delta",
+        c.dp_delta,
+        Interval(0, 1, closed="neither"),
+        "Use a delta below 1/(number of clients), e.g. 1e-5.",
+    )
     if c.dp_feature_clip is not None:
-        validate("--dp-feature-clip", c.dp_feature_clip, Interval(0, None, closed="neither"),
-                 "Use a positive feature-norm bound, e.g. the median feature norm of the store.")
+        validate(
+            "--dp-feature-clip",
+            c.dp_feature_clip,
+            Interval(0, None, closed="neither"),
+            "Use a positive feature-norm bound, e.g. the median feature norm of the store.",
+        )
     for flag, name in (("--head", c.head), ("--init", c.init)):
         if name == "cof":
-            raise FedheadError(f"The '{flag}' parameter cof cannot be combined with --dp-noise-multiplier: FedCOF's "
-                               "server needs each client's class counts and means, not only their sums, so noise "
-                               "on the sum protects nothing. Got cof. Use ncm, ridge or lda.")
+            raise FedheadError(
+                f"The '{flag}' parameter cof cannot be combined with --dp-noise-multiplier: FedCOF's "
+                "server needs each client's class counts and means, not only their sums, so noise "
+                "on the sum protects nothing. Got cof. Use ncm, ridge or lda."
+            )
     if is_closed_form(c.head):
         if c.dp_feature_clip is not None:
-            raise FedheadError(f"The '--dp-feature-clip' parameter does not apply to the closed-form head {c.head!r}: "
-                               f"its --dp-clip is the feature-norm clip. Got --dp-feature-clip {c.dp_feature_clip!r}. "
-                               "Drop it.")
+            raise FedheadError(
+                f"The '--dp-feature-clip' parameter does not apply to the closed-form head {c.head!r}: "
+                f"its --dp-clip is the feature-norm clip. Got --dp-feature-clip {c.dp_feature_clip!r}. "
+                "Drop it."
+            )
         return
     if c.aggregate not in ("fedavg", "dp-fedavg"):
-        raise FedheadError(f"The '--aggregate' parameter {c.aggregate} cannot be combined with "
-                           "--dp-noise-multiplier: DP-FedAvg is the rule (every client's clipped update counts "
-                           "alike), and a per-class or user rule has another sensitivity. Got "
-                           f"--aggregate {c.aggregate}. Drop --aggregate, or drop the DP options.")
+        raise FedheadError(
+            f"The '--aggregate' parameter {c.aggregate} cannot be combined with "
+            "--dp-noise-multiplier: DP-FedAvg is the rule (every client's clipped update counts "
+            "alike), and a per-class or user rule has another sensitivity. Got "
+            f"--aggregate {c.aggregate}. Drop --aggregate, or drop the DP options."
+        )
     c.aggregate = "dp-fedavg"
     if c.scaffold:
-        raise FedheadError("The '--scaffold' option cannot be combined with --dp-noise-multiplier: the control "
-                           "variates go to the server without clipping or noise. Got --scaffold. Drop one of them "
-                           "(--prox-mu and --server-opt are fine with DP).")
+        raise FedheadError(
+            "The '--scaffold' option cannot be combined with --dp-noise-multiplier: the control "
+            "variates go to the server without clipping or noise. Got --scaffold. Drop one of them "
+            "(--prox-mu and --server-opt are fine with DP)."
+        )
     if c.calibrate != "none":
-        raise FedheadError(f"The '--calibrate' parameter {c.calibrate} cannot be combined with "
-                           "--dp-noise-multiplier: CCVR sends class means and covariances without noise. Got "
-                           f"--calibrate {c.calibrate}. Drop it.")
-    stats = [f for f, on in (("--center", c.center), ("--scale rms", c.scale == "rms"),
-                             (f"--init {c.init}", c.init)) if on]
+        raise FedheadError(
+            f"The '--calibrate' parameter {c.calibrate} cannot be combined with "
+            "--dp-noise-multiplier: CCVR sends class means and covariances without noise. Got "
+            f"--calibrate {c.calibrate}. Drop it."
+        )
+    stats = [
+        f for f, on in (("--center", c.center), ("--scale rms", c.scale == "rms"), (f"--init {c.init}", c.init)) if on
+    ]
     if stats and c.dp_feature_clip is None:
-        raise FedheadError(f"The '--dp-feature-clip' parameter is required: this run also sends feature statistics "
-                           f"({', '.join(stats)}), whose noise is calibrated to a per-sample feature-norm bound. Got "
-                           "none. Add --dp-feature-clip S (e.g. the median feature norm), or drop them (--no-center: "
-                           "centring is on in the default recipe).")
+        raise FedheadError(
+            f"The '--dp-feature-clip' parameter is required: this run also sends feature statistics "
+            f"({', '.join(stats)}), whose noise is calibrated to a per-sample feature-norm bound. Got "
+            "none. Add --dp-feature-clip S (e.g. the median feature norm), or drop them (--no-center: "
+            "centring is on in the default recipe)."
+        )
     if not stats and c.dp_feature_clip is not None:
-        raise FedheadError(f"The '--dp-feature-clip' parameter has nothing to clip: this run sends no feature "
-                           f"statistics (no --center, --scale rms or --init). Got {c.dp_feature_clip!r}. Drop it.")
+        raise FedheadError(
+            f"The '--dp-feature-clip' parameter has nothing to clip: this run sends no feature "
+            f"statistics (no --center, --scale rms or --init). Got {c.dp_feature_clip!r}. Drop it."
+        )
 
 
 def feature_clip(cfg) -> float | None:
@@ -180,12 +215,12 @@ def statistics_vector(acc, bound: float) -> torch.Tensor:
 
 def _set_statistics_vector(acc, v: torch.Tensor, bound: float) -> None:
     C, D = acc.C, acc.D
-    acc.sums = (v[:C * D] * bound).reshape(C, D)
-    acc.counts = v[C * D:C * D + C].clone()
+    acc.sums = (v[: C * D] * bound).reshape(C, D)
+    acc.counts = v[C * D : C * D + C].clone()
     if acc.gram is not None:
         scale, iu = _gram_scale(D, bound)
         g = torch.zeros(D + 1, D + 1, dtype=torch.float64)
-        g[iu[0], iu[1]] = v[C * D + C:] / scale
+        g[iu[0], iu[1]] = v[C * D + C :] / scale
         acc.gram = g + torch.triu(g, 1).T
 
 
@@ -197,8 +232,10 @@ def privatize_statistics(acc, cfg, seed: int):
     if not enabled(cfg):
         return acc
     if getattr(acc, "cof_w", None) is not None:
-        raise FedheadError("The 'cof' statistics cannot be privatised (FedCOF needs per-client means). Use ncm, "
-                           "ridge or lda with --dp-noise-multiplier.")
+        raise FedheadError(
+            "The 'cof' statistics cannot be privatised (FedCOF needs per-client means). Use ncm, "
+            "ridge or lda with --dp-noise-multiplier."
+        )
     bound = feature_clip(cfg)
     v = statistics_vector(acc, bound)
     std = cfg.dp_noise_multiplier * statistics_sensitivity(acc.gram is not None)
@@ -207,7 +244,7 @@ def privatize_statistics(acc, cfg, seed: int):
         from .closedform import psd_part
 
         acc.gram = psd_part(acc.gram)
-    acc.noisy = True              # lda projects its covariance estimate too
+    acc.noisy = True  # lda projects its covariance estimate too
     return acc
 
 
@@ -224,7 +261,7 @@ def noisy_feature_sums(total: np.ndarray, sq: float, n, cfg, seed: int):
     g = gaussian((D + 2,), cfg.dp_noise_multiplier * feature_sums_sensitivity(rms), seed, 0, "features").numpy()
     total = np.asarray(total, dtype=np.float64) + g[:D] * bound
     n = float(n) + g[D]
-    if rms:                       # the squared norms are released only when the scale uses them
+    if rms:  # the squared norms are released only when the scale uses them
         sq = float(sq) + g[D + 1] * bound * bound
     return total, sq, n
 
@@ -238,8 +275,10 @@ def _accounting():
         from dp_accounting import dp_event, rdp
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.split(".")[0] == "dp_accounting":
-            raise FedheadError("The '--dp-noise-multiplier' option needs the dp-accounting package for its "
-                               f"accountant, which is not installed. Install the extra: {INSTALL_HINT}") from None
+            raise FedheadError(
+                "The '--dp-noise-multiplier' option needs the dp-accounting package for its "
+                f"accountant, which is not installed. Install the extra: {INSTALL_HINT}"
+            ) from None
         raise
     return dp_accounting, dp_event, rdp
 
@@ -283,7 +322,7 @@ def _rdp_of(q: float, z: float) -> tuple[np.ndarray, np.ndarray]:
 def _epsilon(orders: np.ndarray, rdp_vec: np.ndarray, delta: float) -> float:
     _, _, rdp = _accounting()
     if not np.any(rdp_vec):
-        return 0.0                                    # nothing released yet
+        return 0.0  # nothing released yet
     with _quiet_absl():
         return float(rdp.compute_epsilon(orders, rdp_vec, delta)[0])
 
@@ -309,16 +348,16 @@ def epsilon_schedule(cfg, last_round: int) -> dict[int, dict]:
     orders, one_round = _rdp_of(q, z)
     stats_rdp = np.zeros_like(one_round)
     if not closed and (cfg.center or cfg.scale == "rms"):
-        stats_rdp = stats_rdp + _rdp_of(1.0, z)[1]          # every client, once, before round 1
+        stats_rdp = stats_rdp + _rdp_of(1.0, z)[1]  # every client, once, before round 1
     if closed or cfg.init:
-        stats_rdp = stats_rdp + one_round                           # the round-1 sample of clients
+        stats_rdp = stats_rdp + one_round  # the round-1 sample of clients
     eps_stats = _epsilon(orders, stats_rdp, delta) if np.any(stats_rdp) else None
     out = {}
     for rnd in range(1, last_round + 1):
         if closed:
             row = {"dp_epsilon": eps_stats}
         else:
-            trained = rnd - (1 if cfg.init else 0)                  # round 1 of an --init run is the exchange
+            trained = rnd - (1 if cfg.init else 0)  # round 1 of an --init run is the exchange
             row = {"dp_epsilon": _epsilon(orders, trained * one_round, delta) if trained else 0.0}
         if eps_stats is not None:
             row["dp_epsilon_statistics"] = eps_stats
@@ -330,19 +369,23 @@ def summary_fields(cfg, schedule: dict[int, dict]) -> dict:
     """What summary.json records about DP (``{}`` without it): the final epsilon, its delta and how it was got."""
     if not enabled(cfg) or not schedule:
         return {}
-    from .closedform import is_closed_form
-
     from importlib.metadata import version
+
+    from .closedform import is_closed_form
 
     _accounting()
     last = schedule[max(schedule)]
     closed = is_closed_form(cfg.head)
-    out = {"dp_epsilon": last["dp_epsilon"], "dp_delta": float(cfg.dp_delta),
-           "dp_level": "sample" if closed else "client",
-           "dp_noise_multiplier": float(cfg.dp_noise_multiplier), "dp_clip": float(cfg.dp_clip),
-           "dp_sampling_rate": sampling_rate(cfg),
-           "dp_accountant": f"RDP, dp-accounting {version('dp-accounting')}: Poisson-subsampled Gaussian at the "
-                            "sampling rate, add-or-remove-one neighbours"}
+    out = {
+        "dp_epsilon": last["dp_epsilon"],
+        "dp_delta": float(cfg.dp_delta),
+        "dp_level": "sample" if closed else "client",
+        "dp_noise_multiplier": float(cfg.dp_noise_multiplier),
+        "dp_clip": float(cfg.dp_clip),
+        "dp_sampling_rate": sampling_rate(cfg),
+        "dp_accountant": f"RDP, dp-accounting {version('dp-accounting')}: Poisson-subsampled Gaussian at the "
+        "sampling rate, add-or-remove-one neighbours",
+    }
     if "dp_epsilon_statistics" in last:
         out["dp_epsilon_statistics"] = last["dp_epsilon_statistics"]
         out["dp_feature_clip"] = feature_clip(cfg)

@@ -55,12 +55,12 @@ from .util import flush_denormals
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"          # adamw | sgd
+    name: str = "adamw"  # adamw | sgd
     lr: float = 0.01
     weight_decay: float = 1e-4
-    momentum: float = 0.9        # sgd only
+    momentum: float = 0.9  # sgd only
     betas: tuple = (0.9, 0.999)  # adamw only
-    eps: float = 1e-8            # adamw only
+    eps: float = 1e-8  # adamw only
 
     def __post_init__(self):
         validate("--optimizer", self.name, OneOf(("adamw", "sgd")))
@@ -77,7 +77,7 @@ class OptimConfig:
 class LocalConfig:
     epochs: int = 3
     batch_size: int = 50
-    steps: int | None = None     # fixed local steps per round (every client the same); None: ``epochs`` epochs
+    steps: int | None = None  # fixed local steps per round (every client the same); None: ``epochs`` epochs
 
     @property
     def plan_epochs(self) -> int:
@@ -87,10 +87,10 @@ class LocalConfig:
 
 @dataclass
 class RoundStats:
-    loss_sum: float = 0.0         # sum over clients of their mean step loss
+    loss_sum: float = 0.0  # sum over clients of their mean step loss
     clients: int = 0
-    compute_s: float = 0.0        # wall seconds spent training (all blocks)
-    server_s: float = 0.0         # wall seconds spent aggregating
+    compute_s: float = 0.0  # wall seconds spent training (all blocks)
+    server_s: float = 0.0  # wall seconds spent aggregating
 
 
 @dataclass(eq=False)
@@ -121,11 +121,11 @@ class ScaffoldState:
     :meth:`add_deltas` and runs :meth:`server_update`.
     """
 
-    c: torch.Tensor                     # [C, D+1] server control variate
-    ck: torch.Tensor                    # [M, C, D+1] client control variates held (all N by default: row k = client k)
+    c: torch.Tensor  # [C, D+1] server control variate
+    ck: torch.Tensor  # [M, C, D+1] client control variates held (all N by default: row k = client k)
     pending: torch.Tensor | None = None  # [C, D+1] float64: sum of client deltas not yet applied to c
-    held: torch.Tensor | None = None    # [M] sorted ids of the clients in ``ck`` when only some are held; None: all
-    total: int | None = None            # N when only some are held (c's update divides by it)
+    held: torch.Tensor | None = None  # [M] sorted ids of the clients in ``ck`` when only some are held; None: all
+    total: int | None = None  # N when only some are held (c's update divides by it)
 
     def __post_init__(self):
         if self.pending is None:
@@ -133,25 +133,32 @@ class ScaffoldState:
 
     @classmethod
     def zeros(cls, num_clients: int, C: int, D1: int, device, dtype=torch.float32) -> "ScaffoldState":
-        return cls(c=torch.zeros(C, D1, device=device, dtype=dtype),
-                   ck=torch.zeros(num_clients, C, D1, device=device, dtype=dtype))
+        return cls(
+            c=torch.zeros(C, D1, device=device, dtype=dtype),
+            ck=torch.zeros(num_clients, C, D1, device=device, dtype=dtype),
+        )
 
     @classmethod
-    def held_by(cls, ids, c: torch.Tensor, ck: torch.Tensor | None = None,
-                num_clients: int | None = None) -> "ScaffoldState":
+    def held_by(
+        cls, ids, c: torch.Tensor, ck: torch.Tensor | None = None, num_clients: int | None = None
+    ) -> "ScaffoldState":
         """The variates of the clients ``ids`` only: a Flower node holds its own (``ids = [k]``, ``ck [1, C, D+1]``
         from its last round, zeros when None), the Flower server none (``ids = []``) but knows ``num_clients``
         (N) for :meth:`server_update`. ``c`` is the server's variate as received (not copied)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         order = np.argsort(ids, kind="stable")
         if len(np.unique(ids)) != len(ids):
-            raise FedheadError(f"The 'ids' parameter of ScaffoldState.held_by must list distinct clients. Got "
-                               f"{ids.tolist()} instead. Give each client once.")
+            raise FedheadError(
+                f"The 'ids' parameter of ScaffoldState.held_by must list distinct clients. Got "
+                f"{ids.tolist()} instead. Give each client once."
+            )
         if ck is None:
             ck = torch.zeros((len(ids), *c.shape), device=c.device, dtype=c.dtype)
         elif tuple(ck.shape) != (len(ids), *c.shape):
-            raise FedheadError(f"The 'ck' parameter of ScaffoldState.held_by must have shape {(len(ids), *c.shape)} "
-                               f"(one variate per id, shaped like c). Got {tuple(ck.shape)} instead.")
+            raise FedheadError(
+                f"The 'ck' parameter of ScaffoldState.held_by must have shape {(len(ids), *c.shape)} "
+                f"(one variate per id, shaped like c). Got {tuple(ck.shape)} instead."
+            )
         else:
             ck = ck.index_select(0, torch.as_tensor(order, device=ck.device))
         return cls(c=c, ck=ck, held=torch.as_tensor(ids[order], device=c.device), total=num_clients)
@@ -162,8 +169,10 @@ class ScaffoldState:
         if self.total is not None:
             return int(self.total)
         if self.held is not None:
-            raise FedheadError("The 'num_clients' parameter of ScaffoldState.held_by is needed to update the "
-                               "server's c (it divides by N). Got None instead. Give the federation's --clients.")
+            raise FedheadError(
+                "The 'num_clients' parameter of ScaffoldState.held_by is needed to update the "
+                "server's c (it divides by N). Got None instead. Give the federation's --clients."
+            )
         return self.ck.shape[0]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -174,9 +183,11 @@ class ScaffoldState:
         pos = torch.searchsorted(held, ids).clamp_(max=max(len(held) - 1, 0))
         if len(held) == 0 or not torch.equal(held[pos], ids):
             missing = sorted(set(ids.tolist()) - set(held.tolist()))
-            raise FedheadError(f"The SCAFFOLD state holds the control variates of clients {held.tolist()}, not of "
-                               f"client(s) {missing}. Build it with ScaffoldState.held_by(ids, c, ck) for the "
-                               "clients it trains.")
+            raise FedheadError(
+                f"The SCAFFOLD state holds the control variates of clients {held.tolist()}, not of "
+                f"client(s) {missing}. Build it with ScaffoldState.held_by(ids, c, ck) for the "
+                "clients it trains."
+            )
         return pos
 
     @property
@@ -191,9 +202,11 @@ class ScaffoldState:
         for name in ("c", "ck"):
             mine, got = getattr(self, name), d[name]
             if tuple(got.shape) != tuple(mine.shape):
-                raise FedheadError(f"The checkpoint's SCAFFOLD variate '{name}' has shape {tuple(got.shape)}, but this "
-                                   f"run needs {tuple(mine.shape)}. Resume with the same --clients, features and "
-                                   f"head, or start a fresh --out directory.")
+                raise FedheadError(
+                    f"The checkpoint's SCAFFOLD variate '{name}' has shape {tuple(got.shape)}, but this "
+                    f"run needs {tuple(mine.shape)}. Resume with the same --clients, features and "
+                    f"head, or start a fresh --out directory."
+                )
             mine.copy_(got)
         self.pending.zero_()
 
@@ -203,8 +216,9 @@ class ScaffoldState:
         out = torch.index_select(self.ck, 0, rows, out=out) if out is not None else self.ck.index_select(0, rows)
         return out.neg_().add_(self.c)
 
-    def client_update(self, ids: torch.Tensor, theta: torch.Tensor, w: torch.Tensor, steps, lr: float,
-                      out: torch.Tensor | None = None) -> None:
+    def client_update(
+        self, ids: torch.Tensor, theta: torch.Tensor, w: torch.Tensor, steps, lr: float, out: torch.Tensor | None = None
+    ) -> None:
         """``c_k <- c_k - c + (theta - w_k) / (steps_k * lr)`` in place for the clients ``ids`` trained to
         ``w [len(ids), C, D+1]``; their deltas ``c_k+ - c_k`` are added to :attr:`pending`. Clients with no step
         keep their variate. ``out``: optional scratch ``[len(ids), C, D+1]``."""
@@ -217,7 +231,7 @@ class ScaffoldState:
             ids, w, steps, out = ids[sel.to(ids.device)], w.index_select(0, sel), steps[keep], None
         scale = torch.as_tensor(1.0 / (steps * lr), device=w.device).to(w.dtype).view(-1, 1, 1)
         d = torch.sub(theta.to(w.dtype), w, out=out) if out is not None else theta.to(w.dtype) - w
-        d.mul_(scale).sub_(self.c)                              # c_k+ - c_k = (theta - w_k) / (K_k eta) - c
+        d.mul_(scale).sub_(self.c)  # c_k+ - c_k = (theta - w_k) / (K_k eta) - c
         self.ck.index_add_(0, self.rows(ids), d.to(self.ck.dtype))
         self.add_deltas(d)
 
@@ -255,7 +269,7 @@ def step_plan(part: np.ndarray, seed: int, rnd: int, cid: int, steps: int, batch
     b = min(batch, n)
     epochs = -(-steps * b // n)
     idx, u = client_plan(part, seed, rnd, cid, epochs)
-    return idx.reshape(-1)[:steps * b].reshape(steps, b), u.reshape(-1)[:steps * b].reshape(steps, b)
+    return idx.reshape(-1)[: steps * b].reshape(steps, b), u.reshape(-1)[: steps * b].reshape(steps, b)
 
 
 def local_plan(part: np.ndarray, seed: int, rnd: int, cid: int, local: LocalConfig, width: int):
@@ -287,12 +301,34 @@ def _fused_available(name: str, device) -> bool:
             w = [torch.zeros(2, device=device)]
             g = [torch.ones(2, device=device)]
             if name == "adamw":
-                torch._fused_adamw_(w, g, [torch.zeros(2, device=device)], [torch.zeros(2, device=device)], [],
-                                    [torch.ones((), device=device)], lr=0.1, beta1=0.9, beta2=0.999,
-                                    weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+                torch._fused_adamw_(
+                    w,
+                    g,
+                    [torch.zeros(2, device=device)],
+                    [torch.zeros(2, device=device)],
+                    [],
+                    [torch.ones((), device=device)],
+                    lr=0.1,
+                    beta1=0.9,
+                    beta2=0.999,
+                    weight_decay=0.0,
+                    eps=1e-8,
+                    amsgrad=False,
+                    maximize=False,
+                )
             else:
-                torch._fused_sgd_(w, g, [torch.zeros(2, device=device)], weight_decay=0.0, momentum=0.9,
-                                  lr=0.1, dampening=0.0, nesterov=False, maximize=False, is_first_step=False)
+                torch._fused_sgd_(
+                    w,
+                    g,
+                    [torch.zeros(2, device=device)],
+                    weight_decay=0.0,
+                    momentum=0.9,
+                    lr=0.1,
+                    dampening=0.0,
+                    nesterov=False,
+                    maximize=False,
+                    is_first_step=False,
+                )
             _FUSED_OK[key] = bool(torch.isfinite(w[0]).all()) and float(w[0][0]) < 0
         except (AttributeError, RuntimeError, NotImplementedError, TypeError):
             _FUSED_OK[key] = False
@@ -309,9 +345,8 @@ def _groups(ends: list[int], *stacks, contiguous: bool = False) -> dict:
     (clients of a run share their step count). A stack of ``None`` stays ``None``."""
     out = {}
     for i, k in enumerate(ends):
-        bounds = [(0, k)] if contiguous else list(zip([0] + ends[:i], ends[:i + 1]))
-        out[k] = tuple(None if st is None else [st[a:b] if st.dim() > 1 else st[a] for a, b in bounds]
-                       for st in stacks)
+        bounds = [(0, k)] if contiguous else list(zip([0] + ends[:i], ends[: i + 1]))
+        out[k] = tuple(None if st is None else [st[a:b] if st.dim() > 1 else st[a] for a, b in bounds] for st in stacks)
     return out
 
 
@@ -352,8 +387,21 @@ class StackedAdamW:
         if self.fused:
             ws, gs, ms, vs, cs = self.groups[k]
             self.count[:k].add_(1.0)
-            torch._fused_adamw_(ws, gs, ms, vs, [], cs, lr=c.lr, beta1=b1, beta2=b2,
-                                weight_decay=c.weight_decay, eps=c.eps, amsgrad=False, maximize=False)
+            torch._fused_adamw_(
+                ws,
+                gs,
+                ms,
+                vs,
+                [],
+                cs,
+                lr=c.lr,
+                beta1=b1,
+                beta2=b2,
+                weight_decay=c.weight_decay,
+                eps=c.eps,
+                amsgrad=False,
+                maximize=False,
+            )
             return
         w, g = self.w[:k], self.g[:k]
         m, v, tmp = self.m[:k], self.v[:k], self.tmp[:k]
@@ -365,8 +413,8 @@ class StackedAdamW:
         v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
         shape = (-1,) + (1,) * (v.dim() - 1)
         # bias corrections per client, computed in float64 and applied in the state's dtype
-        bc2_sqrt = (1.0 - b2 ** steps).sqrt().to(v.dtype).view(shape)
-        step_size = (c.lr / (1.0 - b1 ** steps)).to(v.dtype).view(shape)
+        bc2_sqrt = (1.0 - b2**steps).sqrt().to(v.dtype).view(shape)
+        step_size = (c.lr / (1.0 - b1**steps)).to(v.dtype).view(shape)
         torch.sqrt(v, out=tmp)
         tmp.div_(bc2_sqrt).add_(c.eps)
         torch.div(m, tmp, out=tmp)
@@ -386,19 +434,29 @@ class StackedSGD:
         k = w.shape[0]
         self.w, self.g = w, g
         if self.buf is not None:
-            self.buf[:k].zero_()          # zero momentum: the first step's buffer is the gradient, as in torch
+            self.buf[:k].zero_()  # zero momentum: the first step's buffer is the gradient, as in torch
         if self.fused:
             # SGD has no step count: every prefix is one tensor
-            self.groups = _groups(list(range(1, k + 1)), w, g, self.buf[:k] if self.buf is not None else None,
-                                  contiguous=True)
+            self.groups = _groups(
+                list(range(1, k + 1)), w, g, self.buf[:k] if self.buf is not None else None, contiguous=True
+            )
 
     def step(self, k: int) -> None:
         c = self.cfg
         if self.fused:
             ws, gs, bs = self.groups[k]
-            torch._fused_sgd_(ws, gs, bs if bs is not None else [], weight_decay=c.weight_decay,
-                              momentum=c.momentum, lr=c.lr, dampening=0.0, nesterov=False, maximize=False,
-                              is_first_step=False)
+            torch._fused_sgd_(
+                ws,
+                gs,
+                bs if bs is not None else [],
+                weight_decay=c.weight_decay,
+                momentum=c.momentum,
+                lr=c.lr,
+                dampening=0.0,
+                nesterov=False,
+                maximize=False,
+                is_first_step=False,
+            )
             return
         w, g = self.w[:k], self.g[:k]
         if c.weight_decay:
@@ -416,10 +474,10 @@ def make_stacked_optimizer(cfg: OptimConfig, shape, device, fused: bool | None =
 
 def make_torch_optimizer(cfg: OptimConfig, params):
     if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                 weight_decay=cfg.weight_decay, foreach=False)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                           foreach=False)
+        return torch.optim.AdamW(
+            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False
+        )
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=False)
 
 
 # ---------------------------------------------------------------- the engine
@@ -429,10 +487,10 @@ def make_torch_optimizer(cfg: OptimConfig, params):
 class ClientSet:
     """The federation's training data as the engine sees it (all on the training device)."""
 
-    x: torch.Tensor                 # [N, D+1] prepared features with a trailing 1
-    y: torch.Tensor                 # [N] local (possibly noisy) labels
-    parts: list[np.ndarray]         # client -> global sample indices
-    counts: np.ndarray              # [K, C] local class counts (after noise)
+    x: torch.Tensor  # [N, D+1] prepared features with a trailing 1
+    y: torch.Tensor  # [N] local (possibly noisy) labels
+    parts: list[np.ndarray]  # client -> global sample indices
+    counts: np.ndarray  # [K, C] local class counts (after noise)
     num_classes: int
 
     @property
@@ -440,24 +498,35 @@ class ClientSet:
         return np.array([len(p) for p in self.parts], dtype=np.int64)
 
 
-DEFAULT_TILE_MB = 256.0    # CPU: optimizer state (head, gradient, two moments) of one tile of clients
+DEFAULT_TILE_MB = 256.0  # CPU: optimizer state (head, gradient, two moments) of one tile of clients
 
 
 class Engine:
     """Trains the selected clients of a round and streams them into an aggregator."""
 
-    def __init__(self, data: ClientSet, head: Head, optim: OptimConfig, local: LocalConfig, *,
-                 backend: str = "vectorized", block_clients: int | None = None,
-                 memory_budget_mb: float = 1536.0, tile_clients: int | None = None,
-                 tile_mb: float = DEFAULT_TILE_MB, fused: bool | None = None, closed_form: bool = True):
+    def __init__(
+        self,
+        data: ClientSet,
+        head: Head,
+        optim: OptimConfig,
+        local: LocalConfig,
+        *,
+        backend: str = "vectorized",
+        block_clients: int | None = None,
+        memory_budget_mb: float = 1536.0,
+        tile_clients: int | None = None,
+        tile_mb: float = DEFAULT_TILE_MB,
+        fused: bool | None = None,
+        closed_form: bool = True,
+    ):
         validate("--backend", backend, OneOf(BACKENDS))
         self.data, self.head, self.optim, self.local, self.backend = data, head, optim, local, backend
         self.device = data.x.device
         C, D1 = data.num_classes, data.x.shape[1]
-        state = C * D1 * 4                                   # one client's head in bytes
+        state = C * D1 * 4  # one client's head in bytes
         B, E = local.batch_size, local.plan_epochs
         steps = local.steps or int(max((-(-len(p) // B) for p in data.parts), default=1))
-        plan = E * steps * B * (8 + 4 + 4)                   # idx, mask, uniforms
+        plan = E * steps * B * (8 + 4 + 4)  # idx, mask, uniforms
         if self.device.type == "cpu":
             # the block holds the trained heads (and their reordered copy); the optimizer state is per tile
             self.tile_clients = tile_clients or max(1, int(tile_mb * 2**20 // (4 * state)))
@@ -470,15 +539,23 @@ class Engine:
             fixed = 0
         auto = max(1, int((memory_budget_mb * 2**20 - fixed) // per_client))
         self.block_clients = block_clients or auto
-        self.fused = fused                                   # None: torch's fused kernel where it runs
+        self.fused = fused  # None: torch's fused kernel where it runs
         self.closed_form = closed_form and callable(getattr(head, "loss_and_grad", None))
-        self._work: dict = {}                                # workspace reused across blocks and rounds
+        self._work: dict = {}  # workspace reused across blocks and rounds
 
     # -- public --------------------------------------------------------------------------------------
 
-    def run_round(self, theta: torch.Tensor, selected: np.ndarray, seed: int, rnd: int,
-                  aggregator: str | Aggregator, *, prox_mu: float = 0.0,
-                  scaffold: ScaffoldState | None = None) -> tuple[torch.Tensor, RoundStats]:
+    def run_round(
+        self,
+        theta: torch.Tensor,
+        selected: np.ndarray,
+        seed: int,
+        rnd: int,
+        aggregator: str | Aggregator,
+        *,
+        prox_mu: float = 0.0,
+        scaffold: ScaffoldState | None = None,
+    ) -> tuple[torch.Tensor, RoundStats]:
         """Local training of ``selected`` clients from ``theta [C, D+1]``; returns the aggregate and stats.
 
         ``prox_mu``: FedProx's ``mu`` (0: plain local training, no extra operation). ``scaffold``: SCAFFOLD's
@@ -487,12 +564,12 @@ class Engine:
         no sample do not train and count as not participating."""
         self._check_scaffold(theta, scaffold)
         if self.device.type == "cpu":
-            flush_denormals()            # a decaying optimizer state must not fall into slow subnormal arithmetic
+            flush_denormals()  # a decaying optimizer state must not fall into slow subnormal arithmetic
         acc = Accumulator(aggregator, theta, seed=seed, rnd=rnd, sampled=len(selected))
         stats = RoundStats()
         active = [int(k) for k in selected if len(self.data.parts[k]) > 0]
         for b in range(0, len(active), self.block_clients):
-            block = active[b:b + self.block_clients]
+            block = active[b : b + self.block_clients]
             t0 = time.perf_counter()
             w, sizes, holds, losses = self._block(theta, block, seed, rnd, True, prox_mu, scaffold)
             if self.device.type == "cuda":
@@ -514,8 +591,16 @@ class Engine:
         stats.server_s += time.perf_counter() - t1
         return out, stats
 
-    def train_block(self, theta: torch.Tensor, block: list[int], seed: int, rnd: int, *, prox_mu: float = 0.0,
-                    scaffold: ScaffoldState | None = None):
+    def train_block(
+        self,
+        theta: torch.Tensor,
+        block: list[int],
+        seed: int,
+        rnd: int,
+        *,
+        prox_mu: float = 0.0,
+        scaffold: ScaffoldState | None = None,
+    ):
         """Return the locally trained heads ``[K, C, D+1]`` (block order), sizes, holds and mean losses.
 
         ``prox_mu`` and ``scaffold`` as in :meth:`run_round`, except that the server's ``c`` is left alone: the
@@ -527,12 +612,16 @@ class Engine:
         return self._block(theta, block, seed, rnd, False, prox_mu, scaffold)
 
     def _check_scaffold(self, theta, scaffold):
-        if scaffold is not None and (tuple(scaffold.c.shape) != tuple(theta.shape)
-                                     or (scaffold.held is None and scaffold.num_clients < len(self.data.parts))):
-            raise FedheadError(f"The SCAFFOLD state holds {scaffold.ck.shape[0]} client variates of shape "
-                               f"{tuple(scaffold.c.shape)}, but the federation has {len(self.data.parts)} clients "
-                               f"and a head of shape {tuple(theta.shape)}. Build it with ScaffoldState.zeros("
-                               f"num_clients, C, D+1, device) for this federation.")
+        if scaffold is not None and (
+            tuple(scaffold.c.shape) != tuple(theta.shape)
+            or (scaffold.held is None and scaffold.num_clients < len(self.data.parts))
+        ):
+            raise FedheadError(
+                f"The SCAFFOLD state holds {scaffold.ck.shape[0]} client variates of shape "
+                f"{tuple(scaffold.c.shape)}, but the federation has {len(self.data.parts)} clients "
+                f"and a head of shape {tuple(theta.shape)}. Build it with ScaffoldState.zeros("
+                f"num_clients, C, D+1, device) for this federation."
+            )
 
     def _block(self, theta, block, seed, rnd, reuse: bool, prox_mu: float = 0.0, scaffold=None):
         # reuse: the heads may live in the engine's workspace (valid until the next block; run_round only)
@@ -551,7 +640,7 @@ class Engine:
         n = math.prod(shape)
         buf = self._work.get(name)
         if buf is None or buf.numel() < n or buf.dtype != dtype:
-            self._work[name] = buf = None                     # free before allocating the larger one
+            self._work[name] = buf = None  # free before allocating the larger one
             buf = self._work[name] = torch.empty(n, device=self.device, dtype=dtype)
         return buf[:n].view(shape)
 
@@ -569,7 +658,7 @@ class Engine:
         K, (C, D1) = len(block), theta.shape
         sizes = np.array([len(self.data.parts[k]) for k in block])
         steps = np.full(K, self.local.steps) if self.local.steps else -(-sizes // B)
-        order = np.argsort(-steps, kind="stable")              # longest first: active clients = prefix
+        order = np.argsort(-steps, kind="stable")  # longest first: active clients = prefix
         S = int(steps.max())
         idx = np.zeros((K, E, S * B), dtype=np.int64)
         msk = np.zeros((K, E, S * B), dtype=np.float32)
@@ -588,35 +677,36 @@ class Engine:
 
         T = min(K, self.tile_clients or K)
         w = self._buffer("w", (K, C, D1))
-        w.copy_(theta.expand(K, C, D1))      # a real copy per client (expand(1, ...).contiguous() would alias theta)
+        w.copy_(theta.expand(K, C, D1))  # a real copy per client (expand(1, ...).contiguous() would alias theta)
         grad = self._buffer("grad", (T, C, D1))
         xbuf = self._buffer("x", (T * B, D1), self.data.x.dtype)
         opt = self._optimizer(T, C, D1)
         loss_sum = torch.zeros(K, device=dev, dtype=torch.float64)
         x, y, head = self.data.x, self.data.y, self.head
-        mu_theta = theta.to(w.dtype) * prox_mu if prox_mu else None    # FedProx: mu (W - theta) = mu W - mu theta
+        mu_theta = theta.to(w.dtype) * prox_mu if prox_mu else None  # FedProx: mu (W - theta) = mu W - mu theta
         if scaffold is not None:
             ids_sorted = torch.as_tensor(np.asarray(block, dtype=np.int64)[order], device=scaffold.ck.device)
-            corr = self._buffer("scaffold", (T, C, D1))                      # c - c_k of the tile, sorted order
-        for j0 in range(0, K, T):                             # tiles: all steps of a few clients at a time
+            corr = self._buffer("scaffold", (T, C, D1))  # c - c_k of the tile, sorted order
+        for j0 in range(0, K, T):  # tiles: all steps of a few clients at a time
             j1 = min(K, j0 + T)
             wt = w[j0:j1]
             st = steps_sorted[j0:j1]
             runs = [i + 1 for i in range(len(st)) if i + 1 == len(st) or st[i + 1] != st[i]]
-            opt.bind(wt, grad[:j1 - j0], runs)
+            opt.bind(wt, grad[: j1 - j0], runs)
             if scaffold is not None:
-                ct = scaffold.correction(ids_sorted[j0:j1], out=corr[:j1 - j0])
-            active = [int((st > t).sum()) for t in range(int(st.max()))]   # this tile's own step count
+                ct = scaffold.correction(ids_sorted[j0:j1], out=corr[: j1 - j0])
+            active = [int((st > t).sum()) for t in range(int(st.max()))]  # this tile's own step count
             ls = loss_sum[j0:j1]
             for e in range(E):
                 for t, k in enumerate(active):
                     sl = slice(t * B, (t + 1) * B)
-                    it = idx_t[j0:j0 + k, e, sl].reshape(-1)
-                    xb = torch.index_select(x, 0, it, out=xbuf[:k * B]).view(k, B, D1)   # [k, B, D1]
+                    it = idx_t[j0 : j0 + k, e, sl].reshape(-1)
+                    xb = torch.index_select(x, 0, it, out=xbuf[: k * B]).view(k, B, D1)  # [k, B, D1]
                     yb = y.index_select(0, it).view(k, B)
-                    mk = msk_t[j0:j0 + k, e, sl]
-                    ctx = LossContext(round=rnd, present=present[j0:j0 + k], counts=counts[j0:j0 + k],
-                                      u=u_t[j0:j0 + k, e, sl])
+                    mk = msk_t[j0 : j0 + k, e, sl]
+                    ctx = LossContext(
+                        round=rnd, present=present[j0 : j0 + k], counts=counts[j0 : j0 + k], u=u_t[j0 : j0 + k, e, sl]
+                    )
                     logits = torch.bmm(xb, wt[:k].transpose(1, 2))
                     if self.closed_form:
                         lk, gl = head.loss_and_grad(logits, yb, mk, ctx)
@@ -632,8 +722,8 @@ class Engine:
                         grad[:k].add_(ct[:k])
                     ls[:k] += lk.detach()
                     opt.step(k)
-            if scaffold is not None:                          # c_k+ of the tile (the correction is spent)
-                scaffold.client_update(ids_sorted[j0:j1], theta, wt, st * E, self.optim.step_size, out=corr[:j1 - j0])
+            if scaffold is not None:  # c_k+ of the tile (the correction is spent)
+                scaffold.client_update(ids_sorted[j0:j1], theta, wt, st * E, self.optim.step_size, out=corr[: j1 - j0])
         inv_t = torch.as_tensor(np.argsort(order), device=dev)
         mean_loss = (loss_sum / (steps_t * E))[inv_t]
         if not reuse:
@@ -652,20 +742,24 @@ class Engine:
             part = self.data.parts[k]
             width = (self.local.steps or -(-len(part) // B)) * B
             pi, pm, pu, nk = local_plan(part, seed, rnd, k, self.local, width)
-            counts = torch.as_tensor(self.data.counts[k:k + 1], device=dev, dtype=torch.float32)
+            counts = torch.as_tensor(self.data.counts[k : k + 1], device=dev, dtype=torch.float32)
             wk = torch.nn.Parameter(theta.detach().clone().to(torch.float32))
             opt = make_torch_optimizer(self.optim, [wk])
             if scaffold is not None:
                 kid = torch.tensor([k], device=scaffold.ck.device)
-                corr = scaffold.correction(kid)[0]                          # c - c_k
+                corr = scaffold.correction(kid)[0]  # c - c_k
             total, nsteps = 0.0, 0
             for e in range(E):
                 for s in range(0, nk * B, B):
-                    valid = pm[e, s:s + B] > 0
-                    it = torch.as_tensor(pi[e, s:s + B][valid], device=dev)
+                    valid = pm[e, s : s + B] > 0
+                    it = torch.as_tensor(pi[e, s : s + B][valid], device=dev)
                     xb, yb = self.data.x[it], self.data.y[it]
-                    ctx = LossContext(round=rnd, present=counts > 0, counts=counts,
-                                      u=torch.as_tensor(pu[e, s:s + B][valid], device=dev)[None])
+                    ctx = LossContext(
+                        round=rnd,
+                        present=counts > 0,
+                        counts=counts,
+                        u=torch.as_tensor(pu[e, s : s + B][valid], device=dev)[None],
+                    )
                     with torch.enable_grad():
                         logits = xb @ wk.T
                         loss = self.head.loss(logits[None], yb[None], torch.ones(1, len(it), device=dev), ctx)[0]
@@ -689,6 +783,6 @@ def evaluate(theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, chunk: int =
     correct = 0
     with torch.no_grad():
         for i in range(0, len(y), chunk):
-            pred = (x[i:i + chunk] @ theta.T.to(x.dtype)).argmax(1)
-            correct += int((pred == y[i:i + chunk]).sum())
+            pred = (x[i : i + chunk] @ theta.T.to(x.dtype)).argmax(1)
+            correct += int((pred == y[i : i + chunk]).sum())
     return correct / max(1, len(y))

@@ -17,7 +17,6 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-
 # a write that failed for want of space: no space, file too large (RLIMIT_FSIZE), quota
 SPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
 
@@ -128,12 +127,14 @@ def report(exc: BaseException) -> int:
         return 130
     if isinstance(exc, OSError) and exc.errno in SPACE_ERRNOS:
         where = f" {exc.filename!r}" if exc.filename else ""
-        print(f"error: No space left while writing{where} ({exc.strerror}); free space (or raise the file size "
-              "limit) and re-run the same command: finished work is reused", file=sys.stderr)
+        print(
+            f"error: No space left while writing{where} ({exc.strerror}); free space (or raise the file size "
+            "limit) and re-run the same command: finished work is reused",
+            file=sys.stderr,
+        )
         return 2
     if isinstance(exc, MemoryError):
-        print("error: out of memory; lower --batch-size or --block-clients, or use a smaller store",
-              file=sys.stderr)
+        print("error: out of memory; lower --batch-size or --block-clients, or use a smaller store", file=sys.stderr)
         return 1
     line = f"{type(exc).__name__}: {exc}".replace("\n", " ")
     print(f"internal error: {line} (set FEDHEAD_DEBUG=1 for the traceback)", file=sys.stderr)
@@ -148,7 +149,7 @@ def cli_errors(fn: Callable) -> Callable:
         from .util import signals_raise
 
         try:
-            with signals_raise():       # SIGINT/SIGTERM -> Interrupted: exit 130/143 with one line
+            with signals_raise():  # SIGINT/SIGTERM -> Interrupted: exit 130/143 with one line
                 return fn(*args, **kwargs)
         except SystemExit:
             raise

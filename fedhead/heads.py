@@ -22,10 +22,10 @@ from .registry import Param, resolve_params
 
 @dataclass
 class LossContext:
-    round: int                    # 1-based round number
-    present: torch.Tensor         # [K, C] bool
-    counts: torch.Tensor          # [K, C] float
-    u: torch.Tensor               # [K, B] uniform in [0, 1)
+    round: int  # 1-based round number
+    present: torch.Tensor  # [K, C] bool
+    counts: torch.Tensor  # [K, C] float
+    u: torch.Tensor  # [K, B] uniform in [0, 1)
 
 
 class Head:
@@ -88,7 +88,7 @@ def resolve_head_params(name: str, **params) -> dict:
     if name not in HEADS:
         from .plugins import load_plugins
 
-        load_plugins()              # a user's head registered in FEDHEAD_PLUGINS or a fedhead.methods entry point
+        load_plugins()  # a user's head registered in FEDHEAD_PLUGINS or a fedhead.methods entry point
     if name not in HEADS:
         raise unknown_name("--head", name, HEADS, "head")
     spec = HEADS[name]
@@ -137,8 +137,8 @@ class SoftmaxHead(Head):
 def ova_terms(logits: torch.Tensor, y: torch.Tensor):
     """Per-class BCE terms split into the positive term (y=c) and the negative terms (y!=c)."""
     t = _onehot(y, logits.shape[-1], logits.dtype)
-    pos = F.softplus(-logits) * t            # -log sigma(s_y)
-    neg = F.softplus(logits) * (1.0 - t)     # -log (1 - sigma(s_c)), c != y
+    pos = F.softplus(-logits) * t  # -log sigma(s_y)
+    neg = F.softplus(logits) * (1.0 - t)  # -log (1 - sigma(s_c)), c != y
     return pos, neg
 
 
@@ -162,8 +162,12 @@ class OvAHead(Head):
 @register_head(
     "ova2",
     Param("stage1_rounds", 1, Interval(0, None, integer=True), "rounds of the positive-only stage 1"),
-    Param("positive_keep", 1.0, Interval(0, 1, closed="right"),
-          "stage 2: probability of keeping each sample's positive term (1.0 = plain OvA BCE)"),
+    Param(
+        "positive_keep",
+        1.0,
+        Interval(0, 1, closed="right"),
+        "stage 2: probability of keeping each sample's positive term (1.0 = plain OvA BCE)",
+    ),
 )
 class OvA2Head(Head):
     """OvA-LP: positive-only stage 1, then OvA BCE (positive terms kept with probability rho)."""
@@ -185,7 +189,7 @@ class OvA2Head(Head):
         # stage 1: softplus(-s_y), gradient (sigmoid(s_y) - 1) at y only; stage 2: r * softplus(-s_y) +
         # sum_{c != y} softplus(s_c), gradient sigmoid(s_c) off y and r * (sigmoid(s_y) - 1) at y
         wgt, yi = _mean_weights(mask), y.unsqueeze(2)
-        sy = logits.gather(2, yi)                                          # [K, B, 1]
+        sy = logits.gather(2, yi)  # [K, B, 1]
         if self.stage(ctx.round) == "stage1":
             per = softplus(-sy).squeeze(2)
             g = torch.zeros_like(logits).scatter_(2, yi, (torch.sigmoid(sy) - 1.0) * wgt.unsqueeze(2))
@@ -194,7 +198,7 @@ class OvA2Head(Head):
         r = (ctx.u < keep).to(logits.dtype) if keep < 1.0 else None
         sp = softplus(logits)
         spy = sp.gather(2, yi).squeeze(2)
-        pos = spy - sy.squeeze(2)                                          # softplus(-s_y)
+        pos = spy - sy.squeeze(2)  # softplus(-s_y)
         per = (pos * r if r is not None else pos) + sp.sum(-1) - spy
         g = torch.sigmoid(logits)
         gy = g.gather(2, yi) - 1.0
@@ -239,8 +243,9 @@ def _parse_margins(v) -> tuple:
 
 @register_head(
     "fedabc",
-    Param("fedabc_margins", "0.85,0.2,0.3", Margins(),
-          "FedABC margins mp,mn,mnn (CIFAR-10 defaults; MNIST 0.75,0.25,0.3)"),
+    Param(
+        "fedabc_margins", "0.85,0.2,0.3", Margins(), "FedABC margins mp,mn,mnn (CIFAR-10 defaults; MNIST 0.75,0.25,0.3)"
+    ),
     Param("focal_gamma", 2.0, Interval(0, None), "FedABC focal exponent gamma"),
 )
 class FedABCHead(Head):
@@ -255,14 +260,14 @@ class FedABCHead(Head):
         q = torch.sigmoid(logits)
         t = _onehot(y, logits.shape[-1], logits.dtype)
         qd = q.detach()
-        P = ctx.present[:, None, :].to(logits.dtype)          # [K, 1, C]
+        P = ctx.present[:, None, :].to(logits.dtype)  # [K, 1, C]
         pos_mask = t * P * (qd < self.mp)
         negp_mask = (1 - t) * P * (qd > self.mn)
         negn_mask = (1 - t) * (1 - P) * (qd > self.mnn)
-        log_q = -F.softplus(-logits)         # log sigma(s)
-        log_1mq = -F.softplus(logits)        # log (1 - sigma(s))
+        log_q = -F.softplus(-logits)  # log sigma(s)
+        log_1mq = -F.softplus(logits)  # log (1 - sigma(s))
         pos = -((1 - q) ** g) * log_q
-        neg = -(q ** g) * log_1mq
+        neg = -(q**g) * log_1mq
         return (pos_mask * pos + (negp_mask + negn_mask) * neg).sum(-1)
 
 
@@ -276,11 +281,11 @@ class FedRSHead(Head):
     def per_sample(self, logits, y, ctx):
         a = self.params["fedrs_alpha"]
         cnt = ctx.counts
-        scale = a + (1 - a) * cnt / cnt.amax(-1, keepdim=True).clamp_min(1.0)   # [K, C]
+        scale = a + (1 - a) * cnt / cnt.amax(-1, keepdim=True).clamp_min(1.0)  # [K, C]
         return F.cross_entropy((logits * scale[:, None, :]).transpose(1, 2), y, reduction="none")
 
 
-FEDLC_MIN_COUNT = 1e-8   # FedLC: counts are clamped here (FL-bench's value), so an absent class shifts by tau * 100
+FEDLC_MIN_COUNT = 1e-8  # FedLC: counts are clamped here (FL-bench's value), so an absent class shifts by tau * 100
 
 
 @register_head(

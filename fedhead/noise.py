@@ -161,8 +161,9 @@ def apply_noise(
     for i, y in enumerate(client_labels):
         y = np.asarray(y)
         if y.size and (y.min() < 0 or y.max() >= num_classes):
-            raise FedheadError(f"Client {i} has labels outside [0, {num_classes}); check --num-classes "
-                               f"against the feature store.")
+            raise FedheadError(
+                f"Client {i} has labels outside [0, {num_classes}); check --num-classes against the feature store."
+            )
         rng = np.random.default_rng([int(seed), _SEED_SALT, i])
         new = fn(y, float(rate), num_classes, rng, amap)
         changed += int((new != y).sum())

@@ -127,21 +127,28 @@ def create_partition(
     kw = resolve_partition_params(name, **params)
     labels = np.asarray(labels)
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-        raise FedheadError(f"Partition labels must be a 1-D integer array; got shape {labels.shape} "
-                           f"dtype {labels.dtype}.")
+        raise FedheadError(
+            f"Partition labels must be a 1-D integer array; got shape {labels.shape} dtype {labels.dtype}."
+        )
     if labels.size and labels.min() < 0:
         raise FedheadError(f"Partition labels must be >= 0; got {int(labels.min())}.")
     validate("--clients", num_clients, Interval(1, None, integer=True))
     num_clients = int(num_clients)
     n = len(labels)
     if num_clients > n:
-        raise param_error("--clients", num_clients, f"must be <= the number of training samples ({n})",
-                          "Use fewer --clients or a larger training set.")
+        raise param_error(
+            "--clients",
+            num_clients,
+            f"must be <= the number of training samples ({n})",
+            "Use fewer --clients or a larger training set.",
+        )
     validate("--seed", seed, Interval(0, None, integer=True))
     if spec.needs_features:
         if features is None:
-            raise FedheadError(f"The '--partition' parameter {name} needs the cached features, but none were "
-                               f"given. Pass the feature store's train features.")
+            raise FedheadError(
+                f"The '--partition' parameter {name} needs the cached features, but none were "
+                f"given. Pass the feature store's train features."
+            )
         features = np.asarray(features)
         if features.ndim != 2 or features.shape[0] != n:
             raise FedheadError(f"Partition {name} needs features of shape [{n}, d]; got {features.shape}.")
@@ -221,10 +228,20 @@ def iid(labels, num_clients, rng, features=None):
 
 @register_partition(
     "shard",
-    Param("shards_per_client", 2, Interval(1, None, integer=True),
-          "Shards (or, with --distinct-labels, labels) per client for --partition shard.", "--shards-per-client"),
-    Param("distinct_labels", False, OneOf((True, False)),
-          "shard: give each client s different labels (FedOVA non-IID-l).", "--distinct-labels"),
+    Param(
+        "shards_per_client",
+        2,
+        Interval(1, None, integer=True),
+        "Shards (or, with --distinct-labels, labels) per client for --partition shard.",
+        "--shards-per-client",
+    ),
+    Param(
+        "distinct_labels",
+        False,
+        OneOf((True, False)),
+        "shard: give each client s different labels (FedOVA non-IID-l).",
+        "--distinct-labels",
+    ),
 )
 def shard(labels, num_clients, rng, features=None, *, shards_per_client, distinct_labels):
     """McMahan shards: sort by label, cut into K*s equal shards, each client draws s (or s distinct labels).
@@ -239,8 +256,12 @@ def shard(labels, num_clients, rng, features=None, *, shards_per_client, distinc
         classes, groups = _class_indices(labels, rng)
         c = len(classes)
         if s > c:
-            raise param_error("--shards-per-client", s, f"must be <= the number of classes ({c}) with "
-                              f"--distinct-labels", f"Use --shards-per-client {c} or fewer.")
+            raise param_error(
+                "--shards-per-client",
+                s,
+                f"must be <= the number of classes ({c}) with --distinct-labels",
+                f"Use --shards-per-client {c} or fewer.",
+            )
         order = rng.permutation(c)  # position i of the cycle holds class order[i]
         owner = np.full(n, -1, dtype=np.int64)
         for i in range(c):
@@ -252,9 +273,12 @@ def shard(labels, num_clients, rng, features=None, *, shards_per_client, distinc
                 owner[part] = kk
         return _group_by_owner(owner, k)
     if k * s > n:
-        raise param_error("--shards-per-client", s, f"does not divide the data: {k} clients x {s} shards = "
-                          f"{k * s} shards > {n} samples",
-                          "Use fewer --clients or a smaller --shards-per-client.")
+        raise param_error(
+            "--shards-per-client",
+            s,
+            f"does not divide the data: {k} clients x {s} shards = {k * s} shards > {n} samples",
+            "Use fewer --clients or a smaller --shards-per-client.",
+        )
     perm = rng.permutation(n)
     order = perm[np.argsort(labels[perm], kind="stable")]
     shards = np.array_split(order, k * s)
@@ -264,10 +288,20 @@ def shard(labels, num_clients, rng, features=None, *, shards_per_client, distinc
 
 @register_partition(
     "dirichlet",
-    Param("alpha", 0.5, Interval(0, None, closed="neither"),
-          "Dirichlet concentration (dirichlet 0.5, bernoulli-dirichlet 10); smaller is more skewed.", "--alpha"),
-    Param("min_size", 10, Interval(0, None, integer=True),
-          "Smallest allowed client size (dirichlet 10: redraw until met; zipf 1).", "--min-size"),
+    Param(
+        "alpha",
+        0.5,
+        Interval(0, None, closed="neither"),
+        "Dirichlet concentration (dirichlet 0.5, bernoulli-dirichlet 10); smaller is more skewed.",
+        "--alpha",
+    ),
+    Param(
+        "min_size",
+        10,
+        Interval(0, None, integer=True),
+        "Smallest allowed client size (dirichlet 10: redraw until met; zipf 1).",
+        "--min-size",
+    ),
 )
 def dirichlet(labels, num_clients, rng, features=None, *, alpha, min_size, max_tries=1000):
     """Per class, proportions ~ Dir(alpha*1_K) cut the shuffled class indices; redraw until min_size holds.
@@ -276,8 +310,12 @@ def dirichlet(labels, num_clients, rng, features=None, *, alpha, min_size, max_t
     """
     k, n = num_clients, len(labels)
     if k * min_size > n:
-        raise param_error("--min-size", min_size, f"must be <= samples per client ({n} // {k} = {n // k})",
-                          "Use a smaller --min-size or fewer --clients.")
+        raise param_error(
+            "--min-size",
+            min_size,
+            f"must be <= samples per client ({n} // {k} = {n // k})",
+            "Use a smaller --min-size or fewer --clients.",
+        )
     classes = np.unique(labels)
     n_c = np.array([(labels == c).sum() for c in classes])
     for _ in range(max_tries):
@@ -288,8 +326,12 @@ def dirichlet(labels, num_clients, rng, features=None, *, alpha, min_size, max_t
         if counts.sum(0).min() >= min_size:
             break
     else:
-        raise param_error("--min-size", min_size, f"could not be met by any of {max_tries} Dirichlet draws "
-                          f"(alpha {alpha:g}, {k} clients)", "Use a lower --min-size or a larger --alpha.")
+        raise param_error(
+            "--min-size",
+            min_size,
+            f"could not be met by any of {max_tries} Dirichlet draws (alpha {alpha:g}, {k} clients)",
+            "Use a lower --min-size or a larger --alpha.",
+        )
     owner = np.empty(n, dtype=np.int64)
     for ci, c in enumerate(classes):
         idx = rng.permutation(np.flatnonzero(labels == c))
@@ -299,10 +341,20 @@ def dirichlet(labels, num_clients, rng, features=None, *, alpha, min_size, max_t
 
 @register_partition(
     "bernoulli-dirichlet",
-    Param("p", 0.7, Interval(0, 1, closed="right"),
-          "bernoulli-dirichlet: probability that a client holds each class (FedCorr).", "--p"),
-    Param("alpha", 10.0, Interval(0, None, closed="neither"),
-          "Dirichlet concentration (dirichlet 0.5, bernoulli-dirichlet 10); smaller is more skewed.", "--alpha"),
+    Param(
+        "p",
+        0.7,
+        Interval(0, 1, closed="right"),
+        "bernoulli-dirichlet: probability that a client holds each class (FedCorr).",
+        "--p",
+    ),
+    Param(
+        "alpha",
+        10.0,
+        Interval(0, None, closed="neither"),
+        "Dirichlet concentration (dirichlet 0.5, bernoulli-dirichlet 10); smaller is more skewed.",
+        "--alpha",
+    ),
 )
 def bernoulli_dirichlet(labels, num_clients, rng, features=None, *, p, alpha, max_tries=10000):
     """FedCorr: Phi_kc ~ Bernoulli(p) (rows with no class redrawn); class c split over its holders by Dir(alpha).
@@ -321,8 +373,7 @@ def bernoulli_dirichlet(labels, num_clients, rng, features=None, *, p, alpha, ma
             break
         phi[empty] = rng.random((empty.size, c)) < p
     else:
-        raise param_error("--p", p, f"left a client with no class after {max_tries} redraws",
-                          "Use a larger --p.")
+        raise param_error("--p", p, f"left a client with no class after {max_tries} redraws", "Use a larger --p.")
     owner = np.empty(n, dtype=np.int64)
     for ci, cls in enumerate(classes):
         idx = np.flatnonzero(labels == cls)
@@ -338,8 +389,13 @@ def bernoulli_dirichlet(labels, num_clients, rng, features=None, *, p, alpha, ma
 @register_partition(
     "zipf",
     Param("zipf_s", 1.0, Interval(0, None), "zipf: client sizes proportional to k^(-s).", "--zipf-s"),
-    Param("min_size", 1, Interval(1, None, integer=True),
-          "Smallest allowed client size (dirichlet 10: redraw until met; zipf 1).", "--min-size"),
+    Param(
+        "min_size",
+        1,
+        Interval(1, None, integer=True),
+        "Smallest allowed client size (dirichlet 10: redraw until met; zipf 1).",
+        "--min-size",
+    ),
 )
 def zipf(labels, num_clients, rng, features=None, *, zipf_s, min_size):
     """Client k (k = 1..K) gets n_k ~ k^(-s) samples (>= min_size, summing to N) drawn uniformly.
@@ -349,8 +405,12 @@ def zipf(labels, num_clients, rng, features=None, *, zipf_s, min_size):
     k, n = num_clients, len(labels)
     extra = n - k * min_size
     if extra < 0:
-        raise param_error("--min-size", min_size, f"must be <= samples per client ({n} // {k} = {n // k})",
-                          "Use a smaller --min-size or fewer --clients.")
+        raise param_error(
+            "--min-size",
+            min_size,
+            f"must be <= samples per client ({n} // {k} = {n // k})",
+            "Use a smaller --min-size or fewer --clients.",
+        )
     w = np.arange(1, k + 1, dtype=np.float64) ** (-float(zipf_s))
     quota = extra * w / w.sum()
     sizes = np.floor(quota).astype(np.int64)
@@ -377,8 +437,9 @@ def kmeans(labels, num_clients, rng, features=None, *, max_iter=20, pca_dim=64):
     k, n = num_clients, len(labels)
     feats = np.asarray(features).astype(np.float32, copy=False)
     if feats.shape[1] > pca_dim and n > pca_dim:
-        feats = PCA(n_components=pca_dim, svd_solver="randomized",
-                    random_state=int(rng.integers(2**31 - 1))).fit_transform(feats)
+        feats = PCA(
+            n_components=pca_dim, svd_solver="randomized", random_state=int(rng.integers(2**31 - 1))
+        ).fit_transform(feats)
     owner = np.empty(n, dtype=np.int64)
     for cls in np.unique(labels):
         idx = np.flatnonzero(labels == cls)
@@ -387,7 +448,8 @@ def kmeans(labels, num_clients, rng, features=None, *, max_iter=20, pca_dim=64):
         if m == 1:
             owner[idx] = pi[0]
             continue
-        km = KMeans(n_clusters=m, n_init=1, max_iter=max_iter, init="k-means++",
-                    random_state=int(rng.integers(2**31 - 1)))
+        km = KMeans(
+            n_clusters=m, n_init=1, max_iter=max_iter, init="k-means++", random_state=int(rng.integers(2**31 - 1))
+        )
         owner[idx] = pi[km.fit_predict(feats[idx])]
     return _group_by_owner(owner, k)

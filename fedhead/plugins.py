@@ -34,8 +34,10 @@ def load_plugins() -> None:
         try:
             importlib.import_module(name)
         except ImportError as exc:
-            raise FedheadError(f"The '{PLUGIN_ENV}' variable names module {name!r}, which cannot be imported "
-                               f"({exc}). Put it on PYTHONPATH or fix the name.") from None
+            raise FedheadError(
+                f"The '{PLUGIN_ENV}' variable names module {name!r}, which cannot be imported "
+                f"({exc}). Put it on PYTHONPATH or fix the name."
+            ) from None
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
@@ -54,8 +56,10 @@ def register_method(name: str, description: str, **fields) -> None:
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     bad = sorted(set(fields) - known)
     if bad:
-        raise FedheadError(f"The method {name!r} sets {bad[0]!r}, which is not a training option. "
-                           f"Use TrainConfig field names, e.g. head, init, prox_mu, server_opt.")
+        raise FedheadError(
+            f"The method {name!r} sets {bad[0]!r}, which is not a training option. "
+            f"Use TrainConfig field names, e.g. head, init, prox_mu, server_opt."
+        )
     if "head" not in fields:
         raise FedheadError(f"The method {name!r} must name its head (head='...'). Got {sorted(fields)} instead.")
     METHODS[name] = (description, dict(fields))

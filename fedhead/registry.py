@@ -10,11 +10,11 @@ from .errors import Interval, OneOf, validate
 
 @dataclass(frozen=True)
 class Param:
-    name: str                      # python name, e.g. "stage1_rounds"
+    name: str  # python name, e.g. "stage1_rounds"
     default: Any
     constraint: Interval | OneOf | Any | None  # or any object with ok(value) and describe()
     help: str
-    flag: str = ""                 # CLI flag, e.g. "--stage1-rounds"
+    flag: str = ""  # CLI flag, e.g. "--stage1-rounds"
 
     @property
     def cli_flag(self) -> str:

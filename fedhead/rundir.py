@@ -22,8 +22,18 @@ import numpy as np
 from . import __version__
 from .util import atomic_write_json, atomic_write_text
 
-ROUND_FIELDS = ["seed", "round", "stage", "accuracy", "train_loss", "client_ms", "server_ms",
-                "bytes_up_per_client", "bytes_total", "ratio_to_iid"]
+ROUND_FIELDS = [
+    "seed",
+    "round",
+    "stage",
+    "accuracy",
+    "train_loss",
+    "client_ms",
+    "server_ms",
+    "bytes_up_per_client",
+    "bytes_total",
+    "ratio_to_iid",
+]
 
 
 def default_run_dir(root: str | Path, *parts: str) -> Path:
@@ -79,19 +89,28 @@ def _client_rows(sizes, class_counts, extra: dict[str, Sequence] | None = None, 
     for k, (n, counts) in enumerate(zip(sizes, class_counts)):
         counts = np.asarray(counts)
         nz = np.flatnonzero(counts)
-        row = {**fixed, "client": k, "size": int(n), "num_classes": int(len(nz)),
-               "class_counts": " ".join(f"{c}:{int(counts[c])}" for c in nz)}
+        row = {
+            **fixed,
+            "client": k,
+            "size": int(n),
+            "num_classes": int(len(nz)),
+            "class_counts": " ".join(f"{c}:{int(counts[c])}" for c in nz),
+        }
         for key, vals in (extra or {}).items():
             row[key] = vals[k]
         rows.append(row)
     return rows
 
 
-def write_clients(run_dir: str | Path, sizes: np.ndarray, class_counts: np.ndarray,
-                  extra: dict[str, Sequence] | None = None) -> None:
+def write_clients(
+    run_dir: str | Path, sizes: np.ndarray, class_counts: np.ndarray, extra: dict[str, Sequence] | None = None
+) -> None:
     """``class_counts`` is [K, C]: one row per client."""
-    write_csv(Path(run_dir) / "clients.csv", _client_rows(sizes, class_counts, extra),
-              ["client", "size", "num_classes", "class_counts"])
+    write_csv(
+        Path(run_dir) / "clients.csv",
+        _client_rows(sizes, class_counts, extra),
+        ["client", "size", "num_classes", "class_counts"],
+    )
 
 
 def write_clients_per_seed(run_dir: str | Path, groups: Sequence[dict]) -> None:
@@ -119,8 +138,7 @@ def acc95_round(accuracies: Sequence[float], reference: float | None = None) -> 
 
 
 def mean_std(values: Iterable[float | None]) -> tuple[float, float]:
-    v = np.array([x for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))],
-                 dtype=float)
+    v = np.array([x for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))], dtype=float)
     if v.size == 0:
         return float("nan"), float("nan")
     return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0

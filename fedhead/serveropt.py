@@ -80,48 +80,76 @@ def _applies_to(field: str) -> str:
 @dataclass
 class ServerOptConfig:
     name: str = "fedavg"
-    lr: float | None = None          # server learning rate (eta / server_learning_rate); None = Flower's default
-    momentum: float | None = None    # fedavgm only; None = Flower's default (0.0)
-    betas: tuple | None = None       # (beta_1, beta_2), fedadam / fedyogi only; None = (0.9, 0.99)
-    tau: float | None = None         # adaptivity, fedadam / fedyogi / fedadagrad; None = 1e-3
+    lr: float | None = None  # server learning rate (eta / server_learning_rate); None = Flower's default
+    momentum: float | None = None  # fedavgm only; None = Flower's default (0.0)
+    betas: tuple | None = None  # (beta_1, beta_2), fedadam / fedyogi only; None = (0.9, 0.99)
+    tau: float | None = None  # adaptivity, fedadam / fedyogi / fedadagrad; None = 1e-3
 
     def resolved(self) -> "ServerOptConfig":
         """A copy with Flower's defaults filled in for the chosen optimiser, validated.
 
         Fields that do not apply to the optimiser stay ``None``; setting one is an error.
         """
-        validate("--server-opt", self.name, OneOf(SERVER_OPTS),
-                 "Pick one of them ('fedavg' means no server optimiser).")
+        validate(
+            "--server-opt", self.name, OneOf(SERVER_OPTS), "Pick one of them ('fedavg' means no server optimiser)."
+        )
         defaults = DEFAULTS[self.name]
         out = {}
         for field, flag in _FLAGS.items():
             value = getattr(self, field)
             if field not in defaults:
                 if value is not None:
-                    raise param_error(flag, value, f"does not apply to --server-opt {self.name!r}",
-                                      f"Drop {flag} or use --server-opt {_applies_to(field)}.")
+                    raise param_error(
+                        flag,
+                        value,
+                        f"does not apply to --server-opt {self.name!r}",
+                        f"Drop {flag} or use --server-opt {_applies_to(field)}.",
+                    )
                 out[field] = None
                 continue
             out[field] = defaults[field] if value is None else value
 
         if out["lr"] is not None:
-            out["lr"] = float(validate("--server-lr", out["lr"], Interval(0, None, closed="neither"),
-                                       "Use a positive server learning rate, e.g. 0.1."))
+            out["lr"] = float(
+                validate(
+                    "--server-lr",
+                    out["lr"],
+                    Interval(0, None, closed="neither"),
+                    "Use a positive server learning rate, e.g. 0.1.",
+                )
+            )
         if out["momentum"] is not None:
-            out["momentum"] = float(validate("--server-momentum", out["momentum"], Interval(0, 1, closed="left"),
-                                             "Use a momentum in [0, 1), e.g. 0.9; 0 disables it."))
+            out["momentum"] = float(
+                validate(
+                    "--server-momentum",
+                    out["momentum"],
+                    Interval(0, 1, closed="left"),
+                    "Use a momentum in [0, 1), e.g. 0.9; 0 disables it.",
+                )
+            )
         if out["betas"] is not None:
             betas = out["betas"]
             if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
-                raise param_error("--server-betas", betas, "must be two numbers beta_1,beta_2",
-                                  "Use e.g. --server-betas 0.9,0.99.")
+                raise param_error(
+                    "--server-betas", betas, "must be two numbers beta_1,beta_2", "Use e.g. --server-betas 0.9,0.99."
+                )
             for b in betas:
-                validate("--server-betas", b, Interval(0, 1, closed="left"),
-                         "Each of beta_1, beta_2 must be in [0, 1), e.g. 0.9,0.99.")
+                validate(
+                    "--server-betas",
+                    b,
+                    Interval(0, 1, closed="left"),
+                    "Each of beta_1, beta_2 must be in [0, 1), e.g. 0.9,0.99.",
+                )
             out["betas"] = (float(betas[0]), float(betas[1]))
         if out["tau"] is not None:
-            out["tau"] = float(validate("--server-tau", out["tau"], Interval(0, None, closed="neither"),
-                                        "Use a small positive value, e.g. 1e-3."))
+            out["tau"] = float(
+                validate(
+                    "--server-tau",
+                    out["tau"],
+                    Interval(0, None, closed="neither"),
+                    "Use a small positive value, e.g. 1e-3.",
+                )
+            )
         return replace(self, **out)
 
 
@@ -139,8 +167,8 @@ class ServerOptimizer:
         self.device = torch.device(device)
         self.dtype = dtype
         self.sdtype = _state_dtype(self.device, dtype)
-        self.t = 0                              # server steps taken (Flower's server_round after the step)
-        self.u: torch.Tensor | None = None      # fedavgm momentum buffer, created on the first step
+        self.t = 0  # server steps taken (Flower's server_round after the step)
+        self.u: torch.Tensor | None = None  # fedavgm momentum buffer, created on the first step
         self.m: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         if self.name in ("fedadam", "fedyogi", "fedadagrad"):
@@ -162,8 +190,10 @@ class ServerOptimizer:
         Returns the new global head (``aggregated`` itself when the optimiser is inactive).
         """
         if tuple(previous.shape) != self.shape or tuple(aggregated.shape) != self.shape:
-            raise ValueError(f"server optimiser built for shape {self.shape}, got previous "
-                             f"{tuple(previous.shape)} and aggregated {tuple(aggregated.shape)}")
+            raise ValueError(
+                f"server optimiser built for shape {self.shape}, got previous "
+                f"{tuple(previous.shape)} and aggregated {tuple(aggregated.shape)}"
+            )
         self.t += 1
         if not self.active:
             return aggregated
@@ -210,8 +240,12 @@ class ServerOptimizer:
     def load_state_dict(self, d: dict) -> None:
         name = d.get("name", self.name)
         if name != self.name:
-            raise param_error("--server-opt", self.name, f"must match the checkpoint's ({name!r})",
-                              f"Resume with --server-opt {name} or start a new run.")
+            raise param_error(
+                "--server-opt",
+                self.name,
+                f"must match the checkpoint's ({name!r})",
+                f"Resume with --server-opt {name} or start a new run.",
+            )
         state = {}
         for key in ("momentum", "m", "v"):
             val = d.get(key)
@@ -219,8 +253,10 @@ class ServerOptimizer:
                 continue
             val = torch.as_tensor(val)
             if tuple(val.shape) != self.shape:
-                raise FedheadError(f"The server optimiser checkpoint holds '{key}' of shape {tuple(val.shape)}, "
-                                   f"but the head has shape {self.shape}. Start a new run for this head.")
+                raise FedheadError(
+                    f"The server optimiser checkpoint holds '{key}' of shape {tuple(val.shape)}, "
+                    f"but the head has shape {self.shape}. Start a new run for this head."
+                )
             state[key] = val.to(self.device, self.sdtype).clone()
         self.t = int(d.get("step", 0))
         if self.name == "fedavgm":

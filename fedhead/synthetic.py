@@ -13,11 +13,19 @@ import numpy as np
 
 from extract.store import write_store
 
-LATENT = 64     # latent dimension of the class prototypes (``fedhead synth`` does not expose it)
+LATENT = 64  # latent dimension of the class prototypes (``fedhead synth`` does not expose it)
 
 
-def make_features(num_classes: int, train_per_class: int, test_per_class: int, dim: int, *,
-                  latent: int = 64, spread: float = 1.0, seed: int = 0):
+def make_features(
+    num_classes: int,
+    train_per_class: int,
+    test_per_class: int,
+    dim: int,
+    *,
+    latent: int = 64,
+    spread: float = 1.0,
+    seed: int = 0,
+):
     rng = np.random.default_rng(seed)
     protos = rng.normal(size=(num_classes, latent))
     A = rng.normal(size=(latent, dim)) / np.sqrt(latent)
@@ -33,8 +41,9 @@ def make_features(num_classes: int, train_per_class: int, test_per_class: int, d
     return draw(train_per_class), draw(test_per_class)
 
 
-def validate_synthetic(*, num_classes: int, train_per_class: int, test_per_class: int, dim: int, spread: float,
-                       seed: int) -> None:
+def validate_synthetic(
+    *, num_classes: int, train_per_class: int, test_per_class: int, dim: int, spread: float, seed: int
+) -> None:
     """The options of a synthetic store (``fedhead synth``, ``fedhead bench flower``), checked before writing."""
     from fedhead.errors import Interval, validate
 
@@ -46,27 +55,63 @@ def validate_synthetic(*, num_classes: int, train_per_class: int, test_per_class
     validate("--seed", seed, Interval(0, None, integer=True))
 
 
-def synthetic_request(*, num_classes: int, train_per_class: int, test_per_class: int, dim: int, latent: int,
-                      spread: float, seed: int) -> dict:
+def synthetic_request(
+    *, num_classes: int, train_per_class: int, test_per_class: int, dim: int, latent: int, spread: float, seed: int
+) -> dict:
     """What determines a synthetic store's content (its ``request`` attribute)."""
-    return {"synthetic": True, "num_classes": num_classes, "train_per_class": train_per_class,
-            "test_per_class": test_per_class, "dim": dim, "latent": latent, "spread": spread, "seed": seed}
+    return {
+        "synthetic": True,
+        "num_classes": num_classes,
+        "train_per_class": train_per_class,
+        "test_per_class": test_per_class,
+        "dim": dim,
+        "latent": latent,
+        "spread": spread,
+        "seed": seed,
+    }
 
 
-def write_synthetic(out: str | Path, *, num_classes: int = 200, train_per_class: int = 50,
-                    test_per_class: int = 20, dim: int = 256, latent: int = LATENT, spread: float = 2.2,
-                    seed: int = 0, dtype: str = "float32") -> Path:
-    (trx, try_), (tex, tey) = make_features(num_classes, train_per_class, test_per_class, dim,
-                                           latent=latent, spread=spread, seed=seed)
-    attrs = {"dataset": f"synthetic-{num_classes}", "encoder": "synthetic", "weights_source": "none",
-             "weights_sha256": "", "preprocessing": {"kind": "synthetic", "latent": latent, "spread": spread,
-                                                      "seed": seed},
-             "image_size": 0}
-    request = synthetic_request(num_classes=num_classes, train_per_class=train_per_class,
-                                test_per_class=test_per_class, dim=dim, latent=latent, spread=spread, seed=seed)
-    return write_store(out, train=(trx, try_), test=(tex, tey),
-                       class_names=[f"class{c:03d}" for c in range(num_classes)], attrs=attrs,
-                       dtype=dtype, request=request)
+def write_synthetic(
+    out: str | Path,
+    *,
+    num_classes: int = 200,
+    train_per_class: int = 50,
+    test_per_class: int = 20,
+    dim: int = 256,
+    latent: int = LATENT,
+    spread: float = 2.2,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    (trx, try_), (tex, tey) = make_features(
+        num_classes, train_per_class, test_per_class, dim, latent=latent, spread=spread, seed=seed
+    )
+    attrs = {
+        "dataset": f"synthetic-{num_classes}",
+        "encoder": "synthetic",
+        "weights_source": "none",
+        "weights_sha256": "",
+        "preprocessing": {"kind": "synthetic", "latent": latent, "spread": spread, "seed": seed},
+        "image_size": 0,
+    }
+    request = synthetic_request(
+        num_classes=num_classes,
+        train_per_class=train_per_class,
+        test_per_class=test_per_class,
+        dim=dim,
+        latent=latent,
+        spread=spread,
+        seed=seed,
+    )
+    return write_store(
+        out,
+        train=(trx, try_),
+        test=(tex, tey),
+        class_names=[f"class{c:03d}" for c in range(num_classes)],
+        attrs=attrs,
+        dtype=dtype,
+        request=request,
+    )
 
 
 def probe_accuracy(train_x, train_y, test_x, test_y, max_iter: int = 300) -> float:

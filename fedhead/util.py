@@ -12,7 +12,6 @@ from typing import Any, Iterator
 
 from .errors import SPACE_ERRNOS, FedheadError
 
-
 # ---------------------------------------------------------------- atomic files
 
 
@@ -42,10 +41,14 @@ def make_parent_dirs(path: str | os.PathLike, param: str | None = None) -> list[
     except (FileExistsError, NotADirectoryError) as exc:
         blocker = blocking_file(path) or Path(exc.filename or path.parent)
         if param:
-            raise FedheadError(f"The '{param}' parameter names {str(path)!r}, below {str(blocker)!r}, which is a "
-                               f"file, not a folder. Choose another {param}.") from None
-        raise FedheadError(f"Cannot create the folder {str(path.parent)!r}: {str(blocker)!r} is a file, not a "
-                           "folder. Move it or choose another output.") from None
+            raise FedheadError(
+                f"The '{param}' parameter names {str(path)!r}, below {str(blocker)!r}, which is a "
+                f"file, not a folder. Choose another {param}."
+            ) from None
+        raise FedheadError(
+            f"Cannot create the folder {str(path.parent)!r}: {str(blocker)!r} is a file, not a "
+            "folder. Move it or choose another output."
+        ) from None
     return missing
 
 
@@ -65,14 +68,18 @@ def check_out(path: str | os.PathLike, param: str = "--out", kind: str = "file")
     path = Path(path)
     blocker = blocking_file(path)
     if blocker is not None:
-        raise FedheadError(f"The '{param}' parameter names {str(path)!r}, below {str(blocker)!r}, which is a "
-                           f"file, not a folder. Choose another {param}.")
+        raise FedheadError(
+            f"The '{param}' parameter names {str(path)!r}, below {str(blocker)!r}, which is a "
+            f"file, not a folder. Choose another {param}."
+        )
     if kind == "file" and path.is_dir():
-        raise FedheadError(f"The '{param}' parameter names {str(path)!r}, which is a folder, not a file. Give "
-                           f"{param} a file name.")
+        raise FedheadError(
+            f"The '{param}' parameter names {str(path)!r}, which is a folder, not a file. Give {param} a file name."
+        )
     if kind == "dir" and (path.exists() or path.is_symlink()) and not path.is_dir():
-        raise FedheadError(f"The '{param}' parameter names {str(path)!r}, which is a file, not a folder. "
-                           f"Choose another {param}.")
+        raise FedheadError(
+            f"The '{param}' parameter names {str(path)!r}, which is a file, not a folder. Choose another {param}."
+        )
     return path
 
 
@@ -117,8 +124,6 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-
-
 class _KeepWriteError:
     """A file wrapper for ``torch.save``: torch reports a failed write as a RuntimeError without the errno;
     this keeps the OSError so that it can be raised instead."""
@@ -158,8 +163,9 @@ def space_error(exc: OSError, where: str, resume: str) -> "FedheadError | None":
     if exc.errno not in SPACE_ERRNOS:
         return None
     why = (exc.strerror or str(exc)).replace("\n", " ")
-    return FedheadError(f"No space left while writing {where} ({why}); free space (or raise the file size limit) "
-                        f"and {resume}.")
+    return FedheadError(
+        f"No space left while writing {where} ({why}); free space (or raise the file size limit) and {resume}."
+    )
 
 
 # ---------------------------------------------------------------- progress and console
@@ -182,8 +188,14 @@ def stdout_console():
 
 def make_progress(transient: bool = False):
     """A rich progress bar on stderr (so stdout stays clean for results)."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(
         TextColumn("[bold]{task.description}"),
@@ -206,20 +218,16 @@ def resolve_device(device: str):
     import torch
 
     if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
-        raise FedheadError(
-            f"The '--device' parameter must be one of 'auto', 'cpu', 'cuda'. Got {device!r} instead."
-        )
+        raise FedheadError(f"The '--device' parameter must be one of 'auto', 'cpu', 'cuda'. Got {device!r} instead.")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise FedheadError(
-            f"The '--device' parameter is {device!r} but no CUDA device is available. Use --device cpu."
-        )
+        raise FedheadError(f"The '--device' parameter is {device!r} but no CUDA device is available. Use --device cpu.")
     return torch.device(device)
 
 
-DENORMALS_ENV = "FEDHEAD_DENORMALS"     # "keep": leave subnormal arithmetic on (bench speed's comparison)
-_FLUSH_STATE: dict = {}                  # (thread, torch.get_num_threads()) -> whether every intra-op thread flushes
+DENORMALS_ENV = "FEDHEAD_DENORMALS"  # "keep": leave subnormal arithmetic on (bench speed's comparison)
+_FLUSH_STATE: dict = {}  # (thread, torch.get_num_threads()) -> whether every intra-op thread flushes
 
 
 def _pool_flushes() -> bool:
@@ -271,14 +279,14 @@ def flush_denormals() -> bool:
         return False
     import threading
 
-    key = (threading.get_ident(), torch.get_num_threads())     # each thread starts its own OpenMP pool
+    key = (threading.get_ident(), torch.get_num_threads())  # each thread starts its own OpenMP pool
     if _FLUSH_STATE.get(key):
         return True
     if not torch.set_flush_denormal(True):
         _FLUSH_STATE[key] = False
         return False
     ok = _pool_flushes()
-    if not ok:                  # the pool started before this thread flushed: set it in each of its threads
+    if not ok:  # the pool started before this thread flushed: set it in each of its threads
         with contextlib.suppress(OSError, AttributeError):
             _flush_omp_threads()
         ok = _pool_flushes()
@@ -397,7 +405,7 @@ def exclusive_writer(target: str | os.PathLike, what: str | None = None, param: 
     target = Path(target)
     lock = Path(str(target) + ".lock")
     what = what or str(target)
-    created = make_parent_dirs(lock, param)   # a file in the way: the one-line error, nothing created
+    created = make_parent_dirs(lock, param)  # a file in the way: the one-line error, nothing created
     try:
         fd = _take_lock(lock, target, what, param)
     except BaseException:
@@ -417,7 +425,7 @@ def exclusive_writer(target: str | os.PathLike, what: str | None = None, param: 
             os.unlink(lock)  # still held here, so nobody else can be using this file
         _HELD_LOCKS.discard(fd)
         os.close(fd)
-        if failed:          # refused or stopped: the folders made for the lock go again if nothing is in them
+        if failed:  # refused or stopped: the folders made for the lock go again if nothing is in them
             remove_empty_dirs(created)
 
 
@@ -429,15 +437,18 @@ def _take_lock(lock: Path, target: Path, what: str, param: str) -> int:
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
-            raise FedheadError(f"The '{param}' parameter names {str(target)!r}, beside which fedhead cannot "
-                               f"create its lock file ({exc.strerror}). Choose another {param}.") from None
+            raise FedheadError(
+                f"The '{param}' parameter names {str(target)!r}, beside which fedhead cannot "
+                f"create its lock file ({exc.strerror}). Choose another {param}."
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _lock_holder(fd)
             os.close(fd)
-            raise FedheadError(f"another fedhead process{holder} is writing {what}; wait for it or choose "
-                               f"another {param}") from None
+            raise FedheadError(
+                f"another fedhead process{holder} is writing {what}; wait for it or choose another {param}"
+            ) from None
         except BaseException:
             os.close(fd)
             raise
@@ -467,8 +478,11 @@ class Interrupted(FedheadError):
 
         self.signum = int(signum)
         self.exit_code = 128 + self.signum
-        super().__init__(message or f"interrupted by {signal.Signals(self.signum).name}; nothing half-written is "
-                                    "left: re-run the same command")
+        super().__init__(
+            message
+            or f"interrupted by {signal.Signals(self.signum).name}; nothing half-written is "
+            "left: re-run the same command"
+        )
 
 
 class _SignalState:
@@ -544,7 +558,7 @@ def pause_hook(env: str, count: int) -> None:
     k, _, marker = spec.partition(":")
     if k.isdigit() and count == int(k):
         Path(marker).write_text(f"{os.getpid()}\n")
-        for _ in range(6000):               # a signal raises here (main thread) or sets the stop flag
+        for _ in range(6000):  # a signal raises here (main thread) or sets the stop flag
             if _StopFlag.event.is_set():
                 break
             time.sleep(0.1)

@@ -13,8 +13,9 @@ def tiny_store(tmp_path_factory):
     from fedhead.synthetic import write_synthetic
 
     path = tmp_path_factory.mktemp("stores") / "tiny.h5"
-    return write_synthetic(path, num_classes=10, train_per_class=40, test_per_class=10, dim=16, latent=8,
-                           spread=1.0, seed=0)
+    return write_synthetic(
+        path, num_classes=10, train_per_class=40, test_per_class=10, dim=16, latent=8, spread=1.0, seed=0
+    )
 
 
 def wait_for_pause(marker, proc, timeout: float = 300) -> int:
@@ -67,8 +68,41 @@ def run_example_with_plugin(example: str, plugin: str, store, tmp_path, cli_args
 
     out = run([str(repo / example), str(store), str(tmp_path / "ex")])
     env["FEDHEAD_PLUGINS"] = plugin
-    run(["-m", "cli", "train", "--features", str(store), *cli_args, "--clients", "4", "--rounds", "2",
-         "--out", str(tmp_path / "cli")])
-    run(["-m", "cli", "bench", "baselines", "--features", str(store), "--quick", "--rounds", "2", "--clients", "4",
-         "--methods", bench_method, "--partitions", "iid", "--out", str(tmp_path / "bl")])
+    run(
+        [
+            "-m",
+            "cli",
+            "train",
+            "--features",
+            str(store),
+            *cli_args,
+            "--clients",
+            "4",
+            "--rounds",
+            "2",
+            "--out",
+            str(tmp_path / "cli"),
+        ]
+    )
+    run(
+        [
+            "-m",
+            "cli",
+            "bench",
+            "baselines",
+            "--features",
+            str(store),
+            "--quick",
+            "--rounds",
+            "2",
+            "--clients",
+            "4",
+            "--methods",
+            bench_method,
+            "--partitions",
+            "iid",
+            "--out",
+            str(tmp_path / "bl"),
+        ]
+    )
     return out

@@ -45,11 +45,11 @@ def test_blocks_and_single_messages_give_the_same_head(kind, fedexp):
     stacked, sizes, holds, prev = _random_round()
     blocks = Accumulator(kind, prev)
     for b in range(0, 7, 3):
-        blocks.add(stacked[b:b + 3], sizes[b:b + 3], holds[b:b + 3])
-    one = Accumulator(kind, prev)                      # a Flower server: one client's message at a time
-    for k in reversed(range(7)):                       # in any order
-        msg = one.message(stacked[k:k + 1], sizes[k:k + 1], holds[k:k + 1])
-        one.add_message(msg, sizes[k:k + 1], holds[k:k + 1])
+        blocks.add(stacked[b : b + 3], sizes[b : b + 3], holds[b : b + 3])
+    one = Accumulator(kind, prev)  # a Flower server: one client's message at a time
+    for k in reversed(range(7)):  # in any order
+        msg = one.message(stacked[k : k + 1], sizes[k : k + 1], holds[k : k + 1])
+        one.add_message(msg, sizes[k : k + 1], holds[k : k + 1])
     torch.testing.assert_close(blocks.finish(), one.finish(), atol=1e-6, rtol=1e-6)
     if kind != "fedexp":
         want = fedavg(stacked, sizes) if kind == "fedavg" else grouped(stacked, holds, prev)
@@ -74,8 +74,8 @@ def test_fedexp_step_by_hand(fedexp):
 
 def test_message_bytes_are_counted(fedexp, tiny_store, tmp_path):
     theta = torch.zeros(4, 9)
-    assert Accumulator("fedavg", theta).agg.nbytes(theta) == 4 * 9 * 4     # the head's bytes
-    assert fedexp().nbytes(theta) == 4 * 9 * 4 + 4                         # the update and one float
+    assert Accumulator("fedavg", theta).agg.nbytes(theta) == 4 * 9 * 4  # the head's bytes
+    assert fedexp().nbytes(theta) == 4 * 9 * 4 + 4  # the update and one float
     a = fedhead.run(TrainConfig(features=str(tiny_store), clients=3, rounds=2), out=tmp_path / "a")
     b = fedhead.run(TrainConfig(features=str(tiny_store), clients=3, rounds=2, aggregate="fedexp"), out=tmp_path / "b")
     assert b.rows[-1]["bytes_up_per_client"] == a.rows[-1]["bytes_up_per_client"] + 4
@@ -107,8 +107,9 @@ def test_readme_method_example_runs_as_written(tiny_store, tmp_path):
 
     example = "fedhead/examples/custom_method.py"
     assert (REPO / example).read_text().rstrip("\n") in (REPO / "README.md").read_text()
-    out = run_example_with_plugin(example, "fedhead.examples.custom_method", tiny_store, tmp_path,
-                                  ["--aggregate", "fedexp"], "ova2-fedexp")
+    out = run_example_with_plugin(
+        example, "fedhead.examples.custom_method", tiny_store, tmp_path, ["--aggregate", "fedexp"], "ova2-fedexp"
+    )
     assert "ratio to central:" in out
     cfg = json.loads((tmp_path / "ex" / "config.json").read_text())["config"]
     assert cfg["aggregate"] == "fedexp"
@@ -118,6 +119,7 @@ def test_user_rule_on_flower_equals_train(fedexp, tmp_path):
     """The Flower client sends the rule's message, the server sums and updates: the simulator's numbers."""
     pytest.importorskip("flwr")
     from test_flower_sim import accs, cfg_of
+
     from fedhead.flower.inprocess import run_in_process
     from fedhead.synthetic import write_synthetic
     from fedhead.train import run_training
@@ -125,8 +127,12 @@ def test_user_rule_on_flower_equals_train(fedexp, tmp_path):
     store = write_synthetic(tmp_path / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
     cfg = cfg_of(store, aggregate="fedexp", head="softmax")
     ref = run_training(cfg, out=tmp_path / "train", progress=False)
-    res = run_in_process(cfg, tmp_path / "flower")                # the wire format: messages serialised
+    res = run_in_process(cfg, tmp_path / "flower")  # the wire format: messages serialised
     np.testing.assert_allclose(accs(res.rows), accs(ref.rows), atol=1e-9)
     assert [r["bytes_total"] for r in res.rows] == [r["bytes_total"] for r in ref.rows]
-    torch.testing.assert_close(torch.load(tmp_path / "flower" / "head-seed0.pt"),
-                               torch.load(tmp_path / "train" / "head-seed0.pt"), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.load(tmp_path / "flower" / "head-seed0.pt"),
+        torch.load(tmp_path / "train" / "head-seed0.pt"),
+        atol=1e-5,
+        rtol=1e-5,
+    )

@@ -40,17 +40,17 @@ from typer.testing import CliRunner
 import cli
 
 runner = CliRunner()
-MAX_MESSAGE = 600     # characters of the one error line (store and layout messages carry a path and a fix)
+MAX_MESSAGE = 600  # characters of the one error line (store and layout messages carry a path and a fix)
 
 
 @dataclass(frozen=True)
 class Case:
-    base: str                 # the command and the valid options around the bad one ({placeholders} allowed)
-    bad: str                  # the bad input (appended: for single-valued options the last one given wins)
-    expect: str               # substring of the error line, naming the parameter or the problem
-    bug: str | None = None    # "BUG: ..." -> xfail(strict=True)
-    fake: str | None = None   # "demo": stand-in extraction for ``fedhead demo``
-    name: str | None = None   # the case's name when ``bad`` alone does not say it
+    base: str  # the command and the valid options around the bad one ({placeholders} allowed)
+    bad: str  # the bad input (appended: for single-valued options the last one given wins)
+    expect: str  # substring of the error line, naming the parameter or the problem
+    bug: str | None = None  # "BUG: ..." -> xfail(strict=True)
+    fake: str | None = None  # "demo": stand-in extraction for ``fedhead demo``
+    name: str | None = None  # the case's name when ``bad`` alone does not say it
 
     @property
     def command(self) -> str:
@@ -65,16 +65,19 @@ class Case:
 # ---------------------------------------------------------------- the matrix
 
 EXTRACT = "extract --dataset imagefolder --data-dir {imgs} --encoder test_efficientnet --no-pretrained --out {out}.h5"
-EXTRACT_ENC = EXTRACT + " --image-size 32"          # cases that get as far as encoding
+EXTRACT_ENC = EXTRACT + " --image-size 32"  # cases that get as far as encoding
 TRAIN = "train --features {store} --clients 10 --rounds 1 --out {out}"
 SYNTH = "synth --num-classes 2 --train-per-class 2 --test-per-class 2 --dim 2 --no-probe --out {out}.h5"
 DEMO = "demo --out {out}"
 SCRATCH = "scratch fedavg --dataset imagefolder --data-dir {imgs} --clients 2 --rounds 1 --out {out}"
-DNC = ("scratch dnc --dataset imagefolder --data-dir {imgs} --clients 2 --rounds 1 --prepass-rounds 1 "
-       "--feature-epochs 1 --finetune-epochs 1 --out {out}")
+DNC = (
+    "scratch dnc --dataset imagefolder --data-dir {imgs} --clients 2 --rounds 1 --prepass-rounds 1 "
+    "--feature-epochs 1 --finetune-epochs 1 --out {out}"
+)
 FEDPROX = "scratch fedprox --dataset imagefolder --data-dir {imgs} --clients 2 --rounds 1 --partition iid --out {out}"
-FEDPER, FEDREP, FEDROD, SCAFFOLD = (FEDPROX.replace("fedprox", algo) for algo in ("fedper", "fedrep", "fedrod",
-                                                                                   "scaffold"))
+FEDPER, FEDREP, FEDROD, SCAFFOLD = (
+    FEDPROX.replace("fedprox", algo) for algo in ("fedper", "fedrep", "fedrod", "scaffold")
+)
 GRID = "--features {store} --quick --clients 10 --rounds 1 --out {out}"
 ABLATION = "bench ablation " + GRID + " --head ova2 --partition shard-1 --recipe default"
 PARTITIONS = "bench partitions " + GRID + " --partition shard-1"
@@ -83,22 +86,29 @@ NOISE = "bench noise " + GRID + " --head ova2 --sym-rates 0.3 --asym-rates ''"
 PARTICIPATION = "bench participation " + GRID + " --rates 0.5"
 GEOMETRY = "bench geometry --features {store} --quick --samples-per-class 5 --out {out}"
 SPEED = "bench speed --quick --no-extraction --rounds 1 --loop-rounds 0 --out {out}.json"
-BENCH_EXTRACT = ("bench extract --dataset imagefolder --data-dir {imgs} --encoder test_efficientnet --image-size 32 "
-                 "--num-images 4 --repeats 1 --batch-size 4 --device cpu --out {out}.json")
-BENCH_FLOWER = ("bench flower --clients 4 --rounds 1 --num-classes 4 --train-per-class 10 --dim 4 --partition iid "
-                "--out {out}")
+BENCH_EXTRACT = (
+    "bench extract --dataset imagefolder --data-dir {imgs} --encoder test_efficientnet --image-size 32 "
+    "--num-images 4 --repeats 1 --batch-size 4 --device cpu --out {out}.json"
+)
+BENCH_FLOWER = (
+    "bench flower --clients 4 --rounds 1 --num-classes 4 --train-per-class 10 --dim 4 --partition iid --out {out}"
+)
 BASELINES = "bench baselines " + GRID + " --methods ova2 --partitions iid"
 PRIVACY = "bench privacy " + GRID + " --methods ncm --partitions iid --epsilons 8 --secagg-clients 0"
 SIMULATE = "flower simulate --features {store} --clients 2 --rounds 1 --out {out}"
-PAPERS = "bench papers dnc --data-dir {imgs} --quick --out {out}"     # {imgs} has CIFAR-10's folder layout
-DP = "--dp-noise-multiplier 1 --dp-clip 0.5 --dp-delta 1e-5 --no-center"     # valid DP options, no statistics
+PAPERS = "bench papers dnc --data-dir {imgs} --quick --out {out}"  # {imgs} has CIFAR-10's folder layout
+DP = "--dp-noise-multiplier 1 --dp-clip 0.5 --dp-delta 1e-5 --no-center"  # valid DP options, no statistics
 
 
 CASES = [
     # ---- extract
     Case(EXTRACT, "--dataset bogus", "'--dataset'"),
-    Case("extract --dataset imagefolder --encoder test_efficientnet --no-pretrained --out {out}.h5", "",
-         "'--data-dir'", name="imagefolder without --data-dir"),
+    Case(
+        "extract --dataset imagefolder --encoder test_efficientnet --no-pretrained --out {out}.h5",
+        "",
+        "'--data-dir'",
+        name="imagefolder without --data-dir",
+    ),
     Case(EXTRACT, "--data-dir {missing}", "'--data-dir'"),
     Case(EXTRACT, "--data-dir {file}", "'--data-dir'"),
     Case(EXTRACT, "--data-dir {notimgs}", "'--data-dir'"),
@@ -247,8 +257,12 @@ CASES = [
     Case(TRAIN, DP + " --init ridge", "'--dp-feature-clip'", name="DP with --init, no --dp-feature-clip"),
     Case(TRAIN, DP + " --center --dp-feature-clip 0", "'--dp-feature-clip'"),
     Case(TRAIN, DP + " --dp-feature-clip 1", "'--dp-feature-clip'", name="--dp-feature-clip, no statistics"),
-    Case(TRAIN, DP + " --head ridge --dp-feature-clip 1", "'--dp-feature-clip'",
-         name="--dp-feature-clip with a closed-form head"),
+    Case(
+        TRAIN,
+        DP + " --head ridge --dp-feature-clip 1",
+        "'--dp-feature-clip'",
+        name="--dp-feature-clip with a closed-form head",
+    ),
     # ---- train: device, resume, --out
     Case(TRAIN, "--device cuda", "'--device'"),
     Case(TRAIN, "--device cuda:0", "'--device'"),
@@ -328,8 +342,12 @@ CASES = [
     Case(SCRATCH, "--dataset mnist", "'--data-dir'"),
     Case(SCRATCH, "--dataset speech-commands", "'--data-dir'"),
     Case(SCRATCH, "--resume", "'--resume'", name="--resume --out <no run there>"),
-    Case("scratch fedavg --dataset imagefolder --data-dir {imgs} --clients 2 --rounds 1", "--resume", "'--resume'",
-         name="--resume without --out"),
+    Case(
+        "scratch fedavg --dataset imagefolder --data-dir {imgs} --clients 2 --rounds 1",
+        "--resume",
+        "'--resume'",
+        name="--resume without --out",
+    ),
     Case(SCRATCH, "--out {file}", "'--out'"),
     Case(SCRATCH, "--out {full}", "'--out'"),
     Case(SCRATCH, "--out {under_file}", "'--out'"),
@@ -432,8 +450,12 @@ CASES = [
     Case(BENCH_EXTRACT, "--repeats 0", "'--repeats'"),
     Case(BENCH_EXTRACT, "--dataset bogus", "'--dataset'"),
     Case(BENCH_EXTRACT, "--data-dir {missing}", "'--data-dir'"),
-    Case("bench extract --dataset imagefolder --encoder test_efficientnet --out {out}.json", "", "'--data-dir'",
-         name="imagefolder without --data-dir"),
+    Case(
+        "bench extract --dataset imagefolder --encoder test_efficientnet --out {out}.json",
+        "",
+        "'--data-dir'",
+        name="imagefolder without --data-dir",
+    ),
     Case(BENCH_EXTRACT, "--encoder bogus_model", "'--encoder'"),
     Case(BENCH_EXTRACT, "--device cuda", "'--device'"),
     Case(BENCH_EXTRACT, "--batch-size 0", "'--batch-size'"),
@@ -485,16 +507,25 @@ CASES = [
     Case("bench papers dnc --quick --out {out}", "", "'--data-dir'", name="--data-dir missing"),
     Case(PAPERS, "--data-dir {missing}", "'--data-dir'"),
     Case(PAPERS, "--data-dir {notimgs}", "'--data-dir'", name="--data-dir <none of the paper's datasets>"),
-    Case(PAPERS.replace(" dnc ", " fedova "), "", "'--data-dir'",
-         name="fedova, --data-dir <only a column --scale cpu leaves out>"),
-    Case(PAPERS.replace(" dnc ", " fedova "), "--datasets mnist", "'--data-dir'",
-         name="--datasets <not in --data-dir>"),
+    Case(
+        PAPERS.replace(" dnc ", " fedova "),
+        "",
+        "'--data-dir'",
+        name="fedova, --data-dir <only a column --scale cpu leaves out>",
+    ),
+    Case(
+        PAPERS.replace(" dnc ", " fedova "), "--datasets mnist", "'--data-dir'", name="--datasets <not in --data-dir>"
+    ),
     Case(PAPERS, "--datasets mnist", "'--datasets'", name="--datasets <not the paper's>"),
     Case(PAPERS, "--datasets ''", "'--datasets'"),
     Case(PAPERS, "--alphas 0.1", "'--alphas'", name="--alphas with dnc"),
     Case(PAPERS.replace(" dnc ", " fedabc ") + " --datasets cifar10", "--alphas 0", "'--alphas'"),
-    Case(PAPERS.replace(" dnc ", " fedabc ") + " --datasets cifar10", "", "'--min-size'",
-         name="fedabc on 8 images: one run's check fails before any run starts"),
+    Case(
+        PAPERS.replace(" dnc ", " fedabc ") + " --datasets cifar10",
+        "",
+        "'--min-size'",
+        name="fedabc on 8 images: one run's check fails before any run starts",
+    ),
     Case(PAPERS, "--seeds x", "'--seeds'"),
     Case(PAPERS, "--backend bogus", "'--backend'"),
     Case(PAPERS, "--device cuda", "'--device'"),
@@ -513,8 +544,12 @@ CASES = [
     Case(SIMULATE, "--central-reference", "'--central-reference'"),
     Case(SIMULATE, "--features {missing}", "does not exist"),
     Case(SIMULATE, "--features {foreign}", "not a fedhead feature store"),
-    Case("flower simulate --features {store} --clients 2 --rounds 1", "--resume", "'--resume'",
-         name="--resume without --out"),
+    Case(
+        "flower simulate --features {store} --clients 2 --rounds 1",
+        "--resume",
+        "'--resume'",
+        name="--resume without --out",
+    ),
     Case(SIMULATE, "--scaffold --optimizer adamw", "'--scaffold'"),
     Case(SIMULATE, "--calibrate ccvr --ccvr-samples 0", "'--ccvr-samples'"),
     Case(SIMULATE, "--head ridge --calibrate ccvr", "'--calibrate'"),
@@ -533,8 +568,12 @@ CASES = [
     Case(SIMULATE, "--clients 401", "'--clients'"),
     Case(SIMULATE, "--backend bogus", "'--backend'"),
     Case(SIMULATE, "--secure-aggregation", "'--secure-aggregation'", name="--secure-aggregation with 2 clients"),
-    Case(SIMULATE, "--clients 10 --participation 0.2 --secure-aggregation", "'--secure-aggregation'",
-         name="--secure-aggregation with 2 clients a round"),
+    Case(
+        SIMULATE,
+        "--clients 10 --participation 0.2 --secure-aggregation",
+        "'--secure-aggregation'",
+        name="--secure-aggregation with 2 clients a round",
+    ),
     Case(SIMULATE, "--round-timeout 0", "'--round-timeout'"),
     Case(SIMULATE, "--client-cpus 0", "'--client-cpus'"),
     Case(SIMULATE, "--num-cpus -1", "'--num-cpus'"),
@@ -564,10 +603,12 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     from fedhead.synthetic import write_synthetic
 
     d = tmp_path_factory.mktemp("bad-inputs")
-    store = write_synthetic(d / "tiny.h5", num_classes=10, train_per_class=40, test_per_class=10, dim=16,
-                            latent=8, spread=1.0, seed=0)
-    other = write_synthetic(d / "other.h5", num_classes=12, train_per_class=20, test_per_class=5, dim=16,
-                            latent=8, spread=1.0, seed=2)
+    store = write_synthetic(
+        d / "tiny.h5", num_classes=10, train_per_class=40, test_per_class=10, dim=16, latent=8, spread=1.0, seed=0
+    )
+    other = write_synthetic(
+        d / "other.h5", num_classes=12, train_per_class=20, test_per_class=5, dim=16, latent=8, spread=1.0, seed=2
+    )
 
     def broken(name: str, edit) -> str:
         p = d / f"{name}.h5"
@@ -581,6 +622,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
             a = f[key][()]
             a[row] = value
             f[key][...] = a
+
         return edit
 
     def float_labels(f):
@@ -589,28 +631,34 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         f["train/labels"] = y.astype("float32")
 
     paths = {
-        "store": str(store), "other": str(other),
+        "store": str(store),
+        "other": str(other),
         "nan": broken("nan", set_row("train/features", (3, 2), np.nan)),
-        "labels": broken("labels", set_row("test/labels", 5, 10)),          # 10 classes: 10 is out of range
+        "labels": broken("labels", set_row("test/labels", 5, 10)),  # 10 classes: 10 is out of range
         "neglabels": broken("neglabels", set_row("train/labels", 0, -1)),
         "nosplit": broken("nosplit", lambda f: f.__delitem__("test")),
         "newver": broken("newver", lambda f: f.attrs.__setitem__("format_version", 99)),
         "floatlabels": broken("floatlabels", float_labels),
         "missing": str(d / "missing.h5"),
     }
-    with h5py.File(d / "foreign.h5", "w") as f:                           # HDF5, but not a fedhead store
+    with h5py.File(d / "foreign.h5", "w") as f:  # HDF5, but not a fedhead store
         f["x"] = np.zeros(3)
     with h5py.File(d / "incomplete.h5", "w") as f:
         f.attrs["format"] = "fedhead-features"
         f.attrs["complete"] = False
     (d / "text.h5").write_text("not an HDF5 file\n")
     (d / "empty.h5").write_bytes(b"")
-    shutil.copy(store, d / "partial.h5.partial")                            # only the .partial exists
-    paths.update(foreign=str(d / "foreign.h5"), incomplete=str(d / "incomplete.h5"), text=str(d / "text.h5"),
-                 empty=str(d / "empty.h5"), partial=str(d / "partial.h5"))
+    shutil.copy(store, d / "partial.h5.partial")  # only the .partial exists
+    paths.update(
+        foreign=str(d / "foreign.h5"),
+        incomplete=str(d / "incomplete.h5"),
+        text=str(d / "text.h5"),
+        empty=str(d / "empty.h5"),
+        partial=str(d / "partial.h5"),
+    )
 
     rng = np.random.default_rng(0)
-    imgs = d / "imgs"                                                       # 2 classes, 8 train / 4 test images
+    imgs = d / "imgs"  # 2 classes, 8 train / 4 test images
     for split, n in (("train", 4), ("test", 2)):
         for c in ("cat", "dog"):
             (imgs / split / c).mkdir(parents=True)
@@ -619,7 +667,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     badimgs = d / "badimgs"
     shutil.copytree(imgs, badimgs)
     (badimgs / "train" / "cat" / "0.png").write_text("not an image\n")
-    notimgs = d / "notimgs"                                                 # a folder without the layout
+    notimgs = d / "notimgs"  # a folder without the layout
     notimgs.mkdir()
     (notimgs / "readme.txt").write_text("no train/ or test/ here\n")
     paths.update(imgs=str(imgs), badimgs=str(badimgs), notimgs=str(notimgs))
@@ -631,7 +679,7 @@ def _env(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("FEDHEAD_NO_PROGRESS", "1")
     monkeypatch.setenv("FEDHEAD_THREADS", "1")
     monkeypatch.setenv("FEDHEAD_CACHE", str(tmp_path_factory.getbasetemp() / "scratch-cache"))
-    monkeypatch.setenv("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")     # flower simulate sets it; restore it
+    monkeypatch.setenv("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # flower simulate sets it; restore it
     monkeypatch.delenv("FEDHEAD_DEBUG", raising=False)
     monkeypatch.delenv("FEDHEAD_PLUGINS", raising=False)
 
@@ -642,13 +690,19 @@ def _case_paths(tmp_path: Path, inputs: dict) -> dict[str, str]:
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("keep me\n")
     shutil.copy(inputs["store"], tmp_path / "store-copy.h5")
-    return {**inputs, "out": str(tmp_path / "out"), "file": str(tmp_path / "afile.h5"),
-            "full": str(tmp_path / "full"), "storecopy": str(tmp_path / "store-copy.h5"),
-            "under_file": str(tmp_path / "afile.h5" / "sub")}
+    return {
+        **inputs,
+        "out": str(tmp_path / "out"),
+        "file": str(tmp_path / "afile.h5"),
+        "full": str(tmp_path / "full"),
+        "storecopy": str(tmp_path / "store-copy.h5"),
+        "under_file": str(tmp_path / "afile.h5" / "sub"),
+    }
 
 
 def _snapshot(p: Path):
     """What is at ``p``: None, a file's hash, or a folder's relative paths and file hashes."""
+
     def digest(f: Path) -> str:
         return hashlib.sha256(f.read_bytes()).hexdigest()
 
@@ -700,8 +754,7 @@ def _fake_demo_extraction(monkeypatch) -> None:
         from fedhead.synthetic import write_synthetic
 
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        return write_synthetic(out, num_classes=10, train_per_class=20, test_per_class=5, dim=8, latent=4,
-                               spread=1.0)
+        return write_synthetic(out, num_classes=10, train_per_class=20, test_per_class=5, dim=8, latent=4, spread=1.0)
 
     monkeypatch.setattr(extract.run, "extract_features", extract_features)
 
@@ -722,7 +775,7 @@ def test_bad_input_is_refused_in_one_line(case: Case, inputs, tmp_path, monkeypa
     out = _out_of(argv)
     before = _snapshot(out) if out is not None else None
     lock_before = out is not None and Path(f"{out}.lock").exists()
-    cwd = tmp_path / "cwd"                     # default outputs (runs/, reports/, cache/) would land here
+    cwd = tmp_path / "cwd"  # default outputs (runs/, reports/, cache/) would land here
     cwd.mkdir()
     monkeypatch.chdir(cwd)
     flower_calls = _fake_flower(monkeypatch) if case.command in ("flower simulate", "bench flower") else None
@@ -756,10 +809,27 @@ def test_the_matrix_covers_every_command():
 
     per = Counter(c.command for c in CASES)
     assert len(CASES) >= 60
-    for cmd in ("extract", "info", "train", "synth", "demo", "scratch", "bench ablation", "bench partitions",
-                "bench encoders", "bench noise", "bench participation", "bench geometry", "bench speed",
-                "bench extract", "bench flower", "bench baselines", "bench papers", "bench privacy",
-                "flower simulate"):
+    for cmd in (
+        "extract",
+        "info",
+        "train",
+        "synth",
+        "demo",
+        "scratch",
+        "bench ablation",
+        "bench partitions",
+        "bench encoders",
+        "bench noise",
+        "bench participation",
+        "bench geometry",
+        "bench speed",
+        "bench extract",
+        "bench flower",
+        "bench baselines",
+        "bench papers",
+        "bench privacy",
+        "flower simulate",
+    ):
         assert per[cmd] >= 3, (cmd, per[cmd])
 
 
@@ -768,11 +838,15 @@ def test_the_matrix_covers_every_command():
 # certificate or key file must be refused before any of them starts. Processes are replaced by stand-ins that
 # record the call (reaching one fails the case); the other checks are those of the matrix above.
 
-SUPERLINK = ("flower superlink --host 127.0.0.1 --port 9 --features {store} --clients 2 --rounds 1 --out {out} "
-             "--ssl-certfile {cert} --ssl-keyfile {key} --ssl-ca-certfile {ca}")
+SUPERLINK = (
+    "flower superlink --host 127.0.0.1 --port 9 --features {store} --clients 2 --rounds 1 --out {out} "
+    "--ssl-certfile {cert} --ssl-keyfile {key} --ssl-ca-certfile {ca}"
+)
 SERVE = "flower superlink --host 127.0.0.1 --port 9 --ssl-certfile {cert} --ssl-keyfile {key} --ssl-ca-certfile {ca}"
-SUPERNODE = ("flower supernode --superlink 127.0.0.1:9 --features {store} --partition-id 0 --port 9 "
-             "--root-certificates {ca} --auth-supernode-private-key {nodekey}")
+SUPERNODE = (
+    "flower supernode --superlink 127.0.0.1:9 --features {store} --partition-id 0 --port 9 "
+    "--root-certificates {ca} --auth-supernode-private-key {nodekey}"
+)
 _ROOT = hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0
 
 DEPLOY_CASES = [
@@ -790,14 +864,30 @@ DEPLOY_CASES = [
     Case(SUPERLINK, "--ssl-keyfile {nodekey}", "'--ssl-keyfile'", name="--ssl-keyfile <an OpenSSH key>"),
     Case(SUPERLINK, "--ssl-ca-certfile {missing}", "'--ssl-ca-certfile'"),
     Case(SUPERLINK, "--ssl-ca-certfile {text}", "'--ssl-ca-certfile'"),
-    Case(SUPERLINK, "--ssl-ca-certfile {otherca}", "'--ssl-ca-certfile' CA",
-         name="--ssl-ca-certfile <a CA that did not sign --ssl-certfile>"),
-    Case(SUPERLINK, "--ssl-certfile {nosan} --ssl-keyfile {nosankey}", "subjectAltName",
-         name="--ssl-certfile <does not name 127.0.0.1>"),
-    Case(SUPERLINK, "--ssl-certfile {expired} --ssl-keyfile {expiredkey}", "'--ssl-certfile' certificate must be valid",
-         name="--ssl-certfile <expired>"),
-    Case(SUPERLINK.replace(" --ssl-ca-certfile {ca}", ""), "", "'--ssl-ca-certfile'",
-         name="--ssl-certfile without --ssl-ca-certfile"),
+    Case(
+        SUPERLINK,
+        "--ssl-ca-certfile {otherca}",
+        "'--ssl-ca-certfile' CA",
+        name="--ssl-ca-certfile <a CA that did not sign --ssl-certfile>",
+    ),
+    Case(
+        SUPERLINK,
+        "--ssl-certfile {nosan} --ssl-keyfile {nosankey}",
+        "subjectAltName",
+        name="--ssl-certfile <does not name 127.0.0.1>",
+    ),
+    Case(
+        SUPERLINK,
+        "--ssl-certfile {expired} --ssl-keyfile {expiredkey}",
+        "'--ssl-certfile' certificate must be valid",
+        name="--ssl-certfile <expired>",
+    ),
+    Case(
+        SUPERLINK.replace(" --ssl-ca-certfile {ca}", ""),
+        "",
+        "'--ssl-ca-certfile'",
+        name="--ssl-certfile without --ssl-ca-certfile",
+    ),
     Case(SUPERLINK, "--insecure", "'--insecure'", name="--insecure with certificates"),
     Case(SUPERLINK.split(" --ssl-certfile")[0], "", "'--insecure'", name="neither TLS nor --insecure"),
     # ---- flower superlink: SuperNode public keys
@@ -805,50 +895,93 @@ DEPLOY_CASES = [
     Case(SUPERLINK, "--auth-public-keys {text}", "'--auth-public-keys'"),
     Case(SUPERLINK, "--auth-public-keys {empty}", "'--auth-public-keys'"),
     Case(SUPERLINK, "--auth-public-keys {folder}", "'--auth-public-keys'", name="--auth-public-keys <a folder>"),
-    Case(SUPERLINK, "--auth-public-keys {nodekey}", "'--auth-public-keys'",
-         name="--auth-public-keys <a private key>"),
+    Case(SUPERLINK, "--auth-public-keys {nodekey}", "'--auth-public-keys'", name="--auth-public-keys <a private key>"),
     Case(SUPERLINK, "--auth-public-keys {edpub}", "'--auth-public-keys'", name="--auth-public-keys <ed25519>"),
     Case(SUPERLINK, "--auth-public-keys {pempub}", "'--auth-public-keys'", name="--auth-public-keys <PEM>"),
-    Case(SUPERLINK, "--auth-public-keys {nodepub} --auth-public-keys {nodepub}", "'--auth-public-keys'",
-         name="--auth-public-keys <the same key twice>"),
-    Case(SUPERLINK, "--auth-public-keys {nodepub} --auth-public-keys {missing}", "'--auth-public-keys'",
-         name="--auth-public-keys <one good, one missing>"),
-    Case(SUPERLINK.split(" --ssl-certfile")[0], "--insecure --auth-public-keys {nodepub}", "'--auth-public-keys'",
-         name="--auth-public-keys with --insecure"),
+    Case(
+        SUPERLINK,
+        "--auth-public-keys {nodepub} --auth-public-keys {nodepub}",
+        "'--auth-public-keys'",
+        name="--auth-public-keys <the same key twice>",
+    ),
+    Case(
+        SUPERLINK,
+        "--auth-public-keys {nodepub} --auth-public-keys {missing}",
+        "'--auth-public-keys'",
+        name="--auth-public-keys <one good, one missing>",
+    ),
+    Case(
+        SUPERLINK.split(" --ssl-certfile")[0],
+        "--insecure --auth-public-keys {nodepub}",
+        "'--auth-public-keys'",
+        name="--auth-public-keys with --insecure",
+    ),
     Case(SERVE, "--auth-public-keys {text}", "'--auth-public-keys'", name="serve: --auth-public-keys <text>"),
     Case(SUPERLINK, "--secure-aggregation", "'--secure-aggregation'", name="--secure-aggregation with 2 clients"),
     Case(SUPERLINK, "--wait-timeout 0", "'--wait-timeout'"),
     Case(SUPERLINK, "--round-timeout -1", "'--round-timeout'"),
     Case(SUPERLINK, "--port 70000", "'--port'"),
     Case(SUPERNODE, "--port 0", "'--port'"),
-    Case(SERVE, "--ssl-keyfile {otherkey} --auth-public-keys {nodepub}", "'--ssl-keyfile'",
-         name="serve: --ssl-keyfile <another certificate's>"),
+    Case(
+        SERVE,
+        "--ssl-keyfile {otherkey} --auth-public-keys {nodepub}",
+        "'--ssl-keyfile'",
+        name="serve: --ssl-keyfile <another certificate's>",
+    ),
     # ---- flower supernode
     Case(SUPERNODE, "--root-certificates {missing}", "'--root-certificates'"),
     Case(SUPERNODE, "--root-certificates {text}", "'--root-certificates'"),
     Case(SUPERNODE, "--root-certificates {key}", "'--root-certificates'", name="--root-certificates <a key>"),
-    Case(SUPERNODE, "--root-certificates {folder}", "'--root-certificates'",
-         name="--root-certificates <a folder>"),
-    Case(SUPERNODE, "--root-certificates {unreadable}", "'--root-certificates'",
-         name="--root-certificates <unreadable>"),
+    Case(SUPERNODE, "--root-certificates {folder}", "'--root-certificates'", name="--root-certificates <a folder>"),
+    Case(
+        SUPERNODE, "--root-certificates {unreadable}", "'--root-certificates'", name="--root-certificates <unreadable>"
+    ),
     Case(SUPERNODE, "--auth-supernode-private-key {missing}", "'--auth-supernode-private-key'"),
     Case(SUPERNODE, "--auth-supernode-private-key {text}", "'--auth-supernode-private-key'"),
     Case(SUPERNODE, "--auth-supernode-private-key {empty}", "'--auth-supernode-private-key'"),
-    Case(SUPERNODE, "--auth-supernode-private-key {pemkey}", "'--auth-supernode-private-key'",
-         name="--auth-supernode-private-key <PEM, not OpenSSH>"),
-    Case(SUPERNODE, "--auth-supernode-private-key {nodepub}", "'--auth-supernode-private-key'",
-         name="--auth-supernode-private-key <the public key>"),
-    Case(SUPERNODE, "--auth-supernode-private-key {edkey}", "'--auth-supernode-private-key'",
-         name="--auth-supernode-private-key <ed25519>"),
-    Case(SUPERNODE, "--auth-supernode-private-key {enckey_ssh}", "'--auth-supernode-private-key'",
-         name="--auth-supernode-private-key <encrypted>"),
-    Case(SUPERNODE, "--auth-supernode-private-key {folder}", "'--auth-supernode-private-key'",
-         name="--auth-supernode-private-key <a folder>"),
+    Case(
+        SUPERNODE,
+        "--auth-supernode-private-key {pemkey}",
+        "'--auth-supernode-private-key'",
+        name="--auth-supernode-private-key <PEM, not OpenSSH>",
+    ),
+    Case(
+        SUPERNODE,
+        "--auth-supernode-private-key {nodepub}",
+        "'--auth-supernode-private-key'",
+        name="--auth-supernode-private-key <the public key>",
+    ),
+    Case(
+        SUPERNODE,
+        "--auth-supernode-private-key {edkey}",
+        "'--auth-supernode-private-key'",
+        name="--auth-supernode-private-key <ed25519>",
+    ),
+    Case(
+        SUPERNODE,
+        "--auth-supernode-private-key {enckey_ssh}",
+        "'--auth-supernode-private-key'",
+        name="--auth-supernode-private-key <encrypted>",
+    ),
+    Case(
+        SUPERNODE,
+        "--auth-supernode-private-key {folder}",
+        "'--auth-supernode-private-key'",
+        name="--auth-supernode-private-key <a folder>",
+    ),
     Case(SUPERNODE, "--insecure", "'--insecure'", name="--insecure with --root-certificates"),
-    Case(SUPERNODE.replace("--root-certificates {ca}", "--insecure"), "", "'--auth-supernode-private-key'",
-         name="--auth-supernode-private-key with --insecure"),
-    Case(SUPERNODE.replace(" --root-certificates {ca}", ""), "", "'--insecure'",
-         name="neither --root-certificates nor --insecure"),
+    Case(
+        SUPERNODE.replace("--root-certificates {ca}", "--insecure"),
+        "",
+        "'--auth-supernode-private-key'",
+        name="--auth-supernode-private-key with --insecure",
+    ),
+    Case(
+        SUPERNODE.replace(" --root-certificates {ca}", ""),
+        "",
+        "'--insecure'",
+        name="neither --root-certificates nor --insecure",
+    ),
     Case(SUPERNODE, "--state-dir {cert}", "'--state-dir'", name="--state-dir <a file>"),
     Case(SUPERNODE, "--state-dir {cert}/node", "'--state-dir'", name="--state-dir <below a file>"),
     Case(SUPERNODE, "--state-dir {folder} --port 0", "'--port'", name="--state-dir with a bad --port"),
@@ -882,29 +1015,48 @@ def key_inputs(tmp_path_factory) -> dict[str, str]:
     none = serialization.NoEncryption()
     ec_key = ec.generate_private_key(ec.SECP384R1())
     (d / "node.pem").write_bytes(ec_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, none))
-    (d / "node-pub.pem").write_bytes(ec_key.public_key().public_bytes(
-        pem, serialization.PublicFormat.SubjectPublicKeyInfo))
-    (d / "enc.key").write_bytes(ec_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                                     serialization.BestAvailableEncryption(b"secret")))
+    (d / "node-pub.pem").write_bytes(
+        ec_key.public_key().public_bytes(pem, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    (d / "enc.key").write_bytes(
+        ec_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.BestAvailableEncryption(b"secret"))
+    )
     (d / "enc-ssh").write_text(_ENCRYPTED_OPENSSH_KEY)
     ed = ed25519.Ed25519PrivateKey.generate()
     (d / "ed").write_bytes(ed.private_bytes(pem, serialization.PrivateFormat.OpenSSH, none))
-    (d / "ed.pub").write_bytes(ed.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                            serialization.PublicFormat.OpenSSH) + b"\n")
+    (d / "ed.pub").write_bytes(
+        ed.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) + b"\n"
+    )
     (d / "text.pem").write_text("not a certificate or a key\n")
     (d / "empty.pem").write_bytes(b"")
     (d / "folder").mkdir()
     unreadable = d / "unreadable.pem"
     unreadable.write_bytes(ca.cert.read_bytes())
     unreadable.chmod(0)
-    return {"ca": str(ca.cert), "cert": str(cert), "key": str(key), "otherkey": str(otherkey),
-            "otherca": str(otherca.cert), "nosan": str(nosan), "nosankey": str(nosankey), "expired": str(expired),
-            "expiredkey": str(expiredkey),
-            "nodekey": str(nodekey), "nodepub": str(nodepub), "pemkey": str(d / "node.pem"),
-            "pempub": str(d / "node-pub.pem"), "enckey": str(d / "enc.key"), "enckey_ssh": str(d / "enc-ssh"),
-            "edkey": str(d / "ed"), "edpub": str(d / "ed.pub"), "text": str(d / "text.pem"),
-            "empty": str(d / "empty.pem"), "folder": str(d / "folder"), "unreadable": str(unreadable),
-            "missing": str(d / "missing.pem")}
+    return {
+        "ca": str(ca.cert),
+        "cert": str(cert),
+        "key": str(key),
+        "otherkey": str(otherkey),
+        "otherca": str(otherca.cert),
+        "nosan": str(nosan),
+        "nosankey": str(nosankey),
+        "expired": str(expired),
+        "expiredkey": str(expiredkey),
+        "nodekey": str(nodekey),
+        "nodepub": str(nodepub),
+        "pemkey": str(d / "node.pem"),
+        "pempub": str(d / "node-pub.pem"),
+        "enckey": str(d / "enc.key"),
+        "enckey_ssh": str(d / "enc-ssh"),
+        "edkey": str(d / "ed"),
+        "edpub": str(d / "ed.pub"),
+        "text": str(d / "text.pem"),
+        "empty": str(d / "empty.pem"),
+        "folder": str(d / "folder"),
+        "unreadable": str(unreadable),
+        "missing": str(d / "missing.pem"),
+    }
 
 
 # a throw-away P-384 key, passphrase "secret" (ssh-keygen -t ecdsa -b 384 -N secret; cryptography needs bcrypt
@@ -934,6 +1086,7 @@ def _fake_processes(monkeypatch) -> list:
         def fake(*args, **kw):
             calls.append((name, args[:1]))
             raise RuntimeError(f"stand-in {name}: the inputs passed every check, a process would start here")
+
         return fake
 
     monkeypatch.setattr(os, "execve", starts("os.execve"))
@@ -955,8 +1108,7 @@ def _unreadable_as_root(monkeypatch, path: str) -> None:
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in DEPLOY_CASES])
-def test_bad_key_or_certificate_is_refused_before_any_process(case: Case, inputs, key_inputs, tmp_path,
-                                                              monkeypatch):
+def test_bad_key_or_certificate_is_refused_before_any_process(case: Case, inputs, key_inputs, tmp_path, monkeypatch):
     paths = {**_case_paths(tmp_path, inputs), **key_inputs}
     if "{unreadable}" in case.bad and _ROOT:
         _unreadable_as_root(monkeypatch, key_inputs["unreadable"])
@@ -990,8 +1142,12 @@ def test_the_deploy_cases_reach_a_process_with_good_files(inputs, key_inputs, tm
     (so each case is refused for its bad input, not for something in the base)."""
     paths = {**_case_paths(tmp_path, inputs), **key_inputs}
     monkeypatch.chdir(tmp_path)
-    for base in (SUPERLINK, SUPERLINK + " --auth-public-keys {nodepub}", SERVE + " --auth-public-keys {nodepub}",
-                 SUPERNODE):
+    for base in (
+        SUPERLINK,
+        SUPERLINK + " --auth-public-keys {nodepub}",
+        SERVE + " --auth-public-keys {nodepub}",
+        SUPERNODE,
+    ):
         started = _fake_processes(monkeypatch)
         res = runner.invoke(cli.app, shlex.split(base.format(**paths)))
         assert started and started[0][0] in ("subprocess.Popen", "os.execve"), (base, res.stderr)

@@ -3,9 +3,6 @@
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,15 +28,24 @@ def _env(monkeypatch):
 
 
 def cfg(store, **kw):
-    base = dict(features=str(store), clients=8, rounds=3, local_epochs=1, batch_size=20, device="cpu",
-                partition="shard", partition_params={"shards_per_client": 1})
+    base = dict(
+        features=str(store),
+        clients=8,
+        rounds=3,
+        local_epochs=1,
+        batch_size=20,
+        device="cpu",
+        partition="shard",
+        partition_params={"shards_per_client": 1},
+    )
     base.update(kw)
     return TrainConfig(**base)
 
 
 def test_closed_form_head_is_one_exchange_with_exact_bytes(tiny_store, tmp_path):
-    res = run_training(cfg(tiny_store, head="ridge", rounds=50, central_reference=True), out=tmp_path / "r",
-                       progress=False)
+    res = run_training(
+        cfg(tiny_store, head="ridge", rounds=50, central_reference=True), out=tmp_path / "r", progress=False
+    )
     assert len(res.rows) == 1 and res.rows[0]["stage"] == "statistics"
     s = load_store(tiny_store)
     D, C = s.train_x.shape[1], s.info.num_classes
@@ -48,7 +54,7 @@ def test_closed_form_head_is_one_exchange_with_exact_bytes(tiny_store, tmp_path)
     parts = create_partition("shard", s.train_y, 8, seed=0, shards_per_client=1)
     held = [len(np.unique(s.train_y[p])) for p in parts]
     up = sum(message_bytes(h, D, gram=True) for h in held)
-    assert res.rows[0]["bytes_total"] == up + 8 * C * (D + 1) * 4      # the solved head goes back once
+    assert res.rows[0]["bytes_total"] == up + 8 * C * (D + 1) * 4  # the solved head goes back once
     assert res.rows[0]["bytes_up_per_client"] == pytest.approx(up / 8)
     # the federated solve is the pooled one: ratio to its central ceiling is 1 under any partition
     assert res.summary["final_ratio_to_central"] == pytest.approx(1.0)
@@ -56,8 +62,9 @@ def test_closed_form_head_is_one_exchange_with_exact_bytes(tiny_store, tmp_path)
 
 
 def test_init_round_then_training_and_central_fields(tiny_store, tmp_path):
-    res = run_training(cfg(tiny_store, head="softmax", init="lda", central_reference=True), out=tmp_path / "r",
-                       progress=False)
+    res = run_training(
+        cfg(tiny_store, head="softmax", init="lda", central_reference=True), out=tmp_path / "r", progress=False
+    )
     assert [r["stage"] for r in res.rows] == ["statistics", "train", "train"]
     ridge = run_training(cfg(tiny_store, head="lda"), out=tmp_path / "lda", progress=False)
     # round 1 is the LDA head itself (mapped to the centred features: the same predictions)
@@ -86,17 +93,23 @@ def test_central_ceiling_is_the_converged_optimum(tiny_store):
     theta = theta.clone().requires_grad_(True)
     from fedhead.heads import LossContext
 
-    ctx = LossContext(round=10**9, present=torch.ones(1, 10, dtype=torch.bool), counts=torch.ones(1, 10),
-                      u=torch.zeros(1, len(y)))
-    loss = head.loss((x @ theta.T)[None], y[None], torch.ones(1, len(y), dtype=x.dtype), ctx)[0] \
+    ctx = LossContext(
+        round=10**9, present=torch.ones(1, 10, dtype=torch.bool), counts=torch.ones(1, 10), u=torch.zeros(1, len(y))
+    )
+    loss = (
+        head.loss((x @ theta.T)[None], y[None], torch.ones(1, len(y), dtype=x.dtype), ctx)[0]
         + 0.5e-3 * (theta * theta).sum()
+    )
     (g,) = torch.autograd.grad(loss, theta)
     assert 0 < it and float(g.abs().max()) < 1e-5
 
 
 def test_ccvr_adds_a_calibration_exchange(tiny_store, tmp_path):
-    res = run_training(cfg(tiny_store, head="softmax", recipe="paper", calibrate="ccvr", ccvr_samples=400),
-                       out=tmp_path / "c", progress=False)
+    res = run_training(
+        cfg(tiny_store, head="softmax", recipe="paper", calibrate="ccvr", ccvr_samples=400),
+        out=tmp_path / "c",
+        progress=False,
+    )
     main = res.rows
     assert main[-1]["stage"] == "ccvr" and main[-1]["round"] == 4
     assert res.summary["uncalibrated_accuracy"] == pytest.approx(main[-2]["accuracy"])
@@ -106,14 +119,15 @@ def test_ccvr_adds_a_calibration_exchange(tiny_store, tmp_path):
 
 def test_fedprox_zero_is_fedavg_and_baselines_run(tiny_store, tmp_path):
     a = run_training(cfg(tiny_store, head="ova2"), out=tmp_path / "a", progress=False)
-    b = run_training(cfg(tiny_store, head="ova2", prox_mu=0.0), out=tmp_path / "b", progress=False)
+    run_training(cfg(tiny_store, head="ova2", prox_mu=0.0), out=tmp_path / "b", progress=False)
     assert torch.equal(torch.load(tmp_path / "a" / "head-seed0.pt"), torch.load(tmp_path / "b" / "head-seed0.pt"))
     for kw in (dict(prox_mu=0.1), dict(scaffold=True), dict(server_opt="fedadam"), dict(head="fedlc")):
-        r = run_training(cfg(tiny_store, **{"head": "ova2", **kw}), out=tmp_path / str(len(kw)) / str(kw)[2:9],
-                         progress=False)
+        r = run_training(
+            cfg(tiny_store, **{"head": "ova2", **kw}), out=tmp_path / str(len(kw)) / str(kw)[2:9], progress=False
+        )
         assert 0.0 < r.summary["final_accuracy"] <= 1.0
     s = run_training(cfg(tiny_store, head="ova2", scaffold=True), out=tmp_path / "s", progress=False)
-    assert s.rows[1]["bytes_up_per_client"] == 2 * a.rows[1]["bytes_up_per_client"]   # variates travel too
+    assert s.rows[1]["bytes_up_per_client"] == 2 * a.rows[1]["bytes_up_per_client"]  # variates travel too
 
 
 def test_resume_keeps_server_optimizer_and_scaffold_state(tiny_store, tmp_path, monkeypatch):
@@ -140,9 +154,26 @@ def test_resume_keeps_server_optimizer_and_scaffold_state(tiny_store, tmp_path, 
 
 def test_bench_baselines_quick(tiny_store, tmp_path):
     out = tmp_path / "bl"
-    r = runner.invoke(cli.app, ["bench", "baselines", "--features", str(tiny_store), "--quick", "--rounds", "3",
-                                "--clients", "8", "--methods", "ridge,ncm,ridge+ft,ova2,ova2-fedprox",
-                                "--partitions", "iid,shard-1", "--out", str(out)])
+    r = runner.invoke(
+        cli.app,
+        [
+            "bench",
+            "baselines",
+            "--features",
+            str(tiny_store),
+            "--quick",
+            "--rounds",
+            "3",
+            "--clients",
+            "8",
+            "--methods",
+            "ridge,ncm,ridge+ft,ova2,ova2-fedprox",
+            "--partitions",
+            "iid,shard-1",
+            "--out",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     rep = (out / "report.md").read_text()
     for s in ("Ratio to the central ceiling", "ridge+ft", "MB uploaded per client"):
@@ -153,9 +184,26 @@ def test_bench_baselines_quick(tiny_store, tmp_path):
     assert all(float(x["res_final_ratio_to_central"]) == pytest.approx(1.0) for x in ridge)
     for png in ("baselines-accuracy.png", "baselines-frontier.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
-    again = runner.invoke(cli.app, ["bench", "baselines", "--features", str(tiny_store), "--quick", "--rounds", "3",
-                                    "--clients", "8", "--methods", "ridge,ncm,ridge+ft,ova2,ova2-fedprox",
-                                    "--partitions", "iid,shard-1", "--out", str(out)])
+    again = runner.invoke(
+        cli.app,
+        [
+            "bench",
+            "baselines",
+            "--features",
+            str(tiny_store),
+            "--quick",
+            "--rounds",
+            "3",
+            "--clients",
+            "8",
+            "--methods",
+            "ridge,ncm,ridge+ft,ova2,ova2-fedprox",
+            "--partitions",
+            "iid,shard-1",
+            "--out",
+            str(out),
+        ],
+    )
     assert again.exit_code == 0 and "10 reused" in (out / "report.md").read_text()
 
 
@@ -181,8 +229,9 @@ BAD = [
 @pytest.mark.parametrize("args,flag", BAD)
 def test_bad_method_options_are_one_line_errors(tiny_store, tmp_path, args, flag):
     out = tmp_path / "bad"
-    r = runner.invoke(cli.app, ["train", "--features", str(tiny_store), "--clients", "4", "--rounds", "1",
-                                "--out", str(out), *args])
+    r = runner.invoke(
+        cli.app, ["train", "--features", str(tiny_store), "--clients", "4", "--rounds", "1", "--out", str(out), *args]
+    )
     assert r.exit_code != 0
     msg = r.output.strip()
     assert flag in msg and "Traceback" not in msg and "internal error" not in msg and len(msg.splitlines()) == 1
@@ -193,10 +242,25 @@ def test_ill_conditioned_solve_is_one_line(tmp_path):
     """More dimensions than samples and no shrinkage: LDA cannot solve; the error names the parameter."""
     from fedhead.synthetic import write_synthetic
 
-    st = write_synthetic(tmp_path / "wide.h5", num_classes=3, train_per_class=4, test_per_class=2, dim=40,
-                         latent=4, spread=1.0, seed=0)
-    r = runner.invoke(cli.app, ["train", "--features", str(st), "--clients", "2", "--head", "lda",
-                                "--lda-shrinkage", "0", "--out", str(tmp_path / "o")])
+    st = write_synthetic(
+        tmp_path / "wide.h5", num_classes=3, train_per_class=4, test_per_class=2, dim=40, latent=4, spread=1.0, seed=0
+    )
+    r = runner.invoke(
+        cli.app,
+        [
+            "train",
+            "--features",
+            str(st),
+            "--clients",
+            "2",
+            "--head",
+            "lda",
+            "--lda-shrinkage",
+            "0",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+    )
     assert r.exit_code != 0 and "--lda-shrinkage" in r.output and "Traceback" not in r.output
 
 
@@ -207,9 +271,10 @@ def test_readme_example_runs_as_written(tiny_store, tmp_path):
     example = "fedhead/examples/custom_head.py"
     readme = (REPO / "README.md").read_text()
     assert example in readme
-    assert (REPO / example).read_text().rstrip("\n") in readme          # the README shows this very file
-    out = run_example_with_plugin(example, "fedhead.examples.custom_head", tiny_store, tmp_path,
-                                  ["--head", "smooth-softmax"], "smooth+ridge")
+    assert (REPO / example).read_text().rstrip("\n") in readme  # the README shows this very file
+    out = run_example_with_plugin(
+        example, "fedhead.examples.custom_head", tiny_store, tmp_path, ["--head", "smooth-softmax"], "smooth+ridge"
+    )
     assert "statistics" in out and "ratio to central:" in out
     summary = json.loads((tmp_path / "ex" / "summary.json").read_text())
     assert summary["head"] == "smooth-softmax"
@@ -228,12 +293,18 @@ def test_statistics_streamed_in_client_blocks_bound_memory():
 
 
 def test_recipe_fast_is_softmax_from_a_ridge_start(tiny_store, tmp_path):
-    res = run_training(TrainConfig(features=str(tiny_store), recipe="fast", clients=4, rounds=2, local_epochs=1),
-                       out=tmp_path / "f", progress=False)
+    res = run_training(
+        TrainConfig(features=str(tiny_store), recipe="fast", clients=4, rounds=2, local_epochs=1),
+        out=tmp_path / "f",
+        progress=False,
+    )
     cfg = json.loads((tmp_path / "f" / "config.json").read_text())["config"]
     assert cfg["head"] == "softmax" and cfg["init"] == "ridge" and cfg["optimizer"] == "sgd" and cfg["center"]
     assert [r["stage"] for r in res.rows] == ["statistics", "train"]
     # an explicit closed-form head keeps its one exchange: the recipe's start does not apply to it
-    r = run_training(TrainConfig(features=str(tiny_store), recipe="fast", head="ridge", clients=4),
-                     out=tmp_path / "r", progress=False)
+    r = run_training(
+        TrainConfig(features=str(tiny_store), recipe="fast", head="ridge", clients=4),
+        out=tmp_path / "r",
+        progress=False,
+    )
     assert len(r.rows) == 1

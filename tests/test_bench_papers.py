@@ -50,7 +50,7 @@ def data_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("datasets")
     d = load_digits()
     x = (d.images / 16.0 * 255).astype(np.uint8)
-    big = np.pad(np.kron(x, np.ones((3, 3), dtype=np.uint8)), ((0, 0), (2, 2), (2, 2)))      # 28x28
+    big = np.pad(np.kron(x, np.ones((3, 3), dtype=np.uint8)), ((0, 0), (2, 2), (2, 2)))  # 28x28
     y = d.target.astype(np.uint8)
     raw = root / "mnist" / "MNIST" / "raw"
     _idx(raw / "train-images-idx3-ubyte", big[:1347])
@@ -59,12 +59,12 @@ def data_root(tmp_path_factory) -> Path:
     _idx(raw / "t10k-labels-idx1-ubyte", y[1347:])
     rng = np.random.default_rng(0)
     colours = rng.integers(60, 255, (10, 3))
-    img32 = np.kron(x, np.ones((4, 4), dtype=np.uint8))                                        # 32x32
+    img32 = np.kron(x, np.ones((4, 4), dtype=np.uint8))  # 32x32
     for split, n in (("train", 12), ("test", 4)):
         for c in range(10):
             folder = root / "cifar10" / split / f"class{c}"
             folder.mkdir(parents=True)
-            picks = np.flatnonzero(d.target == c)[(0 if split == "train" else 12):][:n]
+            picks = np.flatnonzero(d.target == c)[(0 if split == "train" else 12) :][:n]
             for i, k in enumerate(picks):
                 rgb = (img32[k][..., None] / 255.0 * colours[c]).astype(np.uint8)
                 rgb = np.clip(rgb + rng.integers(0, 40, rgb.shape), 0, 255).astype(np.uint8)
@@ -125,22 +125,32 @@ def test_fedova_quick_report_puts_table_1_and_2_beside_ours(quick_reports):
     assert got[("non-IID-5", "FedOVA")][2] == "91.7" and got[("non-IID-3", "FedAvg")][2] == "85.8"
     assert len(rows) == 8
     # ours = each seed's mean accuracy over the last 5 rounds (one seed here), from the run's rounds.csv
-    for (lv, name), key in ((("non-IID-2", "FedOVA"), "noniid2-fedova"),
-                            (("non-IID-2", "FedAvg + data sharing (beta = 10%)"), "noniid2-share10"),
-                            (("non-IID-5", "FedAvg"), "noniid5-fedavg")):
+    for (lv, name), key in (
+        (("non-IID-2", "FedOVA"), "noniid2-fedova"),
+        (("non-IID-2", "FedAvg + data sharing (beta = 10%)"), "noniid2-share10"),
+        (("non-IID-5", "FedAvg"), "noniid5-fedavg"),
+    ):
         want = 100 * _final(out / "runs" / f"mnist--{key}", "accuracy", 5)
         assert got[(lv, name)][3] == f"{want:.1f}"
         assert got[(lv, name)][4] == f"{want - float(got[(lv, name)][2]):+.1f}"
     # the runs are the paper's rows: sharing only at non-IID-2, the shared set counted in the bytes
     res = results(out)
-    assert sorted(res) == sorted([f"mnist--noniid{lv}-{m}" for lv in (2, 3, 5) for m in ("fedavg", "fedova")] +
-                                 ["mnist--noniid2-share10", "mnist--noniid2-share5"])
+    assert sorted(res) == sorted(
+        [f"mnist--noniid{lv}-{m}" for lv in (2, 3, 5) for m in ("fedavg", "fedova")]
+        + ["mnist--noniid2-share10", "mnist--noniid2-share5"]
+    )
     assert float(res["mnist--noniid2-share10"]["cfg_share_fraction"]) == 0.1
     assert res["mnist--noniid3-fedova"]["cfg_partition_params_shards_per_client"] == "3"
-    assert float(res["mnist--noniid2-share10"]["res_bytes_total"]) > float(res["mnist--noniid2-fedavg"]["res_bytes_total"])
+    assert float(res["mnist--noniid2-share10"]["res_bytes_total"]) > float(
+        res["mnist--noniid2-fedavg"]["res_bytes_total"]
+    )
     # every cut from the paper's protocol is listed; MNIST standing in for Fashion-MNIST is said
-    for cut in ("clients K: 100 → 10", "rounds: 100 → 3", "local epochs: 5 → 1",
-                "training samples (stratified subset): all → 400"):
+    for cut in (
+        "clients K: 100 → 10",
+        "rounds: 100 → 3",
+        "local epochs: 5 → 1",
+        "training samples (stratified subset): all → 400",
+    ):
         assert cut in rep
     assert "MNIST stands in for it" in rep and "## Does the paper's ordering hold here?" in rep
     assert (out / "fedova-mnist-accuracy.png").stat().st_size > 1000
@@ -160,8 +170,13 @@ def test_fedabc_quick_report_has_tables_1_and_2_at_two_alphas(quick_reports):
         assert t2[(a, name)][3] == f"{100 * _final(d, 'drift_accuracy', 5):.1f}"
     cfg = json.loads((out / "runs" / "mnist--a0.1-fedavg" / "config.json").read_text())
     # FedAvg in FedABC's table runs FedABC's protocol (not FedOVA's defaults for fedavg)
-    assert (cfg["optimizer"], cfg["momentum"], cfg["batch_size"], cfg["model"], cfg["partition"]) == \
-        ("sgd", 0.9, 64, "fedabc-mlp", "dirichlet")
+    assert (cfg["optimizer"], cfg["momentum"], cfg["batch_size"], cfg["model"], cfg["partition"]) == (
+        "sgd",
+        0.9,
+        64,
+        "fedabc-mlp",
+        "dirichlet",
+    )
     assert cfg["partition_params"]["alpha"] == 0.1
     for png in ("fedabc-mnist-pfl.png", "fedabc-mnist-drift.png"):
         assert (out / png).stat().st_size > 1000
@@ -184,7 +199,9 @@ def test_dnc_quick_report_has_bytes_divergence_and_split(quick_reports):
     assert int(dnc[1]["bytes_total"]) + int(dnc[2]["bytes_total"]) == int(fa[1]["bytes_total"])
     pairs = table_rows(rep, "### Bytes at equal rounds")
     assert pairs[-1][-1] == "0.500"
-    assert float(res["cifar10--skew95-dnc"]["res_bytes_total"]) < float(res["cifar10--skew95-fedavg"]["res_bytes_total"])
+    assert float(res["cifar10--skew95-dnc"]["res_bytes_total"]) < float(
+        res["cifar10--skew95-fedavg"]["res_bytes_total"]
+    )
     div = table_rows(rep, "### Layer-wise weight divergence")
     assert [r[0] for r in div] == [f"L{i}" for i in range(1, 10)]
     split = json.loads((out / "runs" / "cifar10--skew95-dnc" / "summary.json").read_text())["split_layer"]
@@ -216,8 +233,19 @@ def test_sigterm_mid_bench_then_the_same_command_resumes(quick_reports, tmp_path
     from conftest import wait_for_pause
 
     out, marker = tmp_path / "dnc", tmp_path / "paused"
-    args = [sys.executable, "-m", "cli", "bench", "papers", "dnc", "--data-dir", str(data_root), "--quick",
-            "--out", str(out)]
+    args = [
+        sys.executable,
+        "-m",
+        "cli",
+        "bench",
+        "papers",
+        "dnc",
+        "--data-dir",
+        str(data_root),
+        "--quick",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS": f"2:{marker}"}
     p = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     wait_for_pause(marker, p)
@@ -248,8 +276,13 @@ def test_paper_scale_builds_the_papers_protocols(data_root, tmp_path, monkeypatc
     assert len(fedova) == 2 * 8 and {r["labels"]["column"] for r in fedova} == {"F-MNIST", "CIFAR-10"}
     for r in fedova:
         c = r["config"]
-        assert (c["clients"], c["participation"], c["local_epochs"], c["batch_size"], c["optimizer"]) == \
-            (100, 0.2, 5, 15, "adam")
+        assert (c["clients"], c["participation"], c["local_epochs"], c["batch_size"], c["optimizer"]) == (
+            100,
+            0.2,
+            5,
+            15,
+            "adam",
+        )
         assert c["partition"] == "shard" and c["partition_params"]["distinct_labels"] is True
         assert c["partition_params"]["shards_per_client"] == r["labels"]["noniid"]
         assert c["subset"] is None and c["test_subset"] is None and c["seeds"] == [0, 42, 777]
@@ -260,25 +293,43 @@ def test_paper_scale_builds_the_papers_protocols(data_root, tmp_path, monkeypatc
     assert len(fedabc) == 2 * 4 * 9
     for r in fedabc:
         c, mnist = r["config"], r["labels"]["column"] == "MNIST"
-        assert (c["clients"], c["participation"], c["local_epochs"], c["batch_size"], c["optimizer"], c["momentum"],
-                c["weight_decay"]) == (20, 0.5, 5, 64, "sgd", 0.9, 1e-5)
-        assert (c["lr"], c["rounds"], c["model"]) == ((0.01, 100, "fedabc-mlp") if mnist else
-                                                      (0.1, 200, "fedabc-convnet"))
+        assert (
+            c["clients"],
+            c["participation"],
+            c["local_epochs"],
+            c["batch_size"],
+            c["optimizer"],
+            c["momentum"],
+            c["weight_decay"],
+        ) == (20, 0.5, 5, 64, "sgd", 0.9, 1e-5)
+        assert (c["lr"], c["rounds"], c["model"]) == (
+            (0.01, 100, "fedabc-mlp") if mnist else (0.1, 200, "fedabc-convnet")
+        )
         assert list(c["fedabc_margins"]) == ([0.75, 0.25, 0.3, 2.0] if mnist else [0.85, 0.2, 0.3, 2.0])
         assert c["partition"] == "dirichlet" and c["partition_params"]["alpha"] == r["labels"]["alpha"]
         assert c["local_test_size"] == 200 and c["algo"] == r["labels"]["method"]
     assert sorted({r["labels"]["alpha"] for r in fedabc}) == [0.1, 0.3, 0.5, 1.0]
     dnc = {r["labels"]["method"]: r["config"] for r in _dry("dnc", data_root, "--scale", "paper")}
     for m, c in dnc.items():
-        assert (c["model"], c["partition"], c["partition_params"], c["clients"], c["participation"]) == \
-            ("vgg9", "color-skew", {"skew": 0.95}, 2, 1.0)
-        assert (c["optimizer"], c["lr"]) == ("adam", 0.001)          # lr: the paper; Adam: not stated
+        assert (c["model"], c["partition"], c["partition_params"], c["clients"], c["participation"]) == (
+            "vgg9",
+            "color-skew",
+            {"skew": 0.95},
+            2,
+            1.0,
+        )
+        assert (c["optimizer"], c["lr"]) == ("adam", 0.001)  # lr: the paper; Adam: not stated
         total = c["rounds"] + (c["prepass_rounds"] if m == "dnc" else 0)
-        assert total == 18                                          # Table 1: 18 rounds for every method
-    assert (dnc["dnc"]["prepass_rounds"], dnc["dnc"]["feature_epochs"], dnc["dnc"]["finetune_epochs"],
-            dnc["dnc"]["finetune_lr_factor"], dnc["dnc"]["lr_decay"]) == (5, 20, 4, 0.5, 0.9)
+        assert total == 18  # Table 1: 18 rounds for every method
+    assert (
+        dnc["dnc"]["prepass_rounds"],
+        dnc["dnc"]["feature_epochs"],
+        dnc["dnc"]["finetune_epochs"],
+        dnc["dnc"]["finetune_lr_factor"],
+        dnc["dnc"]["lr_decay"],
+    ) == (5, 20, 4, 0.5, 0.9)
     assert dnc["fedprox"]["prox_mu"] == 0.01 and dnc["fedavg"]["prox_mu"] is None
-    assert not any(tmp_path.iterdir())                              # a dry run writes nothing
+    assert not any(tmp_path.iterdir())  # a dry run writes nothing
 
 
 @pytest.mark.parametrize("paper", ["fedova", "fedabc", "dnc"])
@@ -293,8 +344,12 @@ def test_cpu_scale_lists_every_field_it_changes(paper, data_root, tmp_path, monk
         if name not in ref:
             continue
         diff = {k for k in cpu[name] if cpu[name][k] != ref[name][k]}
-        col = next(c for c in spec.columns if c.key == {"mnist": "F-MNIST" if paper == "fedova" else "MNIST",
-                                                        "cifar10": "CIFAR-10"}[cpu[name]["dataset"]])
+        col = next(
+            c
+            for c in spec.columns
+            if c.key
+            == {"mnist": "F-MNIST" if paper == "fedova" else "MNIST", "cifar10": "CIFAR-10"}[cpu[name]["dataset"]]
+        )
         cuts = BP._cuts(spec, col, "cpu", False, BP.FEDABC_ALPHAS["paper"])
         for k in diff:
             assert any(c.startswith(BP.FIELD_WORDS[k] + ":") for c in cuts), (name, k, cuts)
@@ -310,8 +365,9 @@ def test_transcribed_numbers_match_the_papers_text():
     assert vals == [v for c in cells for v in (BP.PAPER_FEDOVA_T1[c]["fedavg"], BP.PAPER_FEDOVA_T1[c]["fedova"])]
     for beta, pct in ((0.05, "5"), (0.10, "10")):
         ln = next(x for x in ova.splitlines() if x.startswith(f"Data sharing ($\\beta = {pct}\\%$)"))
-        assert [float(v) for v in ln.split("\t")[1:]] == [BP.PAPER_FEDOVA_T2[d][beta] for d in
-                                                          ("F-MNIST", "CIFAR-10", "KWS")]
+        assert [float(v) for v in ln.split("\t")[1:]] == [
+            BP.PAPER_FEDOVA_T2[d][beta] for d in ("F-MNIST", "CIFAR-10", "KWS")
+        ]
     abc = (PAPERS_TXT / "fedabc.txt").read_text().splitlines()
     dir_rows = [[float(v) for v in ln.split()[1:]] for ln in abc if re.match(r"^Dir\(\d\.\d\) [\d. ]+$", ln)]
     keys = [(ds, a) for ds in ("MNIST", "CIFAR-10") for a in (0.1, 0.3, 0.5, 1.0)]
@@ -319,8 +375,9 @@ def test_transcribed_numbers_match_the_papers_text():
     dnc = (PAPERS_TXT / "divide-and-conquer.txt").read_text().splitlines()
     for skew in ("95-5", "75-25", "50-50"):
         ln = next(x for x in dnc if x.startswith(f"2 {skew}%"))
-        assert [float(v.rstrip("%")) for v in ln.split()[2:]] == [BP.PAPER_DNC_T1[skew][m] for m in
-                                                                  ("fedavg", "fedprox", "fedma", "dnc")]
+        assert [float(v.rstrip("%")) for v in ln.split()[2:]] == [
+            BP.PAPER_DNC_T1[skew][m] for m in ("fedavg", "fedprox", "fedma", "dnc")
+        ]
 
 
 def test_find_dataset_prefers_fashion_mnist_for_fedova(tmp_path):

@@ -4,8 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-from fedhead.ccvr import (CCVRConfig, ClassStats, PooledStats, client_class_stats, pool_stats, retrain_head,
-                          sample_virtual)
+from fedhead.ccvr import (
+    CCVRConfig,
+    ClassStats,
+    PooledStats,
+    client_class_stats,
+    pool_stats,
+    retrain_head,
+    sample_virtual,
+)
 from fedhead.errors import FedheadError
 from fedhead.heads import create_head
 
@@ -15,9 +22,9 @@ def _non_iid_clients(seed=0, n=500, D=6, C=4, K=7):
     mix), with forced corner cases: a client holding a single sample of a class, classes absent on clients."""
     rng = np.random.default_rng(seed)
     y = rng.integers(0, C, n)
-    centres = rng.normal(0, 3, (C, D)) + 5.0                     # offset: means large against the spread
+    centres = rng.normal(0, 3, (C, D)) + 5.0  # offset: means large against the spread
     x = centres[y] + rng.normal(0, 1, (n, D)) @ rng.normal(0, 1, (D, D))
-    props = rng.dirichlet(np.full(K, 0.3), size=C)               # [C, K] class -> client mix
+    props = rng.dirichlet(np.full(K, 0.3), size=C)  # [C, K] class -> client mix
     owner = np.array([rng.choice(K, p=props[c]) for c in y])
     # client 0 holds exactly one sample of class 0 and nothing else of class 0; client 1 holds no class 1
     idx0 = np.flatnonzero(y == 0)
@@ -32,8 +39,8 @@ def test_pooling_matches_numpy_on_pooled_data_in_any_order():
     x, y, parts = _non_iid_clients()
     C, D = 4, x.shape[1]
     stats = [client_class_stats(x[p], y[p], C) for p in parts]
-    assert any(int(n) == 1 for s in stats for n in s.counts)                       # a single-sample class
-    assert any(len(s.classes) < C for s in stats)                                  # absent classes
+    assert any(int(n) == 1 for s in stats for n in s.counts)  # a single-sample class
+    assert any(len(s.classes) < C for s in stats)  # absent classes
     counts, means, covs = pool_stats(stats, C, D)
     for c in range(C):
         xc = x[y == c]
@@ -53,8 +60,9 @@ def test_pooling_formula_of_the_spec_on_a_two_client_case():
     stats = [client_class_stats(x[p], y[p], 2) for p in parts]
     counts, means, covs = pool_stats(stats, 2, 3)
     for c in range(2):
-        terms = [(int(s.counts[j]), s.means[j], s.covs[j]) for s in stats for j in range(len(s.classes))
-                 if s.classes[j] == c]
+        terms = [
+            (int(s.counts[j]), s.means[j], s.covs[j]) for s in stats for j in range(len(s.classes)) if s.classes[j] == c
+        ]
         N = sum(n for n, _, _ in terms)
         mu = sum(n * m for n, m, _ in terms) / N
         sig = sum((n - 1) * S + n * np.outer(m, m) for n, m, S in terms) / (N - 1) - N / (N - 1) * np.outer(mu, mu)
@@ -68,7 +76,7 @@ def test_client_stats_accept_torch_and_single_samples_have_zero_covariance():
     np.testing.assert_array_equal(s.classes, [0, 2])
     np.testing.assert_array_equal(s.counts, [2, 1])
     np.testing.assert_allclose(s.means, [[4.0, 6.0], [1.0, 2.0]])
-    np.testing.assert_allclose(s.covs[0], [[2.0, 4.0], [4.0, 8.0]])               # ddof = 1
+    np.testing.assert_allclose(s.covs[0], [[2.0, 4.0], [4.0, 8.0]])  # ddof = 1
     np.testing.assert_array_equal(s.covs[1], 0.0)
     assert s.means.dtype == np.float64 and s.counts.dtype == np.int64
 
@@ -92,8 +100,8 @@ def test_nbytes_counts_the_upper_triangle_and_matches_the_wire_format():
 def test_empty_and_singleton_classes_give_no_nan_and_the_right_samples():
     D, C = 3, 4
     p = PooledStats(C, D)
-    p.add(client_class_stats(np.zeros((0, D)), np.zeros(0, dtype=np.int64), C))     # a client with no data
-    p.add(client_class_stats(np.array([[1.0, 2.0, 3.0]]), np.array([1]), C))         # class 1: N = 1
+    p.add(client_class_stats(np.zeros((0, D)), np.zeros(0, dtype=np.int64), C))  # a client with no data
+    p.add(client_class_stats(np.array([[1.0, 2.0, 3.0]]), np.array([1]), C))  # class 1: N = 1
     p.add(client_class_stats(np.array([[0.0, 0, 0], [2, 2, 2]]), np.array([3, 3]), C))
     counts, means, covs = p.finish()
     assert not np.isnan(means).any() and not np.isnan(covs).any()
@@ -105,12 +113,18 @@ def test_empty_and_singleton_classes_give_no_nan_and_the_right_samples():
         p.add(client_class_stats(np.ones((1, D)), np.array([0]), C))
     xv, yv = sample_virtual(counts, means, covs, 5, seed=0)
     assert xv.shape == (10, D) and xv.dtype == np.float32 and yv.dtype == np.int64
-    np.testing.assert_array_equal(yv, [1] * 5 + [3] * 5)                            # no samples for N_c = 0
-    np.testing.assert_array_equal(xv[:5], np.tile([1.0, 2.0, 3.0], (5, 1)))          # N_c = 1: the mean
+    np.testing.assert_array_equal(yv, [1] * 5 + [3] * 5)  # no samples for N_c = 0
+    np.testing.assert_array_equal(xv[:5], np.tile([1.0, 2.0, 3.0], (5, 1)))  # N_c = 1: the mean
     assert np.isfinite(xv).all()
     # two clients, one sample each: a finite rank-1 covariance
-    q = pool_stats([client_class_stats(np.array([[0.0, 0, 0]]), np.array([2]), C),
-                    client_class_stats(np.array([[2.0, 0, 0]]), np.array([2]), C)], C, D)
+    q = pool_stats(
+        [
+            client_class_stats(np.array([[0.0, 0, 0]]), np.array([2]), C),
+            client_class_stats(np.array([[2.0, 0, 0]]), np.array([2]), C),
+        ],
+        C,
+        D,
+    )
     np.testing.assert_allclose(q[2][2], np.diag([2.0, 0, 0]))
 
 
@@ -130,7 +144,7 @@ def test_sample_virtual_is_seeded_and_converges_to_the_given_moments():
     means = rng.normal(0, 2, (C, D))
     A = rng.normal(0, 1, (C, D, D))
     covs = A @ A.transpose(0, 2, 1)
-    covs[1] = np.outer(A[1, 0], A[1, 0])                       # singular (rank 1): still sampled exactly
+    covs[1] = np.outer(A[1, 0], A[1, 0])  # singular (rank 1): still sampled exactly
     counts = np.array([10, 5, 7])
     x1, y1 = sample_virtual(counts, means, covs, 20000, seed=7)
     x2, y2 = sample_virtual(counts, means, covs, 20000, seed=7)
@@ -142,15 +156,17 @@ def test_sample_virtual_is_seeded_and_converges_to_the_given_moments():
         xc = x1[y1 == c].astype(np.float64)
         scale = np.sqrt(np.diag(covs[c]).max())
         np.testing.assert_allclose(xc.mean(0), means[c], atol=0.05 * scale)
-        np.testing.assert_allclose(np.cov(xc, rowvar=False), covs[c], atol=0.05 * scale ** 2)
+        np.testing.assert_allclose(np.cov(xc, rowvar=False), covs[c], atol=0.05 * scale**2)
 
 
 def _toy_problem(seed=0, C=3, D=2):
     rng = np.random.default_rng(seed)
     centres = np.array([[3.0, 0.0], [-1.5, 2.6], [-1.5, -2.6]])[:C, :D]
+
     def draw(n):
         y = rng.integers(0, C, n)
         return centres[y] + rng.normal(0, 1.0, (n, D)), y
+
     return draw
 
 
@@ -178,15 +194,33 @@ def test_retrain_head_recovers_accuracy_of_a_biased_head(head_name):
     theta[:, :D] = torch.as_tensor(means, dtype=torch.float32)
     theta[0, D] = 25.0
     before = _accuracy(theta, x_te, y_te)
-    kw = CCVRConfig()   # a bias of 25 needs larger moves than the default (momentum-free) pass: momentum 0.9
-    new = retrain_head(theta, create_head(head_name), _with_ones(xv), torch.as_tensor(yv), epochs=20,
-                       lr=kw.lr, batch_size=kw.batch_size, seed=0, momentum=0.9)
+    kw = CCVRConfig()  # a bias of 25 needs larger moves than the default (momentum-free) pass: momentum 0.9
+    new = retrain_head(
+        theta,
+        create_head(head_name),
+        _with_ones(xv),
+        torch.as_tensor(yv),
+        epochs=20,
+        lr=kw.lr,
+        batch_size=kw.batch_size,
+        seed=0,
+        momentum=0.9,
+    )
     after = _accuracy(new, x_te, y_te)
-    assert before < 0.5 and after > 0.85, (before, after)       # the true-centre rule scores ~0.99 here
-    assert theta[0, D] == 25.0                                  # input head untouched
-    again = retrain_head(theta, create_head(head_name), _with_ones(xv), torch.as_tensor(yv), epochs=20,
-                         lr=kw.lr, batch_size=kw.batch_size, seed=0, momentum=0.9)
-    assert torch.equal(new, again)                               # seeded
+    assert before < 0.5 and after > 0.85, (before, after)  # the true-centre rule scores ~0.99 here
+    assert theta[0, D] == 25.0  # input head untouched
+    again = retrain_head(
+        theta,
+        create_head(head_name),
+        _with_ones(xv),
+        torch.as_tensor(yv),
+        epochs=20,
+        lr=kw.lr,
+        batch_size=kw.batch_size,
+        seed=0,
+        momentum=0.9,
+    )
+    assert torch.equal(new, again)  # seeded
 
 
 def test_retrain_head_runs_every_stage_of_two_stage_heads_in_their_last_stage():
@@ -196,8 +230,9 @@ def test_retrain_head_runs_every_stage_of_two_stage_heads_in_their_last_stage():
     counts, means, covs = pool_stats([client_class_stats(x_tr, y_tr, 3)], 3, 2)
     xv, yv = sample_virtual(counts, means, covs, 100, seed=1)
     theta = torch.zeros(3, 3)
-    new = retrain_head(theta, create_head("ova2", positive_keep=0.5), _with_ones(xv), torch.as_tensor(yv),
-                       epochs=3, seed=0)
+    new = retrain_head(
+        theta, create_head("ova2", positive_keep=0.5), _with_ones(xv), torch.as_tensor(yv), epochs=3, seed=0
+    )
     x_te, y_te = draw(300)
     assert torch.isfinite(new).all()
     assert _accuracy(new, x_te, y_te) > 0.9

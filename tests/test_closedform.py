@@ -4,8 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-from fedhead.closedform import (StatsAccumulator, accumulate, client_stats, closed_form_names, message_bytes,
-                                pack_upper, to_prepared, unpack_upper)
+from fedhead.closedform import (
+    accumulate,
+    client_stats,
+    closed_form_names,
+    message_bytes,
+    pack_upper,
+    to_prepared,
+    unpack_upper,
+)
 from fedhead.heads import create_head
 from fedhead.partitions import create_partition
 
@@ -73,8 +80,7 @@ def _cof_reference(x, y, parts, c, gamma):
     return np.concatenate([w, np.zeros((c, 1))], 1)
 
 
-PARTS = [("iid", {}), ("shard", {"shards_per_client": 1}), ("dirichlet", {"alpha": 0.1, "min_size": 1}),
-         ("kmeans", {})]
+PARTS = [("iid", {}), ("shard", {"shards_per_client": 1}), ("dirichlet", {"alpha": 0.1, "min_size": 1}), ("kmeans", {})]
 
 
 @pytest.mark.parametrize("partition,pp", PARTS)
@@ -82,8 +88,9 @@ PARTS = [("iid", {}), ("shard", {"shards_per_client": 1}), ("dirichlet", {"alpha
 def test_federated_equals_centralised_in_any_order(name, partition, pp):
     x, y = _data()
     C = 5
-    parts = create_partition(partition, y.numpy(), 12, seed=3, features=x.numpy() if partition == "kmeans" else None,
-                             **pp)
+    parts = create_partition(
+        partition, y.numpy(), 12, seed=3, features=x.numpy() if partition == "kmeans" else None, **pp
+    )
     head = create_head(name)
     fed = accumulate(x, y, parts, C, gram=head.needs_gram, cof=head.needs_client_means, block_rows=100)
     theta = head.solve(fed)
@@ -94,7 +101,7 @@ def test_federated_equals_centralised_in_any_order(name, partition, pp):
     ref = _cof_reference(x, y, parts, C, 1.0) if name == "cof" else _pooled_reference(name, x, y, C)
     for t in (theta, theta2):
         np.testing.assert_allclose(t.numpy(), ref, rtol=1e-6, atol=1e-9 * np.abs(ref).max())
-    if name != "cof":   # the pooled solve is the head's central reference
+    if name != "cof":  # the pooled solve is the head's central reference
         np.testing.assert_allclose(head.solve_central(x, y, C).numpy(), ref, rtol=1e-6, atol=1e-9 * np.abs(ref).max())
 
 
@@ -137,13 +144,14 @@ def test_to_prepared_maps_scores_exactly():
 
 def test_absent_class_gets_zero_row_and_ill_conditioned_is_one_line():
     x, y = _data(n=60, d=3, c=3)
-    y = torch.where(y == 2, torch.zeros_like(y), y)   # class 2 absent
+    y = torch.where(y == 2, torch.zeros_like(y), y)  # class 2 absent
     for name in closed_form_names():
         t = create_head(name).solve_central(x, y, 3)
         assert torch.isfinite(t).all()
         assert torch.count_nonzero(t[2]) == 0
     # fewer samples than dimensions and no shrinkage: a singular covariance is a one-line error
     from fedhead.errors import FedheadError
+
     xs, ys = _data(n=6, d=10, c=2)
     with pytest.raises(FedheadError, match="--lda-shrinkage"):
         create_head("lda", lda_shrinkage=0.0).solve_central(xs, ys, 2)

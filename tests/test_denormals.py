@@ -119,7 +119,7 @@ def _x86() -> bool:
 @pytest.mark.skipif(not _x86(), reason="flush-to-zero is an x86 mode (torch.set_flush_denormal)")
 def test_decaying_optimizer_state_holds_no_subnormal_numbers():
     kept = _run(HEAD_ENGINE, keep=True)
-    assert kept["vectorized"] > 0 and kept["loop"] > 0, kept     # the control: this run does decay into them
+    assert kept["vectorized"] > 0 and kept["loop"] > 0, kept  # the control: this run does decay into them
     assert _run(HEAD_ENGINE, keep=False) == {"vectorized": 0, "loop": 0}
 
 

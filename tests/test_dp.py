@@ -15,8 +15,14 @@ import fedhead
 from fedhead.aggregate import Accumulator, DPFedAvg, Totals, create_aggregator
 from fedhead.closedform import accumulate
 from fedhead.config import TrainConfig
-from fedhead.dp import (clip_rows, gaussian, noisy_feature_sums, privatize_statistics, statistics_sensitivity,
-                        statistics_vector)
+from fedhead.dp import (
+    clip_rows,
+    gaussian,
+    noisy_feature_sums,
+    privatize_statistics,
+    statistics_sensitivity,
+    statistics_vector,
+)
 from fedhead.rundir import read_csv
 
 pytest.importorskip("dp_accounting", reason="the accountant needs dp-accounting (pip install 'fedhead[dp]')")
@@ -26,8 +32,16 @@ DP = dict(dp_noise_multiplier=1.1, dp_clip=0.5, dp_delta=1e-5)
 
 
 def _dp_cfg(store, **kw) -> TrainConfig:
-    base = dict(features=str(store), head="softmax", partition="iid", clients=10, rounds=5, participation=0.3,
-                center=False, **DP)
+    base = dict(
+        features=str(store),
+        head="softmax",
+        partition="iid",
+        clients=10,
+        rounds=5,
+        participation=0.3,
+        center=False,
+        **DP,
+    )
     base.update(kw)
     return TrainConfig(**base).resolved()
 
@@ -40,14 +54,16 @@ def test_update_clipping_by_hand():
     # (norm 0.5 < 1) -> unchanged; client 3 by [0, 0] -> 0
     theta = torch.zeros(1, 2)
     trained = torch.tensor([[[3.0, 4.0]], [[0.3, 0.4]], [[0.0, 0.0]]])
-    msg = DPFedAvg(clip=1.0, noise_multiplier=0.0).message(theta, trained, torch.tensor([5, 1, 2]),
-                                                           torch.ones(3, 1, dtype=torch.bool))
+    msg = DPFedAvg(clip=1.0, noise_multiplier=0.0).message(
+        theta, trained, torch.tensor([5, 1, 2]), torch.ones(3, 1, dtype=torch.bool)
+    )
     torch.testing.assert_close(msg["clipped"], torch.tensor([[[0.6, 0.8]], [[0.3, 0.4]], [[0.0, 0.0]]]))
     # the update is measured from theta, over the whole head (all rows and the bias together)
     theta = torch.tensor([[1.0, 1.0], [1.0, 1.0]])
-    trained = torch.tensor([[[2.0, 1.0], [1.0, 1.0 + math.sqrt(3.0)]]])           # update [1, 0, 0, sqrt 3]: norm 2
-    msg = DPFedAvg(clip=1.0, noise_multiplier=0.0).message(theta, trained, torch.tensor([1]),
-                                                           torch.ones(1, 2, dtype=torch.bool))
+    trained = torch.tensor([[[2.0, 1.0], [1.0, 1.0 + math.sqrt(3.0)]]])  # update [1, 0, 0, sqrt 3]: norm 2
+    msg = DPFedAvg(clip=1.0, noise_multiplier=0.0).message(
+        theta, trained, torch.tensor([1]), torch.ones(1, 2, dtype=torch.bool)
+    )
     torch.testing.assert_close(msg["clipped"], torch.tensor([[[0.5, 0.0], [0.0, math.sqrt(3.0) / 2]]]))
 
 
@@ -64,7 +80,7 @@ def test_feature_clipping_by_hand():
 
 def test_noise_is_reproducible_and_has_the_right_std():
     z, S, m = 2.0, 0.5, 4
-    theta = torch.zeros(100, 201)                      # 20,100 coordinates
+    theta = torch.zeros(100, 201)  # 20,100 coordinates
 
     def one(seed, rnd, sampled=m):
         acc = Accumulator(DPFedAvg(S, z), theta, seed=seed, rnd=rnd, sampled=sampled)
@@ -72,7 +88,7 @@ def test_noise_is_reproducible_and_has_the_right_std():
         return acc.finish()
 
     a = one(0, 1)
-    torch.testing.assert_close(a, one(0, 1), rtol=0, atol=0)          # keyed by (seed, round): the same draw
+    torch.testing.assert_close(a, one(0, 1), rtol=0, atol=0)  # keyed by (seed, round): the same draw
     assert not torch.equal(a, one(0, 2)) and not torch.equal(a, one(1, 1))
     # server adds N(0, (z S)^2) to the sum and divides by the m sampled clients: std z S / m = 0.25 per coordinate
     # (the sample std of 20,100 draws is within 1.5% of the truth with probability 1 - 1e-5; the seed is fixed)
@@ -92,14 +108,15 @@ def test_a_rule_without_seed_or_round_refuses():
     with pytest.raises(FedheadError, match="seed"):
         DPFedAvg(1.0, 1.0).update(torch.zeros(1, 2), t)
     with pytest.raises(FedheadError, match="--dp-clip"):
-        create_aggregator("dp-fedavg").message(torch.zeros(1, 2), torch.zeros(1, 1, 2), torch.ones(1),
-                                               torch.ones(1, 1, dtype=torch.bool))
+        create_aggregator("dp-fedavg").message(
+            torch.zeros(1, 2), torch.zeros(1, 1, 2), torch.ones(1), torch.ones(1, 1, dtype=torch.bool)
+        )
 
 
 def test_no_noise_and_a_huge_clip_is_unweighted_fedavg():
     g = torch.Generator().manual_seed(0)
     stacked, prev = torch.randn(5, 3, 4, generator=g), torch.randn(3, 4, generator=g)
-    sizes = torch.tensor([1, 7, 2, 30, 4])                             # unequal: the weighted mean differs
+    sizes = torch.tensor([1, 7, 2, 30, 4])  # unequal: the weighted mean differs
     acc = Accumulator(DPFedAvg(1e9, 0.0), prev, seed=0, rnd=1, sampled=5)
     acc.add(stacked, sizes, torch.ones(5, 3, dtype=torch.bool))
     out = acc.finish()
@@ -115,10 +132,14 @@ def test_no_noise_run_equals_plain_fedavg_on_equal_clients(tiny_store, tmp_path)
     assert json.loads((tmp_path / "dp" / "config.json").read_text())["config"]["aggregate"] == "dp-fedavg"
     sizes = [int(r["size"]) for r in read_csv(tmp_path / "plain" / "clients.csv")]
     assert len(set(sizes)) == 1, sizes
-    torch.testing.assert_close(torch.load(tmp_path / "dp" / "head-seed0.pt"),
-                               torch.load(tmp_path / "plain" / "head-seed0.pt"), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.load(tmp_path / "dp" / "head-seed0.pt"),
+        torch.load(tmp_path / "plain" / "head-seed0.pt"),
+        atol=1e-5,
+        rtol=1e-5,
+    )
     assert [r["accuracy"] for r in dp.rows] == [r["accuracy"] for r in plain.rows]
-    assert dp.summary["dp_epsilon"] == math.inf                        # no noise: no privacy
+    assert dp.summary["dp_epsilon"] == math.inf  # no noise: no privacy
     assert [r["bytes_total"] for r in dp.rows] == [r["bytes_total"] for r in plain.rows]
 
 
@@ -139,19 +160,24 @@ def test_epsilon_equals_the_library_computation(tiny_store, tmp_path):
     want = [_library_epsilon([(ev, t)], 1e-5) for t in range(1, 6)]
     np.testing.assert_allclose([r["dp_epsilon"] for r in res.rows], want, rtol=1e-12)
     got = [float(r["dp_epsilon"]) for r in read_csv(tmp_path / "run" / "rounds.csv")]
-    np.testing.assert_allclose(got, want, rtol=5e-6)                   # the csv keeps 6 significant digits
+    np.testing.assert_allclose(got, want, rtol=5e-6)  # the csv keeps 6 significant digits
     assert res.summary["dp_epsilon"] == pytest.approx(want[-1], rel=1e-12)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["dp_delta"] == 1e-5 and summary["dp_level"] == "client"
     assert summary["dp_epsilon"] == pytest.approx(want[-1], rel=1e-12)
-    assert 1.0 < want[-1] < 20.0 and want == sorted(want)              # a sane, growing epsilon
+    assert 1.0 < want[-1] < 20.0 and want == sorted(want)  # a sane, growing epsilon
     # Flower 1.41's own accountant (its wrapper of the same library) agrees
     fpa = pytest.importorskip("flwr.supercore.privacy_accounting")
     from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant as FlowerRdp
 
-    facc = FlowerRdp(fpa.PrivacyConfig(target_delta=1e-5, population_size=10,
-                                       neighboring_relation=fpa.NeighboringRelation.ADD_OR_REMOVE_ONE,
-                                       sampling_method=fpa.SamplingMethod.POISSON))
+    facc = FlowerRdp(
+        fpa.PrivacyConfig(
+            target_delta=1e-5,
+            population_size=10,
+            neighboring_relation=fpa.NeighboringRelation.ADD_OR_REMOVE_ONE,
+            sampling_method=fpa.SamplingMethod.POISSON,
+        )
+    )
     facc.compose(fpa.GaussianPrivacyEvent(noise_multiplier=1.1, sample_size=3, population_size=10), 5)
     assert summary["dp_epsilon"] == pytest.approx(facc.get_epsilon(1e-5), rel=1e-9)
 
@@ -168,7 +194,7 @@ def test_statistics_epsilon_equals_the_library_computation(tiny_store, tmp_path)
     assert res.summary["dp_epsilon_statistics"] == pytest.approx(stats, rel=1e-12)
     assert res.summary["dp_epsilon"] == pytest.approx(_library_epsilon([(one, 4)], 1e-5), rel=1e-12)
     rows = read_csv(tmp_path / "init" / "rounds.csv")
-    assert rows[0]["stage"] == "statistics" and float(rows[0]["dp_epsilon"]) == 0.0   # no head update yet
+    assert rows[0]["stage"] == "statistics" and float(rows[0]["dp_epsilon"]) == 0.0  # no head update yet
 
 
 # ---------------------------------------------------------------- the statistics: sensitivity and noise
@@ -183,8 +209,7 @@ def test_statistics_sensitivity_holds_and_is_tight(gram):
     bound = statistics_sensitivity(gram)
 
     def vec(x, y):
-        acc = accumulate(torch.as_tensor(x), torch.as_tensor(y), [np.arange(len(y))], C, gram=gram, cof=False,
-                         clip=S)
+        acc = accumulate(torch.as_tensor(x), torch.as_tensor(y), [np.arange(len(y))], C, gram=gram, cof=False, clip=S)
         return statistics_vector(acc, S)
 
     worst = 0.0
@@ -192,15 +217,15 @@ def test_statistics_sensitivity_holds_and_is_tight(gram):
         n = int(rng.integers(1, 30))
         x = rng.normal(size=(n, D)) * rng.uniform(0.1, 3.0)
         y = rng.integers(0, C, n)
-        new = rng.normal(size=(1, D)) * rng.uniform(0.0, 4.0)          # inside and outside the clip
+        new = rng.normal(size=(1, D)) * rng.uniform(0.0, 4.0)  # inside and outside the clip
         both_x, both_y = np.concatenate([x, new]), np.concatenate([y, rng.integers(0, C, 1)])
         change = float((vec(both_x, both_y) - vec(x, y)).norm())
         assert change <= bound + 1e-9, (trial, change, bound)
         worst = max(worst, change)
-    assert worst > 0.6 * bound                                          # random samples come near it
+    assert worst > 0.6 * bound  # random samples come near it
     x, y = rng.normal(size=(10, D)), rng.integers(0, C, 10)
     extreme = np.zeros((1, D))
-    extreme[0, 2] = 7.0 * S                                             # on an axis, clipped to norm S
+    extreme[0, 2] = 7.0 * S  # on an axis, clipped to norm S
     change = float((vec(np.concatenate([x, extreme]), np.concatenate([y, [1]])) - vec(x, y)).norm())
     assert change == pytest.approx(bound, rel=1e-12)
 
@@ -212,8 +237,8 @@ def test_statistics_noise_has_the_calibrated_std(tiny_store):
     acc = accumulate(torch.zeros(0, D), torch.zeros(0, dtype=torch.int64), [], C, gram=False, cof=False)
     privatize_statistics(acc, cfg, seed=0)
     sd = 2.0 * math.sqrt(2.0)
-    assert abs(float(acc.sums.std()) / (sd * 3.0) - 1) < 0.02          # 20,000 draws: within 2% (seed fixed)
-    assert abs(float(acc.counts.std()) / sd - 1) < 0.35                # 40 draws
+    assert abs(float(acc.sums.std()) / (sd * 3.0) - 1) < 0.02  # 20,000 draws: within 2% (seed fixed)
+    assert abs(float(acc.counts.std()) / sd - 1) < 0.35  # 40 draws
     again = accumulate(torch.zeros(0, D), torch.zeros(0, dtype=torch.int64), [], C, gram=False, cof=False)
     torch.testing.assert_close(privatize_statistics(again, cfg, seed=0).sums, acc.sums, rtol=0, atol=0)
     cfg = _dp_cfg(tiny_store, head="ridge", dp_clip=3.0)
@@ -229,7 +254,7 @@ def test_feature_sums_noise_is_keyed_and_scaled(tiny_store):
     D = 20000
     total, sq, n = noisy_feature_sums(np.zeros(D), 0.0, 0, cfg, seed=5)
     assert abs(float(total.std()) / (3.0 * math.sqrt(2.0) * 2.0) - 1) < 0.02
-    assert sq == 0.0                                                    # --scale none: the squared norms stay out
+    assert sq == 0.0  # --scale none: the squared norms stay out
     t2, _, n2 = noisy_feature_sums(np.zeros(D), 0.0, 0, cfg, seed=5)
     np.testing.assert_array_equal(total, t2)
     assert n == n2 != 0
@@ -251,26 +276,35 @@ def test_dp_run_on_flower_equals_train(tmp_path):
     pytest.importorskip("flwr")
     from flwr.supercore.task_identity import TaskIdentity
     from test_flower_sim import accs, cfg_of, local_run
+
     from fedhead.synthetic import write_synthetic
     from fedhead.train import run_training
 
     store = write_synthetic(tmp_path / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
     saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = 1, 1, 1   # as a SuperLink sets it
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = 1, 1, 1  # as a SuperLink sets it
     try:
-        for name, kw in (("ova2", dict(participation=0.75, dp_noise_multiplier=0.8, dp_clip=0.3, dp_delta=1e-4,
-                                       dp_feature_clip=2.0)),
-                         ("ridge", dict(head="ridge", dp_noise_multiplier=0.8, dp_clip=2.0, dp_delta=1e-4))):
+        for name, kw in (
+            (
+                "ova2",
+                dict(participation=0.75, dp_noise_multiplier=0.8, dp_clip=0.3, dp_delta=1e-4, dp_feature_clip=2.0),
+            ),
+            ("ridge", dict(head="ridge", dp_noise_multiplier=0.8, dp_clip=2.0, dp_delta=1e-4)),
+        ):
             cfg = cfg_of(store, **kw)
             ref = run_training(cfg, out=tmp_path / f"train-{name}", progress=False)
             res = local_run(cfg, tmp_path / f"flower-{name}")
             np.testing.assert_allclose(accs(res.rows), accs(ref.rows), atol=1e-9)
-            torch.testing.assert_close(torch.load(tmp_path / f"flower-{name}" / "head-seed0.pt"),
-                                       torch.load(tmp_path / f"train-{name}" / "head-seed0.pt"), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                torch.load(tmp_path / f"flower-{name}" / "head-seed0.pt"),
+                torch.load(tmp_path / f"train-{name}" / "head-seed0.pt"),
+                atol=1e-5,
+                rtol=1e-5,
+            )
             assert [r["dp_epsilon"] for r in res.rows] == [r["dp_epsilon"] for r in ref.rows]
             assert res.summary["dp_epsilon"] == ref.summary["dp_epsilon"]
     finally:
         TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
     run_training(cfg_of(store, participation=0.75), out=tmp_path / "plain", progress=False)
-    dp_head = torch.load(tmp_path / "train-ova2" / "head-seed0.pt")     # the noise did change the head
+    dp_head = torch.load(tmp_path / "train-ova2" / "head-seed0.pt")  # the noise did change the head
     assert not torch.allclose(dp_head, torch.load(tmp_path / "plain" / "head-seed0.pt"), atol=1e-3)

@@ -7,10 +7,8 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-from fedhead.engine import (ClientSet, Engine, LocalConfig, OptimConfig, StackedAdamW, StackedSGD,
-                            _fused_available)
+from fedhead.engine import ClientSet, Engine, LocalConfig, OptimConfig, StackedAdamW, StackedSGD, _fused_available
 from fedhead.heads import HEADS, create_head, iterative_head_names
 
 
@@ -67,8 +65,9 @@ def test_tile_size_does_not_change_the_result(tile):
 def test_global_head_is_not_modified_in_place():
     data = clients()
     for block, tile in ((1, 1), (3, 1), (9, 9)):
-        eng = Engine(data, create_head("ova"), OptimConfig(), LocalConfig(1, 16), block_clients=block,
-                     tile_clients=tile)
+        eng = Engine(
+            data, create_head("ova"), OptimConfig(), LocalConfig(1, 16), block_clients=block, tile_clients=tile
+        )
         theta = torch.full((data.num_classes, data.x.shape[1]), 0.25)
         before = theta.clone()
         eng.run_round(theta, np.arange(9), 0, 1, "fedavg")
@@ -82,7 +81,7 @@ def test_stacked_adamw_per_client_step_counts_equal_torch(fused):
     K, shape = 5, (4, 3)
     w0 = torch.randn(K, *shape)
     grads = torch.randn(6, K, *shape)
-    active = [5, 5, 3, 3, 1, 1]                      # prefix sizes per step: runs end at 1, 3, 5
+    active = [5, 5, 3, 3, 1, 1]  # prefix sizes per step: runs end at 1, 3, 5
     cfg = OptimConfig(name="adamw", lr=0.05, weight_decay=0.1)
     opt = StackedAdamW(cfg, (K, *shape), "cpu", fused=fused)
     w, g = w0.clone(), torch.empty(K, *shape)
@@ -150,16 +149,15 @@ def _ctx(K, B, C, rnd, seed=0):
 
 
 @pytest.mark.parametrize("rnd", [1, 2])
-@pytest.mark.parametrize("name,params", [("ova2", {}), ("ova2", {"positive_keep": 0.5}), ("ova", {}),
-                                         ("softmax", {})])
+@pytest.mark.parametrize("name,params", [("ova2", {}), ("ova2", {"positive_keep": 0.5}), ("ova", {}), ("softmax", {})])
 def test_closed_form_loss_and_grad_equal_autograd(name, params, rnd):
     torch.manual_seed(rnd)
     K, B, C = 3, 7, 5
-    logits = (torch.randn(K, B, C) * 6).requires_grad_(True)    # large logits: stability matters
+    logits = (torch.randn(K, B, C) * 6).requires_grad_(True)  # large logits: stability matters
     y = torch.randint(0, C, (K, B))
     mask = torch.ones(K, B)
     mask[1, 4:] = 0.0
-    mask[2] = 0.0                                                    # a client with no valid sample
+    mask[2] = 0.0  # a client with no valid sample
     ctx = _ctx(K, B, C, rnd)
     h = closed_form_head(name, **params)
     want = h.loss(logits, y, mask, ctx)
@@ -190,8 +188,23 @@ def test_speed_bench_child_smoke():
     """One tiny configuration of ``fedhead bench speed`` in-process: the record has the counted keys."""
     from fedhead.bench.speed import run_config
 
-    rec = run_config(dict(clients=4, samples=200, dim=8, classes=4, epochs=1, batch=50, device="cpu",
-                          threads=1, rounds=1, machine=True, quick=True, profile=True, loop_rounds=1))
+    rec = run_config(
+        dict(
+            clients=4,
+            samples=200,
+            dim=8,
+            classes=4,
+            epochs=1,
+            batch=50,
+            device="cpu",
+            threads=1,
+            rounds=1,
+            machine=True,
+            quick=True,
+            profile=True,
+            loop_rounds=1,
+        )
+    )
     assert rec["client_steps"] == 4 and rec["samples"] == 200
     assert rec["matmul_gflop_per_round"] == pytest.approx(4 * 4 * 9 * 200 / 1e9)
     for k in ("s_per_round", "loop_s_per_round", "machine_matmul_gflops", "machine_copy_gb_per_s", "peak_mb"):
@@ -226,10 +239,16 @@ def test_scratch_protocols_follow_the_runner():
     from fedhead.scratch.models import MODELS
 
     assert set(SCRATCH_PROTOCOLS) == {"cnn", "fedabc-mlp", "fedabc-convnet", "vgg9", "kws-cnn"} <= set(MODELS)
-    assert {m: (scratch_protocol(m)["members"], scratch_protocol(m)["batch"], scratch_protocol(m)["optimizer"])
-            for m in SCRATCH_PROTOCOLS} == {"cnn": (20, 15, "adam"), "fedabc-mlp": (10, 64, "sgd"),
-                                            "fedabc-convnet": (10, 64, "sgd"), "vgg9": (2, 64, "sgd"),
-                                            "kws-cnn": (20, 15, "adam")}
+    assert {
+        m: (scratch_protocol(m)["members"], scratch_protocol(m)["batch"], scratch_protocol(m)["optimizer"])
+        for m in SCRATCH_PROTOCOLS
+    } == {
+        "cnn": (20, 15, "adam"),
+        "fedabc-mlp": (10, 64, "sgd"),
+        "fedabc-convnet": (10, 64, "sgd"),
+        "vgg9": (2, 64, "sgd"),
+        "kws-cnn": (20, 15, "adam"),
+    }
 
 
 def test_bench_speed_scratch_cli(tmp_path):
@@ -243,8 +262,14 @@ def test_bench_speed_scratch_cli(tmp_path):
     env = {**os.environ, "FEDHEAD_NO_PROGRESS": "1"}
     out = tmp_path / "speed.json"
     base = [sys.executable, "-m", "cli", "bench", "speed", "--quick", "--no-heads", "--no-extraction", "--threads", "1"]
-    r = subprocess.run(base + ["--scratch-model", "cnn", "--scratch-repeat", "1", "--out", str(out)],
-                       capture_output=True, text=True, cwd=repo, env=env, timeout=600)
+    r = subprocess.run(
+        base + ["--scratch-model", "cnn", "--scratch-repeat", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=repo,
+        env=env,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert "scratch engine vs loop" in r.stdout and "cnn" in r.stdout
     rec = json.loads(out.read_text())
@@ -253,7 +278,13 @@ def test_bench_speed_scratch_cli(tmp_path):
     md = (tmp_path / "speed.md").read_text()
     assert "| cnn | fedavg mnist: 2 x 8 adam |" in md and "FlopCounterMode" in md
     for bad in (["--scratch-model", "resnet"], ["--scratch-repeat", "0"], ["--scratch-net", "fast"]):
-        r = subprocess.run(base + bad + ["--out", str(tmp_path / "bad.json")], capture_output=True, text=True,
-                           cwd=repo, env=env, timeout=600)
+        r = subprocess.run(
+            base + bad + ["--out", str(tmp_path / "bad.json")],
+            capture_output=True,
+            text=True,
+            cwd=repo,
+            env=env,
+            timeout=600,
+        )
         assert r.returncode == 2 and bad[0] in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert not (tmp_path / "bad.json").exists()

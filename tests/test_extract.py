@@ -18,8 +18,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from extract import datasets as D
-from extract.encoders import (load_encoder, preprocess_batch, registry_weights, rename_effnet_pytorch,
-                              state_dict_sha256)
+from extract.encoders import load_encoder, preprocess_batch, registry_weights, rename_effnet_pytorch, state_dict_sha256
 from extract.run import KILL_ENV, extract_features
 from extract.store import load_store, open_store
 
@@ -126,8 +125,12 @@ def data_root(tmp_path_factory):
 
 
 EXPECTED = {  # dataset -> (n_train, n_test, n_classes, native size)
-    "imagefolder": (18, 9, 3, 16), "cifar10": (30, 6, 10, 32), "cifar100": (20, 10, 100, 32),
-    "mnist": (20, 10, 10, 28), "fashion-mnist": (20, 10, 10, 28), "tinyimagenet": (8, 6, 2, 64),
+    "imagefolder": (18, 9, 3, 16),
+    "cifar10": (30, 6, 10, 32),
+    "cifar100": (20, 10, 100, 32),
+    "mnist": (20, 10, 10, 28),
+    "fashion-mnist": (20, 10, 10, 28),
+    "tinyimagenet": (8, 6, 2, 64),
     "digits": (1347, 450, 10, 8),
 }
 
@@ -166,8 +169,9 @@ def test_select_limit_is_seeded_stratified():
     labels = np.repeat(np.arange(5), [50, 40, 30, 20, 3])
     idx = D.select_limit(labels, 20)
     assert len(idx) == 20 and np.all(np.diff(idx) > 0)
-    assert np.array_equal(np.bincount(labels[idx], minlength=5), [4, 4, 4, 4, 3]) or \
-        sorted(np.bincount(labels[idx], minlength=5)[:4]) == [4, 4, 4, 5]  # class 4 has only 3
+    assert np.array_equal(np.bincount(labels[idx], minlength=5), [4, 4, 4, 4, 3]) or sorted(
+        np.bincount(labels[idx], minlength=5)[:4]
+    ) == [4, 4, 4, 5]  # class 4 has only 3
     assert np.bincount(labels[idx], minlength=5)[4] == 3
     assert np.array_equal(idx, D.select_limit(labels, 20))
     even = np.repeat(np.arange(4), 25)
@@ -231,12 +235,16 @@ def test_preprocess_matches_timm_eval_transform():
     # off (PIL's fixed-point arithmetic and its uint8 clipping between the two passes, visible on these
     # noise images; natural CIFAR-10 images differ by 0.2 levels on average). One level = 2/255 here.
     d = (ours - ref).abs()
-    assert d.mean() < 0.01 and d.max() < 16 * 2 / 255 and (d < 1e-4).float().mean() > 0.5, \
-        (d.mean(), d.max(), (d < 1e-4).float().mean())
+    assert d.mean() < 0.01 and d.max() < 16 * 2 / 255 and (d < 1e-4).float().mean() > 0.5, (
+        d.mean(),
+        d.max(),
+        (d < 1e-4).float().mean(),
+    )
 
 
-@pytest.mark.parametrize("hw,size,resize", [((32, 32), 48, 54), ((20, 37), 24, 27), ((40, 30), 16, 18),
-                                            ((300, 260), 64, 73)])
+@pytest.mark.parametrize(
+    "hw,size,resize", [((32, 32), 48, 54), ((20, 37), 24, 27), ((40, 30), 16, 18), ((300, 260), 64, 73)]
+)
 @pytest.mark.parametrize("interp", ["bicubic", "bilinear", "nearest"])
 def test_resize_is_antialiased_interpolate_then_crop(hw, size, resize, interp):
     """The GEMM resize (small sources), the interpolate path (large ones) and grayscale input all equal
@@ -246,8 +254,15 @@ def test_resize_is_antialiased_interpolate_then_crop(hw, size, resize, interp):
 
     from extract.encoders import Preprocessing, resize_geometry
 
-    pre = Preprocessing(image_size=size, resize_size=resize, interpolation=interp, mean=(0.4, 0.5, 0.6),
-                        std=(0.2, 0.25, 0.3), crop_pct=size / resize, source="test")
+    pre = Preprocessing(
+        image_size=size,
+        resize_size=resize,
+        interpolation=interp,
+        mean=(0.4, 0.5, 0.6),
+        std=(0.2, 0.25, 0.3),
+        crop_pct=size / resize,
+        source="test",
+    )
     g = torch.Generator().manual_seed(0)
     for c in (3, 1):
         x = torch.randint(0, 256, (2, *hw, c), generator=g, dtype=torch.uint8)
@@ -256,7 +271,7 @@ def test_resize_is_antialiased_interpolate_then_crop(hw, size, resize, interp):
         assert min(nh, nw) == resize and t >= 0 and l_ >= 0
         ref = x.permute(0, 3, 1, 2).float().expand(-1, 3, -1, -1).contiguous()
         kw = {} if interp == "nearest" else {"antialias": True, "align_corners": False}
-        ref = F.interpolate(ref, size=(nh, nw), mode=interp, **kw)[..., t:t + size, l_:l_ + size]
+        ref = F.interpolate(ref, size=(nh, nw), mode=interp, **kw)[..., t : t + size, l_ : l_ + size]
         ref = ref.clamp(0, 255).round()
         ref = (ref / 255 - torch.tensor(pre.mean).view(1, 3, 1, 1)) / torch.tensor(pre.std).view(1, 3, 1, 1)
         ours = preprocess_batch(x, pre)
@@ -274,8 +289,15 @@ def test_weights_and_hash_recorded(tmp_path, data_root):
     enc = load_encoder(TINY, pretrained=False, image_size=SIZE)
     ck = tmp_path / "w.pth"
     torch.save(enc.model.state_dict(), ck)
-    p = extract_features("imagefolder", data_root["imagefolder"], TINY, weights=str(ck), image_size=SIZE,
-                         out=tmp_path / "s.h5", progress=False)
+    p = extract_features(
+        "imagefolder",
+        data_root["imagefolder"],
+        TINY,
+        weights=str(ck),
+        image_size=SIZE,
+        out=tmp_path / "s.h5",
+        progress=False,
+    )
     info = open_store(p)
     assert info.attrs["weights_source"] == f"file:{ck.resolve()}"
     assert info.attrs["weights_sha256"] == state_dict_sha256(enc.model.state_dict())
@@ -289,8 +311,17 @@ def test_extract_every_layout(tmp_path, data_root, name):
     n_tr, n_te, c, _ = EXPECTED[name]
     limit = 40 if name == "digits" else None
     out = tmp_path / f"{name}.h5"
-    p = extract_features(name, data_root[name], TINY, pretrained=False, image_size=SIZE, batch_size=8,
-                         limit=limit, out=out, progress=False)
+    p = extract_features(
+        name,
+        data_root[name],
+        TINY,
+        pretrained=False,
+        image_size=SIZE,
+        batch_size=8,
+        limit=limit,
+        out=out,
+        progress=False,
+    )
     assert p == out and out.exists() and not Path(str(out) + ".partial").exists()
     f = load_store(out)
     if limit:
@@ -302,8 +333,17 @@ def test_extract_every_layout(tmp_path, data_root, name):
     sel = D.select_limit(ref.labels, limit)
     assert np.array_equal(f.train_y, ref.labels[sel])
     a = f.info.attrs
-    for key in ("dataset", "encoder", "weights_source", "weights_sha256", "preprocessing", "image_size", "dtype",
-                "fedhead_version", "created"):
+    for key in (
+        "dataset",
+        "encoder",
+        "weights_source",
+        "weights_sha256",
+        "preprocessing",
+        "image_size",
+        "dtype",
+        "fedhead_version",
+        "created",
+    ):
         assert key in a, key
     assert a["encoder"] == TINY and a["image_size"] == SIZE and a["dtype"] == "float16"
     assert a["weights_source"] == "random-init:seed=0"
@@ -314,8 +354,9 @@ def test_extract_every_layout(tmp_path, data_root, name):
 
 def test_float32_and_default_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    p = extract_features("digits", None, TINY, pretrained=False, image_size=SIZE, limit=20, dtype="float32",
-                         progress=False)
+    p = extract_features(
+        "digits", None, TINY, pretrained=False, image_size=SIZE, limit=20, dtype="float32", progress=False
+    )
     assert p == Path("cache/digits/test_efficientnet-32.h5")
     with h5py.File(p, "r") as h:
         assert h["train/features"].dtype == np.float32
@@ -323,8 +364,9 @@ def test_float32_and_default_name(tmp_path, monkeypatch):
 
 def test_imagefolder_uses_folder_name(tmp_path, monkeypatch, data_root):
     monkeypatch.chdir(tmp_path)
-    p = extract_features("imagefolder", data_root["imagefolder"], TINY, pretrained=False, image_size=SIZE,
-                         progress=False)
+    p = extract_features(
+        "imagefolder", data_root["imagefolder"], TINY, pretrained=False, image_size=SIZE, progress=False
+    )
     assert p == Path("cache/folder/test_efficientnet-32.h5")
     assert open_store(p).attrs["dataset_loader"] == "imagefolder"
 
@@ -334,9 +376,11 @@ def tiny_clip(tmp_path_factory):
     import open_clip
 
     d = tmp_path_factory.mktemp("clipcfg")
-    cfg = {"embed_dim": 24,
-           "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
-           "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 16, "heads": 1, "layers": 1}}
+    cfg = {
+        "embed_dim": 24,
+        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
+        "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 16, "heads": 1, "layers": 1},
+    }
     (d / "fedhead-tiny-clip.json").write_text(json.dumps(cfg))
     open_clip.add_model_config(d / "fedhead-tiny-clip.json")
     return "clip:fedhead-tiny-clip"
@@ -382,14 +426,34 @@ def test_reuse_mismatch_overwrite(tmp_path, data_root):
 
 
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "FEDHEAD_NO_PROGRESS": "1", **(env or {})}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "FEDHEAD_NO_PROGRESS": "1", **(env or {})},
+        timeout=300,
+    )
 
 
 def test_resume_after_kill_gives_same_store(tmp_path, data_root, monkeypatch):
     out = tmp_path / "r.h5"
-    args = ["extract", "--dataset", "imagefolder", "--data-dir", str(data_root["imagefolder"]), "--encoder", TINY,
-            "--no-pretrained", "--image-size", str(SIZE), "--batch-size", "4", "--out", str(out)]
+    args = [
+        "extract",
+        "--dataset",
+        "imagefolder",
+        "--data-dir",
+        str(data_root["imagefolder"]),
+        "--encoder",
+        TINY,
+        "--no-pretrained",
+        "--image-size",
+        str(SIZE),
+        "--batch-size",
+        "4",
+        "--out",
+        str(out),
+    ]
     r = _cli(*args, env={KILL_ENV: "2"})
     assert r.returncode == -signal.SIGKILL, r.stderr
     assert not out.exists()
@@ -407,8 +471,16 @@ def test_resume_after_kill_gives_same_store(tmp_path, data_root, monkeypatch):
     assert load_store(out).info.attrs["cpu_threads"] == killed_threads
     # bit for bit equal to an uninterrupted run with the same thread count (the count changes the last bits)
     monkeypatch.setenv("FEDHEAD_THREADS", str(killed_threads))
-    ref = extract_features("imagefolder", data_root["imagefolder"], TINY, pretrained=False, image_size=SIZE,
-                           batch_size=4, out=tmp_path / "ref.h5", progress=False)
+    ref = extract_features(
+        "imagefolder",
+        data_root["imagefolder"],
+        TINY,
+        pretrained=False,
+        image_size=SIZE,
+        batch_size=4,
+        out=tmp_path / "ref.h5",
+        progress=False,
+    )
     a, b = load_store(out), load_store(ref)
     for k in ("train_x", "train_y", "test_x", "test_y"):
         assert np.array_equal(getattr(a, k), getattr(b, k)), k
@@ -421,8 +493,9 @@ def test_resume_after_kill_gives_same_store(tmp_path, data_root, monkeypatch):
 def test_info_cmd(tmp_path, data_root):
     from cli import app
 
-    p = extract_features("digits", None, TINY, pretrained=False, image_size=SIZE, limit=10,
-                         out=tmp_path / "i.h5", progress=False)
+    p = extract_features(
+        "digits", None, TINY, pretrained=False, image_size=SIZE, limit=10, out=tmp_path / "i.h5", progress=False
+    )
     r = CliRunner().invoke(app, ["info", str(p)])
     assert r.exit_code == 0, r.output
     for s in ("train/features", "10 x ", "weights_sha256", "random-init:seed=0", "test_efficientnet"):
@@ -430,8 +503,8 @@ def test_info_cmd(tmp_path, data_root):
 
 
 def _bad_inputs(tmp: Path, data_root):
-    import torch
     import timm
+    import torch
 
     garbage = tmp / "garbage.pth"
     garbage.write_bytes(b"not a checkpoint")
@@ -451,28 +524,76 @@ def _bad_inputs(tmp: Path, data_root):
     return {
         "unknown encoder": (digits + ["--encoder", "resnet19", "--out", str(tmp / "a.h5")], "resnet18"),
         "unknown clip": (digits + ["--encoder", "clip:ViT-B-33/openai", "--out", str(tmp / "a.h5")], "ViT-B-32"),
-        "unknown dataset": (["extract", "--dataset", "cifar11", "--encoder", TINY, "--out", str(tmp / "a.h5")],
-                            "cifar10"),
-        "missing folder": (["extract", "--dataset", "cifar10", "--data-dir", str(tmp / "nope"), "--encoder", TINY,
-                            "--no-pretrained", "--out", str(tmp / "a.h5")], "Expected layout"),
-        "malformed folder": (["extract", "--dataset", "cifar10", "--data-dir", str(tmp / "badcifar"),
-                              "--encoder", TINY, "--no-pretrained", "--out", str(tmp / "a.h5")], "Expected layout"),
-        "unreadable weights": (["extract", *folder, "--encoder", TINY, "--weights", str(garbage),
-                                "--out", str(tmp / "a.h5")], "--weights"),
-        "missing weights": (["extract", *folder, "--encoder", TINY, "--weights", str(tmp / "none.pth"),
-                             "--out", str(tmp / "a.h5")], "--weights"),
-        "mismatched weights": (["extract", *folder, "--encoder", TINY, "--weights", str(wrong),
-                                "--out", str(tmp / "a.h5")], "--weights"),
+        "unknown dataset": (
+            ["extract", "--dataset", "cifar11", "--encoder", TINY, "--out", str(tmp / "a.h5")],
+            "cifar10",
+        ),
+        "missing folder": (
+            [
+                "extract",
+                "--dataset",
+                "cifar10",
+                "--data-dir",
+                str(tmp / "nope"),
+                "--encoder",
+                TINY,
+                "--no-pretrained",
+                "--out",
+                str(tmp / "a.h5"),
+            ],
+            "Expected layout",
+        ),
+        "malformed folder": (
+            [
+                "extract",
+                "--dataset",
+                "cifar10",
+                "--data-dir",
+                str(tmp / "badcifar"),
+                "--encoder",
+                TINY,
+                "--no-pretrained",
+                "--out",
+                str(tmp / "a.h5"),
+            ],
+            "Expected layout",
+        ),
+        "unreadable weights": (
+            ["extract", *folder, "--encoder", TINY, "--weights", str(garbage), "--out", str(tmp / "a.h5")],
+            "--weights",
+        ),
+        "missing weights": (
+            ["extract", *folder, "--encoder", TINY, "--weights", str(tmp / "none.pth"), "--out", str(tmp / "a.h5")],
+            "--weights",
+        ),
+        "mismatched weights": (
+            ["extract", *folder, "--encoder", TINY, "--weights", str(wrong), "--out", str(tmp / "a.h5")],
+            "--weights",
+        ),
         "corrupt out": (digits + ["--encoder", TINY, "--out", str(corrupt)], "--out"),
         "foreign out": (digits + ["--encoder", TINY, "--out", str(foreign)], "not a fedhead"),
         "limit 0": (digits + ["--encoder", TINY, "--limit", "0", "--out", str(tmp / "a.h5")], "--limit"),
-        "image size": (["extract", *folder, "--encoder", "test_vit", "--no-pretrained", "--image-size", "100",
-                        "--out", str(tmp / "a.h5")], "--image-size"),
+        "image size": (
+            [
+                "extract",
+                *folder,
+                "--encoder",
+                "test_vit",
+                "--no-pretrained",
+                "--image-size",
+                "100",
+                "--out",
+                str(tmp / "a.h5"),
+            ],
+            "--image-size",
+        ),
         "info corrupt": (["info", str(corrupt)], "STORE"),
         "info foreign": (["info", str(foreign)], "not a fedhead"),
         "info missing": (["info", str(tmp / "missing.h5")], "does not exist"),
-        "bad precision": (digits + ["--encoder", TINY, "--precision", "fp8", "--out", str(tmp / "a.h5")],
-                          "--precision"),
+        "bad precision": (
+            digits + ["--encoder", TINY, "--precision", "fp8", "--out", str(tmp / "a.h5")],
+            "--precision",
+        ),
     }
 
 
@@ -502,17 +623,28 @@ def test_measure_extraction_record():
     assert rec["bench_num_images"] == 64 and rec["bench_image_size"] == SIZE
     assert rec["extract_images_per_sec"] > 0 and rec["forward_images_per_sec"] > 0
     assert rec["extract_fraction_of_forward"] == pytest.approx(
-        rec["extract_images_per_sec"] / rec["forward_images_per_sec"], rel=0.01)
+        rec["extract_images_per_sec"] / rec["forward_images_per_sec"], rel=0.01
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SHARED_CIFAR.is_dir() or registry_weights("tf_efficientnet_lite0") is None,
-                    reason="needs the shared CIFAR-10 copy and the efficientnet-lite0 weights package")
+@pytest.mark.skipif(
+    not SHARED_CIFAR.is_dir() or registry_weights("tf_efficientnet_lite0") is None,
+    reason="needs the shared CIFAR-10 copy and the efficientnet-lite0 weights package",
+)
 def test_cifar10_probe_with_pretrained_lite0(tmp_path):
     from sklearn.linear_model import LogisticRegression
 
-    p = extract_features("imagefolder", SHARED_CIFAR, "tf_efficientnet_lite0", weights="registry", image_size=64,
-                         limit=300, out=tmp_path / "c.h5", progress=False)
+    p = extract_features(
+        "imagefolder",
+        SHARED_CIFAR,
+        "tf_efficientnet_lite0",
+        weights="registry",
+        image_size=64,
+        limit=300,
+        out=tmp_path / "c.h5",
+        progress=False,
+    )
     f = load_store(p)
     assert f.train_x.shape == (300, 1280) and np.bincount(f.train_y).tolist() == [30] * 10
     clf = LogisticRegression(max_iter=2000, C=0.5).fit(f.train_x, f.train_y)
@@ -543,6 +675,17 @@ def test_mixed_image_sizes(tmp_path):
     Image.fromarray(np.full((20, 30, 3), 200, np.uint8)).save(root / "train" / "a" / "wide.png")
     Image.fromarray(np.full((40, 12), 90, np.uint8)).save(root / "train" / "b" / "tall_gray.png")
     for workers in (0, 1):
-        f = load_store(extract_features("imagefolder", root, TINY, pretrained=False, image_size=SIZE, batch_size=8,
-                                        num_workers=workers, out=tmp_path / f"m{workers}.h5", progress=False))
+        f = load_store(
+            extract_features(
+                "imagefolder",
+                root,
+                TINY,
+                pretrained=False,
+                image_size=SIZE,
+                batch_size=8,
+                num_workers=workers,
+                out=tmp_path / f"m{workers}.h5",
+                progress=False,
+            )
+        )
         assert f.train_x.shape[0] == 8 and np.isfinite(f.train_x).all()

@@ -31,6 +31,7 @@ import pytest
 pytest.importorskip("flwr", reason="Flower is not installed (pip install 'fedhead[flower]')")
 
 from certs import make_ca, make_node_key, make_server_cert  # noqa: E402
+
 from extract.store import load_store, write_store  # noqa: E402
 from fedhead.synthetic import write_synthetic  # noqa: E402
 
@@ -54,14 +55,23 @@ def node_stores(tmp: Path, k: int) -> tuple[Path, list[Path]]:
     """The server's store and ``k`` node stores, each with a disjoint third of the training images."""
     server = write_synthetic(tmp / "server.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
     s = load_store(server)
-    attrs = {k_: s.info.attrs[k_] for k_ in ("dataset", "encoder", "weights_source", "weights_sha256",
-                                              "preprocessing", "image_size")}
+    attrs = {
+        k_: s.info.attrs[k_]
+        for k_ in ("dataset", "encoder", "weights_source", "weights_sha256", "preprocessing", "image_size")
+    }
     paths = []
     for i in range(k):
         idx = np.arange(i, len(s.train_y), k)
-        paths.append(write_store(tmp / f"node{i}.h5", train=(s.train_x[idx], s.train_y[idx]),
-                                 test=(s.test_x[:2], s.test_y[:2]), class_names=s.info.class_names,
-                                 attrs=attrs, request={"node": i}))
+        paths.append(
+            write_store(
+                tmp / f"node{i}.h5",
+                train=(s.train_x[idx], s.train_y[idx]),
+                test=(s.test_x[:2], s.test_y[:2]),
+                class_names=s.info.class_names,
+                attrs=attrs,
+                request={"node": i},
+            )
+        )
     return server, paths
 
 
@@ -88,52 +98,99 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
 
 
 def superlink_argv(link_port: int, server: Path, out: Path, clients: int, rounds: int, *security: str) -> list[str]:
-    return ["flower", "superlink", *security, "--host", "127.0.0.1", "--port", str(link_port),
-            "--features", str(server), "--clients", str(clients), "--rounds", str(rounds), "--local-epochs", "1",
-            "--batch-size", "10", "--partition", "iid", "--out", str(out), "--wait-timeout", "120",
-            "--round-timeout", "120"]
+    return [
+        "flower",
+        "superlink",
+        *security,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(link_port),
+        "--features",
+        str(server),
+        "--clients",
+        str(clients),
+        "--rounds",
+        str(rounds),
+        "--local-epochs",
+        "1",
+        "--batch-size",
+        "10",
+        "--partition",
+        "iid",
+        "--out",
+        str(out),
+        "--wait-timeout",
+        "120",
+        "--round-timeout",
+        "120",
+    ]
 
 
 def supernode_argv(link_port: int, store: Path, pid: int, port: int, *security: str) -> list[str]:
-    return ["flower", "supernode", *security, "--superlink", f"127.0.0.1:{link_port}", "--features", str(store),
-            "--partition-id", str(pid), "--port", str(port), "--device", "cpu"]
+    return [
+        "flower",
+        "supernode",
+        *security,
+        "--superlink",
+        f"127.0.0.1:{link_port}",
+        "--features",
+        str(store),
+        "--partition-id",
+        str(pid),
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+    ]
 
 
 def tls_server(pki: dict) -> tuple[str, ...]:
     return ("--ssl-certfile", str(pki["cert"]), "--ssl-keyfile", str(pki["key"]), "--ssl-ca-certfile", str(pki["ca"]))
 
 
-def insecure_commands(link_port: int, node_ports: list[int], server: Path, stores: list[Path],
-                      out: Path) -> dict[str, list[str]]:
-    cmds = {f"node{i}": supernode_argv(link_port, store, i, port, "--insecure")
-            for i, (store, port) in enumerate(zip(stores, node_ports))}
+def insecure_commands(
+    link_port: int, node_ports: list[int], server: Path, stores: list[Path], out: Path
+) -> dict[str, list[str]]:
+    cmds = {
+        f"node{i}": supernode_argv(link_port, store, i, port, "--insecure")
+        for i, (store, port) in enumerate(zip(stores, node_ports))
+    }
     return {**cmds, "superlink": superlink_argv(link_port, server, out, 3, 2, "--insecure")}
 
 
-def tls_commands(link_port: int, node_ports: list[int], server: Path, stores: list[Path], out: Path,
-                 pki: dict) -> dict[str, list[str]]:
+def tls_commands(
+    link_port: int, node_ports: list[int], server: Path, stores: list[Path], out: Path, pki: dict
+) -> dict[str, list[str]]:
     """Two nodes that trust the CA; a rogue that trusts another CA (and claims node 1's partition id: had it
     joined, the server would have seen partition 1 twice)."""
     ca = ("--root-certificates", str(pki["ca"]))
-    cmds = {f"node{i}": supernode_argv(link_port, store, i, port, *ca)
-            for i, (store, port) in enumerate(zip(stores, node_ports))}
-    cmds["rogue"] = supernode_argv(link_port, stores[0], 1, node_ports[2], "--root-certificates",
-                                   str(pki["other_ca"]))
+    cmds = {
+        f"node{i}": supernode_argv(link_port, store, i, port, *ca)
+        for i, (store, port) in enumerate(zip(stores, node_ports))
+    }
+    cmds["rogue"] = supernode_argv(link_port, stores[0], 1, node_ports[2], "--root-certificates", str(pki["other_ca"]))
     return {**cmds, "superlink": superlink_argv(link_port, server, out, 2, 1, *tls_server(pki))}
 
 
-def auth_commands(link_port: int, node_ports: list[int], server: Path, stores: list[Path], out: Path,
-                  pki: dict, keys: dict) -> dict[str, list[str]]:
+def auth_commands(
+    link_port: int, node_ports: list[int], server: Path, stores: list[Path], out: Path, pki: dict, keys: dict
+) -> dict[str, list[str]]:
     """The SuperLink lists the keys of node0 and node1; the stranger's key is not listed; the keyless node has
     none (both claim node 1's partition id)."""
     ca = ("--root-certificates", str(pki["ca"]))
-    cmds = {"superlink": superlink_argv(link_port, server, out, 2, 1, *tls_server(pki),
-                                        "--auth-public-keys", str(keys["listed"]))}
+    cmds = {
+        "superlink": superlink_argv(
+            link_port, server, out, 2, 1, *tls_server(pki), "--auth-public-keys", str(keys["listed"])
+        )
+    }
     for i, (store, port) in enumerate(zip(stores, node_ports)):
-        cmds[f"node{i}"] = supernode_argv(link_port, store, i, port, *ca, "--auth-supernode-private-key",
-                                          str(keys[f"node{i}"]))
-    cmds["stranger"] = supernode_argv(link_port, stores[0], 1, node_ports[2], *ca, "--auth-supernode-private-key",
-                                      str(keys["stranger"]))
+        cmds[f"node{i}"] = supernode_argv(
+            link_port, store, i, port, *ca, "--auth-supernode-private-key", str(keys[f"node{i}"])
+        )
+    cmds["stranger"] = supernode_argv(
+        link_port, stores[0], 1, node_ports[2], *ca, "--auth-supernode-private-key", str(keys["stranger"])
+    )
     cmds["keyless"] = supernode_argv(link_port, stores[0], 1, node_ports[3], *ca)
     return cmds
 
@@ -150,8 +207,9 @@ class Deployment:
     def start(self, name: str, argv: list[str], **env: str) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "w")
         self.logs.append(log)
-        p = subprocess.Popen([FEDHEAD, *argv], env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+        p = subprocess.Popen(
+            [FEDHEAD, *argv], env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.procs[name] = p
         return p
 
@@ -223,7 +281,7 @@ def test_superlink_and_three_supernodes_on_loopback(tmp_path, deployment):
 
 # ---------------------------------------------------------------- TLS and SuperNode authentication
 
-REFUSED = "Exit Code: 305"     # Flower's report of a SuperNode that cannot connect to (or is refused by) the SuperLink
+REFUSED = "Exit Code: 305"  # Flower's report of a SuperNode that cannot connect to (or is refused by) the SuperLink
 
 
 @pytest.fixture
@@ -246,7 +304,7 @@ def _assert_finished_with_two(d: Deployment, out: Path) -> None:
     assert 0.0 < float(rows[0]["accuracy"]) <= 1.0
     assert json.loads((out / "summary.json").read_text())["rounds"] == 1
     sizes = [int(r["size"]) for r in csv.DictReader(open(out / "clients.csv"))]
-    assert sizes == [60, 60]                 # the two legitimate nodes' stores (120 training images / 2)
+    assert sizes == [60, 60]  # the two legitimate nodes' stores (120 training images / 2)
 
 
 def _assert_refused(d: Deployment, name: str, reason: str) -> None:
@@ -262,12 +320,12 @@ def test_tls_deployment_refuses_a_node_that_trusts_another_ca(tmp_path, deployme
     out = tmp_path / "run"
     d = deployment
     cmds = tls_commands(link_port, node_ports, server, [store0, store1], out, pki)
-    for name in ("node0", "node1", "rogue"):       # nodes first, as on real machines: they retry until it listens
+    for name in ("node0", "node1", "rogue"):  # nodes first, as on real machines: they retry until it listens
         d.start(name, cmds[name])
     d.start("superlink", cmds["superlink"])
     _assert_refused(d, "rogue", "CERTIFICATE_VERIFY_FAILED")
     _assert_finished_with_two(d, out)
-    assert f"Uvicorn running on https://127.0.0.1:{link_port}" in d.log("superlink")      # TLS, not plain HTTP
+    assert f"Uvicorn running on https://127.0.0.1:{link_port}" in d.log("superlink")  # TLS, not plain HTTP
 
 
 @pytest.mark.slow
@@ -277,12 +335,19 @@ def test_supernode_authentication_admits_only_listed_keys(tmp_path, deployment, 
     keys = tmp_path / "keys"
     (k0, p0), (k1, p1) = make_node_key(keys, "node0"), make_node_key(keys, "node1")
     unlisted, _ = make_node_key(keys, "stranger")
-    listed = keys / "supernodes.pub"                        # cat node0.pub node1.pub > supernodes.pub
+    listed = keys / "supernodes.pub"  # cat node0.pub node1.pub > supernodes.pub
     listed.write_bytes(p0.read_bytes() + p1.read_bytes())
     out = tmp_path / "run"
     d = deployment
-    cmds = auth_commands(link_port, node_ports, server, [store0, store1], out, pki,
-                         {"listed": listed, "node0": k0, "node1": k1, "stranger": unlisted})
+    cmds = auth_commands(
+        link_port,
+        node_ports,
+        server,
+        [store0, store1],
+        out,
+        pki,
+        {"listed": listed, "node0": k0, "node1": k1, "stranger": unlisted},
+    )
     d.start("superlink", cmds["superlink"])
     # Flower refuses a node whose key is not registered yet: the nodes start once the SuperLink registered the
     # listed keys
@@ -293,9 +358,9 @@ def test_supernode_authentication_admits_only_listed_keys(tmp_path, deployment, 
     _assert_refused(d, "keyless", "SuperNode authentication is enabled")
     _assert_finished_with_two(d, out)
     link = d.log("superlink")
-    assert "[/v1/fleet/activate-node][ApiError:2004]" in link           # the SuperLink refused the stranger
-    assert "[/v1/fleet/register-node][ApiError:2001]" in link           # ... and the node without a key
-    assert link.count("[Fleet.ActivateNode] Activated node_id") == 2     # only the two listed nodes joined
+    assert "[/v1/fleet/activate-node][ApiError:2004]" in link  # the SuperLink refused the stranger
+    assert "[/v1/fleet/register-node][ApiError:2001]" in link  # ... and the node without a key
+    assert link.count("[Fleet.ActivateNode] Activated node_id") == 2  # only the two listed nodes joined
 
 
 # ---------------------------------------------------------------- the documented commands are the tested ones
@@ -316,20 +381,21 @@ def test_deploy_docs_show_the_commands_the_tests_run():
 
     deploy = (ROOT / "fedhead" / "flower" / "DEPLOY.md").read_text()
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Deploy across machines"):]
+    section = readme[readme.index("## Deploy across machines") :]
     nxt = section.find("\n## ", 3)
-    section = section if nxt < 0 else section[:nxt + 1]
+    section = section if nxt < 0 else section[: nxt + 1]
     assert section.strip() == deploy.strip(), "README's 'Deploy across machines' differs from DEPLOY.md"
 
     ports, stores, out = [9094, 9095, 9096, 9097], [Path(f"node{i}.h5") for i in range(3)], Path("runs/fl")
     pki = {"ca": "ca.pem", "cert": "server.pem", "key": "server.key", "other_ca": "other-ca.pem"}
     keys = {"listed": "supernodes.pub", "node0": "node0", "node1": "node1", "stranger": "stranger"}
-    commands = {**{f"insecure {k}": v for k, v in insecure_commands(9093, ports, Path("server.h5"), stores,
-                                                                     out).items()},
-                **{f"tls {k}": v for k, v in tls_commands(9093, ports, Path("server.h5"), stores[:2], out,
-                                                          pki).items()},
-                **{f"auth {k}": v for k, v in auth_commands(9093, ports, Path("server.h5"), stores[:2], out,
-                                                            pki, keys).items()}}
+    commands = {
+        **{f"insecure {k}": v for k, v in insecure_commands(9093, ports, Path("server.h5"), stores, out).items()},
+        **{f"tls {k}": v for k, v in tls_commands(9093, ports, Path("server.h5"), stores[:2], out, pki).items()},
+        **{
+            f"auth {k}": v for k, v in auth_commands(9093, ports, Path("server.h5"), stores[:2], out, pki, keys).items()
+        },
+    }
     documented = _documented(deploy).splitlines()
     for name, argv in commands.items():
         line = "fedhead " + shlex.join(argv)

@@ -14,7 +14,8 @@ import torch
 
 pytest.importorskip("flwr", reason="Flower is not installed (pip install 'fedhead[flower]')")
 
-from flwr.app import Message  # noqa: E402
+
+from test_flower_sim import LocalGrid, accs, cfg_of, local_run, sim_nodes, task_identity  # noqa: E402,F401
 
 from extract.store import load_store  # noqa: E402
 from fedhead.flower.client_app import VARIATES, make_client_app  # noqa: E402
@@ -23,20 +24,25 @@ from fedhead.flower.strategy import FedheadStrategy, ServerSettings, validate_se
 from fedhead.rundir import read_csv  # noqa: E402
 from fedhead.synthetic import write_synthetic  # noqa: E402
 from fedhead.train import run_training  # noqa: E402
-from test_flower_sim import LocalGrid, accs, cfg_of, local_run, sim_nodes, task_identity  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    return write_synthetic(tmp_path_factory.mktemp("flower-scaffold") / "s.h5", num_classes=6, train_per_class=20,
-                           test_per_class=10, dim=16)
+    return write_synthetic(
+        tmp_path_factory.mktemp("flower-scaffold") / "s.h5",
+        num_classes=6,
+        train_per_class=20,
+        test_per_class=10,
+        dim=16,
+    )
 
 
 def strategy_run(cfg, out, grid, resume=False):
     """The ServerApp's run with the strategy kept (its SCAFFOLD state is inspected afterwards)."""
     s = load_store(cfg.features)
-    strat = FedheadStrategy(validate_server_config(cfg, s), s, ServerSettings(out=str(out), resume=resume,
-                                                                              wait_timeout=5))
+    strat = FedheadStrategy(
+        validate_server_config(cfg, s), s, ServerSettings(out=str(out), resume=resume, wait_timeout=5)
+    )
     return strat, strat.start(grid)
 
 
@@ -93,9 +99,15 @@ class DropReply(LocalGrid):
 
     def send_and_receive(self, messages, *, timeout=None):
         out = super().send_and_receive(messages, timeout=timeout)
-        return [r for r, m in zip(out, messages)
-                if not (m.metadata.message_type == "train" and m.metadata.dst_node_id == 1000 + self.drop[0]
-                        and int(m.content["config"]["round"]) == self.drop[1])]
+        return [
+            r
+            for r, m in zip(out, messages)
+            if not (
+                m.metadata.message_type == "train"
+                and m.metadata.dst_node_id == 1000 + self.drop[0]
+                and int(m.content["config"]["round"]) == self.drop[1]
+            )
+        ]
 
 
 def test_scaffold_lost_reply_keeps_c_the_mean_of_the_nodes_variates(store, tmp_path):
@@ -107,9 +119,10 @@ def test_scaffold_lost_reply_keeps_c_the_mean_of_the_nodes_variates(store, tmp_p
     assert rows[1]["clients_trained"] == "3" and rows[2]["clients_trained"] == "4"
     # partition 1 trained in round 2 but the server never counted it: round 3 started from its round-1 c_k
     assert strat.variates.accepted.tolist() == [4, 4, 4, 4]
-    torch.testing.assert_close(strat.server.scaffold.c, node_variates(strat, grid).sum(0) / cfg.clients,
-                               atol=1e-6, rtol=1e-5)
-    assert len(grid.ctx[1001].state[VARIATES]) == 2          # the version it started from and the one it made
+    torch.testing.assert_close(
+        strat.server.scaffold.c, node_variates(strat, grid).sum(0) / cfg.clients, atol=1e-6, rtol=1e-5
+    )
+    assert len(grid.ctx[1001].state[VARIATES]) == 2  # the version it started from and the one it made
 
 
 def test_scaffold_resume(store, tmp_path, monkeypatch):
@@ -123,8 +136,11 @@ def test_scaffold_resume(store, tmp_path, monkeypatch):
     def nodes(state_dir=None):
         return [{**nc, "state-dir": str(state_dir)} if state_dir else nc for nc in sim_nodes(cfg.clients)]
 
-    for name, fresh_nodes, state_dir in (("kept", False, None), ("lost", True, None),
-                                         ("disk", True, tmp_path / "node-state")):
+    for name, fresh_nodes, state_dir in (
+        ("kept", False, None),
+        ("lost", True, None),
+        ("disk", True, tmp_path / "node-state"),
+    ):
         grid = LocalGrid(make_client_app(str(store)), nodes(state_dir))
         monkeypatch.setenv(STOP_ENV, "2")
         with pytest.raises(ServerStopped):
@@ -134,18 +150,23 @@ def test_scaffold_resume(store, tmp_path, monkeypatch):
             grid = LocalGrid(make_client_app(str(store)), nodes(state_dir))
             assert all(VARIATES not in ctx.state for ctx in grid.ctx.values())
         strat, res = strategy_run(cfg, tmp_path / name, grid, resume=True)
-        torch.testing.assert_close(strat.server.scaffold.c, node_variates(strat, grid).sum(0) / cfg.clients,
-                                   atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(
+            strat.server.scaffold.c, node_variates(strat, grid).sum(0) / cfg.clients, atol=1e-6, rtol=1e-5
+        )
         if name != "lost":
             assert_same_rows(res.rows, ref.rows)
             assert res.summary["scaffold_restarts"] == []
-            torch.testing.assert_close(torch.load(tmp_path / name / "head-seed0.pt"),
-                                       torch.load(tmp_path / "train" / "head-seed0.pt"), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                torch.load(tmp_path / name / "head-seed0.pt"),
+                torch.load(tmp_path / "train" / "head-seed0.pt"),
+                atol=1e-5,
+                rtol=1e-5,
+            )
         else:
             assert res.summary["scaffold_restarts"] == [{"seed": 0, "round": 3}]
             assert_same_rows(res.rows[:2], ref.rows[:2])
             assert strat.variates.generation == 1 and len(res.rows) == 4
-    assert len(list((tmp_path / "node-state").glob("scaffold-p*-*.pt"))) == cfg.clients   # one file a node
+    assert len(list((tmp_path / "node-state").glob("scaffold-p*-*.pt"))) == cfg.clients  # one file a node
 
 
 @pytest.mark.parametrize("damage", ["other-run", "corrupt"])
@@ -158,7 +179,7 @@ def test_scaffold_resume_never_takes_variates_it_did_not_make(store, tmp_path, m
     monkeypatch.setenv(STOP_ENV, "2")
     with pytest.raises(ServerStopped):
         strategy_run(cfg, tmp_path / "r", LocalGrid(make_client_app(str(store)), nodes))
-    if damage == "other-run":           # a second run of the same config, with the same nodes' folder
+    if damage == "other-run":  # a second run of the same config, with the same nodes' folder
         with pytest.raises(ServerStopped):
             strategy_run(cfg, tmp_path / "other", LocalGrid(make_client_app(str(store)), nodes))
     else:
@@ -168,8 +189,9 @@ def test_scaffold_resume_never_takes_variates_it_did_not_make(store, tmp_path, m
     grid = LocalGrid(make_client_app(str(store)), nodes)
     strat, res = strategy_run(cfg, tmp_path / "r", grid, resume=True)
     assert res.summary["scaffold_restarts"] == [{"seed": 0, "round": 3}]
-    torch.testing.assert_close(strat.server.scaffold.c, node_variates(strat, grid).sum(0) / cfg.clients,
-                               atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        strat.server.scaffold.c, node_variates(strat, grid).sum(0) / cfg.clients, atol=1e-6, rtol=1e-5
+    )
 
 
 def test_simulation_nodes_keep_variates_in_the_run_folder():
@@ -207,27 +229,41 @@ def test_simulation_engine_keeps_node_variates(store, tmp_path):
 # ---------------------------------------------------------------- CCVR
 
 
-@pytest.mark.parametrize("kw", [dict(head="softmax", rounds=2, partition="dirichlet", ccvr_samples=200,
-                                     partition_params={"alpha": 0.3, "min_size": 2}),
-                                dict(head="ova2", scaffold=True, participation=0.75, scale="rms", ccvr_samples=30)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(
+            head="softmax",
+            rounds=2,
+            partition="dirichlet",
+            ccvr_samples=200,
+            partition_params={"alpha": 0.3, "min_size": 2},
+        ),
+        dict(head="ova2", scaffold=True, participation=0.75, scale="rms", ccvr_samples=30),
+    ],
+)
 def test_ccvr_matches_fedhead_train(store, tmp_path, kw):
     cfg = cfg_of(store, calibrate="ccvr", **kw)
     ref = run_training(cfg, out=tmp_path / "train", progress=False)
     res = local_run(cfg_of(store, calibrate="ccvr", **kw), tmp_path / "flower")
     assert res.rows[-1]["stage"] == "ccvr" and res.rows[-1]["round"] == cfg.rounds + 1
     assert res.rows[-1]["failures"] == 0
-    assert res.rows[-1]["accuracy"] != res.rows[-2]["accuracy"]          # the calibration changed the head
+    assert res.rows[-1]["accuracy"] != res.rows[-2]["accuracy"]  # the calibration changed the head
     assert_same_rows(res.rows, ref.rows)
     assert res.summary["uncalibrated_accuracy"] == pytest.approx(ref.summary["uncalibrated_accuracy"], abs=1e-12)
     assert res.summary["final_accuracy"] == pytest.approx(ref.summary["final_accuracy"], abs=1e-12)
-    torch.testing.assert_close(torch.load(tmp_path / "flower" / "head-seed0.pt"),
-                               torch.load(tmp_path / "train" / "head-seed0.pt"), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.load(tmp_path / "flower" / "head-seed0.pt"),
+        torch.load(tmp_path / "train" / "head-seed0.pt"),
+        atol=1e-5,
+        rtol=1e-5,
+    )
     assert [r["stage"] for r in read_csv(tmp_path / "flower" / "rounds.csv")][-1] == "ccvr"
 
 
 def test_ccvr_node_failure_is_recorded(store, tmp_path, monkeypatch):
     cfg = cfg_of(store, head="softmax", rounds=1, calibrate="ccvr", ccvr_samples=10)
-    monkeypatch.setenv(CRASH_ENV, "2@2")                 # round 2 = the calibration exchange
+    monkeypatch.setenv(CRASH_ENV, "2@2")  # round 2 = the calibration exchange
     res = local_run(cfg, tmp_path / "r")
     last = res.rows[-1]
     assert last["stage"] == "ccvr" and last["failures"] == 1 and last["failed_clients"] == "2"

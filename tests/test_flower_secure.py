@@ -24,27 +24,33 @@ from flwr.common import bytes_to_ndarray  # noqa: E402
 from flwr.common.secure_aggregation.quantization import quantize  # noqa: E402
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key  # noqa: E402
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto  # noqa: E402
+from test_flower_deploy import TIMEOUT, deployment, free_ports, node_stores, superlink_argv, supernode_argv  # noqa: E402,F401
+from test_flower_sim import LocalGrid, accs, cfg_of, sim_nodes, task_identity  # noqa: E402,F401
 
 import fedhead.flower.client_app as client_app  # noqa: E402
 import fedhead.flower.secure as secure  # noqa: E402
 from fedhead.errors import FedheadError  # noqa: E402
 from fedhead.flower.common import CRASH_ENV  # noqa: E402
-from fedhead.flower.secure import (CLIPPING_RANGE, MODULUS_RANGE, QUANTIZATION_RANGE, FixedPoint,  # noqa: E402
-                                   protocol_params)
+from fedhead.flower.secure import (
+    CLIPPING_RANGE,
+    MODULUS_RANGE,
+    QUANTIZATION_RANGE,
+    FixedPoint,  # noqa: E402
+    protocol_params,
+)
 from fedhead.flower.server_app import run_server  # noqa: E402
 from fedhead.flower.strategy import ServerSettings  # noqa: E402
 from fedhead.rundir import read_csv  # noqa: E402
 from fedhead.synthetic import write_synthetic  # noqa: E402
-from test_flower_deploy import TIMEOUT, deployment, free_ports, node_stores, superlink_argv, supernode_argv  # noqa: E402,F401
-from test_flower_sim import LocalGrid, accs, cfg_of, sim_nodes, task_identity  # noqa: E402,F401
 
-N_TEST = 60          # 6 classes x 10 test samples: one sample is 1/60 of accuracy
+N_TEST = 60  # 6 classes x 10 test samples: one sample is 1/60 of accuracy
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    return write_synthetic(tmp_path_factory.mktemp("flower-secure") / "s.h5", num_classes=6, train_per_class=20,
-                           test_per_class=10, dim=16)
+    return write_synthetic(
+        tmp_path_factory.mktemp("flower-secure") / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16
+    )
 
 
 class WireGrid(LocalGrid):
@@ -60,18 +66,23 @@ class WireGrid(LocalGrid):
         out = []
         for m in messages:
             content = recorddict_from_proto(recorddict_to_proto(m.content))
-            stage = str(content.config_records[RECORD_KEY_CONFIGS][Key.STAGE]) \
-                if RECORD_KEY_CONFIGS in content.config_records else ""
+            stage = (
+                str(content.config_records[RECORD_KEY_CONFIGS][Key.STAGE])
+                if RECORD_KEY_CONFIGS in content.config_records
+                else ""
+            )
             node = m.metadata.dst_node_id
             if (stage, m.metadata.group_id, node) in self.drop:
                 continue
-            wire = Message(content, dst_node_id=node, message_type=m.metadata.message_type,
-                           group_id=m.metadata.group_id)
+            wire = Message(
+                content, dst_node_id=node, message_type=m.metadata.message_type, group_id=m.metadata.group_id
+            )
             for r in super().send_and_receive([wire], timeout=timeout):
                 if not r.has_error():
                     r = Message(recorddict_from_proto(recorddict_to_proto(r.content)), reply_to=wire)
-                self.seen.append((m.metadata.message_type, stage, m.metadata.group_id, node,
-                                  None if r.has_error() else r.content))
+                self.seen.append(
+                    (m.metadata.message_type, stage, m.metadata.group_id, node, None if r.has_error() else r.content)
+                )
                 out.append(r)
         return out
 
@@ -89,34 +100,34 @@ def assert_same_within_quantisation(secure_res, plain_res, out_s, out_p):
         assert rs["stage"] == rp["stage"] and rs["clients_trained"] == rp["clients_trained"]
         if rp["train_loss"] == rp["train_loss"]:
             assert rs["train_loss"] == pytest.approx(rp["train_loss"], rel=1e-6)
-    torch.testing.assert_close(torch.load(out_s / "head-seed0.pt"), torch.load(out_p / "head-seed0.pt"),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.load(out_s / "head-seed0.pt"), torch.load(out_p / "head-seed0.pt"), atol=1e-5, rtol=1e-5
+    )
 
 
 # ---------------------------------------------------------------- fixed point (exact numbers)
 
 
 def test_fixed_point_digits_and_sums_by_hand():
-    f0 = FixedPoint(0, 2)                          # integers, two base-2^30 digits, lowest block first
-    np.testing.assert_array_equal(f0.encode(np.array([2.0 ** 30 + 5, -(2.0 ** 30) - 7, 3.0])),
-                                  [5, -7, 3, 1, -1, 0])
-    np.testing.assert_array_equal(f0.decode(np.array([5 - 7 + 3, 1 - 1 + 0])), [1.0])   # one value, three clients
+    f0 = FixedPoint(0, 2)  # integers, two base-2^30 digits, lowest block first
+    np.testing.assert_array_equal(f0.encode(np.array([2.0**30 + 5, -(2.0**30) - 7, 3.0])), [5, -7, 3, 1, -1, 0])
+    np.testing.assert_array_equal(f0.decode(np.array([5 - 7 + 3, 1 - 1 + 0])), [1.0])  # one value, three clients
     f = FixedPoint(24, 2)
     xs = [np.array([0.1, -2.5, 1e6, 3e-9]), np.array([0.2, 2.5, -1e6, 0.0]), np.array([-0.3, 1.0, 7.0, 1e-9])]
     digits = [f.encode(x) for x in xs]
-    assert all(np.abs(d).max() <= 2 ** 29 and np.array_equal(d, np.rint(d)) for d in digits)
+    assert all(np.abs(d).max() <= 2**29 and np.array_equal(d, np.rint(d)) for d in digits)
     total = f.decode(np.sum(digits, 0))
-    np.testing.assert_allclose(total, np.sum(xs, 0), rtol=0, atol=3 * f.step / 2)   # K x half a step
+    np.testing.assert_allclose(total, np.sum(xs, 0), rtol=0, atol=3 * f.step / 2)  # K x half a step
     # exactly the sum of the rounded values (each x rounded to a multiple of 2^-24)
-    np.testing.assert_array_equal(total, np.sum([np.rint(x * 2 ** 24) for x in xs], 0) / 2 ** 24)
+    np.testing.assert_array_equal(total, np.sum([np.rint(x * 2**24) for x in xs], 0) / 2**24)
     # Flower's quantiser with fedhead's ranges is the identity on a digit (shifted by 2^29): nothing more is lost
     q = quantize([digits[0]], CLIPPING_RANGE, QUANTIZATION_RANGE)[0]
-    np.testing.assert_array_equal(q, digits[0] + 2 ** 29)
+    np.testing.assert_array_equal(q, digits[0] + 2**29)
     with pytest.raises(FedheadError, match="fixed-point range"):
-        f.encode(np.array([1.0, 2.0 ** 35]))
+        f.encode(np.array([1.0, 2.0**35]))
     with pytest.raises(FedheadError, match="non-finite"):
         f.encode(np.array([np.nan]))
-    assert (secure.STATS_FORMAT.bound, secure.STATS_FORMAT.step) == (2.0 ** 53, 2.0 ** -36)
+    assert (secure.STATS_FORMAT.bound, secure.STATS_FORMAT.step) == (2.0**53, 2.0**-36)
 
 
 def test_protocol_parameters():
@@ -127,17 +138,21 @@ def test_protocol_parameters():
 # ---------------------------------------------------------------- a secure run == the plain run
 
 
-@pytest.mark.parametrize("kw", [dict(),                                         # ova2, centred features
-                                dict(head="ridge"),
-                                dict(head="softmax", init="ridge", center=True, rounds=2),
-                                dict(head="cof", partition="dirichlet", partition_params={"alpha": 0.3, "min_size": 2}),
-                                dict(calibrate="ccvr", rounds=2),
-                                dict(scaffold=True, aggregate="grouped", participation=0.75, rounds=3),
-                                # DP with SecAgg+: the server adds the noise to the secure sum (the same keyed draw)
-                                dict(participation=0.75, dp_noise_multiplier=0.8, dp_clip=0.3, dp_delta=1e-4,
-                                     dp_feature_clip=2.0),
-                                dict(head="ridge", dp_noise_multiplier=0.8, dp_clip=2.0, dp_delta=1e-4)],
-                         ids=["ova2", "ridge", "init-ridge", "cof", "ccvr", "scaffold-grouped", "dp-ova2", "dp-ridge"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),  # ova2, centred features
+        dict(head="ridge"),
+        dict(head="softmax", init="ridge", center=True, rounds=2),
+        dict(head="cof", partition="dirichlet", partition_params={"alpha": 0.3, "min_size": 2}),
+        dict(calibrate="ccvr", rounds=2),
+        dict(scaffold=True, aggregate="grouped", participation=0.75, rounds=3),
+        # DP with SecAgg+: the server adds the noise to the secure sum (the same keyed draw)
+        dict(participation=0.75, dp_noise_multiplier=0.8, dp_clip=0.3, dp_delta=1e-4, dp_feature_clip=2.0),
+        dict(head="ridge", dp_noise_multiplier=0.8, dp_clip=2.0, dp_delta=1e-4),
+    ],
+    ids=["ova2", "ridge", "init-ridge", "cof", "ccvr", "scaffold-grouped", "dp-ova2", "dp-ridge"],
+)
 def test_secure_run_matches_plain_run(store, tmp_path, kw):
     plain, _ = run(cfg_of(store, **kw), tmp_path / "plain")
     sec, grid = run(cfg_of(store, secure_aggregation=True, **kw), tmp_path / "secure")
@@ -159,22 +174,33 @@ def test_secure_run_matches_plain_run(store, tmp_path, kw):
         assert summary["dp_epsilon"] == plain.summary["dp_epsilon"] > 0
 
 
-@pytest.mark.parametrize("kw,per_node,match", [
-    # CCVR: every class's counts, sums and second moments, C (D(D+1)/2 + D + 1) + 1 values
-    (dict(calibrate="ccvr"), 6 + 6 * 16 + 6 * 16 * 17 // 2 + 1,
-     r"'--calibrate' option 'ccvr' with .* masked class moments \(4 nodes x 22,056 bytes: 6 classes.*Drop --calibrate"),
-    # ridge: class sums, counts, holders and the Gram's upper triangle, C D + 2 C + 1 + (D+1)(D+2)/2 values
-    (dict(head="ridge"), 6 * 16 + 2 * 6 + 1 + 17 * 18 // 2,
-     r"'--head' 'ridge' with .* masked statistics \(4 nodes x 6,288 bytes: 17x17 Gram.*Use a head without")],
-    ids=["ccvr", "ridge"])
-def test_an_exchange_that_cannot_fit_the_server_memory_is_refused_before_round_1(store, tmp_path, monkeypatch,
-                                                                                 kw, per_node, match):
+@pytest.mark.parametrize(
+    "kw,per_node,match",
+    [
+        # CCVR: every class's counts, sums and second moments, C (D(D+1)/2 + D + 1) + 1 values
+        (
+            dict(calibrate="ccvr"),
+            6 + 6 * 16 + 6 * 16 * 17 // 2 + 1,
+            r"'--calibrate' option 'ccvr' with .* masked class moments \(4 nodes x 22,056 bytes: 6 classes.*Drop --calibrate",
+        ),
+        # ridge: class sums, counts, holders and the Gram's upper triangle, C D + 2 C + 1 + (D+1)(D+2)/2 values
+        (
+            dict(head="ridge"),
+            6 * 16 + 2 * 6 + 1 + 17 * 18 // 2,
+            r"'--head' 'ridge' with .* masked statistics \(4 nodes x 6,288 bytes: 17x17 Gram.*Use a head without",
+        ),
+    ],
+    ids=["ccvr", "ridge"],
+)
+def test_an_exchange_that_cannot_fit_the_server_memory_is_refused_before_round_1(
+    store, tmp_path, monkeypatch, kw, per_node, match
+):
     """SecAgg+ sums dense vectors of 3 int64 digits per value and the server receives one from each node of an
     exchange: above the machine's free memory the run stops before training, in one line; at it, it runs."""
     import fedhead.util as util
 
     cfg = cfg_of(store, rounds=2, secure_aggregation=True, **kw)
-    need = per_node * 3 * 8 * cfg.clients                        # CCVR asks every node; ridge the round's sample
+    need = per_node * 3 * 8 * cfg.clients  # CCVR asks every node; ridge the round's sample
     monkeypatch.setattr(util, "available_memory", lambda: need - 1)
     with pytest.raises(FedheadError, match=match):
         run(cfg, tmp_path / "refused")
@@ -191,13 +217,13 @@ def test_server_receives_masked_vectors_not_the_clients_messages(store, tmp_path
     true, sums = {}, []
     reply = client_app.secure_reply
 
-    def spy_reply(msg, vector):                   # the node side: the digits it is about to mask
+    def spy_reply(msg, vector):  # the node side: the digits it is about to mask
         true[(msg.metadata.group_id, msg.metadata.dst_node_id)] = vector.copy()
         return reply(msg, vector)
 
     secure_sum = secure.secure_sum
 
-    def spy_sum(grid, messages, kind, layout, rnd, timeout):      # the server side: what it made of them
+    def spy_sum(grid, messages, kind, layout, rnd, timeout):  # the server side: what it made of them
         res = secure_sum(grid, messages, kind, layout, rnd, timeout)
         sums.append((kind, str(rnd), layout, res))
         return res
@@ -212,21 +238,21 @@ def test_server_receives_masked_vectors_not_the_clients_messages(store, tmp_path
         if t == MessageType.QUERY:
             assert set(content["metrics"].keys()) == {"partition-id"} and not content.array_records
 
-    node = 1001                                   # one client, round 2: what the server received from it
+    node = 1001  # one client, round 2: what the server received from it
     got = [c for t, s, g, n, c in grid.seen if s == "collect_masked_vectors" and g == "2" and n == node]
     assert len(got) == 1
     content = got[0]
     masked = [bytes_to_ndarray(b) for b in content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]]
-    assert all(len(rec) == 0 for rec in content.array_records.values())     # the parameters were cleared
+    assert all(len(rec) == 0 for rec in content.array_records.values())  # the parameters were cleared
     assert set(content.metric_records) <= {"fitres.num_examples", secure.METRICS}
-    assert content.metric_records["fitres.num_examples"]["num_examples"] == 1          # weight 1, not n_k
+    assert content.metric_records["fitres.num_examples"]["num_examples"] == 1  # weight 1, not n_k
     digits = true[("2", node)]
-    quantised = digits.astype(np.int64) + 2 ** 29        # what Flower's quantiser made of them (exact)
+    quantised = digits.astype(np.int64) + 2**29  # what Flower's quantiser made of them (exact)
     assert masked[1].shape == quantised.shape
     diff = (masked[1] - quantised) % MODULUS_RANGE
-    assert np.mean(diff != 0) > 0.99                     # every entry carries a mask ...
+    assert np.mean(diff != 0) > 0.99  # every entry carries a mask ...
     assert 0.3 < masked[1].mean() / MODULUS_RANGE < 0.7  # ... uniform over Z_(2^62): it tells nothing of the digits
-    assert np.abs(quantised).max() < 2 ** 31
+    assert np.abs(quantised).max() < 2**31
     # yet the server's sum is exactly the clients' true sum
     kind, rnd, layout, r2 = next(x for x in sums if x[0] == "train" and x[1] == "2")
     total = layout.decode(np.sum([true[("2", n)] for n in r2.included], 0))
@@ -263,7 +289,7 @@ def test_dropouts_below_the_threshold_fail_the_round(store, tmp_path, monkeypatc
     reason = rows[1]["failure_reason"]
     assert "2 of 4 nodes sent their masked vectors, fewer than the reconstruction threshold 3" in reason
     assert "injected crash of partition 1 in round 2" in reason
-    assert rows[1]["accuracy"] == rows[0]["accuracy"]          # no update reached the head
+    assert rows[1]["accuracy"] == rows[0]["accuracy"]  # no update reached the head
     assert sec.summary["secure_aggregation"]["exchanges"][2]["halted"] == reason
 
 
@@ -288,7 +314,7 @@ def test_node_lost_before_masking_is_left_out_and_the_protocol_restarts(store, t
 
 
 @pytest.mark.slow
-def test_secure_aggregation_on_a_loopback_deployment(tmp_path, deployment):
+def test_secure_aggregation_on_a_loopback_deployment(tmp_path, deployment):  # noqa: F811 - the imported fixture
     """The commands of DEPLOY.md with --secure-aggregation: a SuperLink and three SuperNodes as processes (Flower's
     subprocess isolation: the SecAgg+ state of a node lives in its Context.state between messages); node 1
     crashes in round 1 after the keys were shared and the round completes with the other two (about 3 minutes
@@ -298,8 +324,11 @@ def test_secure_aggregation_on_a_loopback_deployment(tmp_path, deployment):
     out = tmp_path / "run"
     d = deployment
     for i, (store, port) in enumerate(zip(stores, node_ports)):
-        d.start(f"node{i}", supernode_argv(link_port, store, i, port, "--insecure"),
-                **({CRASH_ENV: "1@1"} if i == 1 else {}))
+        d.start(
+            f"node{i}",
+            supernode_argv(link_port, store, i, port, "--insecure"),
+            **({CRASH_ENV: "1@1"} if i == 1 else {}),
+        )
     d.start("superlink", superlink_argv(link_port, server, out, 3, 1, "--insecure", "--secure-aggregation"))
     code = d.wait("superlink", TIMEOUT)
     assert code == 0, f"superlink run failed (exit {code}):\n{d.log('superlink')[-4000:]}"

@@ -24,9 +24,9 @@ from fedhead.config import TrainConfig  # noqa: E402
 from fedhead.errors import FedheadError  # noqa: E402
 from fedhead.flower.client_app import make_client_app  # noqa: E402
 from fedhead.flower.commands import run_config_of, simulate  # noqa: E402
+from fedhead.flower.common import CRASH_ENV, STOP_ENV, ServerStopped, config_from_run_config  # noqa: E402
 from fedhead.flower.inprocess import InProcessGrid, sim_nodes  # noqa: E402
 from fedhead.flower.inprocess import task_identity as flower_task_identity  # noqa: E402
-from fedhead.flower.common import CRASH_ENV, STOP_ENV, ServerStopped, config_from_run_config  # noqa: E402
 from fedhead.flower.server_app import run_server  # noqa: E402
 from fedhead.flower.strategy import FedheadStrategy, ServerSettings  # noqa: E402
 from fedhead.rundir import read_csv  # noqa: E402
@@ -47,13 +47,23 @@ def task_identity():
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    return write_synthetic(tmp_path_factory.mktemp("flower") / "s.h5", num_classes=6, train_per_class=20,
-                           test_per_class=10, dim=16)
+    return write_synthetic(
+        tmp_path_factory.mktemp("flower") / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16
+    )
 
 
 def cfg_of(store, **kw) -> TrainConfig:
-    base = dict(features=str(store), head="ova2", partition="shard", partition_params={"shards_per_client": 2},
-                clients=4, rounds=3, local_epochs=2, batch_size=10, device="cpu")
+    base = dict(
+        features=str(store),
+        head="ova2",
+        partition="shard",
+        partition_params={"shards_per_client": 2},
+        clients=4,
+        rounds=3,
+        local_epochs=2,
+        batch_size=10,
+        device="cpu",
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -73,7 +83,7 @@ def accs(rows):
 
 @pytest.mark.slow
 def test_simulation_engine_matches_fedhead_train(store, tmp_path):
-    cfg = cfg_of(store, participation=0.75)          # 3 of 4 clients per round, centred features, two stages
+    cfg = cfg_of(store, participation=0.75)  # 3 of 4 clients per round, centred features, two stages
     ref = run_training(cfg, out=tmp_path / "train", progress=False)
     res = simulate(cfg, tmp_path / "flower", num_cpus=2)
     assert len(res.rows) == len(ref.rows) == 3
@@ -82,8 +92,12 @@ def test_simulation_engine_matches_fedhead_train(store, tmp_path):
         assert a["stage"] == b["stage"] and a["clients_trained"] == b["clients_trained"]
         assert a["bytes_total"] == b["bytes_total"] and a["failures"] == 0
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
-    torch.testing.assert_close(torch.load(tmp_path / "flower" / "head-seed0.pt"),
-                               torch.load(tmp_path / "train" / "head-seed0.pt"), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.load(tmp_path / "flower" / "head-seed0.pt"),
+        torch.load(tmp_path / "train" / "head-seed0.pt"),
+        atol=1e-5,
+        rtol=1e-5,
+    )
     assert read_csv(tmp_path / "flower" / "clients.csv") == read_csv(tmp_path / "train" / "clients.csv")
     s = json.loads((tmp_path / "flower" / "summary.json").read_text())
     assert s["final_accuracy"] == pytest.approx(ref.summary["final_accuracy"]) and s["runtime"] == "flower"
@@ -92,8 +106,10 @@ def test_simulation_engine_matches_fedhead_train(store, tmp_path):
 @pytest.mark.slow
 def test_simulation_engine_runs_closed_form_and_init(store, tmp_path):
     """`flower simulate` == `fedhead train` per round for the ridge head and for a Fed3R-started softmax."""
-    for name, kw in (("ridge", dict(head="ridge")), ("init", dict(head="softmax", init="ridge", rounds=2,
-                                                                  prox_mu=0.01, server_opt="fedadam"))):
+    for name, kw in (
+        ("ridge", dict(head="ridge")),
+        ("init", dict(head="softmax", init="ridge", rounds=2, prox_mu=0.01, server_opt="fedadam")),
+    ):
         cfg = cfg_of(store, **kw)
         ref = run_training(cfg, out=tmp_path / f"train-{name}", progress=False)
         res = simulate(cfg_of(store, **kw), tmp_path / f"flower-{name}", num_cpus=2)
@@ -122,23 +138,32 @@ def test_stats_exchange_is_bit_identical(store):
     info = strat.connect(LocalGrid(make_client_app(str(store)), sim_nodes(4)), need_stats=True)
     mine = strat.combine_stats(info)
     assert np.array_equal(mine.mean, fed.stats.mean) and mine.scale == fed.stats.scale
-    assert (mine.bytes_up_per_client, mine.bytes_down_per_client) == (fed.stats.bytes_up_per_client,
-                                                                      fed.stats.bytes_down_per_client)
+    assert (mine.bytes_up_per_client, mine.bytes_down_per_client) == (
+        fed.stats.bytes_up_per_client,
+        fed.stats.bytes_down_per_client,
+    )
 
 
 def test_node_without_store_is_refused_before_round_one(store, tmp_path):
     cfg = cfg_of(store)
     nodes = [{"partition-id": i} for i in range(4)]
     with pytest.raises(FedheadError, match=r"refused the run before round 1: This SuperNode has no feature store"):
-        run_server(LocalGrid(make_client_app(None), nodes), cfg, ServerSettings(out=str(tmp_path / "r"), wait_timeout=5))
+        run_server(
+            LocalGrid(make_client_app(None), nodes), cfg, ServerSettings(out=str(tmp_path / "r"), wait_timeout=5)
+        )
     assert not (tmp_path / "r" / "rounds.csv").exists()
 
 
 def test_store_from_another_encoder_is_refused(store, tmp_path):
     s = load_store(store)
     attrs = {k: s.info.attrs[k] for k in ("dataset", "weights_source", "weights_sha256", "preprocessing", "image_size")}
-    other = write_store(tmp_path / "other.h5", train=(s.train_x, s.train_y), test=(s.test_x, s.test_y),
-                        class_names=s.info.class_names, attrs={**attrs, "encoder": "vit_b16"})
+    other = write_store(
+        tmp_path / "other.h5",
+        train=(s.train_x, s.train_y),
+        test=(s.test_x, s.test_y),
+        class_names=s.info.class_names,
+        attrs={**attrs, "encoder": "vit_b16"},
+    )
     with pytest.raises(FedheadError, match=r"extracted with encoder 'vit_b16'.*server's store with 'synthetic'"):
         local_run(cfg_of(store), tmp_path / "r", store_for_clients=other)
 
@@ -181,34 +206,56 @@ def test_duplicate_partition_ids_are_refused(store, tmp_path):
 
 
 def test_run_config_round_trip_and_pyproject_defaults(store, tmp_path):
-    import tomllib
-
     import dataclasses
+
+    import tomllib
 
     from fedhead.flower.common import RUN_CONFIG_FIELDS
 
-    cfg = cfg_of(store, lr=0.05, center=False, seeds=[0, 42], noise="symmetric", noise_rate=0.1,
-                 noise_dataset="cifar10", server_opt="fedadam", server_betas=(0.8, 0.95), local_epochs=None,
-                 local_steps=4)
+    cfg = cfg_of(
+        store,
+        lr=0.05,
+        center=False,
+        seeds=[0, 42],
+        noise="symmetric",
+        noise_rate=0.1,
+        noise_dataset="cifar10",
+        server_opt="fedadam",
+        server_betas=(0.8, 0.95),
+        local_epochs=None,
+        local_steps=4,
+    )
     back = config_from_run_config(run_config_of(cfg, tmp_path, False, 60, 60))
     assert back.resolved().to_dict() == {**cfg.resolved().to_dict(), "features": str(Path(store).resolve())}
     # every training option reaches a Flower run: a run-config key each, except the ones with keys of their own,
     # the node-local resources and the references Flower refuses
-    own = {"features", "partition_params", "head_params", "seeds", "block_clients", "memory_budget_mb",
-           "iid_reference", "central_reference"}
+    own = {
+        "features",
+        "partition_params",
+        "head_params",
+        "seeds",
+        "block_clients",
+        "memory_budget_mb",
+        "iid_reference",
+        "central_reference",
+    }
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     assert fields - own - set(RUN_CONFIG_FIELDS.values()) == set()
     pp = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     app = pp["tool"]["flwr"]["app"]
-    assert app["components"] == {"serverapp": "fedhead.flower.server_app:app",
-                                 "clientapp": "fedhead.flower.client_app:app"}
+    assert app["components"] == {
+        "serverapp": "fedhead.flower.server_app:app",
+        "clientapp": "fedhead.flower.client_app:app",
+    }
     defaults = dict(app["config"], **{"feature-store": str(store)})
     config_from_run_config(defaults).resolved()
 
 
 def test_core_does_not_import_flwr_and_missing_extra_is_one_line(monkeypatch):
-    code = ("import sys, cli, fedhead.train, fedhead.commands, fedhead.flower.commands; "
-            "assert 'flwr' not in sys.modules, 'flwr imported'")
+    code = (
+        "import sys, cli, fedhead.train, fedhead.commands, fedhead.flower.commands; "
+        "assert 'flwr' not in sys.modules, 'flwr imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
     from fedhead.flower import common
 
@@ -220,11 +267,15 @@ def test_core_does_not_import_flwr_and_missing_extra_is_one_line(monkeypatch):
 # ---------------------------------------------------------------- closed-form heads and --init on Flower
 
 
-@pytest.mark.parametrize("kw", [dict(head="ridge"), dict(head="cof", partition="dirichlet",
-                                                         partition_params={"alpha": 0.3, "min_size": 2}),
-                                dict(head="softmax", init="ridge", rounds=3),
-                                dict(head="ova2", init="ncm", rounds=2, participation=0.75, server_opt="fedavgm",
-                                     server_momentum=0.9)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(head="ridge"),
+        dict(head="cof", partition="dirichlet", partition_params={"alpha": 0.3, "min_size": 2}),
+        dict(head="softmax", init="ridge", rounds=3),
+        dict(head="ova2", init="ncm", rounds=2, participation=0.75, server_opt="fedavgm", server_momentum=0.9),
+    ],
+)
 def test_statistics_exchange_matches_fedhead_train(store, tmp_path, kw):
     """The statistics message and its sums are the simulator's (client by client over Flower's records); the
     solve, the --init mapping and the server optimiser are one definition: per-round rows agree."""
@@ -237,15 +288,21 @@ def test_statistics_exchange_matches_fedhead_train(store, tmp_path, kw):
         assert a["stage"] == b["stage"] and a["clients_trained"] == b["clients_trained"]
         assert a["bytes_total"] == b["bytes_total"]
         assert a["bytes_up_per_client"] == pytest.approx(b["bytes_up_per_client"])
-    torch.testing.assert_close(torch.load(tmp_path / "flower" / "head-seed0.pt"),
-                               torch.load(tmp_path / "train" / "head-seed0.pt"), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.load(tmp_path / "flower" / "head-seed0.pt"),
+        torch.load(tmp_path / "train" / "head-seed0.pt"),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_bad_scaffold_and_ccvr_options_are_refused_by_the_server_app(store, tmp_path):
     """SCAFFOLD and CCVR run on Flower (tests/test_flower_scaffold_ccvr.py); the ServerApp refuses what
     `fedhead train` refuses, before round 1."""
-    for kw, flag in ((dict(scaffold=True, optimizer="adamw"), "--scaffold"),
-                     (dict(head="ridge", calibrate="ccvr"), "--calibrate")):
+    for kw, flag in (
+        (dict(scaffold=True, optimizer="adamw"), "--scaffold"),
+        (dict(head="ridge", calibrate="ccvr"), "--calibrate"),
+    ):
         with pytest.raises(FedheadError, match=flag):
             local_run(cfg_of(store, **kw), tmp_path / flag.strip("-"))
         assert not (tmp_path / flag.strip("-") / "rounds.csv").exists()

@@ -18,15 +18,23 @@ import numpy as np
 import pytest
 from conftest import wait_for_pause
 from PIL import Image
+from test_extract import REPO, SIZE, TINY, make_imagefolder
 from typer.testing import CliRunner
 
 from extract import datasets as D
 from extract.run import KILL_ENV, PAUSE_ENV, extract_features
-from extract.store import (StoreWriter, hdf5_io, load_store, open_store, partial_path, store_bytes, write_error,
-                           write_store)
+from extract.store import (
+    StoreWriter,
+    hdf5_io,
+    load_store,
+    open_store,
+    partial_path,
+    store_bytes,
+    write_error,
+    write_store,
+)
 from fedhead.errors import FedheadError, cli_errors
 from fedhead.util import Interrupted, exclusive_writer, signals_deferred, signals_raise
-from test_extract import REPO, SIZE, TINY, make_imagefolder
 
 ENV = {"FEDHEAD_NO_PROGRESS": "1", "FEDHEAD_THREADS": "1"}  # one thread: resumed stores equal bit for bit
 
@@ -48,15 +56,30 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hard")
     clean = make_imagefolder(root / "clean")  # 18 train, 9 test PNGs, 3 classes
     corrupt = make_imagefolder(root / "corrupt")
-    bad_train = truncated_jpeg(corrupt / "train" / "bee" / "002b.jpg")    # train image 9 of 19
-    bad_test = corrupt / "test" / "cat" / "bad.png"                         # test image 9 of 10
+    bad_train = truncated_jpeg(corrupt / "train" / "bee" / "002b.jpg")  # train image 9 of 19
+    bad_test = corrupt / "test" / "cat" / "bad.png"  # test image 9 of 10
     bad_test.write_text("not an image at all\n")
     return {"clean": clean, "corrupt": corrupt, "bad_train": bad_train, "bad_test": bad_test}
 
 
 def _extract_args(data_dir: Path, out: Path, *extra: str) -> list[str]:
-    return ["extract", "--dataset", "imagefolder", "--data-dir", str(data_dir), "--encoder", TINY,
-            "--no-pretrained", "--image-size", str(SIZE), "--batch-size", "4", "--out", str(out), *extra]
+    return [
+        "extract",
+        "--dataset",
+        "imagefolder",
+        "--data-dir",
+        str(data_dir),
+        "--encoder",
+        TINY,
+        "--no-pretrained",
+        "--image-size",
+        str(SIZE),
+        "--batch-size",
+        "4",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +89,24 @@ def reference(folders, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FEDHEAD_THREADS", "1")
         kw = dict(pretrained=False, image_size=SIZE, batch_size=4, progress=False)
-        return {"clean": extract_features("imagefolder", folders["clean"], TINY, out=d / "clean.h5", **kw),
-                "corrupt": extract_features("imagefolder", folders["corrupt"], TINY, out=d / "corrupt.h5",
-                                            skip_corrupt=True, **kw)}
+        return {
+            "clean": extract_features("imagefolder", folders["clean"], TINY, out=d / "clean.h5", **kw),
+            "corrupt": extract_features(
+                "imagefolder", folders["corrupt"], TINY, out=d / "corrupt.h5", skip_corrupt=True, **kw
+            ),
+        }
 
 
 def _popen(args: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **ENV, **(env or {})}, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **ENV, **(env or {})},
+        **kw,
+    )
 
 
 def _run(args: list[str], env: dict | None = None, **kw) -> subprocess.CompletedProcess:
@@ -124,14 +157,24 @@ def test_unreadable_image_stops_with_one_line_naming_the_file(tmp_path, folders,
 
 def test_try_image_names_what_is_wrong(folders, tmp_path):
     (tmp_path / "empty.jpg").write_bytes(b"")
-    split = D.ImageSplit("x", "train", np.zeros(4, np.int64), ["a"],
-                         paths=[str(folders["bad_train"]), str(folders["bad_test"]), str(tmp_path / "empty.jpg"),
-                                str(tmp_path / "gone.jpg")])
+    split = D.ImageSplit(
+        "x",
+        "train",
+        np.zeros(4, np.int64),
+        ["a"],
+        paths=[
+            str(folders["bad_train"]),
+            str(folders["bad_test"]),
+            str(tmp_path / "empty.jpg"),
+            str(tmp_path / "gone.jpg"),
+        ],
+    )
     reasons = [D.try_image(split, i).reason for i in range(4)]
     assert reasons[0].startswith("truncated") and reasons[1].startswith("not an image")
     assert reasons[2].startswith("not an image") and reasons[3].startswith("missing")
-    good = D.ImageSplit("x", "train", np.zeros(1, np.int64), ["a"],
-                        paths=[str(folders["clean"] / "train" / "ant" / "000.png")])
+    good = D.ImageSplit(
+        "x", "train", np.zeros(1, np.int64), ["a"], paths=[str(folders["clean"] / "train" / "ant" / "000.png")]
+    )
     assert D.try_image(good, 0).shape == (16, 16, 3)
 
 
@@ -185,8 +228,11 @@ def test_exclusive_writer_in_process(tmp_path):
     target = tmp_path / "sub" / "x.h5"
     with exclusive_writer(target, "X") as lock:
         assert lock == Path(str(target) + ".lock") and lock.read_text().strip() == str(os.getpid())
-        with pytest.raises(FedheadError, match=rf"^another fedhead process \(pid {os.getpid()}\) is writing X; "
-                                               r"wait for it or choose another --out$"):
+        with pytest.raises(
+            FedheadError,
+            match=rf"^another fedhead process \(pid {os.getpid()}\) is writing X; "
+            r"wait for it or choose another --out$",
+        ):
             with exclusive_writer(target, "X"):
                 pass
     assert not lock.exists()
@@ -230,8 +276,10 @@ def test_exclusive_writer_two_processes_and_a_killed_holder(tmp_path):
         assert word == "locked"
         r = subprocess.run([sys.executable, "-c", TRY, str(target)], **run)
         assert r.returncode == 3, r.stderr
-        assert r.stdout.strip() == (f"another fedhead process (pid {holder.pid}) is writing the test target; "
-                                    "wait for it or choose another --out")
+        assert r.stdout.strip() == (
+            f"another fedhead process (pid {holder.pid}) is writing the test target; "
+            "wait for it or choose another --out"
+        )
         holder.kill()
         holder.wait()
         os.kill(child, 0)  # the forked child still lives...
@@ -255,8 +303,9 @@ def test_extract_is_exclusive_and_a_killed_writer_does_not_block(tmp_path, folde
         r = _invoke(args, monkeypatch)
         lines = _lines(r.stderr)
         assert r.exit_code == 2 and len(lines) == 1, r.stderr
-        assert lines[0] == (f"error: another fedhead process (pid {pid}) is writing {str(out)!r}; wait for it "
-                            "or choose another --out")
+        assert lines[0] == (
+            f"error: another fedhead process (pid {pid}) is writing {str(out)!r}; wait for it or choose another --out"
+        )
     finally:
         first.kill()  # SIGKILL while it holds the lock (its DataLoader worker may outlive it for a while)
         first.wait()
@@ -274,8 +323,7 @@ def _good_store(path: Path) -> Path:
     rng = np.random.default_rng(0)
     tr = (rng.normal(size=(12, 4)).astype(np.float32), np.arange(12) % 3)
     te = (rng.normal(size=(6, 4)).astype(np.float32), np.arange(6) % 3)
-    return write_store(path, train=tr, test=te, class_names=["a", "b", "c"], attrs={"dataset": "t"},
-                       dtype="float16")
+    return write_store(path, train=tr, test=te, class_names=["a", "b", "c"], attrs={"dataset": "t"}, dtype="float16")
 
 
 def _replace(h, name, data):
@@ -284,21 +332,39 @@ def _replace(h, name, data):
 
 
 BAD = {  # case -> (mutation, found by open_store's metadata checks?, words in the message)
-    "nan": (lambda h: h["train/features"].__setitem__((2, 1), np.nan), False,
-            "train/features hold NaN or inf (first at row 2)"),
-    "inf": (lambda h: h["test/features"].__setitem__((5, 0), np.inf), False,
-            "test/features hold NaN or inf (first at row 5)"),
-    "label too big": (lambda h: h["train/labels"].__setitem__(4, 3), False,
-                      "train/labels hold 3 at row 4, outside [0, 3)"),
+    "nan": (
+        lambda h: h["train/features"].__setitem__((2, 1), np.nan),
+        False,
+        "train/features hold NaN or inf (first at row 2)",
+    ),
+    "inf": (
+        lambda h: h["test/features"].__setitem__((5, 0), np.inf),
+        False,
+        "test/features hold NaN or inf (first at row 5)",
+    ),
+    "label too big": (
+        lambda h: h["train/labels"].__setitem__(4, 3),
+        False,
+        "train/labels hold 3 at row 4, outside [0, 3)",
+    ),
     "negative label": (lambda h: h["test/labels"].__setitem__(0, -1), False, "test/labels hold -1 at row 0"),
     "no test split": (lambda h: h.__delitem__("test"), True, "test split is missing"),
-    "newer version": (lambda h: h.attrs.__setitem__("format_version", 2), True,
-                      "format version is 2, newer than the 1 this fedhead reads"),
-    "dims differ": (lambda h: _replace(h, "test/features", np.zeros((6, 5), np.float16)), True,
-                    "feature dimension differs"),
+    "newer version": (
+        lambda h: h.attrs.__setitem__("format_version", 2),
+        True,
+        "format version is 2, newer than the 1 this fedhead reads",
+    ),
+    "dims differ": (
+        lambda h: _replace(h, "test/features", np.zeros((6, 5), np.float16)),
+        True,
+        "feature dimension differs",
+    ),
     "dim attribute": (lambda h: h.attrs.__setitem__("feature_dim", 7), True, "feature_dim 7"),
-    "rows differ": (lambda h: _replace(h, "test/labels", np.zeros(5, np.int64)), True,
-                    "test split has features (6, 4) and labels (5,)"),
+    "rows differ": (
+        lambda h: _replace(h, "test/labels", np.zeros(5, np.int64)),
+        True,
+        "test split has features (6, 4) and labels (5,)",
+    ),
 }
 
 
@@ -334,6 +400,7 @@ def _fsize_limit(n: int):
     def pre():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
         resource.setrlimit(resource.RLIMIT_FSIZE, (n, n))
+
     return pre
 
 
@@ -346,16 +413,24 @@ def test_partial_of_the_previous_layout_still_resumes(tmp_path):
 
     out, req = tmp_path / "o.h5", {"a": 1}
     with h5py.File(partial_path(out), "w") as f:
-        f.attrs.update(format=FORMAT, format_version=1, request=json.dumps(req, sort_keys=True), complete=False,
-                       dtype="float16", feature_dim=2, num_classes=2)
+        f.attrs.update(
+            format=FORMAT,
+            format_version=1,
+            request=json.dumps(req, sort_keys=True),
+            complete=False,
+            dtype="float16",
+            feature_dim=2,
+            num_classes=2,
+        )
         f.create_dataset("class_names", data=np.array(["a", "b"], dtype=object), dtype=h5py.string_dtype("utf-8"))
         for split, n in (("train", 6), ("test", 3)):
             g = f.create_group(split)
             g.attrs["n_done"] = 2
             g.create_dataset("features", data=np.ones((n, 2), np.float16), chunks=(n, 2))
             g.create_dataset("labels", data=np.ones(n, np.int64))
-    with StoreWriter(out, request=req, sizes={"train": 6, "test": 3}, feature_dim=2, class_names=["a", "b"],
-                     attrs={}) as w:
+    with StoreWriter(
+        out, request=req, sizes={"train": 6, "test": 3}, feature_dim=2, class_names=["a", "b"], attrs={}
+    ) as w:
         assert (w.n_read("train"), w.size("train")) == (2, 6)
         w.append("train", np.zeros((3, 2)), np.array([0, 1, 0]), skipped=[3])
         w.append("test", np.zeros((0, 2)), np.zeros(0, np.int64), skipped=[2])
@@ -369,8 +444,14 @@ def test_store_size_estimate_is_an_upper_bound(tmp_path):
     for c, n, dim in ((3, 18, 256), (1000, 3000, 64), (10, 5000, 96)):
         names = [f"class-{i:04d}-name" for i in range(c)]
         req = {"class_names": names, "x": "y" * 300}
-        with StoreWriter(tmp_path / f"{c}.h5", request=req, sizes={"train": n, "test": n // 3}, feature_dim=dim,
-                         class_names=names, attrs={"dataset": "t"}) as w:
+        with StoreWriter(
+            tmp_path / f"{c}.h5",
+            request=req,
+            sizes={"train": n, "test": n // 3},
+            feature_dim=dim,
+            class_names=names,
+            attrs={"dataset": "t"},
+        ) as w:
             size = w.tmp.stat().st_size
         text = len(str(req)) + 20 + sum(len(x) + 16 for x in names)
         assert size <= store_bytes({"train": n, "test": n // 3}, dim, "float16", text) <= 1.5 * size + 65536
@@ -382,8 +463,9 @@ def test_full_disk_is_found_before_encoding(tmp_path, folders, reference, monkey
     r = _run(args, preexec_fn=_fsize_limit(20_000))
     lines = _lines(r.stderr)
     assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert lines[0].startswith(f"error: No space left while writing {str(partial_path(out))!r} (the file size "
-                               "limit ('ulimit -f') allows 20 kB")
+    assert lines[0].startswith(
+        f"error: No space left while writing {str(partial_path(out))!r} (the file size limit ('ulimit -f') allows 20 kB"
+    )
     assert lines[0].endswith("Free space (or raise the file size limit) and re-run the same command: it resumes.")
     assert not out.exists() and not partial_path(out).exists()
     r = _invoke(args, monkeypatch)  # the limit is gone
@@ -421,11 +503,19 @@ def test_hdf5_write_failure_is_an_oserror_and_the_next_run_recovers(tmp_path, fo
     even crash at exit, after the message): the next run restarts the unreadable .partial and finishes."""
     out = tmp_path / "s.h5"
     args = _extract_args(folders["clean"], out)
-    p = subprocess.run([sys.executable, "-c", NO_CHECK, *args], cwd=REPO, capture_output=True, text=True,
-                       env={**os.environ, **ENV}, timeout=300, preexec_fn=_fsize_limit(20_000))
+    p = subprocess.run(
+        [sys.executable, "-c", NO_CHECK, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **ENV},
+        timeout=300,
+        preexec_fn=_fsize_limit(20_000),
+    )
     assert p.returncode != 0
-    assert _lines(p.stderr)[0].startswith(f"error: No space left while writing {str(partial_path(out))!r} "
-                                          "(File too large"), p.stderr
+    assert _lines(p.stderr)[0].startswith(
+        f"error: No space left while writing {str(partial_path(out))!r} (File too large"
+    ), p.stderr
     assert not out.exists()
     r = _invoke(args, monkeypatch)
     assert r.exit_code == 0, r.output
@@ -448,7 +538,7 @@ def test_hdf5_io_and_write_error_messages(tmp_path):
 
 
 def test_signals_raise_and_defer_in_process():
-    before = signal.getsignal(signal.SIGTERM)     # SIG_DFL, or what an earlier test's library installed (Ray)
+    before = signal.getsignal(signal.SIGTERM)  # SIG_DFL, or what an earlier test's library installed (Ray)
     with signals_raise():
         with pytest.raises(Interrupted) as e:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -461,7 +551,7 @@ def test_signals_raise_and_defer_in_process():
                 time.sleep(0.05)
                 reached = True  # the critical section finishes first
         assert reached and e.value.exit_code == 130
-    assert signal.getsignal(signal.SIGTERM) == before   # the previous handler is back
+    assert signal.getsignal(signal.SIGTERM) == before  # the previous handler is back
 
     @cli_errors
     def cmd():

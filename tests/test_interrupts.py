@@ -22,8 +22,9 @@ PAUSE = "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS"
 def _popen(args, env=None):
     e = {**os.environ, **ENV, **(env or {})}
     e.pop("FEDHEAD_DEBUG", None)
-    return subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=e)
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e
+    )
 
 
 def _run(args, env=None):
@@ -46,12 +47,30 @@ def _accs(path):
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_mid_training_then_resume(tiny_store, tmp_path, sig, code):
-    args = ["train", "--features", str(tiny_store), "--head", "ova2", "--partition", "shard", "--clients", "8",
-            "--rounds", "4", "--seed", "0", "--seed", "1", "--scaffold", "--server-opt", "fedadam"]
+    args = [
+        "train",
+        "--features",
+        str(tiny_store),
+        "--head",
+        "ova2",
+        "--partition",
+        "shard",
+        "--clients",
+        "8",
+        "--rounds",
+        "4",
+        "--seed",
+        "0",
+        "--seed",
+        "1",
+        "--scaffold",
+        "--server-opt",
+        "fedadam",
+    ]
     rc, _, err = _run(args + ["--out", str(tmp_path / "full")])
     assert rc == 0, err
     out, marker = tmp_path / "cut", tmp_path / "paused"
-    p = _popen(args + ["--out", str(out)], env={PAUSE: f"5:{marker}"})      # mid second seed
+    p = _popen(args + ["--out", str(out)], env={PAUSE: f"5:{marker}"})  # mid second seed
     _wait_for(marker, p)
     p.send_signal(sig)
     _, err = p.communicate(timeout=120)
@@ -59,7 +78,7 @@ def test_signal_mid_training_then_resume(tiny_store, tmp_path, sig, code):
     lines = _lines(err)
     assert len(lines) == 1 and "interrupted" in lines[0] and f"--resume --out {out}" in lines[0], err
     assert (out / "checkpoint.pt").exists() and not (out / "summary.json").exists()
-    assert len(_accs(out / "rounds.csv")) == 5                               # checkpoint and csv agree
+    assert len(_accs(out / "rounds.csv")) == 5  # checkpoint and csv agree
     assert not Path(str(out) + ".lock").exists()
     rc, _, err = _run(args + ["--out", str(out), "--resume"])
     assert rc == 0, err
@@ -67,18 +86,31 @@ def test_signal_mid_training_then_resume(tiny_store, tmp_path, sig, code):
 
 
 def test_signal_mid_bench_then_same_command_continues(tiny_store, tmp_path):
-    args = ["bench", "baselines", "--features", str(tiny_store), "--quick", "--rounds", "3", "--clients", "8",
-            "--methods", "ova2,ridge+ft", "--partitions", "iid,shard-1"]
+    args = [
+        "bench",
+        "baselines",
+        "--features",
+        str(tiny_store),
+        "--quick",
+        "--rounds",
+        "3",
+        "--clients",
+        "8",
+        "--methods",
+        "ova2,ridge+ft",
+        "--partitions",
+        "iid,shard-1",
+    ]
     rc, _, err = _run(args + ["--out", str(tmp_path / "full")])
     assert rc == 0, err
     out, marker = tmp_path / "cut", tmp_path / "paused"
-    p = _popen(args + ["--out", str(out)], env={PAUSE: f"2:{marker}"})      # inside the first run
+    p = _popen(args + ["--out", str(out)], env={PAUSE: f"2:{marker}"})  # inside the first run
     _wait_for(marker, p)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 143, err
     lines = _lines(err)
-    assert len(lines) == 2 and lines[0].startswith("report folder:"), err   # the folder line, then one line
+    assert len(lines) == 2 and lines[0].startswith("report folder:"), err  # the folder line, then one line
     assert "interrupted" in lines[1] and f"--out {out}" in lines[1]
     rc, _, err = _run(args + ["--out", str(out)])
     assert rc == 0, err
@@ -100,21 +132,24 @@ with exclusive_writer(sys.argv[1], 'x'):
 
 def test_second_writer_is_refused_and_a_killed_holder_does_not_block(tiny_store, tmp_path):
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, **ENV})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, **ENV}
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         args = ["train", "--features", str(tiny_store), "--clients", "4", "--rounds", "1", "--out", str(out)]
         t0 = time.monotonic()
         rc, _, err = _run(args)
         assert rc == 2 and time.monotonic() - t0 < 60
-        assert _lines(err) == [f"error: another fedhead process (pid {holder.pid}) is writing the run directory "
-                               f"'{out}'; wait for it or choose another --out"], err
+        assert _lines(err) == [
+            f"error: another fedhead process (pid {holder.pid}) is writing the run directory "
+            f"'{out}'; wait for it or choose another --out"
+        ], err
         assert not out.exists()
     finally:
         holder.kill()
         holder.wait()
-    rc, _, err = _run(args)                  # the killed holder's lock file does not block
+    rc, _, err = _run(args)  # the killed holder's lock file does not block
     assert rc == 0, err
     assert json.loads((out / "summary.json").read_text())["rounds"] == 1
 
@@ -127,8 +162,21 @@ def test_signal_mid_flower_simulate_then_resume(tmp_path):
     from fedhead.synthetic import write_synthetic
 
     store = write_synthetic(tmp_path / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
-    args = ["flower", "simulate", "--features", str(store), "--clients", "3", "--rounds", "3",
-            "--partition", "shard", "--num-cpus", "2", "--scaffold"]
+    args = [
+        "flower",
+        "simulate",
+        "--features",
+        str(store),
+        "--clients",
+        "3",
+        "--rounds",
+        "3",
+        "--partition",
+        "shard",
+        "--num-cpus",
+        "2",
+        "--scaffold",
+    ]
     out, marker = tmp_path / "cut", tmp_path / "paused"
     p = _popen(args + ["--out", str(out)], env={PAUSE: f"2:{marker}"})
     _wait_for(marker, p)
@@ -156,10 +204,17 @@ def test_full_disk_during_training_is_one_line_and_resumes(tiny_store, tmp_path)
     limit = (
         "import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
         "resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000)); sys.argv = ['cli'] + sys.argv[1:]; "
-        "runpy.run_module('cli', run_name='__main__')")
+        "runpy.run_module('cli', run_name='__main__')"
+    )
     e = {**os.environ, **ENV}
-    p = subprocess.run([sys.executable, "-c", limit, *args, "--out", str(out)], cwd=REPO, capture_output=True,
-                       text=True, env=e, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-c", limit, *args, "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=600,
+    )
     assert p.returncode == 2, p.stderr
     lines = _lines(p.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: No space left while writing") and "--resume" in lines[0]
@@ -178,8 +233,10 @@ def test_any_write_that_runs_out_of_space_is_one_line(capsys):
     for code in (errno.ENOSPC, errno.EFBIG):
         assert report(OSError(code, os.strerror(code), "/r/report.md")) == 2
         err = capsys.readouterr().err
-        assert _lines(err) == [f"error: No space left while writing '/r/report.md' ({os.strerror(code)}); free space "
-                               "(or raise the file size limit) and re-run the same command: finished work is reused"]
+        assert _lines(err) == [
+            f"error: No space left while writing '/r/report.md' ({os.strerror(code)}); free space "
+            "(or raise the file size limit) and re-run the same command: finished work is reused"
+        ]
 
 
 def _bench_cases(store, tmp):
@@ -188,21 +245,68 @@ def _bench_cases(store, tmp):
         "ablation": ["bench", "ablation", "--features", str(store), *grid, "--recipe", "default", "--head", "ova2"],
         "partitions": ["bench", "partitions", "--features", str(store), *grid, "--partition", "shard-1"],
         "encoders": ["bench", "encoders", "--features", str(store), "--features", str(store), *grid],
-        "noise": ["bench", "noise", "--features", str(store), *grid, "--sym-rates", "0.3", "--asym-rates", "0.2",
-                  "--asym-map", "cyclic", "--no-clean"],
+        "noise": [
+            "bench",
+            "noise",
+            "--features",
+            str(store),
+            *grid,
+            "--sym-rates",
+            "0.3",
+            "--asym-rates",
+            "0.2",
+            "--asym-map",
+            "cyclic",
+            "--no-clean",
+        ],
         "participation": ["bench", "participation", "--features", str(store), *grid, "--rates", "0.5"],
-        "baselines": ["bench", "baselines", "--features", str(store), *grid, "--methods", "ova2",
-                      "--partitions", "iid,shard-1"],
+        "baselines": [
+            "bench",
+            "baselines",
+            "--features",
+            str(store),
+            *grid,
+            "--methods",
+            "ova2",
+            "--partitions",
+            "iid,shard-1",
+        ],
         "geometry": ["bench", "geometry", "--features", str(store), "--features", str(store), "--quick"],
-        "speed": ["bench", "speed", "--quick", "--no-extraction", "--rounds", "1", "--loop-rounds", "0",
-                  "--no-scratch"],  # the pause is in the heads part; the scratch part is test_engine_speed's
-        "extract": ["bench", "extract", "--dataset", "digits", "--encoder", "test_efficientnet", "--no-pretrained",
-                    "--image-size", "32", "--num-images", "16", "--repeats", "3", "--batch-size", "8"],
+        "speed": [
+            "bench",
+            "speed",
+            "--quick",
+            "--no-extraction",
+            "--rounds",
+            "1",
+            "--loop-rounds",
+            "0",
+            "--no-scratch",
+        ],  # the pause is in the heads part; the scratch part is test_engine_speed's
+        "extract": [
+            "bench",
+            "extract",
+            "--dataset",
+            "digits",
+            "--encoder",
+            "test_efficientnet",
+            "--no-pretrained",
+            "--image-size",
+            "32",
+            "--num-images",
+            "16",
+            "--repeats",
+            "3",
+            "--batch-size",
+            "8",
+        ],
     }
 
 
-@pytest.mark.parametrize("command", ["ablation", "partitions", "encoders", "noise", "participation", "baselines",
-                                     "geometry", "speed", "extract"])
+@pytest.mark.parametrize(
+    "command",
+    ["ablation", "partitions", "encoders", "noise", "participation", "baselines", "geometry", "speed", "extract"],
+)
 def test_sigterm_during_every_bench_command(tiny_store, tmp_path, command):
     """Each bench command, paused mid-way by the test hook, then SIGTERM: exit 143, one line saying how to go
     on, no traceback, nothing half-written under the output name; the same command then finishes."""
@@ -218,7 +322,7 @@ def test_sigterm_during_every_bench_command(tiny_store, tmp_path, command):
     assert last.startswith("interrupted") and "re-run the same command" in last and "Traceback" not in err, err
     assert not Path(str(out) + ".lock").exists()
     if command in ("speed", "extract", "geometry"):
-        assert not out.exists()                  # written only at the end, atomically
+        assert not out.exists()  # written only at the end, atomically
     else:
         assert not (out / "report.md").exists()  # the report comes last; finished runs are kept
     rc, _, err = _run(args + ["--out", str(out)])

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import cut_after
 from torch import nn
 from typer.testing import CliRunner
 
-from conftest import cut_after
 import cli
 import fedhead.scratch.runner as R
 from fedhead.scratch import algorithms as A
@@ -63,12 +63,34 @@ def toy_ctx(sizes=(1, 2, 3), **cfg):
     y = torch.tensor([i % 3 for i in range(n)])
     bounds = np.cumsum((0,) + tuple(sizes))
     parts = [np.arange(bounds[k], bounds[k + 1]) for k in range(len(sizes))]
-    base = dict(clients=len(sizes), head_layers=1, body_epochs=1, local_epochs=3, batch_size=64, optimizer="sgd",
-                lr=0.1, momentum=0.0, weight_decay=0.0, backend="vmap", prox_mu=0.0, eval_batch=4)
-    return SimpleNamespace(cfg=SimpleNamespace(**{**base, **cfg}), model=model, layers=weight_layers(model),
-                           parts=parts, device=torch.device("cpu"), gen=torch.Generator().manual_seed(1),
-                           x_train=x, y_train=y, data=SimpleNamespace(to_float=lambda b: b.float()),
-                           rng=np.random.default_rng(0), local_test=None, client_counts=None)
+    base = dict(
+        clients=len(sizes),
+        head_layers=1,
+        body_epochs=1,
+        local_epochs=3,
+        batch_size=64,
+        optimizer="sgd",
+        lr=0.1,
+        momentum=0.0,
+        weight_decay=0.0,
+        backend="vmap",
+        prox_mu=0.0,
+        eval_batch=4,
+    )
+    return SimpleNamespace(
+        cfg=SimpleNamespace(**{**base, **cfg}),
+        model=model,
+        layers=weight_layers(model),
+        parts=parts,
+        device=torch.device("cpu"),
+        gen=torch.Generator().manual_seed(1),
+        x_train=x,
+        y_train=y,
+        data=SimpleNamespace(to_float=lambda b: b.float()),
+        rng=np.random.default_rng(0),
+        local_test=None,
+        client_counts=None,
+    )
 
 
 def filled(shape, start):
@@ -76,8 +98,12 @@ def filled(shape, start):
 
 
 def toy_state():
-    return {"body.weight": filled((2, 2), 0), "body.bias": filled((2,), 10),
-            "head.weight": filled((3, 2), 20), "head.bias": filled((3,), 30)}
+    return {
+        "body.weight": filled((2, 2), 0),
+        "body.bias": filled((2,), 10),
+        "head.weight": filled((3, 2), 20),
+        "head.bias": filled((3,), 30),
+    }
 
 
 def personal_of(names, k=3):
@@ -89,16 +115,20 @@ def personal_of(names, k=3):
 def trained_for(owner):
     """Hand-made results of local training: member m's tensors are its start state x (m + 2)."""
     st = toy_state()
-    return E.TrainResult({n: torch.stack([-(m + 2) * st[n] for m in range(len(owner))]) for n in st},
-                         torch.zeros(len(owner)), np.array([4, 2]))
+    return E.TrainResult(
+        {n: torch.stack([-(m + 2) * st[n] for m in range(len(owner))]) for n in st},
+        torch.zeros(len(owner)),
+        np.array([4, 2]),
+    )
 
 
 BODY = {"body.weight", "body.bias"}
 HEAD = {"head.weight", "head.bias"}
 
 
-@pytest.mark.parametrize("name,personal", [("fedper", HEAD), ("fedrep", HEAD), ("lg-fedavg", BODY),
-                                           ("local", BODY | HEAD)])
+@pytest.mark.parametrize(
+    "name,personal", [("fedper", HEAD), ("fedrep", HEAD), ("lg-fedavg", BODY), ("local", BODY | HEAD)]
+)
 def test_personalised_aggregation_hand_numbers(name, personal):
     """Clients 0 and 2 (1 and 3 samples) of 3 train; shared tensors become (1 w_0 + 3 w_2) / 4, personal ones
     stay with their client (client 1's untouched), the global copy of a personal tensor is never changed."""
@@ -110,20 +140,20 @@ def test_personalised_aggregation_hand_numbers(name, personal):
     algo.personal = personal_of(sorted(personal))
     before = {n: p.clone() for n, p in algo.personal.items()}
     plan = algo.configure(ctx, state, 1, np.array([0, 2]))
-    for n in state:   # the start: personal tensors from the client, shared ones from the server
+    for n in state:  # the start: personal tensors from the client, shared ones from the server
         want = torch.stack([before[n][0], before[n][2]]) if n in personal else torch.stack([state[n], state[n]])
         assert torch.equal(plan.start[n], want), n
-    trained = trained_for(plan.owner)          # member 0 (client 0): -2 x state; member 1 (client 2): -3 x state
+    trained = trained_for(plan.owner)  # member 0 (client 0): -2 x state; member 1 (client 2): -3 x state
     new = algo.aggregate(ctx, state, plan, trained)
     for n in state:
         if n in personal:
             assert torch.equal(new[n], state[n]), n
             assert torch.equal(algo.personal[n][0], -2 * state[n]) and torch.equal(algo.personal[n][2], -3 * state[n])
             assert torch.equal(algo.personal[n][1], before[n][1]), n
-        else:   # (1 x -2 s + 3 x -3 s) / 4 = -11/4 s
+        else:  # (1 x -2 s + 3 x -3 s) / 4 = -11/4 s
             assert torch.allclose(new[n], -2.75 * state[n]), n
     shared_values = sum(state[n].numel() for n in state if n not in personal)
-    assert algo.member_bytes(ctx, plan, trained) == 4 * shared_values   # only shared tensors travel (fp32)
+    assert algo.member_bytes(ctx, plan, trained) == 4 * shared_values  # only shared tensors travel (fp32)
     assert {"fedper": 24, "fedrep": 24, "lg-fedavg": 36, "local": 0}[name] == 4 * shared_values
 
 
@@ -138,7 +168,7 @@ def test_personal_accuracy_scores_sample_i_with_client_i_mod_k():
     for i in range(7):
         k = i % 3
         own = {**state, **{n: algo.personal[n][k] for n in HEAD}}
-        want = torch.func.functional_call(ctx.model, own, (x[i:i + 1],))[0]
+        want = torch.func.functional_call(ctx.model, own, (x[i : i + 1],))[0]
         assert torch.allclose(got[i], want, atol=1e-6), i
 
 
@@ -181,24 +211,25 @@ def test_scaffold_control_variates_hand_numbers():
     theta = toy_state()
     names = list(theta)
     plan = algo.configure(ctx, theta, 1, np.array([0, 2]))
-    assert all(torch.equal(plan.grad_offset[n], torch.zeros(2, *theta[n].shape)) for n in names)   # c = c_k = 0
-    trained = trained_for(plan.owner)                      # w_0 = -2 theta after 4 steps, w_2 = -3 theta after 2
+    assert all(torch.equal(plan.grad_offset[n], torch.zeros(2, *theta[n].shape)) for n in names)  # c = c_k = 0
+    trained = trained_for(plan.owner)  # w_0 = -2 theta after 4 steps, w_2 = -3 theta after 2
     new = algo.aggregate(ctx, theta, plan, trained)
-    assert all(torch.allclose(new[n], -2.75 * theta[n]) for n in names)   # the model: plain FedAvg
+    assert all(torch.allclose(new[n], -2.75 * theta[n]) for n in names)  # the model: plain FedAvg
     flat = torch.cat([theta[n].reshape(-1) for n in names])
-    c0 = (flat + 2 * flat) / (4 * 0.2)                     # (theta - w_0) / (4 x 0.2)
+    c0 = (flat + 2 * flat) / (4 * 0.2)  # (theta - w_0) / (4 x 0.2)
     c2 = (flat + 3 * flat) / (2 * 0.2)
-    c = (c0 + c2) / 3                                      # K = 3 clients, one of them idle
+    c = (c0 + c2) / 3  # K = 3 clients, one of them idle
     assert torch.allclose(algo.var.ck[0, 0], c0) and torch.allclose(algo.var.ck[2, 0], c2)
     assert torch.equal(algo.var.ck[1], torch.zeros_like(algo.var.ck[1]))
     assert torch.allclose(algo.var.c[0], c)
-    assert algo.member_bytes(ctx, plan, trained) == 2 * 4 * flat.numel()   # the model and a variate, fp32
+    assert algo.member_bytes(ctx, plan, trained) == 2 * 4 * flat.numel()  # the model and a variate, fp32
     plan2 = algo.configure(ctx, new, 2, np.array([0, 1]))
     got = torch.cat([plan2.grad_offset[n].reshape(2, -1) for n in names], dim=1)
     assert torch.allclose(got[0], c - c0) and torch.allclose(got[1], c)
     # round 2: client 0 again (3 steps), client 1 for the first time (5 steps)
-    trained2 = E.TrainResult({n: torch.stack([new[n] - 1.0, new[n] + 2.0]) for n in names}, torch.zeros(2),
-                             np.array([3, 5]))
+    trained2 = E.TrainResult(
+        {n: torch.stack([new[n] - 1.0, new[n] + 2.0]) for n in names}, torch.zeros(2), np.array([3, 5])
+    )
     algo.aggregate(ctx, new, plan2, trained2)
     c0b = c0 - c + 1.0 / (3 * 0.2)
     c1b = 0 - c - 2.0 / (5 * 0.2)
@@ -218,13 +249,26 @@ def test_gradient_terms_hand_numbers(backend):
     model = Tiny()
     params = E.stack_copies(toy_state(), 2)
     off = {n: torch.stack([torch.full_like(p, 1.0), torch.full_like(p, -2.0)]) for n, p in toy_state().items()}
-    zero = lambda out, y, valid, aux: out.float().sum(dim=(1, 2)) * 0.0   # noqa: E731
+    zero = lambda out, y, valid, aux: out.float().sum(dim=(1, 2)) * 0.0  # noqa: E731
     x = torch.randn(4, 1, 1, 2)
     for mu in (0.0, 0.5):
-        r = E.train_members(model, params, [np.arange(2), np.arange(2, 4)], {}, zero, x_all=x,
-                            y_all=torch.zeros(4, dtype=torch.long), to_float=lambda b: b.float(), epochs=2,
-                            batch_size=2, optim=E.OptimSpec("sgd", 0.1), rng=np.random.default_rng(0),
-                            backend=backend, prox_mu=mu, grad_offset=off)
+        r = E.train_members(
+            model,
+            params,
+            [np.arange(2), np.arange(2, 4)],
+            {},
+            zero,
+            x_all=x,
+            y_all=torch.zeros(4, dtype=torch.long),
+            to_float=lambda b: b.float(),
+            epochs=2,
+            batch_size=2,
+            optim=E.OptimSpec("sgd", 0.1),
+            rng=np.random.default_rng(0),
+            backend=backend,
+            prox_mu=mu,
+            grad_offset=off,
+        )
         for n in params:
             want = params[n] - 0.2 * off[n] + mu * 0.01 * off[n]
             assert torch.allclose(r.params[n], want, atol=1e-5), (mu, n)
@@ -238,10 +282,23 @@ def test_fedprox_and_scaffold_terms_agree_across_backends():
     y = torch.randint(0, 3, (20,))
     res = {}
     for backend in ("vmap", "loop"):
-        res[backend] = E.train_members(model, params, [np.arange(0, 7), np.arange(7, 20)], {}, E.softmax_ce,
-                                       x_all=x, y_all=y, to_float=lambda b: b.float() / 255, epochs=2,
-                                       batch_size=4, optim=E.OptimSpec("sgd", 0.05, momentum=0.9),
-                                       rng=np.random.default_rng(0), backend=backend, prox_mu=0.3, grad_offset=off)
+        res[backend] = E.train_members(
+            model,
+            params,
+            [np.arange(0, 7), np.arange(7, 20)],
+            {},
+            E.softmax_ce,
+            x_all=x,
+            y_all=y,
+            to_float=lambda b: b.float() / 255,
+            epochs=2,
+            batch_size=4,
+            optim=E.OptimSpec("sgd", 0.05, momentum=0.9),
+            rng=np.random.default_rng(0),
+            backend=backend,
+            prox_mu=0.3,
+            grad_offset=off,
+        )
     for n in params:
         assert torch.allclose(res["vmap"].params[n], res["loop"].params[n], atol=1e-5), n
 
@@ -271,13 +328,13 @@ def test_dual_head_personal_loss_reaches_only_the_personal_head():
     x = torch.randn(5, 1, 4, 4)
     out = m(x)
     g, pers = out[:, :3], out[:, 3:]
-    z = torch.relu(m.classifier[2](torch.relu(m.classifier[0](x.flatten(1)))))   # the input of the last layer
+    z = torch.relu(m.classifier[2](torch.relu(m.classifier[0](x.flatten(1)))))  # the input of the last layer
     assert torch.allclose(g, m.classifier[4](z)) and torch.allclose(pers, g + m.p_head(z))
     pers.sum().backward()
     assert m.p_head.weight.grad is not None and m.p_head.weight.grad.abs().sum() > 0
     assert all(p.grad is None or not p.grad.any() for n, p in m.named_parameters() if not n.startswith("p_head"))
     m.zero_grad()
-    m(x)[:, :3].sum().backward()                         # the generic logits train the body and G, never P
+    m(x)[:, :3].sum().backward()  # the generic logits train the body and G, never P
     assert not m.p_head.weight.grad.any() and m.classifier[0].weight.grad.any() and m.classifier[4].weight.grad.any()
 
 
@@ -285,10 +342,27 @@ def test_dual_head_personal_loss_reaches_only_the_personal_head():
 
 
 def cfg_for(algo, **kw):
-    base = dict(algo=algo, dataset="mnist", data_dir=str(MNIST), model="fedabc-mlp", partition="dirichlet",
-                partition_params={"alpha": 0.5, "min_size": 5}, clients=6, participation=0.5, rounds=3,
-                local_epochs=2, batch_size=32, optimizer="sgd", lr=0.05, momentum=0.9, weight_decay=1e-5,
-                subset=300, test_subset=150, local_test_size=20, seeds=[0])
+    base = dict(
+        algo=algo,
+        dataset="mnist",
+        data_dir=str(MNIST),
+        model="fedabc-mlp",
+        partition="dirichlet",
+        partition_params={"alpha": 0.5, "min_size": 5},
+        clients=6,
+        participation=0.5,
+        rounds=3,
+        local_epochs=2,
+        batch_size=32,
+        optimizer="sgd",
+        lr=0.05,
+        momentum=0.9,
+        weight_decay=1e-5,
+        subset=300,
+        test_subset=150,
+        local_test_size=20,
+        seeds=[0],
+    )
     return ScratchConfig(**{**base, **kw})
 
 
@@ -324,10 +398,10 @@ def test_local_sends_nothing_and_keeps_the_init(tmp_path):
     names = [n for n in final if not n.startswith("personal.")]
     model = create_model("fedabc-mlp", (1, 28, 28), 10)
     init = E.init_params(model, torch.Generator().manual_seed(0))
-    assert all(torch.equal(final[n], init[n]) for n in names)           # the server's copy never moves
+    assert all(torch.equal(final[n], init[n]) for n in names)  # the server's copy never moves
     trained_any = [any(not torch.equal(final[f"personal.{n}"][k], init[n]) for n in names) for k in range(6)]
-    assert 0 < sum(trained_any) < 6                                      # 2 clients a round, 3 rounds: not all
-    for k in range(6):                                                   # an untrained client is still the init
+    assert 0 < sum(trained_any) < 6  # 2 clients a round, 3 rounds: not all
+    for k in range(6):  # an untrained client is still the init
         if not trained_any[k]:
             assert all(torch.equal(final[f"personal.{n}"][k], init[n]) for n in names)
     assert json.loads((out / "config.json").read_text())["accuracy_of"].startswith("the personal models")
@@ -338,29 +412,34 @@ def test_share_fraction_mixes_the_shared_set_and_counts_its_bytes_once(tmp_path)
     cfg = R.resolve_config(cfg_for("fedavg", share_fraction=0.1, noise="symmetric", noise_rate=0.5))
     data = R.load_dataset(cfg.dataset, cfg.data_dir)
     ctx = R._setup(cfg, data, 0, torch.device("cpu"), lambda m: None)
-    plain = R._setup(R.resolve_config(cfg_for("fedavg", noise="symmetric", noise_rate=0.5)), data, 0,
-                     torch.device("cpu"), lambda m: None)
+    plain = R._setup(
+        R.resolve_config(cfg_for("fedavg", noise="symmetric", noise_rate=0.5)),
+        data,
+        0,
+        torch.device("cpu"),
+        lambda m: None,
+    )
     sizes = [len(p) for p in plain.parts]
     s = round(0.1 * np.mean(sizes))
     assert ctx.info["share_size"] == s and s == 5
     shared = R.draw_shared(300, sizes, 0.1, 0)
     assert len(shared) == s and len(set(shared.tolist())) == s
-    assert np.array_equal(shared, R.draw_shared(300, sizes, 0.1, 0))          # once per seed, reproducible
+    assert np.array_equal(shared, R.draw_shared(300, sizes, 0.1, 0))  # once per seed, reproducible
     rows_ = np.arange(300, 300 + s)
     clean = data.train_y[R.subsample(data.train_y, 300, np.random.default_rng(0))][shared]
     for k, (p, q) in enumerate(zip(ctx.parts, plain.parts)):
-        assert np.array_equal(p, np.concatenate([q, rows_])), k             # own samples, then D_s
+        assert np.array_equal(p, np.concatenate([q, rows_])), k  # own samples, then D_s
     assert torch.equal(ctx.x_train[300:], ctx.x_train[torch.from_numpy(shared)])
-    assert np.array_equal(ctx.y_train[300:].numpy(), clean)                   # clean labels despite the noise
-    assert not np.array_equal(ctx.y_train[torch.from_numpy(shared)].numpy(), clean)   # the clients' copies are noisy
+    assert np.array_equal(ctx.y_train[300:].numpy(), clean)  # clean labels despite the noise
+    assert not np.array_equal(ctx.y_train[torch.from_numpy(shared)].numpy(), clean)  # the clients' copies are noisy
     assert ctx.share_bytes == s * (28 * 28 + 8)
     assert ctx.client_extra["private_size"] == sizes
-    assert np.array_equal(ctx.local_test[0], plain.local_test[0])           # local test sets: private proportions
+    assert np.array_equal(ctx.local_test[0], plain.local_test[0])  # local test sets: private proportions
 
     run_scratch(cfg_for("fedavg", share_fraction=0.1), tmp_path / "share")
     run_scratch(cfg_for("fedavg"), tmp_path / "plain")
     a, b = rows(tmp_path / "share"), rows(tmp_path / "plain")
-    extra = 6 * s * (28 * 28 + 8)                                             # every client, once
+    extra = 6 * s * (28 * 28 + 8)  # every client, once
     assert [int(float(x["bytes_shared_data"])) for x in a] == [extra, 0, 0]
     plain_bytes = [int(float(x["bytes_total"])) for x in b]
     assert [int(float(x["bytes_total"])) for x in a] == [plain_bytes[0] + extra, plain_bytes[1], plain_bytes[2]]
@@ -377,31 +456,66 @@ def test_share_fraction_mixes_the_shared_set_and_counts_its_bytes_once(tmp_path)
 @pytest.mark.parametrize("algo", R.FEDABC_BASELINES)
 def test_new_algorithms_end_to_end_on_digits(tmp_path, algo):
     out = tmp_path / algo
-    extra = {"fedprox": ["--prox-mu", "0.1"], "fedrep": ["--local-epochs", "2", "--body-epochs", "1"],
-             "fedper": ["--head-layers", "2"]}.get(algo, [])
-    res = runner.invoke(cli.app, ["scratch", algo, "--dataset", "digits", "--data-dir", str(tmp_path), "--clients", "4",
-                                  "--participation", "0.5", "--rounds", "2", "--local-epochs", "1", "--batch-size",
-                                  "32", "--lr", "0.05", "--alpha", "0.5", "--local-test-size", "20", *extra,
-                                  "--out", str(out)])
+    extra = {
+        "fedprox": ["--prox-mu", "0.1"],
+        "fedrep": ["--local-epochs", "2", "--body-epochs", "1"],
+        "fedper": ["--head-layers", "2"],
+    }.get(algo, [])
+    res = runner.invoke(
+        cli.app,
+        [
+            "scratch",
+            algo,
+            "--dataset",
+            "digits",
+            "--data-dir",
+            str(tmp_path),
+            "--clients",
+            "4",
+            "--participation",
+            "0.5",
+            "--rounds",
+            "2",
+            "--local-epochs",
+            "1",
+            "--batch-size",
+            "32",
+            "--lr",
+            "0.05",
+            "--alpha",
+            "0.5",
+            "--local-test-size",
+            "20",
+            *extra,
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     r = rows(out)
-    assert len(r) == 2 and all(0 <= float(x["pfl_accuracy"]) <= 1 and 0 <= float(x["drift_accuracy"]) <= 1
-                               for x in r)
+    assert len(r) == 2 and all(0 <= float(x["pfl_accuracy"]) <= 1 and 0 <= float(x["drift_accuracy"]) <= 1 for x in r)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["partition"] == "dirichlet" and cfg["optimizer"] == "sgd" and cfg["model"] == "cnn"
     final = torch.load(out / "model-seed0.pt")
     model = create_model("cnn", (1, 8, 8), 10)
     layers = weight_layers(model)
     sizes = {n: p.numel() * 4 for n, p in model.named_parameters()}
-    shared = {"local": [], "fedprox": list(sizes), "scaffold": list(sizes),
-              "fedper": [n for g in layers[:-2] for n in g], "fedrep": [n for g in layers[:-1] for n in g],
-              "lg-fedavg": layers[-1], "fedrod": list(sizes)}[algo]
+    shared = {
+        "local": [],
+        "fedprox": list(sizes),
+        "scaffold": list(sizes),
+        "fedper": [n for g in layers[:-2] for n in g],
+        "fedrep": [n for g in layers[:-1] for n in g],
+        "lg-fedavg": layers[-1],
+        "fedrod": list(sizes),
+    }[algo]
     per_client = sum(sizes[n] for n in shared) * (2 if algo == "scaffold" else 1)
     assert {int(float(x["bytes_up_per_client"])) for x in r} == {per_client}
-    assert all(int(float(x["bytes_total"])) == 2 * 2 * per_client for x in r)   # 2 clients, down + up
-    personal = sorted(n[len("personal."):] for n in final if n.startswith("personal."))
+    assert all(int(float(x["bytes_total"])) == 2 * 2 * per_client for x in r)  # 2 clients, down + up
+    personal = sorted(n[len("personal.") :] for n in final if n.startswith("personal."))
     want = {"fedprox": [], "scaffold": [], "fedrod": ["p_head.bias", "p_head.weight"]}.get(
-        algo, sorted(set(sizes) - set(shared)))
+        algo, sorted(set(sizes) - set(shared))
+    )
     assert personal == want
     if algo == "fedrod":
         assert all(0 <= float(x["generic_accuracy"]) <= 1 for x in r)
@@ -411,8 +525,6 @@ def test_new_algorithms_end_to_end_on_digits(tmp_path, algo):
 # ---------------------------------------------------------------- resume of personalised state
 
 
-
-
 @needs_mnist
 @pytest.mark.parametrize("algo", ["fedrep", "scaffold"])
 def test_resume_of_personal_state_equals_uninterrupted(tmp_path, monkeypatch, algo):
@@ -420,7 +532,7 @@ def test_resume_of_personal_state_equals_uninterrupted(tmp_path, monkeypatch, al
     full = tmp_path / "full"
     run_scratch(cfg_for(algo, seeds=[0, 1], **kw), full)
     cut = tmp_path / "cut"
-    restore = cut_after(monkeypatch, 4)                 # dies in round 2 of the second seed
+    restore = cut_after(monkeypatch, 4)  # dies in round 2 of the second seed
     with pytest.raises(KeyboardInterrupt):
         run_scratch(cfg_for(algo, seeds=[0, 1], **kw), cut)
     restore()

@@ -2,7 +2,6 @@
 
 import csv
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -52,8 +51,27 @@ needs_mnist = pytest.mark.skipif(not MNIST.exists(), reason="shared MNIST copy n
 @pytest.mark.parametrize("algo", ["fedavg", "fedova"])
 def test_fedavg_fedova_end_to_end(tmp_path, algo):
     out = tmp_path / algo
-    res = run(algo, "--dataset", "mnist", "--data-dir", MNIST, "--clients", 10, "--participation", 0.3,
-              "--subset", 300, "--test-subset", 200, "--rounds", 2, "--local-epochs", 1, "--out", out)
+    res = run(
+        algo,
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        MNIST,
+        "--clients",
+        10,
+        "--participation",
+        0.3,
+        "--subset",
+        300,
+        "--test-subset",
+        200,
+        "--rounds",
+        2,
+        "--local-epochs",
+        1,
+        "--out",
+        out,
+    )
     assert res.exit_code == 0, res.output
     r = check_rundir(out, 2)
     cfg = json.loads((out / "config.json").read_text())
@@ -72,9 +90,26 @@ def test_fedavg_fedova_end_to_end(tmp_path, algo):
 @needs_mnist
 def test_fedova_single_label_clients(tmp_path):
     # zipf-like mix is hard to force; shard without distinct labels and 1 shard/client gives 1 label each
-    res = run("fedova", "--dataset", "mnist", "--data-dir", MNIST, "--clients", 10, "--partition", "shard",
-              "--distinct-labels", "--shards-per-client", 1, "--subset", 200, "--rounds", 1,
-              "--out", tmp_path / "x")
+    res = run(
+        "fedova",
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        MNIST,
+        "--clients",
+        10,
+        "--partition",
+        "shard",
+        "--distinct-labels",
+        "--shards-per-client",
+        1,
+        "--subset",
+        200,
+        "--rounds",
+        1,
+        "--out",
+        tmp_path / "x",
+    )
     assert res.exit_code == 2
     assert "every client holds a single label" in res.output
     assert len(res.output.strip().splitlines()) == 1
@@ -83,9 +118,33 @@ def test_fedova_single_label_clients(tmp_path):
 @needs_mnist
 def test_fedova_warns_about_one_label_clients(tmp_path):
     out = tmp_path / "warn"
-    res = run("fedova", "--dataset", "mnist", "--data-dir", MNIST, "--clients", 10, "--partition", "dirichlet",
-              "--alpha", 0.05, "--min-size", 2, "--participation", 1.0, "--subset", 200, "--test-subset", 100,
-              "--rounds", 1, "--local-epochs", 1, "--out", out)
+    res = run(
+        "fedova",
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        MNIST,
+        "--clients",
+        10,
+        "--partition",
+        "dirichlet",
+        "--alpha",
+        0.05,
+        "--min-size",
+        2,
+        "--participation",
+        1.0,
+        "--subset",
+        200,
+        "--test-subset",
+        100,
+        "--rounds",
+        1,
+        "--local-epochs",
+        1,
+        "--out",
+        out,
+    )
     assert res.exit_code == 0, res.output
     with open(out / "clients.csv") as f:
         clients = list(csv.DictReader(f))
@@ -101,11 +160,54 @@ def test_fedova_warns_about_one_label_clients(tmp_path):
 def test_fedabc_reports_pfl_and_drift(tmp_path):
     for algo in ("fedabc", "fedavg"):
         out = tmp_path / algo
-        extra = ["--partition", "dirichlet", "--alpha", 0.1, "--clients", 20, "--participation", 0.5,
-                 "--batch-size", 64, "--optimizer", "sgd", "--lr", 0.01, "--momentum", 0.9,
-                 "--weight-decay", 1e-5, "--model", "fedabc-mlp", "--local-test-size", 50] if algo == "fedavg" else []
-        res = run(algo, "--dataset", "mnist", "--data-dir", MNIST, "--subset", 1000, "--test-subset", 300,
-                  "--rounds", 2, "--local-epochs", 1, "--min-size", 5, *extra, "--out", out)
+        extra = (
+            [
+                "--partition",
+                "dirichlet",
+                "--alpha",
+                0.1,
+                "--clients",
+                20,
+                "--participation",
+                0.5,
+                "--batch-size",
+                64,
+                "--optimizer",
+                "sgd",
+                "--lr",
+                0.01,
+                "--momentum",
+                0.9,
+                "--weight-decay",
+                1e-5,
+                "--model",
+                "fedabc-mlp",
+                "--local-test-size",
+                50,
+            ]
+            if algo == "fedavg"
+            else []
+        )
+        res = run(
+            algo,
+            "--dataset",
+            "mnist",
+            "--data-dir",
+            MNIST,
+            "--subset",
+            1000,
+            "--test-subset",
+            300,
+            "--rounds",
+            2,
+            "--local-epochs",
+            1,
+            "--min-size",
+            5,
+            *extra,
+            "--out",
+            out,
+        )
         assert res.exit_code == 0, res.output
         r = check_rundir(out, 2)
         for row in r:
@@ -116,9 +218,33 @@ def test_fedabc_reports_pfl_and_drift(tmp_path):
 @pytest.mark.skipif(not CIFAR.exists(), reason="shared CIFAR-10 copy not present")
 def test_dnc_color_skew_end_to_end(tmp_path):
     out = tmp_path / "dnc"
-    res = run("dnc", "--dataset", "cifar10", "--data-dir", CIFAR, "--model", "fedabc-convnet", "--subset", 200,
-              "--test-subset", 100, "--prepass-rounds", 2, "--rounds", 2, "--feature-epochs", 1,
-              "--finetune-epochs", 1, "--local-epochs", 1, "--batch-size", 32, "--out", out)
+    res = run(
+        "dnc",
+        "--dataset",
+        "cifar10",
+        "--data-dir",
+        CIFAR,
+        "--model",
+        "fedabc-convnet",
+        "--subset",
+        200,
+        "--test-subset",
+        100,
+        "--prepass-rounds",
+        2,
+        "--rounds",
+        2,
+        "--feature-epochs",
+        1,
+        "--finetune-epochs",
+        1,
+        "--local-epochs",
+        1,
+        "--batch-size",
+        32,
+        "--out",
+        out,
+    )
     assert res.exit_code == 0, res.output
     r = check_rundir(out, 4)
     assert [x["stage"] for x in r] == ["prepass", "prepass", "feature", "finetune"]
@@ -134,9 +260,31 @@ def test_dnc_color_skew_end_to_end(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["data_info"]["gray_fraction_per_client"] == pytest.approx([0.95, 0.05], abs=0.01)
     # given split layer
-    res = run("dnc", "--dataset", "cifar10", "--data-dir", CIFAR, "--model", "fedabc-convnet", "--subset", 60,
-              "--test-subset", 20, "--prepass-rounds", 0, "--split-layer", 2, "--rounds", 1,
-              "--feature-epochs", 1, "--finetune-epochs", 1, "--out", tmp_path / "dnc2")
+    res = run(
+        "dnc",
+        "--dataset",
+        "cifar10",
+        "--data-dir",
+        CIFAR,
+        "--model",
+        "fedabc-convnet",
+        "--subset",
+        60,
+        "--test-subset",
+        20,
+        "--prepass-rounds",
+        0,
+        "--split-layer",
+        2,
+        "--rounds",
+        1,
+        "--feature-epochs",
+        1,
+        "--finetune-epochs",
+        1,
+        "--out",
+        tmp_path / "dnc2",
+    )
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "dnc2" / "summary.json").read_text())["split_layer"] == 2
 
@@ -144,24 +292,46 @@ def test_dnc_color_skew_end_to_end(tmp_path):
 @pytest.mark.skipif(not KWS.exists(), reason="shared Speech Commands copy not present")
 def test_kws_end_to_end(tmp_path):
     out = tmp_path / "kws"
-    res = run("fedova", "--dataset", "speech-commands", "--data-dir", KWS, "--clients", 10, "--participation", 0.2,
-              "--subset", 200, "--test-subset", 50, "--rounds", 2, "--local-epochs", 1, "--out", out)
+    res = run(
+        "fedova",
+        "--dataset",
+        "speech-commands",
+        "--data-dir",
+        KWS,
+        "--clients",
+        10,
+        "--participation",
+        0.2,
+        "--subset",
+        200,
+        "--test-subset",
+        50,
+        "--rounds",
+        2,
+        "--local-epochs",
+        1,
+        "--out",
+        out,
+    )
     assert res.exit_code == 0, res.output
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model"] == "kws-cnn" and cfg["in_shape"] == [1, 50, 16]
     check_rundir(out, 2)
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["bogus", "--dataset", "mnist", "--data-dir", "/tmp"], "'ALGO' parameter"),
-    (["fedavg", "--dataset", "mnst", "--data-dir", "/tmp"], "Did you mean mnist"),
-    (["fedavg", "--dataset", "mnist", "--data-dir", "/tmp", "--model", "vgg"], "'--model' parameter"),
-    (["fedavg", "--dataset", "mnist", "--data-dir", "/nonexistent/x"], "'--data-dir' parameter"),
-    (["fedavg", "--dataset", "mnist", "--data-dir", "/tmp", "--participation", "0"], "'--participation'"),
-    (["fedavg", "--dataset", "mnist", "--data-dir", "/tmp", "--alpha", "0.3"], "does not apply"),
-    (["dnc", "--dataset", "mnist", "--data-dir", "/tmp", "--clients", "3"], "'--clients' parameter"),
-    (["fedavg", "--dataset", "mnist", "--data-dir", str(MNIST), "--model", "kws-cnn"], "mfcc input"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["bogus", "--dataset", "mnist", "--data-dir", "/tmp"], "'ALGO' parameter"),
+        (["fedavg", "--dataset", "mnst", "--data-dir", "/tmp"], "Did you mean mnist"),
+        (["fedavg", "--dataset", "mnist", "--data-dir", "/tmp", "--model", "vgg"], "'--model' parameter"),
+        (["fedavg", "--dataset", "mnist", "--data-dir", "/nonexistent/x"], "'--data-dir' parameter"),
+        (["fedavg", "--dataset", "mnist", "--data-dir", "/tmp", "--participation", "0"], "'--participation'"),
+        (["fedavg", "--dataset", "mnist", "--data-dir", "/tmp", "--alpha", "0.3"], "does not apply"),
+        (["dnc", "--dataset", "mnist", "--data-dir", "/tmp", "--clients", "3"], "'--clients' parameter"),
+        (["fedavg", "--dataset", "mnist", "--data-dir", str(MNIST), "--model", "kws-cnn"], "mfcc input"),
+    ],
+)
 def test_bad_input_one_line(args, needle):
     res = run(*args)
     assert res.exit_code == 2, res.output
@@ -172,8 +342,27 @@ def test_bad_input_one_line(args, needle):
 def test_extract_registry_dataset_digits(tmp_path):
     """Datasets other than the shared copies come through extract.datasets (sklearn digits needs no files)."""
     out = tmp_path / "digits"
-    res = run("fedavg", "--dataset", "digits", "--data-dir", tmp_path, "--clients", 5, "--participation", 1.0,
-              "--partition", "iid", "--rounds", 2, "--local-epochs", 1, "--batch-size", 32, "--out", out)
+    res = run(
+        "fedavg",
+        "--dataset",
+        "digits",
+        "--data-dir",
+        tmp_path,
+        "--clients",
+        5,
+        "--participation",
+        1.0,
+        "--partition",
+        "iid",
+        "--rounds",
+        2,
+        "--local-epochs",
+        1,
+        "--batch-size",
+        32,
+        "--out",
+        out,
+    )
     assert res.exit_code == 0, res.output
     r = check_rundir(out, 2)
     cfg = json.loads((out / "config.json").read_text())

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cut_after, wait_for_pause
 import torch
+from conftest import cut_after, wait_for_pause
 from typer.testing import CliRunner
 
 import cli
@@ -31,7 +31,7 @@ MNIST = SHARED / "mnist"
 CIFAR = SHARED / "cifar10"
 ENV = {"FEDHEAD_THREADS": "1", "FEDHEAD_NO_PROGRESS": "1", "PYTHONPATH": str(REPO)}
 PAUSE = "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS"
-TIMING = ("client_ms", "server_ms")   # wall-clock columns: the only ones allowed to differ
+TIMING = ("client_ms", "server_ms")  # wall-clock columns: the only ones allowed to differ
 
 needs_mnist = pytest.mark.skipif(not MNIST.exists(), reason="shared MNIST copy not present")
 needs_cifar = pytest.mark.skipif(not CIFAR.exists(), reason="shared CIFAR-10 copy not present")
@@ -51,21 +51,61 @@ def _quiet(monkeypatch):
 
 def mnist_args(algo: str = "fedavg", rounds: int = 3, seeds=(0, 1)) -> list[str]:
     """By default two seeds of three rounds: a cut after row 4 is in the middle of the second seed."""
-    return ["scratch", algo, "--dataset", "mnist", "--data-dir", str(MNIST), "--clients", "10", "--participation",
-            "0.3", "--subset", "300", "--test-subset", "200", "--rounds", str(rounds), "--local-epochs", "1",
-            *[a for s in seeds for a in ("--seed", str(s))]]
+    return [
+        "scratch",
+        algo,
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        str(MNIST),
+        "--clients",
+        "10",
+        "--participation",
+        "0.3",
+        "--subset",
+        "300",
+        "--test-subset",
+        "200",
+        "--rounds",
+        str(rounds),
+        "--local-epochs",
+        "1",
+        *[a for s in seeds for a in ("--seed", str(s))],
+    ]
 
 
 def mnist_cfg(algo: str = "fedavg", **kw) -> ScratchConfig:
-    base = dict(algo=algo, dataset="mnist", data_dir=str(MNIST), clients=10, participation=0.3, subset=300,
-                test_subset=200, rounds=3, local_epochs=1, seeds=[0, 1])
+    base = dict(
+        algo=algo,
+        dataset="mnist",
+        data_dir=str(MNIST),
+        clients=10,
+        participation=0.3,
+        subset=300,
+        test_subset=200,
+        rounds=3,
+        local_epochs=1,
+        seeds=[0, 1],
+    )
     return ScratchConfig(**{**base, **kw})
 
 
 def dnc_cfg() -> ScratchConfig:
-    return ScratchConfig(algo="dnc", dataset="cifar10", data_dir=str(CIFAR), model="fedabc-convnet", subset=200,
-                         test_subset=100, prepass_rounds=2, rounds=2, feature_epochs=1, finetune_epochs=1,
-                         local_epochs=1, batch_size=32, seeds=[0])
+    return ScratchConfig(
+        algo="dnc",
+        dataset="cifar10",
+        data_dir=str(CIFAR),
+        model="fedabc-convnet",
+        subset=200,
+        test_subset=100,
+        prepass_rounds=2,
+        rounds=2,
+        feature_epochs=1,
+        finetune_epochs=1,
+        local_epochs=1,
+        batch_size=32,
+        seeds=[0],
+    )
 
 
 def rows(out: Path) -> list[dict]:
@@ -77,7 +117,7 @@ def assert_same_run(a: Path, b: Path, seeds=(0, 1)) -> None:
     """The same rows (every column but the timings) and the same final models, bit for bit."""
     ra, rb = rows(a), rows(b)
     assert ra == rb
-    assert len({r["accuracy"] for r in ra}) > 1 or len(ra) == 1   # something was learnt along the way
+    assert len({r["accuracy"] for r in ra}) > 1 or len(ra) == 1  # something was learnt along the way
     for s in seeds:
         x, y = torch.load(a / f"model-seed{s}.pt"), torch.load(b / f"model-seed{s}.pt")
         assert list(x) == list(y) and all(torch.equal(x[k], y[k]) for k in x), s
@@ -88,15 +128,20 @@ def assert_same_run(a: Path, b: Path, seeds=(0, 1)) -> None:
     assert not (a / CHECKPOINT).exists() and not (b / CHECKPOINT).exists()
 
 
-
-
 def _popen(args: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
     e = {**os.environ, **ENV}
     e.pop("FEDHEAD_DEBUG", None)
     e.pop(PAUSE, None)
     e.update(env or {})
-    return subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=e, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=e,
+        **kw,
+    )
 
 
 def _run(args: list[str], env: dict | None = None, **kw) -> tuple[int, str, str]:
@@ -117,6 +162,7 @@ def _fsize_limit(n: int):
     def pre():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
         resource.setrlimit(resource.RLIMIT_FSIZE, (n, n))
+
     return pre
 
 
@@ -146,7 +192,7 @@ def test_resume_after_a_crash_equals_uninterrupted(tmp_path, monkeypatch, algo):
     full = tmp_path / "full"
     run_scratch(mnist_cfg(algo), full)
     cut = tmp_path / "cut"
-    restore = cut_after(monkeypatch, 4)                     # dies in round 2 of the second seed
+    restore = cut_after(monkeypatch, 4)  # dies in round 2 of the second seed
     with pytest.raises(KeyboardInterrupt):
         run_scratch(mnist_cfg(algo), cut)
     restore()
@@ -156,13 +202,13 @@ def test_resume_after_a_crash_equals_uninterrupted(tmp_path, monkeypatch, algo):
     assert (ckpt["index"], ckpt["seed"], ckpt["current"]["round"]) == (1, 1, 1)
     assert [r["round"] for r in ckpt["done"][0]["rows"]] == [1, 2, 3]
     assert set(ckpt["current"]["rng"]) >= {"bit_generator", "state"}  # the numpy Generator's state
-    if algo == "fedova":   # the per-class networks: one stacked network per class
+    if algo == "fedova":  # the per-class networks: one stacked network per class
         assert all(t.shape[0] == 10 for t in ckpt["current"]["state"].values())
-    monkeypatch.setenv("FEDHEAD_THREADS", "2")               # the resumed run keeps the recorded count
+    monkeypatch.setenv("FEDHEAD_THREADS", "2")  # the resumed run keeps the recorded count
     summary = run_scratch(mnist_cfg(algo), cut, resume=True)
     assert json.loads((cut / "config.json").read_text())["cpu_threads"] == 1
     assert_same_run(full, cut)
-    assert run_scratch(mnist_cfg(algo), cut, resume=True) == summary    # a finished run is reported again
+    assert run_scratch(mnist_cfg(algo), cut, resume=True) == summary  # a finished run is reported again
 
 
 @needs_cifar
@@ -170,14 +216,14 @@ def test_dnc_resume_keeps_split_and_prepass_state(tmp_path, monkeypatch):
     full = tmp_path / "full"
     s_full = run_scratch(dnc_cfg(), full)
     cut = tmp_path / "cut"
-    restore = cut_after(monkeypatch, 2)                     # after the pre-pass, before the split is chosen
+    restore = cut_after(monkeypatch, 2)  # after the pre-pass, before the split is chosen
     with pytest.raises(KeyboardInterrupt):
         run_scratch(dnc_cfg(), cut)
     restore()
     ckpt = torch.load(cut / CHECKPOINT, weights_only=False)
     algo_state = ckpt["current"]["algo"]
     assert algo_state["split"] is None and {r["round"] for r in algo_state["div_rows"]} == {1, 2}
-    restore = cut_after(monkeypatch, 1)                     # resumes, chooses the split, dies after round 3
+    restore = cut_after(monkeypatch, 1)  # resumes, chooses the split, dies after round 3
     with pytest.raises(KeyboardInterrupt):
         run_scratch(dnc_cfg(), cut, resume=True)
     restore()
@@ -196,16 +242,18 @@ def test_dnc_resume_keeps_split_and_prepass_state(tmp_path, monkeypatch):
 @pytest.mark.parametrize("algo,sig,code", [("fedavg", signal.SIGINT, 130), ("fedova", signal.SIGTERM, 143)])
 def test_signal_mid_run_then_resume_equals_uninterrupted(tmp_path, reference, algo, sig, code):
     out, marker = tmp_path / "cut", tmp_path / "paused"
-    p = _popen(mnist_args(algo) + ["--out", str(out)], env={PAUSE: f"4:{marker}"})   # mid second seed
+    p = _popen(mnist_args(algo) + ["--out", str(out)], env={PAUSE: f"4:{marker}"})  # mid second seed
     _wait_for(marker, p)
     p.send_signal(sig)
     stdout, err = p.communicate(timeout=120)
     assert p.returncode == code, err
-    assert _lines(err) == [f"interrupted; the checkpoint in {str(out)!r} is consistent: re-run the same command "
-                           f"with --resume --out {out} to continue"], err
+    assert _lines(err) == [
+        f"interrupted; the checkpoint in {str(out)!r} is consistent: re-run the same command "
+        f"with --resume --out {out} to continue"
+    ], err
     assert stdout == ""
     assert (out / CHECKPOINT).exists() and not (out / "summary.json").exists()
-    assert len(rows(out)) == 4                                   # the checkpoint and rounds.csv agree
+    assert len(rows(out)) == 4  # the checkpoint and rounds.csv agree
     assert torch.load(out / CHECKPOINT, weights_only=False)["current"]["round"] == 1
     assert not Path(str(out) + ".lock").exists()
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
@@ -231,21 +279,24 @@ with exclusive_writer(sys.argv[1], 'x'):
 def test_second_writer_is_refused_and_a_killed_holder_does_not_block(tmp_path):
     out = tmp_path / "run"
     args = mnist_args(rounds=1, seeds=(0,)) + ["--out", str(out)]
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, **ENV})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, **ENV}
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         t0 = time.monotonic()
         rc, _, err = _run(args)
         assert rc == 2 and time.monotonic() - t0 < 60, err
-        assert _lines(err) == [f"error: another fedhead process (pid {holder.pid}) is writing the run directory "
-                               f"{str(out)!r}; wait for it or choose another --out"], err
+        assert _lines(err) == [
+            f"error: another fedhead process (pid {holder.pid}) is writing the run directory "
+            f"{str(out)!r}; wait for it or choose another --out"
+        ], err
         assert not out.exists()
     finally:
         holder.kill()
         holder.wait()
-    assert Path(str(out) + ".lock").exists()          # the killed holder's lock file is left behind...
-    rc, _, err = _run(args)                           # ...and does not block
+    assert Path(str(out) + ".lock").exists()  # the killed holder's lock file is left behind...
+    rc, _, err = _run(args)  # ...and does not block
     assert rc == 0, err
     assert len(rows(out)) == 1 and not Path(str(out) + ".lock").exists()
 
@@ -257,9 +308,11 @@ def test_a_paused_run_holds_the_lock_and_a_killed_one_resumes(tmp_path, referenc
     try:
         pid = _wait_for(marker, first)
         rc, _, err = _run(mnist_args() + ["--out", str(out), "--resume"])
-        assert rc == 2 and _lines(err) == [f"error: another fedhead process (pid {pid}) is writing the run "
-                                           f"directory {str(out)!r}; wait for it or choose another --out"], err
-        first.kill()                                  # SIGKILL: no cleanup at all
+        assert rc == 2 and _lines(err) == [
+            f"error: another fedhead process (pid {pid}) is writing the run "
+            f"directory {str(out)!r}; wait for it or choose another --out"
+        ], err
+        first.kill()  # SIGKILL: no cleanup at all
         first.communicate(timeout=60)
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -286,8 +339,10 @@ def test_bad_resume_and_out_are_one_line(tmp_path):
     assert code == 2 and len(lines) == 1 and "'--resume' option needs the run directory" in lines[0], lines
     code, lines = _invoke(short + ["--resume", "--out", str(out)])
     assert code == 2 and len(lines) == 1, lines
-    assert lines[0].startswith("error: The '--resume' option needs a run to continue in") and "without --resume" \
-        in lines[0]
+    assert (
+        lines[0].startswith("error: The '--resume' option needs a run to continue in")
+        and "without --resume" in lines[0]
+    )
     assert not out.exists()
     code, finished = _invoke(short + ["--out", str(out)])
     assert code == 0 and finished[-1] == f"run directory: {out}", finished
@@ -298,11 +353,17 @@ def test_bad_resume_and_out_are_one_line(tmp_path):
     # without --resume, a run directory holding files is refused
     code, lines = _invoke(short + ["--out", str(out)])
     assert code == 2 and len(lines) == 1, lines
-    assert lines[0] == (f"error: The '--out' parameter names {str(out)!r}, which already holds files. Use --resume "
-                        "to continue that run, or choose another --out.")
+    assert lines[0] == (
+        f"error: The '--out' parameter names {str(out)!r}, which already holds files. Use --resume "
+        "to continue that run, or choose another --out."
+    )
     # a different configuration is refused, finished or not
-    for other in (mnist_args(rounds=2, seeds=(0,)), mnist_args(rounds=1, seeds=(1,)),
-                  short + ["--lr", "0.01"], short + ["--subset", "400"]):
+    for other in (
+        mnist_args(rounds=2, seeds=(0,)),
+        mnist_args(rounds=1, seeds=(1,)),
+        short + ["--lr", "0.01"],
+        short + ["--subset", "400"],
+    ):
         code, lines = _invoke(other + ["--resume", "--out", str(out)])
         assert code == 2 and len(lines) == 1 and "different configuration" in lines[0], (other, lines)
     # an --out that is a file
@@ -315,7 +376,7 @@ def test_bad_resume_and_out_are_one_line(tmp_path):
 @needs_mnist
 def test_resume_before_the_first_round_was_saved_starts_over(tmp_path, monkeypatch, reference):
     out = tmp_path / "cut"
-    restore = cut_after(monkeypatch, 0)                  # dies in round 1: config.json only
+    restore = cut_after(monkeypatch, 0)  # dies in round 1: config.json only
     with pytest.raises(KeyboardInterrupt):
         run_scratch(mnist_cfg(), out)
     restore()
@@ -335,7 +396,7 @@ def test_resume_with_a_changed_checkpoint_configuration_is_refused(tmp_path, mon
         run_scratch(mnist_cfg(), out)
     restore()
     ck = torch.load(out / CHECKPOINT, weights_only=False)
-    ck["identity"] = "0" * 16                            # a checkpoint of another configuration
+    ck["identity"] = "0" * 16  # a checkpoint of another configuration
     torch.save(ck, out / CHECKPOINT)
     code, lines = _invoke(mnist_args() + ["--out", str(out), "--resume"])
     assert code == 2 and len(lines) == 1 and "checkpoint" in lines[0] and "different configuration" in lines[0]
@@ -351,13 +412,15 @@ def test_resume_with_a_changed_checkpoint_configuration_is_refused(tmp_path, mon
 def test_full_disk_at_the_checkpoint_is_one_line_and_leaves_no_partial_file(tmp_path, reference):
     out = tmp_path / "cut"
     args = mnist_args() + ["--out", str(out)]
-    rc, stdout, err = _run(args, preexec_fn=_fsize_limit(50_000))    # config.json fits, the checkpoint does not
+    rc, stdout, err = _run(args, preexec_fn=_fsize_limit(50_000))  # config.json fits, the checkpoint does not
     lines = _lines(err)
     assert rc == 2 and len(lines) == 1, err
-    assert lines[0] == (f"error: No space left while writing {str(out / CHECKPOINT)!r} (File too large); free "
-                        f"space (or raise the file size limit) and re-run the same command with --resume --out "
-                        f"{out} to continue."), err
-    assert sorted(os.listdir(out)) == ["config.json"]                 # no temporary file, nothing half-written
+    assert lines[0] == (
+        f"error: No space left while writing {str(out / CHECKPOINT)!r} (File too large); free "
+        f"space (or raise the file size limit) and re-run the same command with --resume --out "
+        f"{out} to continue."
+    ), err
+    assert sorted(os.listdir(out)) == ["config.json"]  # no temporary file, nothing half-written
     assert not Path(str(out) + ".lock").exists()
     rc, _, err = _run(args + ["--resume"])
     assert rc == 0, err
@@ -370,7 +433,7 @@ def test_full_disk_at_a_final_file_keeps_the_checkpoint(tmp_path, monkeypatch, r
 
     out = tmp_path / "cut"
 
-    def full(run_dir, summary):          # the real atomic helper, a half-written temporary, then ENOSPC
+    def full(run_dir, summary):  # the real atomic helper, a half-written temporary, then ENOSPC
         with atomic_path(Path(run_dir) / "summary.json") as tmp:
             tmp.write_text('{"half": ')
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -378,9 +441,11 @@ def test_full_disk_at_a_final_file_keeps_the_checkpoint(tmp_path, monkeypatch, r
     monkeypatch.setattr(R, "write_summary", full)
     code, lines = _invoke(mnist_args() + ["--out", str(out)])
     assert code == 2 and len(lines) == 1, lines
-    assert lines[0] == (f"error: No space left while writing {str(out / 'summary.json')!r} (No space left on "
-                        f"device); free space (or raise the file size limit) and re-run the same command with "
-                        f"--resume --out {out} to continue.")
+    assert lines[0] == (
+        f"error: No space left while writing {str(out / 'summary.json')!r} (No space left on "
+        f"device); free space (or raise the file size limit) and re-run the same command with "
+        f"--resume --out {out} to continue."
+    )
     assert (out / CHECKPOINT).exists() and not (out / "summary.json").exists()
     assert not [f for f in os.listdir(out) if f.startswith(".")]
     monkeypatch.undo()
@@ -393,13 +458,16 @@ def test_full_disk_at_a_final_file_keeps_the_checkpoint(tmp_path, monkeypatch, r
 
 def test_save_torch_raises_the_oserror_and_leaves_nothing(tmp_path):
     """torch.save reports a failed write as a RuntimeError; save_torch raises the OSError itself."""
-    script = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import torch\n"
-              "from fedhead.scratch.runner import save_torch\n"
-              "try:\n"
-              f"    save_torch({{'x': torch.zeros(100000)}}, {str(tmp_path / 'c.pt')!r})\n"
-              "except OSError as e:\n"
-              "    print(e.errno)\n")
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                       preexec_fn=_fsize_limit(20_000))
+    script = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); import torch\n"
+        "from fedhead.scratch.runner import save_torch\n"
+        "try:\n"
+        f"    save_torch({{'x': torch.zeros(100000)}}, {str(tmp_path / 'c.pt')!r})\n"
+        "except OSError as e:\n"
+        "    print(e.errno)\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, preexec_fn=_fsize_limit(20_000)
+    )
     assert p.stdout.strip() == str(errno.EFBIG), p.stderr
     assert os.listdir(tmp_path) == []

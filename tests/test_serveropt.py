@@ -19,7 +19,7 @@ def t64(rows):
     return torch.tensor(rows, dtype=F64)
 
 
-P0 = t64([[0, 1, 2], [-1, 0, 4]])   # the 2x3 toy head before round 1
+P0 = t64([[0, 1, 2], [-1, 0, 4]])  # the 2x3 toy head before round 1
 
 
 def run(cfg, deltas, dtype=F64):
@@ -53,7 +53,7 @@ def test_fedavgm_momentum_by_hand():
 
 def test_fedavgm_lr_without_momentum_by_hand():
     (w1,) = run(ServerOptConfig("fedavgm", lr=2.0), [t64([[2, -4, 0], [1, 2, -2]])])
-    assert torch.equal(w1, t64([[4, -7, 2], [1, 4, 0]]))          # P0 + 2 D1
+    assert torch.equal(w1, t64([[4, -7, 2], [1, 4, 0]]))  # P0 + 2 D1
 
 
 def test_fedadagrad_by_hand():
@@ -90,7 +90,7 @@ def test_fedadam_by_hand():
     # m2 = .5 m1 + .5 D2; v2 = .96 v1 + .04 D2^2; eta_2 = .75 * sqrt(1 - .96^3) / (1 - .125)
     m2 = t64([[3.75, -2.5, 5], [1.25, 5, 1.25]])
     v2 = t64([[1.96, 3.84, 4], [9.64, 15.36, 1.96]])
-    eta2 = 0.75 * math.sqrt(1 - 0.96 ** 3) / (1 - 0.5 ** 3)
+    eta2 = 0.75 * math.sqrt(1 - 0.96**3) / (1 - 0.5**3)
     assert close(w2, x1 + eta2 * m2 / (v2.sqrt() + 1))
 
 
@@ -116,8 +116,9 @@ def test_output_keeps_head_dtype():
 # ------------------------------------------------------------------ 2. fedavg passes the aggregate through
 
 
-@pytest.mark.parametrize("cfg", [ServerOptConfig("fedavg"), ServerOptConfig("fedavgm"),
-                                 ServerOptConfig("fedavgm", lr=1.0, momentum=0.0)])
+@pytest.mark.parametrize(
+    "cfg", [ServerOptConfig("fedavg"), ServerOptConfig("fedavgm"), ServerOptConfig("fedavgm", lr=1.0, momentum=0.0)]
+)
 def test_inactive_returns_aggregate_bit_for_bit(cfg):
     g = torch.Generator().manual_seed(0)
     opt = ServerOptimizer(cfg, (4, 5), CPU)
@@ -161,11 +162,13 @@ FLOWER_CASES = [
     ("fedavgm", {"lr": 0.5}, {"server_learning_rate": 0.5}),
     ("fedavgm", {"lr": 1.5, "momentum": 0.5}, {"server_learning_rate": 1.5, "server_momentum": 0.5}),
     ("fedadam", {}, {}),
-    ("fedadam", {"lr": 0.05, "betas": (0.8, 0.95), "tau": 1e-2}, {"eta": 0.05, "beta_1": 0.8, "beta_2": 0.95,
-                                                                  "tau": 1e-2}),
+    (
+        "fedadam",
+        {"lr": 0.05, "betas": (0.8, 0.95), "tau": 1e-2},
+        {"eta": 0.05, "beta_1": 0.8, "beta_2": 0.95, "tau": 1e-2},
+    ),
     ("fedyogi", {}, {}),
-    ("fedyogi", {"lr": 0.1, "betas": (0.5, 0.9), "tau": 1e-2}, {"eta": 0.1, "beta_1": 0.5, "beta_2": 0.9,
-                                                                "tau": 1e-2}),
+    ("fedyogi", {"lr": 0.1, "betas": (0.5, 0.9), "tau": 1e-2}, {"eta": 0.1, "beta_1": 0.5, "beta_2": 0.9, "tau": 1e-2}),
     ("fedadagrad", {}, {}),
     ("fedadagrad", {"lr": 0.3, "tau": 1e-2}, {"eta": 0.3, "tau": 1e-2}),
 ]
@@ -201,7 +204,7 @@ def flower_rounds(name, flower_kwargs, w0, rounds):
     arrays = ArrayRecord({"head": Array(w0)})
     outs = []
     saved = random.getstate()
-    random.seed(0)   # Flower samples nodes with `random`: fix the order of its float sums (state restored below)
+    random.seed(0)  # Flower samples nodes with `random`: fix the order of its float sums (state restored below)
     try:
         for rnd, heads in enumerate(rounds, start=1):
             instructions = list(strat.configure_train(rnd, arrays, ConfigRecord(), Grid()))
@@ -209,8 +212,12 @@ def flower_rounds(name, flower_kwargs, w0, rounds):
             replies = []
             for msg in instructions:
                 k = nodes.index(msg.metadata.dst_node_id)
-                content = RecordDict({"arrays": ArrayRecord({"head": Array(heads[k])}),
-                                      "metrics": MetricRecord({"num-examples": SIZES[k]})})
+                content = RecordDict(
+                    {
+                        "arrays": ArrayRecord({"head": Array(heads[k])}),
+                        "metrics": MetricRecord({"num-examples": SIZES[k]}),
+                    }
+                )
                 replies.append(Message(content, reply_to=msg))
             arrays, _ = strat.aggregate_train(rnd, replies)
             outs.append(np.asarray(arrays["head"].numpy(), dtype=np.float64))
@@ -232,11 +239,16 @@ def fedhead_rounds(name, kwargs, w0, rounds, dtype):
     return outs
 
 
-@pytest.mark.parametrize("np_dtype,torch_dtype,rtol,atol", [(np.float64, torch.float64, 1e-9, 1e-12),
-                                                            (np.float32, torch.float32, 1e-5, 1e-6)],
-                         ids=["float64", "float32"])
-@pytest.mark.parametrize("name,kwargs,flower_kwargs", FLOWER_CASES,
-                         ids=[f"{n}-{'default' if not k else 'custom'}{i}" for i, (n, k, _) in enumerate(FLOWER_CASES)])
+@pytest.mark.parametrize(
+    "np_dtype,torch_dtype,rtol,atol",
+    [(np.float64, torch.float64, 1e-9, 1e-12), (np.float32, torch.float32, 1e-5, 1e-6)],
+    ids=["float64", "float32"],
+)
+@pytest.mark.parametrize(
+    "name,kwargs,flower_kwargs",
+    FLOWER_CASES,
+    ids=[f"{n}-{'default' if not k else 'custom'}{i}" for i, (n, k, _) in enumerate(FLOWER_CASES)],
+)
 def test_equals_flower(name, kwargs, flower_kwargs, np_dtype, torch_dtype, rtol, atol, flower_task_identity):
     pytest.importorskip("flwr")
     pytest.importorskip("flwr.serverapp.strategy")
@@ -252,21 +264,29 @@ def test_equals_flower(name, kwargs, flower_kwargs, np_dtype, torch_dtype, rtol,
     prev = w0.astype(np.float64)
     for rnd, (a, b) in enumerate(zip(ours, theirs), start=1):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=f"{name} round {rnd}")
-        assert not np.allclose(a, prev, rtol=0, atol=1e-4)   # the head did move: not a vacuous comparison
+        assert not np.allclose(a, prev, rtol=0, atol=1e-4)  # the head did move: not a vacuous comparison
         prev = a
 
 
 # ------------------------------------------------------------------ 4. checkpoints
 
 
-@pytest.mark.parametrize("cfg", [ServerOptConfig("fedavg"), ServerOptConfig("fedavgm", lr=0.7, momentum=0.9),
-                                 ServerOptConfig("fedavgm", lr=0.5), ServerOptConfig("fedadam"),
-                                 ServerOptConfig("fedyogi"), ServerOptConfig("fedadagrad")],
-                         ids=lambda c: f"{c.name}-{c.momentum}")
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ServerOptConfig("fedavg"),
+        ServerOptConfig("fedavgm", lr=0.7, momentum=0.9),
+        ServerOptConfig("fedavgm", lr=0.5),
+        ServerOptConfig("fedadam"),
+        ServerOptConfig("fedyogi"),
+        ServerOptConfig("fedadagrad"),
+    ],
+    ids=lambda c: f"{c.name}-{c.momentum}",
+)
 def test_state_dict_round_trip(cfg, tmp_path):
     g = torch.Generator().manual_seed(1)
     prev0 = torch.randn(3, 5, generator=g)
-    aggs = [torch.randn(3, 5, generator=g) * 0.1 for _ in range(4)]   # offsets from the current head
+    aggs = [torch.randn(3, 5, generator=g) * 0.1 for _ in range(4)]  # offsets from the current head
 
     full = ServerOptimizer(cfg, (3, 5), CPU)
     w = prev0
@@ -288,7 +308,7 @@ def test_state_dict_round_trip(cfg, tmp_path):
     sd_full, sd_res = full.state_dict(), resumed.state_dict()
     assert sd_full.keys() == sd_res.keys()
     for k in sd_full:
-        assert (torch.equal(sd_full[k], sd_res[k]) if torch.is_tensor(sd_full[k]) else sd_full[k] == sd_res[k])
+        assert torch.equal(sd_full[k], sd_res[k]) if torch.is_tensor(sd_full[k]) else sd_full[k] == sd_res[k]
 
 
 def test_load_state_dict_rejects_other_optimiser():
@@ -303,26 +323,29 @@ def test_load_state_dict_rejects_other_optimiser():
 # ------------------------------------------------------------------ 5. bad values
 
 
-@pytest.mark.parametrize("kwargs,flag", [
-    ({"name": "fedsgd"}, "--server-opt"),
-    ({"name": "FedAdam"}, "--server-opt"),
-    ({"name": "fedadam", "lr": 0}, "--server-lr"),
-    ({"name": "fedavgm", "lr": -0.1}, "--server-lr"),
-    ({"name": "fedyogi", "lr": float("nan")}, "--server-lr"),
-    ({"name": "fedavgm", "momentum": 1.0}, "--server-momentum"),
-    ({"name": "fedavgm", "momentum": -0.5}, "--server-momentum"),
-    ({"name": "fedadam", "betas": (1.0, 0.99)}, "--server-betas"),
-    ({"name": "fedyogi", "betas": (0.9, -0.01)}, "--server-betas"),
-    ({"name": "fedadam", "betas": (0.9,)}, "--server-betas"),
-    ({"name": "fedadam", "betas": "0.9,0.99"}, "--server-betas"),
-    ({"name": "fedadam", "tau": 0}, "--server-tau"),
-    ({"name": "fedadagrad", "tau": -1e-3}, "--server-tau"),
-    # a parameter the chosen optimiser has no use for is rejected, not silently ignored
-    ({"name": "fedavg", "lr": 0.5}, "--server-lr"),
-    ({"name": "fedadam", "momentum": 0.9}, "--server-momentum"),
-    ({"name": "fedadagrad", "betas": (0.9, 0.99)}, "--server-betas"),
-    ({"name": "fedavgm", "tau": 1e-3}, "--server-tau"),
-])
+@pytest.mark.parametrize(
+    "kwargs,flag",
+    [
+        ({"name": "fedsgd"}, "--server-opt"),
+        ({"name": "FedAdam"}, "--server-opt"),
+        ({"name": "fedadam", "lr": 0}, "--server-lr"),
+        ({"name": "fedavgm", "lr": -0.1}, "--server-lr"),
+        ({"name": "fedyogi", "lr": float("nan")}, "--server-lr"),
+        ({"name": "fedavgm", "momentum": 1.0}, "--server-momentum"),
+        ({"name": "fedavgm", "momentum": -0.5}, "--server-momentum"),
+        ({"name": "fedadam", "betas": (1.0, 0.99)}, "--server-betas"),
+        ({"name": "fedyogi", "betas": (0.9, -0.01)}, "--server-betas"),
+        ({"name": "fedadam", "betas": (0.9,)}, "--server-betas"),
+        ({"name": "fedadam", "betas": "0.9,0.99"}, "--server-betas"),
+        ({"name": "fedadam", "tau": 0}, "--server-tau"),
+        ({"name": "fedadagrad", "tau": -1e-3}, "--server-tau"),
+        # a parameter the chosen optimiser has no use for is rejected, not silently ignored
+        ({"name": "fedavg", "lr": 0.5}, "--server-lr"),
+        ({"name": "fedadam", "momentum": 0.9}, "--server-momentum"),
+        ({"name": "fedadagrad", "betas": (0.9, 0.99)}, "--server-betas"),
+        ({"name": "fedavgm", "tau": 1e-3}, "--server-tau"),
+    ],
+)
 def test_bad_values_name_the_flag(kwargs, flag):
     cfg = ServerOptConfig(**kwargs)
     with pytest.raises(FedheadError) as exc:

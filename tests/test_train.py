@@ -31,8 +31,9 @@ def cfg_for(store, **kw):
 @pytest.mark.parametrize("head", head_names())
 def test_contract_every_head_and_partition(tiny_store, tmp_path, head, partition):
     pp = {"shards_per_client": 2} if partition == "shard" else {}
-    res = run_training(cfg_for(tiny_store, head=head, partition=partition, partition_params=pp),
-                       out=tmp_path / "run", progress=False)
+    res = run_training(
+        cfg_for(tiny_store, head=head, partition=partition, partition_params=pp), out=tmp_path / "run", progress=False
+    )
     d = res.run_dir
     for f in ("config.json", "rounds.csv", "summary.json", "clients.csv"):
         assert (d / f).exists(), f
@@ -51,12 +52,21 @@ def test_contract_every_head_and_partition(tiny_store, tmp_path, head, partition
 
 
 def test_training_learns_and_ova2_stage1_is_one_round(tiny_store, tmp_path):
-    res = run_training(cfg_for(tiny_store, head="ova2", rounds=4, partition="shard",
-                               partition_params={"shards_per_client": 2}, iid_reference=True),
-                       out=tmp_path / "r", progress=False)
+    res = run_training(
+        cfg_for(
+            tiny_store,
+            head="ova2",
+            rounds=4,
+            partition="shard",
+            partition_params={"shards_per_client": 2},
+            iid_reference=True,
+        ),
+        out=tmp_path / "r",
+        progress=False,
+    )
     rows = res.rows
     assert [r["stage"] for r in rows if r["run"] == "main"] == ["stage1", "stage2", "stage2", "stage2"]
-    assert res.summary["final_accuracy"] > 0.3          # 10 classes: chance is 0.1, IID probe 0.63
+    assert res.summary["final_accuracy"] > 0.3  # 10 classes: chance is 0.1, IID probe 0.63
     main = [r for r in rows if r["run"] == "main"]
     iid = [r for r in rows if r["run"] == "iid"]
     for m, i in zip(main, iid):
@@ -92,7 +102,7 @@ def test_resume_equals_uninterrupted(tiny_store, tmp_path, monkeypatch):
     import fedhead.train as train
 
     kw = dict(head="ova2", partition="shard", rounds=4, seeds=[0, 1], iid_reference=True, participation=0.5)
-    monkeypatch.setenv("FEDHEAD_THREADS", "1")      # the uninterrupted and the interrupted run: one thread
+    monkeypatch.setenv("FEDHEAD_THREADS", "1")  # the uninterrupted and the interrupted run: one thread
     full = run_training(cfg_for(tiny_store, **kw), out=tmp_path / "full", progress=False)
 
     calls = {"n": 0}
@@ -100,7 +110,7 @@ def test_resume_equals_uninterrupted(tiny_store, tmp_path, monkeypatch):
 
     def crashing(*a, **k):
         calls["n"] += 1
-        if calls["n"] == 7:          # dies in the middle of the second run
+        if calls["n"] == 7:  # dies in the middle of the second run
             raise KeyboardInterrupt
         return real(*a, **k)
 
@@ -110,18 +120,32 @@ def test_resume_equals_uninterrupted(tiny_store, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "evaluate", real)
     assert (tmp_path / "cut" / "checkpoint.pt").exists()
     assert not (tmp_path / "cut" / "summary.json").exists()
-    monkeypatch.setenv("FEDHEAD_THREADS", "2")      # the resumed run keeps the recorded count, not this one
+    monkeypatch.setenv("FEDHEAD_THREADS", "2")  # the resumed run keeps the recorded count, not this one
     resumed = run_training(cfg_for(tiny_store, **kw), out=tmp_path / "cut", resume=True, progress=False)
     assert json.loads((resumed.run_dir / "config.json").read_text())["cpu_threads"] == 1
     assert [r["accuracy"] for r in resumed.rows] == [r["accuracy"] for r in full.rows]
     for s in (0, 1):
-        assert torch.equal(torch.load(full.run_dir / f"head-seed{s}.pt"),
-                           torch.load(resumed.run_dir / f"head-seed{s}.pt"))
+        assert torch.equal(
+            torch.load(full.run_dir / f"head-seed{s}.pt"), torch.load(resumed.run_dir / f"head-seed{s}.pt")
+        )
     # a finished run resumed again is reused, and a different configuration is refused
     again = run_training(cfg_for(tiny_store, **kw), out=tmp_path / "cut", resume=True, progress=False)
     assert again.summary["final_accuracy"] == resumed.summary["final_accuracy"]
-    r = runner.invoke(app, ["train", "--features", str(tiny_store), "--clients", "8", "--rounds", "5",
-                            "--out", str(tmp_path / "cut"), "--resume"])
+    r = runner.invoke(
+        app,
+        [
+            "train",
+            "--features",
+            str(tiny_store),
+            "--clients",
+            "8",
+            "--rounds",
+            "5",
+            "--out",
+            str(tmp_path / "cut"),
+            "--resume",
+        ],
+    )
     assert r.exit_code != 0 and "different configuration" in r.output
 
 
@@ -129,14 +153,39 @@ def test_loop_backend_gives_the_same_run(tiny_store, tmp_path):
     kw = dict(head="fedabc", partition="dirichlet", rounds=2)
     a = run_training(cfg_for(tiny_store, **kw), out=tmp_path / "a", progress=False)
     b = run_training(cfg_for(tiny_store, backend="loop", **kw), out=tmp_path / "b", progress=False)
-    torch.testing.assert_close(torch.load(a.run_dir / "head-seed0.pt"), torch.load(b.run_dir / "head-seed0.pt"),
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        torch.load(a.run_dir / "head-seed0.pt"), torch.load(b.run_dir / "head-seed0.pt"), atol=1e-5, rtol=1e-4
+    )
 
 
 def test_cli_smoke(tiny_store, tmp_path):
-    r = runner.invoke(app, ["train", "--features", str(tiny_store), "--head", "softmax", "--partition", "shard",
-                            "--shards-per-client", "1", "--clients", "10", "--rounds", "2", "--recipe", "paper",
-                            "--iid-reference", "--seed", "0", "--seed", "42", "--out", str(tmp_path / "run")])
+    r = runner.invoke(
+        app,
+        [
+            "train",
+            "--features",
+            str(tiny_store),
+            "--head",
+            "softmax",
+            "--partition",
+            "shard",
+            "--shards-per-client",
+            "1",
+            "--clients",
+            "10",
+            "--rounds",
+            "2",
+            "--recipe",
+            "paper",
+            "--iid-reference",
+            "--seed",
+            "0",
+            "--seed",
+            "42",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "final acc" in r.stdout
     cfg = json.loads((tmp_path / "run" / "config.json").read_text())
@@ -144,24 +193,28 @@ def test_cli_smoke(tiny_store, tmp_path):
     assert cfg["store"]["dataset"] == "synthetic-10"
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--partition", "dirichlet", "--alpha", "0"], "'--alpha'"),
-    (["--partition", "bernoulli-dirichlet", "--p", "1.5"], "'--p'"),
-    (["--partition", "shard", "--shards-per-client", "20", "--distinct-labels"], "'--shards-per-client'"),
-    (["--partition", "shard", "--shards-per-client", "100", "--clients", "8"], "'--shards-per-client'"),
-    (["--clients", "100000"], "'--clients'"),
-    (["--participation", "0"], "'--participation'"),
-    (["--noise", "symmetric", "--noise-rate", "1.2"], "'--noise-rate'"),
-    (["--noise", "asymmetric", "--noise-rate", "0.2"], "cyclic"),
-    (["--head", "ovaa"], "Did you mean ova"),
-    (["--partition", "diriclet"], "dirichlet"),
-    (["--optimizer", "adam"], "'--optimizer'"),
-    (["--alpha", "0.5"], "does not apply"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--partition", "dirichlet", "--alpha", "0"], "'--alpha'"),
+        (["--partition", "bernoulli-dirichlet", "--p", "1.5"], "'--p'"),
+        (["--partition", "shard", "--shards-per-client", "20", "--distinct-labels"], "'--shards-per-client'"),
+        (["--partition", "shard", "--shards-per-client", "100", "--clients", "8"], "'--shards-per-client'"),
+        (["--clients", "100000"], "'--clients'"),
+        (["--participation", "0"], "'--participation'"),
+        (["--noise", "symmetric", "--noise-rate", "1.2"], "'--noise-rate'"),
+        (["--noise", "asymmetric", "--noise-rate", "0.2"], "cyclic"),
+        (["--head", "ovaa"], "Did you mean ova"),
+        (["--partition", "diriclet"], "dirichlet"),
+        (["--optimizer", "adam"], "'--optimizer'"),
+        (["--alpha", "0.5"], "does not apply"),
+    ],
+)
 def test_bad_input_one_line_nothing_written(tiny_store, tmp_path, args, needle):
     out = tmp_path / "run"
-    r = runner.invoke(app, ["train", "--features", str(tiny_store), "--clients", "8", "--rounds", "1",
-                            "--out", str(out), *args])
+    r = runner.invoke(
+        app, ["train", "--features", str(tiny_store), "--clients", "8", "--rounds", "1", "--out", str(out), *args]
+    )
     assert r.exit_code == 2, r.output
     assert needle in r.output
     assert len(r.stderr.strip().splitlines()) == 1
@@ -185,8 +238,20 @@ def test_missing_and_foreign_store(tmp_path):
 
 
 def test_debug_variable_shows_traceback(tiny_store, tmp_path):
-    cmd = [sys.executable, "-c", "from cli import main; main()", "train", "--features", str(tiny_store),
-           "--partition", "dirichlet", "--alpha", "0", "--out", str(tmp_path / "x")]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from cli import main; main()",
+        "train",
+        "--features",
+        str(tiny_store),
+        "--partition",
+        "dirichlet",
+        "--alpha",
+        "0",
+        "--out",
+        str(tmp_path / "x"),
+    ]
     plain = subprocess.run(cmd, capture_output=True, text=True)
     assert plain.returncode == 2 and "Traceback" not in plain.stderr
     debug = subprocess.run(cmd, capture_output=True, text=True, env={**__import__("os").environ, "FEDHEAD_DEBUG": "1"})
@@ -195,8 +260,22 @@ def test_debug_variable_shows_traceback(tiny_store, tmp_path):
 
 def test_synth_cli_writes_a_store_and_refuses_bad_sizes(tmp_path):
     out = tmp_path / "s.h5"
-    r = runner.invoke(app, ["synth", "--out", str(out), "--num-classes", "5", "--train-per-class", "20",
-                            "--test-per-class", "10", "--dim", "8"])
+    r = runner.invoke(
+        app,
+        [
+            "synth",
+            "--out",
+            str(out),
+            "--num-classes",
+            "5",
+            "--train-per-class",
+            "20",
+            "--test-per-class",
+            "10",
+            "--dim",
+            "8",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "probe accuracy" in r.output
     s = load_store(out)

@@ -19,8 +19,19 @@ import typer
 from ..errors import FedheadError, unknown_name
 from . import plots as P
 from .commands import FEATURES_OPT, Common, _print_report, grid_command, pair_with_iid, start_report
-from .report import (Cell, CellResult, StoreCache, Stat, md_table, mean_curve, resolve_partition, run_grid,
-                     write_curves, write_report, write_results)
+from .report import (
+    Cell,
+    CellResult,
+    Stat,
+    StoreCache,
+    md_table,
+    mean_curve,
+    resolve_partition,
+    run_grid,
+    write_curves,
+    write_report,
+    write_results,
+)
 
 # name -> (what it is, TrainConfig fields). FedProx mu 0.01 and FedAvgM momentum 0.9 are the values their
 # papers' head-to-head comparisons use most; FedAdam keeps Flower's defaults.
@@ -31,16 +42,20 @@ METHODS: dict[str, tuple[str, dict]] = {
     "lda": ("shared-covariance Gaussian classifier, one exchange", {"head": "lda"}),
     "ncm+ft": ("FedNCM start, then softmax FedAvg", {"head": "softmax", "init": "ncm"}),
     "ridge+ft": ("Fed3R start, then softmax FedAvg", {"head": "softmax", "init": "ridge"}),
-    "fast": ("--recipe fast: Fed3R start, then softmax FedAvg, 30 local steps a round",
-             {"head": "softmax", "init": "ridge", "local_steps": 30}),
+    "fast": (
+        "--recipe fast: Fed3R start, then softmax FedAvg, 30 local steps a round",
+        {"head": "softmax", "init": "ridge", "local_steps": 30},
+    ),
     "ridge+ova2": ("Fed3R start, then OvA FedAvg", {"head": "ova2", "init": "ridge"}),
     "softmax": ("softmax head, FedAvg", {"head": "softmax"}),
     "ova2": ("OvA-LP (two-stage OvA), FedAvg", {"head": "ova2"}),
     "ova2-fedprox": ("OvA-LP with FedProx, mu 0.01", {"head": "ova2", "prox_mu": 0.01}),
     "ova2-scaffold": ("OvA-LP with SCAFFOLD (option II)", {"head": "ova2", "scaffold": True}),
     "ova2-fedadam": ("OvA-LP with FedAdam (Flower's defaults)", {"head": "ova2", "server_opt": "fedadam"}),
-    "ova2-fedavgm": ("OvA-LP with FedAvgM, server momentum 0.9", {"head": "ova2", "server_opt": "fedavgm",
-                                                                   "server_momentum": 0.9}),
+    "ova2-fedavgm": (
+        "OvA-LP with FedAvgM, server momentum 0.9",
+        {"head": "ova2", "server_opt": "fedavgm", "server_momentum": 0.9},
+    ),
     "fedlc": ("FedLC: logits calibrated by local class counts", {"head": "fedlc"}),
     "fedrs": ("FedRS: restricted softmax", {"head": "fedrs"}),
     "fedabc": ("FedABC binary loss", {"head": "fedabc"}),
@@ -57,9 +72,10 @@ def _partition(label: str) -> tuple[str, dict]:
             pass
     try:
         return resolve_partition(label)
-    except FedheadError as exc:   # the option here is --partitions
-        raise FedheadError(str(exc).replace("'--partition'", "'--partitions'", 1) +
-                           " Or dirichlet-ALPHA, e.g. dirichlet-0.1.") from None
+    except FedheadError as exc:  # the option here is --partitions
+        raise FedheadError(
+            str(exc).replace("'--partition'", "'--partitions'", 1) + " Or dirichlet-ALPHA, e.g. dirichlet-0.1."
+        ) from None
 
 
 def methods_and_partitions(methods: str, partitions: str, known) -> tuple[list[str], list[str], dict]:
@@ -83,27 +99,42 @@ def _csv(param: str, text: str) -> list[str]:
 @grid_command("baselines")
 def baselines_cmd(
     features: Path = FEATURES_OPT,
-    methods: str = typer.Option(",".join(METHODS), "--methods", help="comma-separated methods (see the report's "
-                                                                      "method table)"),
-    partitions: str = typer.Option(",".join(DEFAULT_PARTITIONS), "--partitions",
-                                   help="comma-separated partitions (presets, registry names, dirichlet-ALPHA)"),
+    methods: str = typer.Option(
+        ",".join(METHODS), "--methods", help="comma-separated methods (see the report's method table)"
+    ),
+    partitions: str = typer.Option(
+        ",".join(DEFAULT_PARTITIONS),
+        "--partitions",
+        help="comma-separated partitions (presets, registry names, dirichlet-ALPHA)",
+    ),
     recipe: str = typer.Option("default", "--recipe", help="training recipe of the iterative methods"),
-    *, common: Common,
+    *,
+    common: Common,
 ):
     """Closed-form heads, closed-form + fine-tuning and the classic FL baselines against the central ceiling."""
     from ..plugins import load_plugins
 
-    load_plugins()                  # methods registered by users' modules
+    load_plugins()  # methods registered by users' modules
     names, plabels, parts = methods_and_partitions(methods, partitions, METHODS)
     cells = []
     for m in names:
         for p in plabels:
             pname, pparams = parts[p]
-            kw = {**METHODS[m][1], "partition": pname, "partition_params": pparams, "recipe": recipe,
-                  "central_reference": True}
+            kw = {
+                **METHODS[m][1],
+                "partition": pname,
+                "partition_params": pparams,
+                "recipe": recipe,
+                "central_reference": True,
+            }
             cells.append(Cell(f"{m}--{p}", {"method": m, "partition": p}, common.cfg(features, **kw)))
-    config = {**common.describe(), "methods": {m: METHODS[m][0] for m in names}, "partitions": plabels,
-              "recipe": recipe, "features": str(features)}
+    config = {
+        **common.describe(),
+        "methods": {m: METHODS[m][0] for m in names},
+        "partitions": plabels,
+        "recipe": recipe,
+        "features": str(features),
+    }
     cache = StoreCache()
     cmd = start_report(common, cells, cache, config)
     results = run_grid(cells, common.out, cache)
@@ -112,8 +143,15 @@ def baselines_cmd(
     plots = _plots(results, names, plabels, common)
     write_results(common.out, results, "baselines")
     write_curves(common.out, results, {})
-    path = write_report(common.out, "fedhead bench baselines: every method against the centralised ceiling", cmd,
-                        config, sections, results, plots)
+    path = write_report(
+        common.out,
+        "fedhead bench baselines: every method against the centralised ceiling",
+        cmd,
+        config,
+        sections,
+        results,
+        plots,
+    )
     _print_report(path, sections)
 
 
@@ -138,44 +176,104 @@ def _sections(results: list[CellResult], names: list[str], plabels: list[str], c
     rows = []
     for m in names:
         rows.append([m] + [_stat(by[(m, p)], "final_ratio_to_central").fmt(100, 1) for p in plabels])
-    out.append("\n".join([
-        f"## Ratio to the central ceiling (%), final round ({common.clients} clients, up to {common.rounds} rounds, "
-        f"seeds {seeds})", "",
-        "The ceiling is the same head trained centrally on the pooled training features to convergence (closed-form "
-        "heads: the same solve on pooled data). A closed-form head runs one round.", "",
-        md_table(["method"] + plabels, rows), ""]))
+    out.append(
+        "\n".join(
+            [
+                f"## Ratio to the central ceiling (%), final round ({common.clients} clients, up to {common.rounds} rounds, "
+                f"seeds {seeds})",
+                "",
+                "The ceiling is the same head trained centrally on the pooled training features to convergence (closed-form "
+                "heads: the same solve on pooled data). A closed-form head runs one round.",
+                "",
+                md_table(["method"] + plabels, rows),
+                "",
+            ]
+        )
+    )
     # 1b. against the best ceiling of any head: one yardstick for all methods
     ceilings = {m: _stat(by[(m, plabels[0])], "central_accuracy").mean for m in names}
     best_m = max(ceilings, key=lambda m: ceilings[m] if ceilings[m] == ceilings[m] else -1.0)
     best = ceilings[best_m]
-    rows = [[m] + [Stat.of([v / best for v in by[(m, p)].per_seed("final_accuracy")]).fmt(100, 1) for p in plabels]
-            for m in names]
-    out.append("\n".join([
-        f"## Ratio to the best ceiling of any method here (%): {best_m}'s central {100 * best:.2f}%", "",
-        "Each head's own ceiling is the optimum of its own regularised objective; this table puts every method on "
-        "one yardstick.", "", md_table(["method"] + plabels, rows), ""]))
+    rows = [
+        [m] + [Stat.of([v / best for v in by[(m, p)].per_seed("final_accuracy")]).fmt(100, 1) for p in plabels]
+        for m in names
+    ]
+    out.append(
+        "\n".join(
+            [
+                f"## Ratio to the best ceiling of any method here (%): {best_m}'s central {100 * best:.2f}%",
+                "",
+                "Each head's own ceiling is the optimum of its own regularised objective; this table puts every method on "
+                "one yardstick.",
+                "",
+                md_table(["method"] + plabels, rows),
+                "",
+            ]
+        )
+    )
     # 2. final accuracy and the ceilings
-    rows = [[m] + [_stat(by[(m, p)], "final_accuracy").fmt(100, 2) for p in plabels]
-            + [_stat(by[(m, plabels[0])], "central_accuracy").fmt(100, 2)] for m in names]
-    out.append("\n".join(["## Final test accuracy (%) and the method's central ceiling", "",
-                          md_table(["method"] + plabels + ["central"], rows), ""]))
+    rows = [
+        [m]
+        + [_stat(by[(m, p)], "final_accuracy").fmt(100, 2) for p in plabels]
+        + [_stat(by[(m, plabels[0])], "central_accuracy").fmt(100, 2)]
+        for m in names
+    ]
+    out.append(
+        "\n".join(
+            [
+                "## Final test accuracy (%) and the method's central ceiling",
+                "",
+                md_table(["method"] + plabels + ["central"], rows),
+                "",
+            ]
+        )
+    )
     # 3. rounds and MB per client to 99% of the ceiling
-    rows = [[m] + [f"{_reached(by[(m, p)], 'rounds_to_99_central', 1)} / "
-                   f"{_reached(by[(m, p)], 'mb_per_client_to_99_central', 2)}" for p in plabels] for m in names]
-    out.append("\n".join(["## Rounds / MB uploaded per client to reach 99% of the central ceiling", "",
-                          md_table(["method"] + plabels, rows), ""]))
+    rows = [
+        [m]
+        + [
+            f"{_reached(by[(m, p)], 'rounds_to_99_central', 1)} / "
+            f"{_reached(by[(m, p)], 'mb_per_client_to_99_central', 2)}"
+            for p in plabels
+        ]
+        for m in names
+    ]
+    out.append(
+        "\n".join(
+            [
+                "## Rounds / MB uploaded per client to reach 99% of the central ceiling",
+                "",
+                md_table(["method"] + plabels, rows),
+                "",
+            ]
+        )
+    )
     # 4. ratio to IID, cost
     rows = []
     for m in names:
         cells = [by[(m, p)] for p in plabels]
-        rows.append([m] + [r.derived.get("final_ratio_to_iid", Stat.of([])).fmt(100, 1) for r in cells]
-                    + [f"{np.nanmean([_stat(r, 'client_ms').mean for r in cells]):.2f}",
-                       f"{np.nanmean([_stat(r, 'server_ms').mean for r in cells]):.2f}",
-                       f"{np.nanmean([_stat(r, 'mb_per_client').mean for r in cells]):.3f}"])
-    out.append("\n".join(["## Ratio to the IID run of the same method (%), and cost", "",
-                          "client ms: per client and round (closed form: computing the statistics); server ms: per "
-                          "round; MB: uploaded per client over the whole run (mean over partitions).", "",
-                          md_table(["method"] + plabels + ["client ms", "server ms", "MB up/client"], rows), ""]))
+        rows.append(
+            [m]
+            + [r.derived.get("final_ratio_to_iid", Stat.of([])).fmt(100, 1) for r in cells]
+            + [
+                f"{np.nanmean([_stat(r, 'client_ms').mean for r in cells]):.2f}",
+                f"{np.nanmean([_stat(r, 'server_ms').mean for r in cells]):.2f}",
+                f"{np.nanmean([_stat(r, 'mb_per_client').mean for r in cells]):.3f}",
+            ]
+        )
+    out.append(
+        "\n".join(
+            [
+                "## Ratio to the IID run of the same method (%), and cost",
+                "",
+                "client ms: per client and round (closed form: computing the statistics); server ms: per "
+                "round; MB: uploaded per client over the whole run (mean over partitions).",
+                "",
+                md_table(["method"] + plabels + ["client ms", "server ms", "MB up/client"], rows),
+                "",
+            ]
+        )
+    )
     out.append("\n".join(["## Methods", "", md_table(["method", "what"], [[m, METHODS[m][0]] for m in names]), ""]))
     return out
 
@@ -191,17 +289,30 @@ def _plots(results: list[CellResult], names: list[str], plabels: list[str], comm
             if x.size == 0:
                 continue
             mb = _mb_curve(r)
-            mp.lines.append(P.Line(m, mb[:len(y)], y[:len(mb)], marker="o" if len(mb) == 1 else None))
+            mp.lines.append(P.Line(m, mb[: len(y)], y[: len(mb)], marker="o" if len(mb) == 1 else None))
             one = x.size == 1
-            if one:    # one exchange: a flat line over the rounds for comparison
+            if one:  # one exchange: a flat line over the rounds for comparison
                 x, y, sd = np.array([1, common.rounds]), np.repeat(y, 2), np.repeat(sd, 2)
             ap.lines.append(P.Line(m, x, y, sd, style="--" if one else "-"))
         acc_panels.append(ap)
         mb_panels.append(mp)
-    return [P.write_curves(common.out / "baselines-accuracy.png", acc_panels, "round", "test accuracy",
-                           "accuracy per round (closed form: one exchange, dashed)"),
-            P.write_curves(common.out / "baselines-frontier.png", mb_panels, "MB uploaded per client (cumulative)",
-                           "test accuracy", "communication frontier", xscale="log")]
+    return [
+        P.write_curves(
+            common.out / "baselines-accuracy.png",
+            acc_panels,
+            "round",
+            "test accuracy",
+            "accuracy per round (closed form: one exchange, dashed)",
+        ),
+        P.write_curves(
+            common.out / "baselines-frontier.png",
+            mb_panels,
+            "MB uploaded per client (cumulative)",
+            "test accuracy",
+            "communication frontier",
+            xscale="log",
+        ),
+    ]
 
 
 def _mb_curve(r: CellResult) -> np.ndarray:

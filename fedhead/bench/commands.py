@@ -22,30 +22,65 @@ from ..options import METHOD_OPTIONS, method_fields
 from ..train import PAUSE_ENV
 from ..util import Interrupted, check_out, exclusive_writer, pause_hook
 from . import plots as P
-from .report import (STANDARD_NONIID, Cell, CellResult, Stat, StoreCache, check_head, command_line,
-                     comm_kb_per_client_round, md_table, mean_curve, ratio_curve, resolve_partition, run_grid,
-                     validate_cells, with_iid, write_bench_json, write_curves, write_report, write_results)
+from .report import (
+    STANDARD_NONIID,
+    Cell,
+    CellResult,
+    Stat,
+    StoreCache,
+    check_head,
+    comm_kb_per_client_round,
+    command_line,
+    md_table,
+    mean_curve,
+    ratio_curve,
+    resolve_partition,
+    run_grid,
+    validate_cells,
+    with_iid,
+    write_bench_json,
+    write_curves,
+    write_report,
+    write_results,
+)
 
 # The paper's numbers printed next to ours (SPEC section 1; CIFAR-100, ViT-L/16, round 50).
 PAPER_RATIO = {"softmax": 56.3, "ova": 95.4, "ova2": 95.9}
-PAPER_NOISE = {"symmetric": (0.3, 88.78, {0.4: 0.76, 0.5: 2.35, 0.6: 4.52, 0.7: 10.35}),
-               "asymmetric": (0.2, 89.28, {0.3: 0.63, 0.4: 1.53})}
-PAPER_GEOMETRY = {"pretrained": {"alignment": (1.366, 0.006), "intra": (0.818, 0.002), "inter": (0.840, 0.004),
-                                 "ratio": (0.974, 0.007)},
-                  "random-init": {"alignment": (1.761, 0.008), "intra": (0.917, 0.004), "inter": (0.487, 0.008),
-                                  "ratio": (1.885, 0.038)}}
+PAPER_NOISE = {
+    "symmetric": (0.3, 88.78, {0.4: 0.76, 0.5: 2.35, 0.6: 4.52, 0.7: 10.35}),
+    "asymmetric": (0.2, 89.28, {0.3: 0.63, 0.4: 1.53}),
+}
+PAPER_GEOMETRY = {
+    "pretrained": {
+        "alignment": (1.366, 0.006),
+        "intra": (0.818, 0.002),
+        "inter": (0.840, 0.004),
+        "ratio": (0.974, 0.007),
+    },
+    "random-init": {
+        "alignment": (1.761, 0.008),
+        "intra": (0.917, 0.004),
+        "inter": (0.487, 0.008),
+        "ratio": (1.885, 0.038),
+    },
+}
 QUICK_ROUNDS = 10
 PAPER_ROUNDS = 50
 
 # ---------------------------------------------------------------- shared options
 
 FEATURES_OPT = typer.Option(..., "--features", help="HDF5 feature store written by 'fedhead extract'.")
-SEEDS_OPT = typer.Option(None, "--seeds", help="seeds, repeated or comma-separated [paper's 0,42,777,1337,15254; "
-                                               "--quick: 0]")
+SEEDS_OPT = typer.Option(
+    None, "--seeds", help="seeds, repeated or comma-separated [paper's 0,42,777,1337,15254; --quick: 0]"
+)
 QUICK_OPT = typer.Option(False, "--quick", help=f"one seed and {QUICK_ROUNDS} rounds (unless given)")
 ROUNDS_OPT = typer.Option(None, "--rounds", help=f"communication rounds [{PAPER_ROUNDS}; --quick: {QUICK_ROUNDS}]")
-OUT_OPT = typer.Option(None, "--out", help="report folder (default reports/<command>-<timestamp>); re-run with the same "
-                                           "--out to reuse finished runs and resume an interrupted one")
+OUT_OPT = typer.Option(
+    None,
+    "--out",
+    help="report folder (default reports/<command>-<timestamp>); re-run with the same "
+    "--out to reuse finished runs and resume an interrupted one",
+)
 RECIPE_HELP = "paper (SPEC literal AdamW) | default (the trainer's) | both"
 LE_OPT = typer.Option(None, "--local-epochs", help="local epochs per round [3; fast recipe: --local-steps 30]")
 BS_OPT = typer.Option(50, "--batch-size", help="local batch size")
@@ -67,15 +102,26 @@ class Common:
     rounds: int
     clients: int
     out: Path
-    train: dict               # TrainConfig fields passed through to every run
+    train: dict  # TrainConfig fields passed through to every run
 
     def cfg(self, features, **kw) -> TrainConfig:
-        return TrainConfig(features=str(features), clients=self.clients, rounds=self.rounds, seeds=list(self.seeds),
-                           **{**self.train, **kw})
+        return TrainConfig(
+            features=str(features),
+            clients=self.clients,
+            rounds=self.rounds,
+            seeds=list(self.seeds),
+            **{**self.train, **kw},
+        )
 
     def describe(self) -> dict:
-        return {"command": self.command, "seeds": self.seeds, "rounds": self.rounds, "clients": self.clients,
-                "out": str(self.out), **self.train}
+        return {
+            "command": self.command,
+            "seeds": self.seeds,
+            "rounds": self.rounds,
+            "clients": self.clients,
+            "out": str(self.out),
+            **self.train,
+        }
 
 
 def parse_seeds(seeds: Optional[List[str]], quick: bool) -> list[int]:
@@ -87,24 +133,27 @@ def parse_seeds(seeds: Optional[List[str]], quick: bool) -> list[int]:
             try:
                 v = int(tok)
             except ValueError:
-                raise FedheadError(f"The '--seeds' parameter must be integers >= 0. Got {tok!r} instead. "
-                                   "Use e.g. --seeds 0,42,777.") from None
+                raise FedheadError(
+                    f"The '--seeds' parameter must be integers >= 0. Got {tok!r} instead. Use e.g. --seeds 0,42,777."
+                ) from None
             validate("--seeds", v, Interval(0, None, integer=True))
             if v not in out:
                 out.append(v)
     return out
 
 
-def parse_rates(param: str, text: str, low_closed: bool = True, high: float = 1.0,
-                high_closed: bool = False) -> list[float]:
+def parse_rates(
+    param: str, text: str, low_closed: bool = True, high: float = 1.0, high_closed: bool = False
+) -> list[float]:
     closed = {(True, False): "left", (True, True): "both", (False, True): "right", (False, False): "neither"}
     rates = []
     for tok in str(text).replace(",", " ").split():
         try:
             v = float(tok)
         except ValueError:
-            raise FedheadError(f"The '{param}' parameter must be a comma-separated list of numbers. Got {tok!r} "
-                               "instead.") from None
+            raise FedheadError(
+                f"The '{param}' parameter must be a comma-separated list of numbers. Got {tok!r} instead."
+            ) from None
         validate(param, v, Interval(0, high, closed=closed[(low_closed, high_closed)]))
         if v not in rates:
             rates.append(v)
@@ -118,29 +167,67 @@ def recipes_of(recipe: str) -> list[str]:
     return ["paper", "default"] if recipe == "both" else [recipe]
 
 
-def make_common(command: str, *, seeds, quick, rounds, clients, out, local_epochs, batch_size, device,
-                optimizer, lr, weight_decay, momentum, aggregate, center, scale, block_clients) -> Common:
+def make_common(
+    command: str,
+    *,
+    seeds,
+    quick,
+    rounds,
+    clients,
+    out,
+    local_epochs,
+    batch_size,
+    device,
+    optimizer,
+    lr,
+    weight_decay,
+    momentum,
+    aggregate,
+    center,
+    scale,
+    block_clients,
+) -> Common:
     seeds_l = parse_seeds(seeds, quick)
     if rounds is None:
         rounds = QUICK_ROUNDS if quick else PAPER_ROUNDS
     validate("--rounds", rounds, Interval(1, None, integer=True))
     validate("--clients", clients, Interval(1, None, integer=True))
     out = Path(out) if out else Path("reports") / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
-    check_out(out, kind="dir")          # a file there, or below a file: refused before any work
-    train = dict(local_epochs=local_epochs, batch_size=batch_size, device=device, optimizer=optimizer, lr=lr,
-                 weight_decay=weight_decay, momentum=momentum, aggregate=aggregate, center=center, scale=scale,
-                 block_clients=block_clients)
+    check_out(out, kind="dir")  # a file there, or below a file: refused before any work
+    train = dict(
+        local_epochs=local_epochs,
+        batch_size=batch_size,
+        device=device,
+        optimizer=optimizer,
+        lr=lr,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        aggregate=aggregate,
+        center=center,
+        scale=scale,
+        block_clients=block_clients,
+    )
     return Common(command, seeds_l, int(rounds), int(clients), out, train)
 
 
 # The options every grid command shares (all go to make_common): name -> (annotation, typer option);
 # each command sets its own --clients default (grid_command).
 GRID_OPTIONS = {
-    "seeds": (Optional[List[str]], SEEDS_OPT), "quick": (bool, QUICK_OPT), "rounds": (Optional[int], ROUNDS_OPT),
-    "clients": (int, None), "out": (Optional[Path], OUT_OPT), "local_epochs": (Optional[int], LE_OPT), "batch_size": (int, BS_OPT),
-    "device": (str, DEV_OPT), "optimizer": (Optional[str], OPTIM_OPT), "lr": (Optional[float], LR_OPT),
-    "weight_decay": (Optional[float], WD_OPT), "momentum": (Optional[float], MOM_OPT),
-    "aggregate": (Optional[str], AGG_OPT), "center": (Optional[bool], CENTER_OPT), "scale": (Optional[str], SCALE_OPT),
+    "seeds": (Optional[List[str]], SEEDS_OPT),
+    "quick": (bool, QUICK_OPT),
+    "rounds": (Optional[int], ROUNDS_OPT),
+    "clients": (int, None),
+    "out": (Optional[Path], OUT_OPT),
+    "local_epochs": (Optional[int], LE_OPT),
+    "batch_size": (int, BS_OPT),
+    "device": (str, DEV_OPT),
+    "optimizer": (Optional[str], OPTIM_OPT),
+    "lr": (Optional[float], LR_OPT),
+    "weight_decay": (Optional[float], WD_OPT),
+    "momentum": (Optional[float], MOM_OPT),
+    "aggregate": (Optional[str], AGG_OPT),
+    "center": (Optional[bool], CENTER_OPT),
+    "scale": (Optional[str], SCALE_OPT),
     "block_clients": (Optional[int], BLOCK_OPT),
 }
 
@@ -156,8 +243,10 @@ def grid_command(command: str, clients: int = 100, clients_help: str = "clients"
 
     def deco(fn):
         own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "common"]
-        params = own + [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=t)
-                        for n, (t, opt) in shared.items()]
+        params = own + [
+            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=t)
+            for n, (t, opt) in shared.items()
+        ]
 
         @functools.wraps(fn)
         def wrapper(**kw):
@@ -183,8 +272,11 @@ def report_writer(out: Path):
         try:
             yield
         except Interrupted as exc:
-            raise Interrupted(exc.signum, f"interrupted; re-run the same command with --out {out} to continue "
-                                          "(finished runs are reused, the interrupted one resumes)") from None
+            raise Interrupted(
+                exc.signum,
+                f"interrupted; re-run the same command with --out {out} to continue "
+                "(finished runs are reused, the interrupted one resumes)",
+            ) from None
 
 
 def start_report(common: Common, cells: list[Cell], cache: StoreCache, config: dict) -> str:
@@ -234,8 +326,14 @@ def _store_tags(paths: list[Path]) -> list[str]:
     return tags
 
 
-def hetero_cells(common: Common, stores: list[tuple[str, Path]], heads: list[str], partitions: list[str],
-                 recipes: list[str], participation: float = 1.0) -> list[Cell]:
+def hetero_cells(
+    common: Common,
+    stores: list[tuple[str, Path]],
+    heads: list[str],
+    partitions: list[str],
+    recipes: list[str],
+    participation: float = 1.0,
+) -> list[Cell]:
     """For each store, recipe and head: the IID run and one run per non-IID partition."""
     cells = []
     parts = ["iid"] + [p for p in partitions if p != "iid"]
@@ -249,9 +347,20 @@ def hetero_cells(common: Common, stores: list[tuple[str, Path]], heads: list[str
                     if len(stores) > 1:
                         run = f"{tag}--{run}"
                         labels = {"store": tag, **labels}
-                    cells.append(Cell(run, labels, common.cfg(path, head=head, partition=name,
-                                                              partition_params=params, recipe=recipe,
-                                                              participation=participation)))
+                    cells.append(
+                        Cell(
+                            run,
+                            labels,
+                            common.cfg(
+                                path,
+                                head=head,
+                                partition=name,
+                                partition_params=params,
+                                recipe=recipe,
+                                participation=participation,
+                            ),
+                        )
+                    )
     return cells
 
 
@@ -277,18 +386,32 @@ def _sel_rounds(rounds: int) -> list[int]:
 
 
 def final_table(results: list[CellResult], lead: list[str]) -> str:
-    hdr = lead + ["final acc (%)", "ratio to IID (%)", "Acc@95 (rounds)", "Acc@95 vs IID", "client ms",
-                  "server ms", "KB up/client/round", "total MB"]
+    hdr = lead + [
+        "final acc (%)",
+        "ratio to IID (%)",
+        "Acc@95 (rounds)",
+        "Acc@95 vs IID",
+        "client ms",
+        "server ms",
+        "KB up/client/round",
+        "total MB",
+    ]
     rows = []
     for r in results:
         d = r.derived
-        rows.append([r.cell.labels.get(k, "") for k in lead] + [
-            _pct(Stat.of(r.per_seed("final_accuracy"))),
-            _pct(d["final_ratio_to_iid"], 1) if "final_ratio_to_iid" in d else "–",
-            Stat.of(r.per_seed("acc95_round")).fmt(1, 1),
-            d["acc95_round_vs_iid"].fmt(1, 1) if "acc95_round_vs_iid" in d else "–",
-            Stat.of(r.per_seed("client_ms")).fmt(1, 2), Stat.of(r.per_seed("server_ms")).fmt(1, 2),
-            f"{comm_kb_per_client_round(r):.1f}", Stat.of(r.per_seed("bytes_total")).fmt(1 / 2**20, 2)])
+        rows.append(
+            [r.cell.labels.get(k, "") for k in lead]
+            + [
+                _pct(Stat.of(r.per_seed("final_accuracy"))),
+                _pct(d["final_ratio_to_iid"], 1) if "final_ratio_to_iid" in d else "–",
+                Stat.of(r.per_seed("acc95_round")).fmt(1, 1),
+                d["acc95_round_vs_iid"].fmt(1, 1) if "acc95_round_vs_iid" in d else "–",
+                Stat.of(r.per_seed("client_ms")).fmt(1, 2),
+                Stat.of(r.per_seed("server_ms")).fmt(1, 2),
+                f"{comm_kb_per_client_round(r):.1f}",
+                Stat.of(r.per_seed("bytes_total")).fmt(1 / 2**20, 2),
+            ]
+        )
     return md_table(hdr, rows)
 
 
@@ -328,8 +451,9 @@ def ratio_round_table(results: list[CellResult], iid_of: dict, lead: list[str], 
     return md_table(lead + [f"r{k}" for k in sel], rows)
 
 
-def hetero_plots(out: Path, results: list[CellResult], iid_of: dict, heads: list[str], group_by: list[str],
-                 suffix: str) -> list[Path]:
+def hetero_plots(
+    out: Path, results: list[CellResult], iid_of: dict, heads: list[str], group_by: list[str], suffix: str
+) -> list[Path]:
     """accuracy and ratio-to-IID curves (a panel per head, IID drawn for reference) and final-ratio bars."""
     made = []
     acc_panels, ratio_panels = [], []
@@ -341,35 +465,77 @@ def hetero_plots(out: Path, results: list[CellResult], iid_of: dict, heads: list
         for r in rs:
             x, m, s = mean_curve(r)
             iid = r.cell.labels["partition"] == "iid"
-            ap.lines.append(P.Line("IID" if iid else r.cell.labels["partition"], x, m, s,
-                                   style="--" if iid else "-", color="black" if iid else None))
+            ap.lines.append(
+                P.Line(
+                    "IID" if iid else r.cell.labels["partition"],
+                    x,
+                    m,
+                    s,
+                    style="--" if iid else "-",
+                    color="black" if iid else None,
+                )
+            )
             if not iid and iid_of.get(r.cell.name) is not None:
                 x, m, s = ratio_curve(r, iid_of[r.cell.name])
                 rp.lines.append(P.Line(r.cell.labels["partition"], x, m, s))
         acc_panels.append(ap)
         ratio_panels.append(rp)
-    made.append(P.write_curves(out / f"accuracy{suffix}.png", acc_panels, "round", "test accuracy",
-                               f"accuracy per round {suffix.strip('-')}"))
-    made.append(P.write_curves(out / f"ratio-to-iid{suffix}.png", ratio_panels, "round", "accuracy / IID accuracy",
-                               f"ratio to IID per round {suffix.strip('-')}"))
+    made.append(
+        P.write_curves(
+            out / f"accuracy{suffix}.png",
+            acc_panels,
+            "round",
+            "test accuracy",
+            f"accuracy per round {suffix.strip('-')}",
+        )
+    )
+    made.append(
+        P.write_curves(
+            out / f"ratio-to-iid{suffix}.png",
+            ratio_panels,
+            "round",
+            "accuracy / IID accuracy",
+            f"ratio to IID per round {suffix.strip('-')}",
+        )
+    )
     parts = list(dict.fromkeys(r.cell.labels["partition"] for r in results if r.cell.labels["partition"] != "iid"))
     series = {}
     for head in heads:
         ms, ss = [], []
         for p in parts:
-            rr = [r for r in results if r.cell.labels["head"] == head and r.cell.labels["partition"] == p
-                  and "final_ratio_to_iid" in r.derived]
+            rr = [
+                r
+                for r in results
+                if r.cell.labels["head"] == head
+                and r.cell.labels["partition"] == p
+                and "final_ratio_to_iid" in r.derived
+            ]
             ms.append(rr[0].derived["final_ratio_to_iid"].mean if rr else float("nan"))
             ss.append(rr[0].derived["final_ratio_to_iid"].std if rr else float("nan"))
         series[head] = (ms, ss)
     if parts:
-        made.append(P.write_bars(out / f"final-ratio{suffix}.png", parts, series, "final accuracy / IID",
-                                 f"final ratio to IID per partition {suffix.strip('-')}", hline=(1.0, "IID")))
+        made.append(
+            P.write_bars(
+                out / f"final-ratio{suffix}.png",
+                parts,
+                series,
+                "final accuracy / IID",
+                f"final ratio to IID per partition {suffix.strip('-')}",
+                hline=(1.0, "IID"),
+            )
+        )
     return made
 
 
-def hetero_sections(results: list[CellResult], iid_of: dict, heads: list[str], partitions: list[str],
-                    common: Common, split_by: list[str], paper: bool = True) -> list[str]:
+def hetero_sections(
+    results: list[CellResult],
+    iid_of: dict,
+    heads: list[str],
+    partitions: list[str],
+    common: Common,
+    split_by: list[str],
+    paper: bool = True,
+) -> list[str]:
     """Per group (recipe, and store when several): the final table, the non-IID mean, the per-round ratios."""
     sections = []
     groups: dict[tuple, list[CellResult]] = {}
@@ -378,24 +544,46 @@ def hetero_sections(results: list[CellResult], iid_of: dict, heads: list[str], p
     for key, rs in groups.items():
         what = ", ".join(f"{k} {v}" for k, v in zip(split_by, key))
         lead = ["head", "partition"]
-        s = [f"## {what}: round {common.rounds}, {common.clients} clients, seeds {', '.join(map(str, common.seeds))}",
-             "", final_table(rs, lead), ""]
+        s = [
+            f"## {what}: round {common.rounds}, {common.clients} clients, seeds {', '.join(map(str, common.seeds))}",
+            "",
+            final_table(rs, lead),
+            "",
+        ]
         mrows = []
         present = []
         for head in heads:
             present, st = mean_noniid([r for r in rs if r.cell.labels["head"] == head], partitions)
-            mrows.append([head, _pct(st, 1) if st else "–"] + ([f"{PAPER_RATIO[head]:.1f}" if head in PAPER_RATIO
-                                                                else "–"] if paper else []))
-        s += [f"### Mean final ratio to IID over {', '.join(present)} (%)", "",
-              md_table(["head", "ours"] + (["paper (CIFAR-100, ViT-L/16)"] if paper else []), mrows), ""]
-        s += [f"### Ratio to IID per round (%; all rounds in curves.csv)", "",
-              ratio_round_table(rs, iid_of, lead, common.rounds), ""]
+            mrows.append(
+                [head, _pct(st, 1) if st else "–"]
+                + ([f"{PAPER_RATIO[head]:.1f}" if head in PAPER_RATIO else "–"] if paper else [])
+            )
+        s += [
+            f"### Mean final ratio to IID over {', '.join(present)} (%)",
+            "",
+            md_table(["head", "ours"] + (["paper (CIFAR-100, ViT-L/16)"] if paper else []), mrows),
+            "",
+        ]
+        s += [
+            "### Ratio to IID per round (%; all rounds in curves.csv)",
+            "",
+            ratio_round_table(rs, iid_of, lead, common.rounds),
+            "",
+        ]
         sections.append("\n".join(s))
     return sections
 
 
-def _run_hetero(common: Common, command: str, title: str, stores: list[Path], heads: list[str],
-                partitions: list[str], recipes: list[str], extra_config: dict) -> tuple[Path, list[str]]:
+def _run_hetero(
+    common: Common,
+    command: str,
+    title: str,
+    stores: list[Path],
+    heads: list[str],
+    partitions: list[str],
+    recipes: list[str],
+    extra_config: dict,
+) -> tuple[Path, list[str]]:
     for h in heads:
         check_head(h)
     for p in partitions:
@@ -405,8 +593,14 @@ def _run_hetero(common: Common, command: str, title: str, stores: list[Path], he
     tags = _store_tags(stores)
     cells = hetero_cells(common, list(zip(tags, stores)), heads, partitions, recipes)
     cache = StoreCache()
-    config = {**common.describe(), "heads": heads, "partitions": partitions, "recipes": recipes,
-              "features": [str(s) for s in stores], **extra_config}
+    config = {
+        **common.describe(),
+        "heads": heads,
+        "partitions": partitions,
+        "recipes": recipes,
+        "features": [str(s) for s in stores],
+        **extra_config,
+    }
     cmd = start_report(common, cells, cache, config)
     results = run_grid(cells, common.out, cache)
     iid_of = pair_with_iid(results)
@@ -422,11 +616,13 @@ def _run_hetero(common: Common, command: str, title: str, stores: list[Path], he
         plots += more
     write_results(common.out, results, command)
     write_curves(common.out, results, iid_of)
-    note = ("Ratios to IID are computed against the IID run of the same head, recipe and store with the same "
-            "seeds (per seed and round: accuracy / IID accuracy; then mean ± std over seeds). Acc@95 = first "
-            "round reaching 95% of the run's own final accuracy; 'vs IID' = of the IID run's final accuracy. "
-            "client ms = mean local compute per client per round; server ms = aggregation per round; "
-            "total MB = bytes up and down over all rounds and clients (measured by the trainer).")
+    note = (
+        "Ratios to IID are computed against the IID run of the same head, recipe and store with the same "
+        "seeds (per seed and round: accuracy / IID accuracy; then mean ± std over seeds). Acc@95 = first "
+        "round reaching 95% of the run's own final accuracy; 'vs IID' = of the IID run's final accuracy. "
+        "client ms = mean local compute per client per round; server ms = aggregation per round; "
+        "total MB = bytes up and down over all rounds and clients (measured by the trainer)."
+    )
     path = write_report(common.out, title, cmd, config, extra_sections + sections + [note], results, plots)
     return path, extra_sections + sections
 
@@ -442,8 +638,11 @@ def encoder_comparison(out: Path, results, tags, heads, partitions, recipes) -> 
             for p in parts:
                 row = [p]
                 for t in tags:
-                    rr = [r for r in results if r.cell.labels == {"store": t, "head": head, "partition": p,
-                                                                  "recipe": recipe}]
+                    rr = [
+                        r
+                        for r in results
+                        if r.cell.labels == {"store": t, "head": head, "partition": p, "recipe": recipe}
+                    ]
                     if not rr:
                         row += ["–", "–"]
                         continue
@@ -458,10 +657,25 @@ def encoder_comparison(out: Path, results, tags, heads, partitions, recipes) -> 
                         ratio_series[t][1].append(rat.std if rat else float("nan"))
                 rows.append(row)
             sections.append(f"## Encoders side by side: head {head}, recipe {recipe}\n\n" + md_table(hdr, rows))
-            plots.append(P.write_bars(out / f"encoders-accuracy-{head}-{recipe}.png", parts, acc_series,
-                                      "final test accuracy", f"absolute accuracy, {head}, {recipe}"))
-            plots.append(P.write_bars(out / f"encoders-ratio-{head}-{recipe}.png", parts[1:], ratio_series,
-                                      "final accuracy / IID", f"ratio to IID, {head}, {recipe}", hline=(1.0, "IID")))
+            plots.append(
+                P.write_bars(
+                    out / f"encoders-accuracy-{head}-{recipe}.png",
+                    parts,
+                    acc_series,
+                    "final test accuracy",
+                    f"absolute accuracy, {head}, {recipe}",
+                )
+            )
+            plots.append(
+                P.write_bars(
+                    out / f"encoders-ratio-{head}-{recipe}.png",
+                    parts[1:],
+                    ratio_series,
+                    "final accuracy / IID",
+                    f"ratio to IID, {head}, {recipe}",
+                    hline=(1.0, "IID"),
+                )
+            )
     return sections, plots
 
 
@@ -472,14 +686,24 @@ def encoder_comparison(out: Path, results, tags, heads, partitions, recipes) -> 
 def ablation_cmd(
     features: Path = FEATURES_OPT,
     head: List[str] = typer.Option(["softmax", "ova", "ova2"], "--head", help="heads (repeat)"),
-    partition: List[str] = typer.Option(list(STANDARD_NONIID), "--partition",
-                                        help="non-IID partitions (repeat); IID is always run"),
+    partition: List[str] = typer.Option(
+        list(STANDARD_NONIID), "--partition", help="non-IID partitions (repeat); IID is always run"
+    ),
     recipe: str = typer.Option("both", "--recipe", help=RECIPE_HELP),
-    *, common: Common,
+    *,
+    common: Common,
 ):
     """Heads x partitions x recipes (the paper's Table 1 / Fig. 3): ratio to IID, Acc@95, cost."""
-    path, sections = _run_hetero(common, "ablation", "fedhead bench ablation (OvA-LP Table 1 / Fig. 3)",
-                                 [features], list(head), list(partition), recipes_of(recipe), {})
+    path, sections = _run_hetero(
+        common,
+        "ablation",
+        "fedhead bench ablation (OvA-LP Table 1 / Fig. 3)",
+        [features],
+        list(head),
+        list(partition),
+        recipes_of(recipe),
+        {},
+    )
     _print_report(path, sections)
 
 
@@ -487,14 +711,26 @@ def ablation_cmd(
 def partitions_cmd(
     features: Path = FEATURES_OPT,
     head: List[str] = typer.Option(["ova2"], "--head", help="heads (repeat)"),
-    partition: List[str] = typer.Option(["shard-1", "shard-2", "bernoulli-dirichlet", "zipf", "kmeans"],
-                                        "--partition", help="non-IID partitions (repeat); IID is always run"),
+    partition: List[str] = typer.Option(
+        ["shard-1", "shard-2", "bernoulli-dirichlet", "zipf", "kmeans"],
+        "--partition",
+        help="non-IID partitions (repeat); IID is always run",
+    ),
     recipe: str = typer.Option("default", "--recipe", help=RECIPE_HELP),
-    *, common: Common,
+    *,
+    common: Common,
 ):
     """Five heterogeneity patterns against IID (the paper's Fig. 5)."""
-    path, sections = _run_hetero(common, "partitions", "fedhead bench partitions (OvA-LP Fig. 5)", [features],
-                                 list(head), list(partition), recipes_of(recipe), {})
+    path, sections = _run_hetero(
+        common,
+        "partitions",
+        "fedhead bench partitions (OvA-LP Fig. 5)",
+        [features],
+        list(head),
+        list(partition),
+        recipes_of(recipe),
+        {},
+    )
     _print_report(path, sections)
 
 
@@ -506,31 +742,46 @@ def check_same_dataset(stores: list[Path]) -> None:
     first = infos[0]
     for info in infos[1:]:
         if info.dataset != first.dataset:
-            raise FedheadError(f"The '--features' stores must hold the same dataset: {str(first.path)!r} is "
-                               f"{first.dataset!r} but {str(info.path)!r} is {info.dataset!r}. Compare encoders "
-                               "on stores extracted from one dataset.")
+            raise FedheadError(
+                f"The '--features' stores must hold the same dataset: {str(first.path)!r} is "
+                f"{first.dataset!r} but {str(info.path)!r} is {info.dataset!r}. Compare encoders "
+                "on stores extracted from one dataset."
+            )
         if info.class_names != first.class_names:
-            raise FedheadError(f"The '--features' stores must hold the same dataset: {str(first.path)!r} and "
-                               f"{str(info.path)!r} are both {info.dataset!r} but their class names differ "
-                               f"({first.num_classes} vs {info.num_classes} classes). Compare encoders on stores "
-                               "extracted from one dataset.")
+            raise FedheadError(
+                f"The '--features' stores must hold the same dataset: {str(first.path)!r} and "
+                f"{str(info.path)!r} are both {info.dataset!r} but their class names differ "
+                f"({first.num_classes} vs {info.num_classes} classes). Compare encoders on stores "
+                "extracted from one dataset."
+            )
 
 
 @grid_command("encoders")
 def encoders_cmd(
-    features: List[Path] = typer.Option(..., "--features", help="stores of one dataset made by different encoders "
-                                                                 "(repeat)"),
+    features: List[Path] = typer.Option(
+        ..., "--features", help="stores of one dataset made by different encoders (repeat)"
+    ),
     head: List[str] = typer.Option(["ova2"], "--head", help="heads (repeat)"),
-    partition: List[str] = typer.Option(list(STANDARD_NONIID), "--partition",
-                                        help="non-IID partitions (repeat); IID is always run"),
+    partition: List[str] = typer.Option(
+        list(STANDARD_NONIID), "--partition", help="non-IID partitions (repeat); IID is always run"
+    ),
     recipe: str = typer.Option("default", "--recipe", help=RECIPE_HELP),
-    *, common: Common,
+    *,
+    common: Common,
 ):
     """The same protocol over stores made by different encoders (the paper's Fig. 6)."""
     stores = list(features)
     check_same_dataset(stores)
-    path, sections = _run_hetero(common, "encoders", "fedhead bench encoders (OvA-LP Fig. 6)", stores,
-                                 list(head), list(partition), recipes_of(recipe), {})
+    path, sections = _run_hetero(
+        common,
+        "encoders",
+        "fedhead bench encoders (OvA-LP Fig. 6)",
+        stores,
+        list(head),
+        list(partition),
+        recipes_of(recipe),
+        {},
+    )
     _print_report(path, sections)
 
 
@@ -560,14 +811,24 @@ def _verdict(what: str, by_seed: dict[str, dict[float, dict]], rates: list[float
         seeds = [k for k in o[r] if k in m[r]]
         d = [100 * (o[r][k] - m[r][k]) for k in seeds]
         gaps.append(f"{r:g}: {Stat.of(d).fmt(1, 2)} ({sum(x > 0 for x in d)}/{len(d)} seeds)")
-    return [f"ova2 retains a higher share than softmax at every rate ({what}): **{'yes' if not worse else 'no'}**"
-            + (f" (not at {', '.join(f'{r:g}' for r in worse)})" if worse else ""), "",
-            f"Paired gap ova2 - softmax in points of share (mean ± std over seeds; seeds where ova2 is higher): "
-            f"{'; '.join(gaps)}.", ""]
+    return [
+        f"ova2 retains a higher share than softmax at every rate ({what}): **{'yes' if not worse else 'no'}**"
+        + (f" (not at {', '.join(f'{r:g}' for r in worse)})" if worse else ""),
+        "",
+        f"Paired gap ova2 - softmax in points of share (mean ± std over seeds; seeds where ova2 is higher): "
+        f"{'; '.join(gaps)}.",
+        "",
+    ]
 
 
-def noise_sections(results: dict[tuple, CellResult], heads, kinds: dict[str, list[float]], recipe: str,
-                   common: Common, clean: dict[str, CellResult] | None = None) -> tuple[list[str], dict]:
+def noise_sections(
+    results: dict[tuple, CellResult],
+    heads,
+    kinds: dict[str, list[float]],
+    recipe: str,
+    common: Common,
+    clean: dict[str, CellResult] | None = None,
+) -> tuple[list[str], dict]:
     """Table 2 layout: accuracy at the lowest rate, declines (points and %), share retained; per kind. With
     ``clean`` (head -> its noise-free run) also the share of the clean accuracy kept at every rate."""
     clean = clean or {}
@@ -589,8 +850,12 @@ def noise_sections(results: dict[tuple, CellResult], heads, kinds: dict[str, lis
                 c_acc = Stat.of(c[s] for s in c_seeds)
                 kept_seeds[head] = {r: {k: per[r][k] / c[k] for k in c_seeds} for r in rates}
                 kept = {r: Stat.of(kept_seeds[head][r].values()) for r in rates}
-                curves[(kind, head, "clean")] = ([0.0] + rates, [1.0] + [kept[r].mean for r in rates],
-                                                 [0.0] + [kept[r].std for r in rates], c_acc)
+                curves[(kind, head, "clean")] = (
+                    [0.0] + rates,
+                    [1.0] + [kept[r].mean for r in rates],
+                    [0.0] + [kept[r].std for r in rates],
+                    c_acc,
+                )
                 kept_rows.append([head, _pct(c_acc)] + [_pct(kept[r], 1) for r in rates])
             a0 = Stat.of(per[base][s] for s in seeds)
             accs = {r: Stat.of(per[r][s] for s in seeds) for r in rates}
@@ -598,42 +863,73 @@ def noise_sections(results: dict[tuple, CellResult], heads, kinds: dict[str, lis
             rel = {r: Stat.of(100 * (per[base][s] - per[r][s]) / per[base][s] for s in seeds) for r in higher}
             share_seeds[head] = {r: {k: per[r][k] / per[base][k] for k in seeds} for r in higher}
             share = {r: Stat.of(share_seeds[head][r].values()) for r in higher}
-            curves[(kind, head)] = ([r for r in rates], [accs[r].mean for r in rates], [accs[r].std for r in rates],
-                                    [1.0] + [share[r].mean for r in higher], [0.0] + [share[r].std for r in higher])
-            acc_rows.append([head] + ([_pct(c_acc) if c_acc else "–"] if clean else []) + [_pct(accs[r]) for r in rates])
+            curves[(kind, head)] = (
+                [r for r in rates],
+                [accs[r].mean for r in rates],
+                [accs[r].std for r in rates],
+                [1.0] + [share[r].mean for r in higher],
+                [0.0] + [share[r].std for r in higher],
+            )
+            acc_rows.append(
+                [head] + ([_pct(c_acc) if c_acc else "–"] if clean else []) + [_pct(accs[r]) for r in rates]
+            )
             pts_rows.append([head, _pct(a0)] + [pts[r].fmt(1, 2) for r in higher])
             rel_rows.append([head, _pct(a0)] + [rel[r].fmt(1, 2) for r in higher])
             share_rows.append([head] + [_pct(share[r], 1) for r in higher])
-            realised_rows.append([head] + [Stat.of(results[(head, kind, r)].per_seed("realised_noise_rate")).fmt(1, 3)
-                                           for r in rates])
+            realised_rows.append(
+                [head] + [Stat.of(results[(head, kind, r)].per_seed("realised_noise_rate")).fmt(1, 3) for r in rates]
+            )
+
         # the paper's OvA-LP row, only at the rates it reports
-        def paper_cell(r, how):
+        def paper_cell(r, how, base=base, pbase=pbase, pdec=pdec, pacc=pacc):
             if base != pbase or r not in pdec:
                 return "–"
             d = pdec[r]
             return {"pts": f"{d:.2f}", "rel": f"{100 * d / pacc:.2f}", "share": f"{100 * (1 - d / pacc):.1f}"}[how]
+
         prow_base = f"{pacc:.2f}" if base == pbase else "–"
         pts_rows.append(["OvA-LP (paper, CIFAR-100)", prow_base] + [paper_cell(r, "pts") for r in higher])
         rel_rows.append(["OvA-LP (paper, CIFAR-100)", prow_base] + [paper_cell(r, "rel") for r in higher])
         share_rows.append(["OvA-LP (paper, from its declines)"] + [paper_cell(r, "share") for r in higher])
         hdr = ["head", f"acc @ {base:g} (%)"] + [f"decline @ {r:g}" for r in higher]
-        s = [f"## {kind} noise, recipe {recipe}: {common.clients} clients IID, round {common.rounds}, "
-             f"seeds {', '.join(map(str, common.seeds))}", "",
-             "### Accuracy (%)", "", md_table(["head"] + (["no noise"] if clean else []) + [f"{r:g}" for r in rates],
-                                              acc_rows), "",
-             "### Decline from the lowest rate, absolute (percentage points)", "", md_table(hdr, pts_rows), "",
-             "### Decline from the lowest rate, relative (% of the lowest-rate accuracy)", "",
-             md_table(hdr, rel_rows), "",
-             f"### Share of accuracy retained relative to rate {base:g} (%)", "",
-             md_table(["head"] + [f"{r:g}" for r in higher], share_rows), ""]
+        s = [
+            f"## {kind} noise, recipe {recipe}: {common.clients} clients IID, round {common.rounds}, "
+            f"seeds {', '.join(map(str, common.seeds))}",
+            "",
+            "### Accuracy (%)",
+            "",
+            md_table(["head"] + (["no noise"] if clean else []) + [f"{r:g}" for r in rates], acc_rows),
+            "",
+            "### Decline from the lowest rate, absolute (percentage points)",
+            "",
+            md_table(hdr, pts_rows),
+            "",
+            "### Decline from the lowest rate, relative (% of the lowest-rate accuracy)",
+            "",
+            md_table(hdr, rel_rows),
+            "",
+            f"### Share of accuracy retained relative to rate {base:g} (%)",
+            "",
+            md_table(["head"] + [f"{r:g}" for r in higher], share_rows),
+            "",
+        ]
         s += _verdict(f"relative to rate {base:g}", share_seeds, higher)
         if kept_rows:
-            s += ["### Share of the noise-free accuracy retained (%)", "",
-                  "Per seed: accuracy at the rate / accuracy of the same head trained on clean labels.", "",
-                  md_table(["head", "no-noise acc (%)"] + [f"{r:g}" for r in rates], kept_rows), ""]
+            s += [
+                "### Share of the noise-free accuracy retained (%)",
+                "",
+                "Per seed: accuracy at the rate / accuracy of the same head trained on clean labels.",
+                "",
+                md_table(["head", "no-noise acc (%)"] + [f"{r:g}" for r in rates], kept_rows),
+                "",
+            ]
             s += _verdict("relative to no noise", kept_seeds, rates)
-        s += ["Realised flip fraction (measured over all clients):", "",
-              md_table(["head"] + [f"{r:g}" for r in rates], realised_rows), ""]
+        s += [
+            "Realised flip fraction (measured over all clients):",
+            "",
+            md_table(["head"] + [f"{r:g}" for r in rates], realised_rows),
+            "",
+        ]
         if base != pbase:
             s += [f"(The paper's row is printed only when the lowest rate is {pbase:g}, as in its table.)", ""]
         sections.append("\n".join(s))
@@ -644,16 +940,20 @@ def noise_sections(results: dict[tuple, CellResult], heads, kinds: dict[str, lis
 def noise_cmd(
     features: Path = FEATURES_OPT,
     head: List[str] = typer.Option(["softmax", "ova", "ova2"], "--head", help="heads (repeat)"),
-    sym_rates: str = typer.Option("0.3,0.4,0.5,0.6,0.7", "--sym-rates", help="symmetric flip rates in [0, 1) "
-                                                                           "('' for none)"),
-    asym_rates: str = typer.Option("0.2,0.3,0.4", "--asym-rates", help="asymmetric flip rates in [0, 1) "
-                                                                       "('' for none)"),
+    sym_rates: str = typer.Option(
+        "0.3,0.4,0.5,0.6,0.7", "--sym-rates", help="symmetric flip rates in [0, 1) ('' for none)"
+    ),
+    asym_rates: str = typer.Option("0.2,0.3,0.4", "--asym-rates", help="asymmetric flip rates in [0, 1) ('' for none)"),
     asym_map: str = typer.Option("auto", "--asym-map", help="asymmetric map: auto (the dataset's) | cyclic"),
     partition: str = typer.Option("iid", "--partition", help="partition (FedLTF protocol: iid)"),
-    clean: bool = typer.Option(True, "--clean/--no-clean", help="also train each head on clean labels and report "
-                                                                 "the share of that accuracy kept at every rate"),
+    clean: bool = typer.Option(
+        True,
+        "--clean/--no-clean",
+        help="also train each head on clean labels and report the share of that accuracy kept at every rate",
+    ),
     recipe: str = typer.Option("default", "--recipe", help=RECIPE_HELP),
-    *, common: Common,
+    *,
+    common: Common,
 ):
     """Label-noise robustness, FedLTF protocol (the paper's Table 2): declines from the lowest rate."""
     heads = list(dict.fromkeys(check_head(h) for h in head))
@@ -664,11 +964,14 @@ def noise_cmd(
             clean = clean or 0.0 in rates  # a rate of 0 is the noise-free run
             kinds[kind] = [r for r in rates if r > 0]
             if not kinds[kind]:
-                raise FedheadError(f"The '{param}' parameter needs a rate > 0. Got {text!r} instead. Give e.g. 0.3 "
-                                   "(the noise-free run is --clean).")
+                raise FedheadError(
+                    f"The '{param}' parameter needs a rate > 0. Got {text!r} instead. Give e.g. 0.3 "
+                    "(the noise-free run is --clean)."
+                )
     if not kinds:
-        raise FedheadError("The '--sym-rates' and '--asym-rates' parameters are both empty. Got '' instead. "
-                           "Give at least one rate.")
+        raise FedheadError(
+            "The '--sym-rates' and '--asym-rates' parameters are both empty. Got '' instead. Give at least one rate."
+        )
     pname, pparams = resolve_partition(partition)
     recipes = recipes_of(recipe)
     cells: dict[str, Cell] = {}
@@ -679,11 +982,30 @@ def noise_cmd(
             for kind, r in points + ([("none", 0.0)] if clean else []):
                 name = noise_name(h, kind, r, rec)
                 key_of[(rec, h, kind, r)] = name
-                cells[name] = Cell(name, {"head": h, "noise": kind, "rate": r, "recipe": rec},
-                                   common.cfg(features, head=h, partition=pname, partition_params=pparams,
-                                              recipe=rec, noise=kind, noise_rate=r, asym_rule=asym_map))
-    config = {**common.describe(), "heads": heads, "rates": kinds, "clean": clean, "asym_map": asym_map,
-              "partition": partition, "recipes": recipes, "features": str(features)}
+                cells[name] = Cell(
+                    name,
+                    {"head": h, "noise": kind, "rate": r, "recipe": rec},
+                    common.cfg(
+                        features,
+                        head=h,
+                        partition=pname,
+                        partition_params=pparams,
+                        recipe=rec,
+                        noise=kind,
+                        noise_rate=r,
+                        asym_rule=asym_map,
+                    ),
+                )
+    config = {
+        **common.describe(),
+        "heads": heads,
+        "rates": kinds,
+        "clean": clean,
+        "asym_map": asym_map,
+        "partition": partition,
+        "recipes": recipes,
+        "features": str(features),
+    }
     cache = StoreCache()
     cmd = start_report(common, list(cells.values()), cache, config)
     results = run_grid(list(cells.values()), common.out, cache)
@@ -708,29 +1030,74 @@ def noise_cmd(
                 ap.lines.append(P.Line(h, x, m, s, marker="o"))
             pbase, pacc, pdec = PAPER_NOISE[kind]
             px = [pbase] + sorted(pdec)
-            ap.lines.append(P.Line("OvA-LP (paper, CIFAR-100)", px, [pacc / 100] + [(pacc - pdec[r]) / 100
-                                                                                    for r in sorted(pdec)],
-                                   style=":", color="gray", marker="x"))
-            sp.lines.append(P.Line("OvA-LP (paper)", px, [1.0] + [1 - pdec[r] / pacc for r in sorted(pdec)],
-                                   style=":", color="gray", marker="x"))
+            ap.lines.append(
+                P.Line(
+                    "OvA-LP (paper, CIFAR-100)",
+                    px,
+                    [pacc / 100] + [(pacc - pdec[r]) / 100 for r in sorted(pdec)],
+                    style=":",
+                    color="gray",
+                    marker="x",
+                )
+            )
+            sp.lines.append(
+                P.Line(
+                    "OvA-LP (paper)",
+                    px,
+                    [1.0] + [1 - pdec[r] / pacc for r in sorted(pdec)],
+                    style=":",
+                    color="gray",
+                    marker="x",
+                )
+            )
             acc_panels.append(ap)
             share_panels.append(sp)
             kept_panels.append(kp)
-        plots.append(P.write_curves(common.out / f"noise-accuracy-{rec}.png", acc_panels, "flip rate",
-                                    "final test accuracy", f"accuracy under label noise ({rec})"))
-        plots.append(P.write_curves(common.out / f"noise-retained-{rec}.png", share_panels, "flip rate",
-                                    "accuracy / accuracy at the lowest rate", f"share retained ({rec})"))
+        plots.append(
+            P.write_curves(
+                common.out / f"noise-accuracy-{rec}.png",
+                acc_panels,
+                "flip rate",
+                "final test accuracy",
+                f"accuracy under label noise ({rec})",
+            )
+        )
+        plots.append(
+            P.write_curves(
+                common.out / f"noise-retained-{rec}.png",
+                share_panels,
+                "flip rate",
+                "accuracy / accuracy at the lowest rate",
+                f"share retained ({rec})",
+            )
+        )
         if clean:
-            plots.append(P.write_curves(common.out / f"noise-retained-vs-clean-{rec}.png", kept_panels, "flip rate",
-                                        "accuracy / noise-free accuracy", f"share of clean accuracy kept ({rec})"))
+            plots.append(
+                P.write_curves(
+                    common.out / f"noise-retained-vs-clean-{rec}.png",
+                    kept_panels,
+                    "flip rate",
+                    "accuracy / noise-free accuracy",
+                    f"share of clean accuracy kept ({rec})",
+                )
+            )
     write_results(common.out, results, "noise")
     write_curves(common.out, results, {})
-    note = ("Declines are per seed (accuracy at the lowest rate minus accuracy at the rate; relative = that over "
-            "the lowest-rate accuracy), then mean ± std over seeds. The paper's row is OvA-LP on (probably) "
-            "CIFAR-100 with ViT-L/16, declines as printed (read as percentage points; relative and share derived "
-            "from them).")
-    path = write_report(common.out, "fedhead bench noise (OvA-LP Table 2, FedLTF protocol)", cmd, config,
-                        sections + [note], results, plots)
+    note = (
+        "Declines are per seed (accuracy at the lowest rate minus accuracy at the rate; relative = that over "
+        "the lowest-rate accuracy), then mean ± std over seeds. The paper's row is OvA-LP on (probably) "
+        "CIFAR-100 with ViT-L/16, declines as printed (read as percentage points; relative and share derived "
+        "from them)."
+    )
+    path = write_report(
+        common.out,
+        "fedhead bench noise (OvA-LP Table 2, FedLTF protocol)",
+        cmd,
+        config,
+        sections + [note],
+        results,
+        plots,
+    )
     _print_report(path, sections)
 
 
@@ -742,11 +1109,14 @@ def participation_cmd(
     features: Path = FEATURES_OPT,
     head: List[str] = typer.Option(["ova2"], "--head", help="heads (repeat)"),
     rates: str = typer.Option("0.1,0.4,0.7,1.0", "--rates", help="participation fractions in (0, 1]"),
-    partition: str = typer.Option("bernoulli-dirichlet", "--partition",
-                                  help="non-IID partition (the paper's 'Dirichlet' is FedCorr's = "
-                                       "bernoulli-dirichlet)"),
+    partition: str = typer.Option(
+        "bernoulli-dirichlet",
+        "--partition",
+        help="non-IID partition (the paper's 'Dirichlet' is FedCorr's = bernoulli-dirichlet)",
+    ),
     recipe: str = typer.Option("default", "--recipe", help=RECIPE_HELP),
-    *, common: Common,
+    *,
+    common: Common,
 ):
     """Client participation sweep under Dirichlet (the paper's Fig. 9); IID at full participation as reference."""
     heads = list(dict.fromkeys(check_head(h) for h in head))
@@ -756,15 +1126,31 @@ def participation_cmd(
     cells = []
     for rec in recipes:
         for h in heads:
-            cells.append(Cell(f"{h}-iid-p1-{rec}", {"head": h, "partition": "iid", "participation": 1.0, "recipe": rec},
-                              common.cfg(features, head=h, partition="iid", recipe=rec)))
+            cells.append(
+                Cell(
+                    f"{h}-iid-p1-{rec}",
+                    {"head": h, "partition": "iid", "participation": 1.0, "recipe": rec},
+                    common.cfg(features, head=h, partition="iid", recipe=rec),
+                )
+            )
             for f in fracs:
-                cells.append(Cell(f"{h}-{partition}-p{f:g}-{rec}",
-                                  {"head": h, "partition": partition, "participation": f, "recipe": rec},
-                                  common.cfg(features, head=h, partition=pname, partition_params=pparams, recipe=rec,
-                                             participation=f)))
-    config = {**common.describe(), "heads": heads, "participation": fracs, "partition": partition,
-              "recipes": recipes, "features": str(features)}
+                cells.append(
+                    Cell(
+                        f"{h}-{partition}-p{f:g}-{rec}",
+                        {"head": h, "partition": partition, "participation": f, "recipe": rec},
+                        common.cfg(
+                            features, head=h, partition=pname, partition_params=pparams, recipe=rec, participation=f
+                        ),
+                    )
+                )
+    config = {
+        **common.describe(),
+        "heads": heads,
+        "participation": fracs,
+        "partition": partition,
+        "recipes": recipes,
+        "features": str(features),
+    }
     cache = StoreCache()
     cmd = start_report(common, cells, cache, config)
     results = run_grid(cells, common.out, cache)
@@ -773,11 +1159,19 @@ def participation_cmd(
     for rec in recipes:
         rs = [r for r in results if r.cell.labels["recipe"] == rec]
         lead = ["head", "partition", "participation"]
-        s = [f"## recipe {rec}: {partition}, {common.clients} clients, round {common.rounds}, "
-             f"seeds {', '.join(map(str, common.seeds))}", "",
-             "Ratio and Acc@95 vs IID refer to the IID run at full participation.", "",
-             final_table(rs, lead), "", "### Ratio to IID (full participation) per round (%)", "",
-             ratio_round_table(rs, iid_of, lead, common.rounds), ""]
+        s = [
+            f"## recipe {rec}: {partition}, {common.clients} clients, round {common.rounds}, "
+            f"seeds {', '.join(map(str, common.seeds))}",
+            "",
+            "Ratio and Acc@95 vs IID refer to the IID run at full participation.",
+            "",
+            final_table(rs, lead),
+            "",
+            "### Ratio to IID (full participation) per round (%)",
+            "",
+            ratio_round_table(rs, iid_of, lead, common.rounds),
+            "",
+        ]
         sections.append("\n".join(s))
         acc_panels, ratio_panels = [], []
         for h in heads:
@@ -785,21 +1179,44 @@ def participation_cmd(
             for r in [x for x in rs if x.cell.labels["head"] == h]:
                 x, m, sd = mean_curve(r)
                 iid = r.cell.labels["partition"] == "iid"
-                ap.lines.append(P.Line("IID, p=1" if iid else f"p={r.cell.labels['participation']:g}", x, m, sd,
-                                       style="--" if iid else "-", color="black" if iid else None))
+                ap.lines.append(
+                    P.Line(
+                        "IID, p=1" if iid else f"p={r.cell.labels['participation']:g}",
+                        x,
+                        m,
+                        sd,
+                        style="--" if iid else "-",
+                        color="black" if iid else None,
+                    )
+                )
                 if not iid and iid_of.get(r.cell.name) is not None:
                     x, m, sd = ratio_curve(r, iid_of[r.cell.name])
                     rp.lines.append(P.Line(f"p={r.cell.labels['participation']:g}", x, m, sd))
             acc_panels.append(ap)
             ratio_panels.append(rp)
-        plots.append(P.write_curves(common.out / f"participation-accuracy-{rec}.png", acc_panels, "round",
-                                    "test accuracy", f"participation sweep, {partition} ({rec})"))
-        plots.append(P.write_curves(common.out / f"participation-ratio-{rec}.png", ratio_panels, "round",
-                                    "accuracy / IID accuracy", f"ratio to IID ({rec})"))
+        plots.append(
+            P.write_curves(
+                common.out / f"participation-accuracy-{rec}.png",
+                acc_panels,
+                "round",
+                "test accuracy",
+                f"participation sweep, {partition} ({rec})",
+            )
+        )
+        plots.append(
+            P.write_curves(
+                common.out / f"participation-ratio-{rec}.png",
+                ratio_panels,
+                "round",
+                "accuracy / IID accuracy",
+                f"ratio to IID ({rec})",
+            )
+        )
     write_results(common.out, results, "participation")
     write_curves(common.out, results, iid_of)
-    path = write_report(common.out, "fedhead bench participation (OvA-LP Fig. 9)", cmd, config, sections, results,
-                        plots)
+    path = write_report(
+        common.out, "fedhead bench participation (OvA-LP Fig. 9)", cmd, config, sections, results, plots
+    )
     _print_report(path, sections)
 
 
@@ -818,12 +1235,16 @@ def _weights_kind(info) -> str:
 
 @cli_errors
 def geometry_cmd(
-    features: List[Path] = typer.Option(..., "--features", help="stores to compare, e.g. pretrained and "
-                                                                 "--no-pretrained extractions (repeat)"),
+    features: List[Path] = typer.Option(
+        ..., "--features", help="stores to compare, e.g. pretrained and --no-pretrained extractions (repeat)"
+    ),
     split: str = typer.Option("train", "--split", help="train | test"),
-    samples_per_class: int = typer.Option(500, "--samples-per-class",
-                                          help="samples drawn per class and seed (0 = all)"),
-    seeds: Optional[List[str]] = SEEDS_OPT, quick: bool = QUICK_OPT, out: Optional[Path] = OUT_OPT,
+    samples_per_class: int = typer.Option(
+        500, "--samples-per-class", help="samples drawn per class and seed (0 = all)"
+    ),
+    seeds: Optional[List[str]] = SEEDS_OPT,
+    quick: bool = QUICK_OPT,
+    out: Optional[Path] = OUT_OPT,
 ):
     """Feature geometry (the paper's Fig. 2): alignment, intra, inter and intra/inter ratio. No training."""
     from extract.store import load_store, open_store
@@ -835,7 +1256,7 @@ def geometry_cmd(
     validate("--samples-per-class", samples_per_class, Interval(0, None, integer=True))
     seeds_l = parse_seeds(seeds, quick)
     out = Path(out) if out else Path("reports") / f"geometry-{time.strftime('%Y%m%d-%H%M%S')}"
-    check_out(out, kind="dir")          # a file there, or below a file: refused before any work
+    check_out(out, kind="dir")  # a file there, or below a file: refused before any work
     infos = [open_store(p) for p in features]
     tags = _store_tags(list(features))
     rows, table, series = [], [], {}
@@ -852,21 +1273,35 @@ def geometry_cmd(
         kind = _weights_kind(info)
         table.append([tag, info.encoder, kind, info.dataset] + [stats[m].fmt(1, 3) for m in COLUMNS])
         series[tag] = ([stats[m].mean for m in METRICS], [stats[m].std for m in METRICS])
-        row = {"bench_command": "geometry", "bench_store": tag, "store_path": str(info.path),
-               "store_dataset": info.dataset, "store_encoder": info.encoder,
-               "store_weights_source": info.attrs.get("weights_source", ""), "store_weights_kind": kind,
-               "cfg_split": split, "cfg_samples_per_class": samples_per_class,
-               "cfg_seeds": " ".join(map(str, seeds_l)), "res_num_samples": per_seed[0]["n"]}
+        row = {
+            "bench_command": "geometry",
+            "bench_store": tag,
+            "store_path": str(info.path),
+            "store_dataset": info.dataset,
+            "store_encoder": info.encoder,
+            "store_weights_source": info.attrs.get("weights_source", ""),
+            "store_weights_kind": kind,
+            "cfg_split": split,
+            "cfg_samples_per_class": samples_per_class,
+            "cfg_seeds": " ".join(map(str, seeds_l)),
+            "res_num_samples": per_seed[0]["n"],
+        }
         for m in COLUMNS:
             row[f"res_{m}"], row[f"res_{m}_std"] = stats[m].mean, stats[m].std
         rows.append(row)
     for kind, vals in PAPER_GEOMETRY.items():
-        table.append([f"paper ({kind})", "ViT (paper)", kind, "not stated"] +
-                     [f"{vals[m][0]:.3f} ± {vals[m][1]:.3f}" if m in vals else "–" for m in COLUMNS])
+        table.append(
+            [f"paper ({kind})", "ViT (paper)", kind, "not stated"]
+            + [f"{vals[m][0]:.3f} ± {vals[m][1]:.3f}" if m in vals else "–" for m in COLUMNS]
+        )
     datasets = sorted({i.dataset for i in infos})
-    s = [f"## Feature geometry ({split} split, up to {samples_per_class or 'all'} samples per class, seeds "
-         f"{', '.join(map(str, seeds_l))})", "",
-         md_table(["store", "encoder", "weights", "dataset"] + list(COLUMNS), table), ""]
+    s = [
+        f"## Feature geometry ({split} split, up to {samples_per_class or 'all'} samples per class, seeds "
+        f"{', '.join(map(str, seeds_l))})",
+        "",
+        md_table(["store", "encoder", "weights", "dataset"] + list(COLUMNS), table),
+        "",
+    ]
     pre = [t for t, (i, _) in stats_of.items() if _weights_kind(i) == "pretrained"]
     rnd = [t for t, (i, _) in stats_of.items() if _weights_kind(i) == "random-init"]
     for a in pre:
@@ -874,31 +1309,59 @@ def geometry_cmd(
             sa, sb = stats_of[a][1], stats_of[b][1]
             ra, rb = sa["ratio"].mean, sb["ratio"].mean
             same = stats_of[a][0].dataset == stats_of[b][0].dataset and stats_of[a][0].encoder == stats_of[b][0].encoder
-            s.append(f"- {a} (pretrained) vs {b} (random-init){'' if same else ' [different encoder or dataset]'}: "
-                     f"intra/inter {ra:.3f} vs {rb:.3f} → pretrained lower: **{'yes' if ra < rb else 'no'}**")
-            as_paper = [f"{m} {'yes' if (sa[m].mean > sb[m].mean if m == 'inter' else sa[m].mean < sb[m].mean) else 'no'}"
-                        f" ({sa[m].mean:.3f} vs {sb[m].mean:.3f})" for m in ("alignment", "intra", "inter")]
-            s.append(f"  - the paper's direction (pretrained smaller alignment and intra, larger inter): "
-                     f"{'; '.join(as_paper)}; spread {sa['spread'].mean:.3f} vs {sb['spread'].mean:.3f}"
-                     + (" (the random-init features fan out less, so their absolute distances are all smaller; "
-                        "the ratio is the comparison that does not depend on spread)"
-                        if sb['spread'].mean < 0.8 * sa['spread'].mean else ""))
+            s.append(
+                f"- {a} (pretrained) vs {b} (random-init){'' if same else ' [different encoder or dataset]'}: "
+                f"intra/inter {ra:.3f} vs {rb:.3f} → pretrained lower: **{'yes' if ra < rb else 'no'}**"
+            )
+            as_paper = [
+                f"{m} {'yes' if (sa[m].mean > sb[m].mean if m == 'inter' else sa[m].mean < sb[m].mean) else 'no'}"
+                f" ({sa[m].mean:.3f} vs {sb[m].mean:.3f})"
+                for m in ("alignment", "intra", "inter")
+            ]
+            s.append(
+                f"  - the paper's direction (pretrained smaller alignment and intra, larger inter): "
+                f"{'; '.join(as_paper)}; spread {sa['spread'].mean:.3f} vs {sb['spread'].mean:.3f}"
+                + (
+                    " (the random-init features fan out less, so their absolute distances are all smaller; "
+                    "the ratio is the comparison that does not depend on spread)"
+                    if sb["spread"].mean < 0.8 * sa["spread"].mean
+                    else ""
+                )
+            )
     if per_class is None or max(max_class) <= per_class:
-        s.append(f"\nNote: every class has at most {samples_per_class or 'all'} samples, so every seed uses the "
-                 "same samples and the ± over seeds is 0; lower --samples-per-class to see sampling variation.")
+        s.append(
+            f"\nNote: every class has at most {samples_per_class or 'all'} samples, so every seed uses the "
+            "same samples and the ± over seeds is 0; lower --samples-per-class to see sampling variation."
+        )
     if len(datasets) > 1:
-        s.append(f"\nNote: the stores hold different datasets ({', '.join(datasets)}); geometry is comparable only "
-                 "on the same images.")
+        s.append(
+            f"\nNote: the stores hold different datasets ({', '.join(datasets)}); geometry is comparable only "
+            "on the same images."
+        )
     from .geometry import __doc__ as gdoc
+
     s += ["", "Definitions (features L2-normalised):", "", "```", gdoc.strip(), "```"]
     sections = ["\n".join(s)]
     with exclusive_writer(out, f"the report folder {str(out)!r}"):
         out.mkdir(parents=True, exist_ok=True)
-        plots = [P.write_bars(out / "geometry.png", list(METRICS), series, "value",
-                              "feature geometry (lower alignment/intra/ratio, higher inter = better)")]
+        plots = [
+            P.write_bars(
+                out / "geometry.png",
+                list(METRICS),
+                series,
+                "value",
+                "feature geometry (lower alignment/intra/ratio, higher inter = better)",
+            )
+        ]
         write_csv(out / "results.csv", rows)
         cmd = command_line()
-        config = {"command": "geometry", "features": [str(p) for p in features], "split": split,
-                  "samples_per_class": samples_per_class, "seeds": seeds_l, "out": str(out)}
+        config = {
+            "command": "geometry",
+            "features": [str(p) for p in features],
+            "split": split,
+            "samples_per_class": samples_per_class,
+            "seeds": seeds_l,
+            "out": str(out),
+        }
         path = write_report(out, "fedhead bench geometry (OvA-LP Fig. 2)", cmd, config, sections, (), plots)
     _print_report(path, sections[:1])

@@ -59,8 +59,13 @@ def geometry_metrics(x: np.ndarray, y: np.ndarray, normalized: bool = True) -> d
         inter = float("nan")
     alignment = pair_sum / pairs if pairs else float("nan")
     spread = float(np.linalg.norm(z - z.mean(0), axis=1).mean())
-    return {"alignment": alignment, "intra": intra, "inter": inter,
-            "ratio": intra / inter if inter and inter == inter else float("nan"), "spread": spread}
+    return {
+        "alignment": alignment,
+        "intra": intra,
+        "inter": inter,
+        "ratio": intra / inter if inter and inter == inter else float("nan"),
+        "spread": spread,
+    }
 
 
 def subsample(y: np.ndarray, per_class: int | None, seed: int) -> np.ndarray:

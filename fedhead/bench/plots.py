@@ -30,7 +30,7 @@ class Line:
     x: Sequence[float]
     y: Sequence[float]
     err: Sequence[float] | None = None
-    style: str = "-"          # "-" results, "--" references (IID), ":" paper values
+    style: str = "-"  # "-" results, "--" references (IID), ":" paper values
     color: str | None = None
     marker: str | None = None
 
@@ -39,11 +39,18 @@ class Line:
 class Panel:
     title: str
     lines: list[Line] = field(default_factory=list)
-    hline: tuple[float, str] | None = None    # (y, label), e.g. (1.0, "IID")
+    hline: tuple[float, str] | None = None  # (y, label), e.g. (1.0, "IID")
 
 
-def write_curves(path: Path, panels: Sequence[Panel], xlabel: str, ylabel: str, title: str = "",
-                 ylim: tuple[float, float] | None = None, xscale: str = "linear") -> Path:
+def write_curves(
+    path: Path,
+    panels: Sequence[Panel],
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    ylim: tuple[float, float] | None = None,
+    xscale: str = "linear",
+) -> Path:
     """One row of panels; each line with a shaded ±std band when ``err`` is given."""
     plt = _plt()
     n = max(1, len(panels))
@@ -53,11 +60,12 @@ def write_curves(path: Path, panels: Sequence[Panel], xlabel: str, ylabel: str, 
             x, y = np.asarray(ln.x, float), np.asarray(ln.y, float)
             if x.size == 0:
                 continue
-            kw = dict(label=ln.label, linestyle=ln.style, marker=ln.marker or ("o" if x.size <= 12 else None),
-                      markersize=3.5)
+            kw = dict(
+                label=ln.label, linestyle=ln.style, marker=ln.marker or ("o" if x.size <= 12 else None), markersize=3.5
+            )
             if ln.color:
                 kw["color"] = ln.color
-            if ln.style != "-":      # references (IID, paper) on top of the results
+            if ln.style != "-":  # references (IID, paper) on top of the results
                 kw["zorder"] = 4
             h = ax.plot(x, y, **kw)[0]
             if ln.err is not None and len(ln.err) == len(y):
@@ -79,8 +87,14 @@ def write_curves(path: Path, panels: Sequence[Panel], xlabel: str, ylabel: str, 
     return _save(fig, path)
 
 
-def write_bars(path: Path, groups: Sequence[str], series: dict[str, tuple[Sequence[float], Sequence[float]]],
-               ylabel: str, title: str = "", hline: tuple[float, str] | None = None) -> Path:
+def write_bars(
+    path: Path,
+    groups: Sequence[str],
+    series: dict[str, tuple[Sequence[float], Sequence[float]]],
+    ylabel: str,
+    title: str = "",
+    hline: tuple[float, str] | None = None,
+) -> Path:
     """Grouped bars: one group per ``groups`` entry, one bar per series (mean, std per group)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(groups) * max(1, len(series)) ** 0.5 + 2), 3.8))

@@ -87,11 +87,11 @@ class Cell:
 class CellResult:
     cell: Cell
     run_dir: Path
-    status: str                 # ran | resumed | reused
+    status: str  # ran | resumed | reused
     summary: dict
-    rows: list[dict]            # rounds.csv, numbers parsed
-    config: dict                # config.json
-    derived: dict = field(default_factory=dict)   # ratios against the IID run (filled by the analysis)
+    rows: list[dict]  # rounds.csv, numbers parsed
+    config: dict  # config.json
+    derived: dict = field(default_factory=dict)  # ratios against the IID run (filled by the analysis)
 
     @property
     def seeds(self) -> list[int]:
@@ -161,14 +161,17 @@ def validate_cells(cells: Sequence[Cell], stores: StoreCache) -> None:
     seen = set()
     for c in cells:
         if c.name in seen:
-            raise FedheadError(f"Two runs of the report are both named {c.name!r}; repeated --head, --partition "
-                               "or rate values? Give each value once.")
+            raise FedheadError(
+                f"Two runs of the report are both named {c.name!r}; repeated --head, --partition "
+                "or rate values? Give each value once."
+            )
         seen.add(c.name)
         validate_config(c.cfg, stores.get(c.cfg.features))
 
 
-def run_grid(cells: Sequence[Cell], out: Path, stores: StoreCache, progress: bool = True,
-             runner=None) -> list[CellResult]:
+def run_grid(
+    cells: Sequence[Cell], out: Path, stores: StoreCache, progress: bool = True, runner=None
+) -> list[CellResult]:
     """Run (or reuse, or resume) every cell into ``out/runs/<name>``; one outer progress bar over runs."""
     import functools
 
@@ -195,7 +198,7 @@ def run_cells(cells: Sequence[Cell], out: Path, run_one, progress: bool = True) 
         for c in cells:
             d = out / "runs" / c.name
             status = run_status(d)
-            if status == "stale":          # nothing finished in it: start again
+            if status == "stale":  # nothing finished in it: start again
                 shutil.rmtree(d)
             if task is not None:
                 prog.update(task, info=f"{c.name} ({'ran' if status in ('new', 'stale') else status})")
@@ -209,8 +212,10 @@ def run_cells(cells: Sequence[Cell], out: Path, run_one, progress: bool = True) 
 def load_result(cell: Cell, run_dir: Path, status: str) -> CellResult:
     summary = json.loads((run_dir / "summary.json").read_text())
     config = json.loads((run_dir / "config.json").read_text())
-    rows = [{k: _num(v) if k not in ("stage", "run", "partition") else v for k, v in r.items()}
-            for r in read_csv(run_dir / "rounds.csv")]
+    rows = [
+        {k: _num(v) if k not in ("stage", "run", "partition") else v for k, v in r.items()}
+        for r in read_csv(run_dir / "rounds.csv")
+    ]
     return CellResult(cell, run_dir, status, summary, rows, config)
 
 
@@ -291,8 +296,11 @@ def _stack(curves: list[tuple[np.ndarray, np.ndarray]]):
 
 def comm_kb_per_client_round(res: CellResult) -> float:
     """Bytes a client sends per round (the head; round 1 may add the feature statistics): rounds >= 2."""
-    vals = [r["bytes_up_per_client"] for r in res.rows if r.get("run", "main") == "main"
-            and int(r["round"]) >= 2 and _finite(r["bytes_up_per_client"])]
+    vals = [
+        r["bytes_up_per_client"]
+        for r in res.rows
+        if r.get("run", "main") == "main" and int(r["round"]) >= 2 and _finite(r["bytes_up_per_client"])
+    ]
     if not vals:
         vals = [r["bytes_up_per_client"] for r in res.rows if _finite(r.get("bytes_up_per_client"))]
     return float(np.median(vals)) / 1024 if vals else float("nan")
@@ -327,8 +335,9 @@ def results_rows(results: Sequence[CellResult], command: str) -> list[dict]:
         for k in ("path", "dataset", "encoder", "weights_source", "feature_dim", "num_classes", "image_size"):
             if k in store:
                 row[f"store_{k}"] = store[k]
-        _flatten("res", {k: v for k, v in r.summary.items() if k not in ("per_seed",)
-                         and not isinstance(v, (dict,))}, row)
+        _flatten(
+            "res", {k: v for k, v in r.summary.items() if k not in ("per_seed",) and not isinstance(v, (dict,))}, row
+        )
         row["res_comm_kb_up_per_client_round"] = comm_kb_per_client_round(r)
         for k, v in r.derived.items():
             if isinstance(v, Stat):
@@ -357,8 +366,13 @@ def write_curves(out: Path, results: Sequence[CellResult], iid_of: dict[str, Cel
             rr, rm, rsd = ratio_curve(r, iid)
             ratio = {int(a): (b, c) for a, b, c in zip(rr, rm, rsd)}
         for a, b, c in zip(rs, m, s):
-            row = {"run_name": r.cell.name, **{f"bench_{k}": v for k, v in r.cell.labels.items()},
-                   "round": int(a), "accuracy_mean": float(b), "accuracy_std": float(c)}
+            row = {
+                "run_name": r.cell.name,
+                **{f"bench_{k}": v for k, v in r.cell.labels.items()},
+                "round": int(a),
+                "accuracy_mean": float(b),
+                "accuracy_std": float(c),
+            }
             if int(a) in ratio:
                 row["ratio_to_iid_mean"], row["ratio_to_iid_std"] = map(float, ratio[int(a)])
             rows.append(row)
@@ -386,13 +400,19 @@ def command_line() -> str:
     if ctx is None:
         return " ".join(shlex.quote(a) for a in ["fedhead", *sys.argv[1:]])
     words = ["fedhead", *ctx.command_path.split()[1:]]
-    words += [str(ctx.params[p.name]) for p in ctx.command.params
-              if isinstance(p, click.Argument) and ctx.params.get(p.name) is not None]
+    words += [
+        str(ctx.params[p.name])
+        for p in ctx.command.params
+        if isinstance(p, click.Argument) and ctx.params.get(p.name) is not None
+    ]
     for p in ctx.command.params:
         if not isinstance(p, click.Option) or p.name not in ctx.params:
             continue
         v, d = ctx.params[p.name], p.default
-        norm = (lambda x: [str(i) for i in x] if isinstance(x, (list, tuple)) else x)
+
+        def norm(x):
+            return [str(i) for i in x] if isinstance(x, (list, tuple)) else x
+
         if v is None or norm(v) == norm(d):
             continue
         if p.is_flag:
@@ -401,13 +421,20 @@ def command_line() -> str:
             elif v:
                 words.append(p.opts[0])
             continue
-        for item in (v if isinstance(v, (list, tuple)) else [v]):
+        for item in v if isinstance(v, (list, tuple)) else [v]:
             words += [p.opts[0], str(item)]
     return " ".join(shlex.quote(w) for w in words)
 
 
-def write_report(out: Path, title: str, command: str, config: dict, sections: Sequence[str],
-                 results: Sequence[CellResult] = (), plots: Sequence[Path] = ()) -> Path:
+def write_report(
+    out: Path,
+    title: str,
+    command: str,
+    config: dict,
+    sections: Sequence[str],
+    results: Sequence[CellResult] = (),
+    plots: Sequence[Path] = (),
+) -> Path:
     """report.md: title, the command, the tables, the plots, the configuration, the runs."""
     parts = [f"# {title}", "", "Command:", "", "```", command, "```", ""]
     parts += [s.rstrip() + "\n" for s in sections]
@@ -418,18 +445,34 @@ def write_report(out: Path, title: str, command: str, config: dict, sections: Se
     parts += ["## Configuration", "", "```json", json.dumps(config, indent=2, default=str), "```", ""]
     if results:
         counts = {s: sum(r.status == s for r in results) for s in ("ran", "resumed", "reused")}
-        parts += ["## Runs", "",
-                  f"{len(results)} runs: {counts['ran']} ran, {counts['resumed']} resumed, "
-                  f"{counts['reused']} reused from an earlier invocation.", "",
-                  md_table(["run", "status", "seeds", "rounds", "wall s"],
-                           [[f"runs/{r.cell.name}", r.status, " ".join(map(str, r.seeds)),
-                             r.summary.get("rounds"), f"{r.summary.get('wall_seconds', float('nan')):.1f}"]
-                            for r in results]), ""]
+        parts += [
+            "## Runs",
+            "",
+            f"{len(results)} runs: {counts['ran']} ran, {counts['resumed']} resumed, "
+            f"{counts['reused']} reused from an earlier invocation.",
+            "",
+            md_table(
+                ["run", "status", "seeds", "rounds", "wall s"],
+                [
+                    [
+                        f"runs/{r.cell.name}",
+                        r.status,
+                        " ".join(map(str, r.seeds)),
+                        r.summary.get("rounds"),
+                        f"{r.summary.get('wall_seconds', float('nan')):.1f}",
+                    ]
+                    for r in results
+                ],
+            ),
+            "",
+        ]
     path = out / "report.md"
     atomic_write_text(path, "\n".join(parts) + "\n")
     return path
 
 
 def write_bench_json(out: Path, command: str, cells: Sequence[Cell], config: dict) -> None:
-    atomic_write_json(out / "bench.json", {"command": command, "config": config,
-                                           "runs": [{"name": c.name, "labels": c.labels} for c in cells]})
+    atomic_write_json(
+        out / "bench.json",
+        {"command": command, "config": config, "runs": [{"name": c.name, "labels": c.labels} for c in cells]},
+    )

@@ -78,12 +78,16 @@ def machine_limits(dev, quick: bool = False) -> dict:
     a = torch.randn(n, n, device=dev)
     b = torch.randn(n, n, device=dev)
     t_mm = _best_time(lambda: torch.mm(a, b), dev, 3)
-    m = (8 if quick else 64) * 2**20 // 4                  # 64 MB: far beyond the caches
+    m = (8 if quick else 64) * 2**20 // 4  # 64 MB: far beyond the caches
     x = torch.randn(m, device=dev)
     y = torch.empty_like(x)
     t_cp = _best_time(lambda: y.copy_(x), dev, 5)
-    return {"machine_matmul_gflops": 2 * n**3 / t_mm / 1e9, "machine_copy_gb_per_s": 2 * m * 4 / t_cp / 1e9,
-            "machine_matmul_size": n, "machine_copy_mb": m * 4 / 2**20}
+    return {
+        "machine_matmul_gflops": 2 * n**3 / t_mm / 1e9,
+        "machine_copy_gb_per_s": 2 * m * 4 / t_cp / 1e9,
+        "machine_matmul_size": n,
+        "machine_copy_mb": m * 4 / 2**20,
+    }
 
 
 def onednn_matmul_gflops(quick: bool = False) -> float:
@@ -113,13 +117,14 @@ def _federation(clients: int, samples: int, dim: int, classes: int, device, seed
 
     g = torch.Generator().manual_seed(seed)
     x = torch.empty(samples, dim + 1)
-    x[:, :dim] = torch.randn(samples, dim, generator=g).abs_()     # non-negative like pooled features
+    x[:, :dim] = torch.randn(samples, dim, generator=g).abs_()  # non-negative like pooled features
     x[:, dim] = 1.0
     y = np.arange(samples) % classes
     parts = create_partition("shard", y, clients, seed=seed, shards_per_client=2)
     counts = class_counts(parts, y, classes)
-    return ClientSet(x=x.to(device), y=torch.as_tensor(y, device=device), parts=parts, counts=counts,
-                     num_classes=classes)
+    return ClientSet(
+        x=x.to(device), y=torch.as_tensor(y, device=device), parts=parts, counts=counts, num_classes=classes
+    )
 
 
 def _profile_split(engine, theta, sel, rnd, dev) -> dict:
@@ -172,11 +177,18 @@ def run_config(cfg: dict) -> dict:
     client_steps = int(E * (-(-sizes // B)).sum())
     flops = 4 * C * (D + 1) * E * int(sizes.sum())
     opt_bytes = client_steps * C * (D + 1) * 4 * (7 if optim.name == "adamw" else 5)
-    rec.update(clients=K, classes=C, dim=D, samples=int(sizes.sum()), client_steps=client_steps,
-               matmul_gflop_per_round=flops / 1e9, optimizer_gb_per_round=opt_bytes / 1e9)
+    rec.update(
+        clients=K,
+        classes=C,
+        dim=D,
+        samples=int(sizes.sum()),
+        client_steps=client_steps,
+        matmul_gflop_per_round=flops / 1e9,
+        optimizer_gb_per_round=opt_bytes / 1e9,
+    )
 
     def timed(engine, rounds):
-        theta, _ = engine.run_round(theta0, sel, 0, 1, "fedavg")         # warm-up (stage 1)
+        theta, _ = engine.run_round(theta0, sel, 0, 1, "fedavg")  # warm-up (stage 1)
         _sync(dev)
         times = []
         for r in range(2, 2 + rounds):
@@ -190,10 +202,15 @@ def run_config(cfg: dict) -> dict:
         torch.cuda.reset_peak_memory_stats(dev)
     eng = Engine(data, head, optim, LocalConfig(E, B), backend="vectorized")
     theta, times = timed(eng, cfg["rounds"])
-    rec.update(s_per_round=float(np.median(times)), s_per_round_min=min(times), rounds_timed=len(times),
-               block_clients=eng.block_clients, tile_clients=eng.tile_clients or eng.block_clients,
-               fused_optimizer=bool(eng.fused if eng.fused is not None else _fused_available(optim.name, dev)),
-               closed_form_loss=eng.closed_form)
+    rec.update(
+        s_per_round=float(np.median(times)),
+        s_per_round_min=min(times),
+        rounds_timed=len(times),
+        block_clients=eng.block_clients,
+        tile_clients=eng.tile_clients or eng.block_clients,
+        fused_optimizer=bool(eng.fused if eng.fused is not None else _fused_available(optim.name, dev)),
+        closed_form_loss=eng.closed_form,
+    )
     rec["matmul_gflops"] = flops / rec["s_per_round"] / 1e9
     rec["optimizer_gb_per_s"] = opt_bytes / rec["s_per_round"] / 1e9
     if cfg.get("profile") and eng.closed_form:
@@ -249,9 +266,16 @@ def closed_form_speed(cfg: dict) -> dict:
         add_s += time.perf_counter() - t1
         client_s += t1 - t0
         del msgs
-    rec = {"closedform_clients": K, "closedform_dim": D, "closedform_classes": C, "closedform_threads": threads,
-           "closedform_block": block, "closedform_stream_s": add_s, "closedform_client_s": client_s,
-           "closedform_mb_up_per_client": acc.bytes_up / K / 1e6}
+    rec = {
+        "closedform_clients": K,
+        "closedform_dim": D,
+        "closedform_classes": C,
+        "closedform_threads": threads,
+        "closedform_block": block,
+        "closedform_stream_s": add_s,
+        "closedform_client_s": client_s,
+        "closedform_mb_up_per_client": acc.bytes_up / K / 1e6,
+    }
     for name in ("ridge", "lda", "ncm"):
         t0 = time.perf_counter()
         theta = create_head(name).solve(acc)
@@ -266,9 +290,13 @@ def closed_form_speed(cfg: dict) -> dict:
 
 # model -> (algorithm, dataset) whose protocol it is timed at: members per round (clients x participation), batch
 # size and optimizer come from the runner's defaults (fedhead.scratch.runner.ALGO_DEFAULTS, FEDABC_LR)
-SCRATCH_PROTOCOLS = {"cnn": ("fedavg", "mnist"), "fedabc-mlp": ("fedabc", "mnist"),
-                     "fedabc-convnet": ("fedabc", "cifar10"), "vgg9": ("dnc", "cifar10"),
-                     "kws-cnn": ("fedavg", "speech-commands")}
+SCRATCH_PROTOCOLS = {
+    "cnn": ("fedavg", "mnist"),
+    "fedabc-mlp": ("fedabc", "mnist"),
+    "fedabc-convnet": ("fedabc", "cifar10"),
+    "vgg9": ("dnc", "cifar10"),
+    "kws-cnn": ("fedavg", "speech-commands"),
+}
 SCRATCH_SHAPES = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32), "speech-commands": (1, 50, 16)}  # (C, H, W)
 # optimizer steps per member in one timed call (about a second of work per backend on one core)
 SCRATCH_STEPS = {"cnn": 10, "fedabc-mlp": 40, "fedabc-convnet": 3, "vgg9": 2, "kws-cnn": 6}
@@ -282,10 +310,19 @@ def scratch_protocol(model: str, quick: bool = False) -> dict:
     algo, dataset = SCRATCH_PROTOCOLS[model]
     d = ALGO_DEFAULTS[algo]
     lr = d["lr"] if d["lr"] is not None else FEDABC_LR[dataset]
-    cfg = dict(model=model, algo=algo, dataset=dataset, shape=SCRATCH_SHAPES[dataset],
-               members=max(1, round(d["clients"] * d["participation"])), batch=d["batch_size"],
-               steps=SCRATCH_STEPS[model], optimizer=d["optimizer"], lr=lr, momentum=d["momentum"],
-               weight_decay=d["weight_decay"])
+    cfg = dict(
+        model=model,
+        algo=algo,
+        dataset=dataset,
+        shape=SCRATCH_SHAPES[dataset],
+        members=max(1, round(d["clients"] * d["participation"])),
+        batch=d["batch_size"],
+        steps=SCRATCH_STEPS[model],
+        optimizer=d["optimizer"],
+        lr=lr,
+        momentum=d["momentum"],
+        weight_decay=d["weight_decay"],
+    )
     if quick:
         cfg.update(SCRATCH_QUICK)
     return cfg
@@ -334,9 +371,9 @@ def scratch_speed(cfg: dict) -> dict:
     params = E.init_params(model, torch.Generator().manual_seed(0), count=M)
     g = torch.Generator().manual_seed(1)
     n = M * S * B
-    if cfg["dataset"] == "speech-commands":                    # float MFCCs
+    if cfg["dataset"] == "speech-commands":  # float MFCCs
         x_all, to_float = torch.randn(n, *shape, generator=g), (lambda b: b)
-    else:                                                       # uint8 pixels
+    else:  # uint8 pixels
         x_all = torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=g)
         to_float = lambda b: b.float() / 255  # noqa: E731
     y_all = torch.randint(0, 10, (n,), generator=g)
@@ -350,14 +387,29 @@ def scratch_speed(cfg: dict) -> dict:
         ix = [i[:B] for i in idx] if short else idx
 
         def run():
-            E.train_members(model, params, ix, {}, E.softmax_ce, x_all=x_all, y_all=y_all, to_float=to_float,
-                            epochs=1, batch_size=B, optim=optim, rng=np.random.default_rng(0), backend=backend, **kw)
+            E.train_members(
+                model,
+                params,
+                ix,
+                {},
+                E.softmax_ce,
+                x_all=x_all,
+                y_all=y_all,
+                to_float=to_float,
+                epochs=1,
+                batch_size=B,
+                optim=optim,
+                rng=np.random.default_rng(0),
+                backend=backend,
+                **kw,
+            )
+
         return run
 
     kinds = {"engine": ("vmap", None), "loop": ("loop", None)}
     kinds.update({f"net_{net}": ("vmap", net) for net in (cfg.get("nets") or ()) if has_net})
     variants = {k: runner(*v) for k, v in kinds.items()}
-    for v in kinds.values():                        # warm-up: one step per member
+    for v in kinds.values():  # warm-up: one step per member
         runner(*v, short=True)()
     wall = {k: [] for k in variants}
     cpu = {k: [] for k in variants}
@@ -368,10 +420,20 @@ def scratch_speed(cfg: dict) -> dict:
             wall[k].append(time.perf_counter() - t)
             cpu[k].append(time.process_time() - c)
     samples = M * S * B
-    rec.update(model=cfg["model"], algo=cfg["algo"], dataset=cfg["dataset"], members=M, batch=B, steps=S,
-               optimizer=cfg["optimizer"], samples_per_call=samples, gflop_per_sample=flops / 1e9,
-               flop_count="FlopCounterMode: convolutions and matmuls of one member's forward + backward",
-               engine_formulation=_engine_formulation(model), repeat=len(wall["engine"]))
+    rec.update(
+        model=cfg["model"],
+        algo=cfg["algo"],
+        dataset=cfg["dataset"],
+        members=M,
+        batch=B,
+        steps=S,
+        optimizer=cfg["optimizer"],
+        samples_per_call=samples,
+        gflop_per_sample=flops / 1e9,
+        flop_count="FlopCounterMode: convolutions and matmuls of one member's forward + backward",
+        engine_formulation=_engine_formulation(model),
+        repeat=len(wall["engine"]),
+    )
     for k in variants:
         med = float(np.median(wall[k]))
         rec[f"{k}_s"] = med
@@ -379,7 +441,7 @@ def scratch_speed(cfg: dict) -> dict:
         rec[f"{k}_cpu_s"] = float(np.median(cpu[k]))
         rec[f"{k}_samples_per_s"] = samples / med
         rec[f"{k}_gflops"] = samples * flops / med / 1e9
-        rec[f"{k}_matmul_fraction"] = rec[f"{k}_gflops"] / peak    # of the faster of MKL's and oneDNN's products
+        rec[f"{k}_matmul_fraction"] = rec[f"{k}_gflops"] / peak  # of the faster of MKL's and oneDNN's products
     rec["speedup_vs_loop"] = rec["loop_s"] / rec["engine_s"]
     rec["speedup_vs_loop_min"] = rec["loop_s_min"] / rec["engine_s_min"]
     rec["load_after"] = _load()
@@ -395,17 +457,21 @@ def _engine_formulation(model) -> str:
     return "StackedNet (per-member channels-last convolutions)" if net.build(model) is not None else "vmap"
 
 
-def measure_scratch_speed(*, quick: bool = False, threads: Optional[int] = None, models=None, repeat: int = 3,
-                          nets=(), progress=None) -> dict:
+def measure_scratch_speed(
+    *, quick: bool = False, threads: Optional[int] = None, models=None, repeat: int = 3, nets=(), progress=None
+) -> dict:
     """The scratch engine against its loop backend for every model of :data:`SCRATCH_PROTOCOLS` (or ``models``);
     one subprocess per model. Keys ``scratch_<model>_*``."""
     rec: dict = {}
     for model in models or SCRATCH_PROTOCOLS:
-        cfg = dict(scratch_protocol(model, quick), threads=threads, quick=quick, repeat=repeat, nets=list(nets),
-                   scratch=True)
+        cfg = dict(
+            scratch_protocol(model, quick), threads=threads, quick=quick, repeat=repeat, nets=list(nets), scratch=True
+        )
         if progress:
-            progress(f"scratch {model}: {cfg['members']} members x {cfg['steps']} steps x batch {cfg['batch']} "
-                     f"({cfg['algo']} on {cfg['dataset']})")
+            progress(
+                f"scratch {model}: {cfg['members']} members x {cfg['steps']} steps x batch {cfg['batch']} "
+                f"({cfg['algo']} on {cfg['dataset']})"
+            )
         r = run_child(cfg)
         for k, v in r.items():
             rec[f"scratch_{model}_{k}"] = v
@@ -430,9 +496,14 @@ def run_child(cfg: dict, timeout: float = 900) -> dict:
     env = dict(os.environ, FEDHEAD_NO_PROGRESS="1")
     env.pop(DENORMALS_ENV, None)
     if cfg.get("keep_denormals"):
-        env[DENORMALS_ENV] = "keep"          # subnormal arithmetic left on: what flushing saves
-    p = subprocess.run([sys.executable, "-m", "fedhead.bench.speed", json.dumps(cfg)], capture_output=True,
-                       text=True, timeout=timeout, env=env)
+        env[DENORMALS_ENV] = "keep"  # subnormal arithmetic left on: what flushing saves
+    p = subprocess.run(
+        [sys.executable, "-m", "fedhead.bench.speed", json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
         tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
@@ -451,22 +522,51 @@ def _load() -> str:
         return "n/a"
 
 
-def measure_speed(*, quick: bool = False, rounds: int = 3, device: str = "cpu", threads: Optional[int] = None,
-                  loop_rounds: int = 1, extraction: bool = True, heads: bool = True, scratch: bool = True,
-                  scratch_models=None, scratch_repeat: int = 3, scratch_nets=(), progress=None) -> dict:
+def measure_speed(
+    *,
+    quick: bool = False,
+    rounds: int = 3,
+    device: str = "cpu",
+    threads: Optional[int] = None,
+    loop_rounds: int = 1,
+    extraction: bool = True,
+    heads: bool = True,
+    scratch: bool = True,
+    scratch_models=None,
+    scratch_repeat: int = 3,
+    scratch_nets=(),
+    progress=None,
+) -> dict:
     """All measurements; returns the flat record written to ``speed.json``. ``heads``: the head trainer and the
     closed-form statistics; ``scratch``: the scratch engine against its loop (CPU), one row per model."""
     rec: dict = {"bench_quick": quick, "bench_device": device, "bench_load_before": _load()}
     if heads:
-        rec.update(_measure_heads(quick=quick, rounds=rounds, device=device, threads=threads,
-                                  loop_rounds=loop_rounds, extraction=extraction, progress=progress))
+        rec.update(
+            _measure_heads(
+                quick=quick,
+                rounds=rounds,
+                device=device,
+                threads=threads,
+                loop_rounds=loop_rounds,
+                extraction=extraction,
+                progress=progress,
+            )
+        )
     elif extraction:
         if progress:
             progress("extraction")
         rec.update(_extraction(quick, device))
     if scratch:
-        rec.update(measure_scratch_speed(quick=quick, threads=threads, models=scratch_models, repeat=scratch_repeat,
-                                         nets=scratch_nets, progress=progress))
+        rec.update(
+            measure_scratch_speed(
+                quick=quick,
+                threads=threads,
+                models=scratch_models,
+                repeat=scratch_repeat,
+                nets=scratch_nets,
+                progress=progress,
+            )
+        )
     rec["bench_load_after"] = _load()
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}
 
@@ -477,14 +577,23 @@ def _measure_heads(*, quick, rounds, device, threads, loop_rounds, extraction, p
     counts = (10, 30, 100) if quick else (100, 300, 1000)
     big = dict(size, classes=40, dim=256) if quick else dict(size, classes=200, dim=1280)
     base = dict(size, device=device, threads=threads, rounds=rounds, quick=quick)
-    rec: dict = {"bench_rounds": rounds, "bench_head": "ova2", "bench_optimizer": "adamw",
-                 "bench_partition": "shard(2)", "bench_epochs": size["epochs"], "bench_batch": size["batch"],
-                 "bench_samples": size["samples"], "bench_dim": size["dim"], "bench_classes": size["classes"]}
+    rec: dict = {
+        "bench_rounds": rounds,
+        "bench_head": "ova2",
+        "bench_optimizer": "adamw",
+        "bench_partition": "shard(2)",
+        "bench_epochs": size["epochs"],
+        "bench_batch": size["batch"],
+        "bench_samples": size["samples"],
+        "bench_dim": size["dim"],
+        "bench_classes": size["classes"],
+    }
     jobs = [("trainer", dict(base, clients=counts[0], machine=True, profile=True, loop_rounds=loop_rounds))]
-    jobs += [(f"scale_{k}", dict(base, clients=k, loop_rounds=loop_rounds if k == counts[-1] else 0))
-             for k in counts[1:]]
+    jobs += [
+        (f"scale_{k}", dict(base, clients=k, loop_rounds=loop_rounds if k == counts[-1] else 0)) for k in counts[1:]
+    ]
     jobs += [(f"scale_{counts[-1]}x{big['classes']}x{big['dim']}", dict(base, **big, clients=counts[-1], rounds=1))]
-    if device != "cuda":        # the trainer again with subnormal arithmetic left on (CPU only: GPUs don't slow)
+    if device != "cuda":  # the trainer again with subnormal arithmetic left on (CPU only: GPUs don't slow)
         jobs += [("denormals_kept", dict(base, clients=counts[0], keep_denormals=True))]
     t0 = time.perf_counter()
     for name, cfg in jobs:
@@ -518,18 +627,25 @@ def _measure_heads(*, quick, rounds, device, threads, loop_rounds, extraction, p
             if "loop_s_per_round" in r:
                 rec[f"loop_{cfg['clients']}_s_per_round"] = r["loop_s_per_round"]
                 rec[f"speedup_vs_loop_{cfg['clients']}"] = r["loop_s_per_round"] / r["s_per_round"]
-    rec[f"scale_{counts[-1]}_vs_{counts[0]}"] = (rec[f"scale_{counts[-1]}_s_per_round"]
-                                                 / rec[f"scale_{counts[0]}_s_per_round"])
+    rec[f"scale_{counts[-1]}_vs_{counts[0]}"] = (
+        rec[f"scale_{counts[-1]}_s_per_round"] / rec[f"scale_{counts[0]}_s_per_round"]
+    )
     rec["trainer_bench_seconds"] = time.perf_counter() - t0
     if extraction:
         if progress:
             progress("extraction")
         rec.update(_extraction(quick, device))
     if progress:
-        progress("closed-form statistics: 1000 clients x 200 classes x 1280 dims" if not quick else
-                 "closed-form statistics (quick)")
-    cf = dict(dim=1280, classes=200, clients=1000, samples_per_client=50, block=50) if not quick else \
-        dict(dim=64, classes=10, clients=50, samples_per_client=20, block=10)
+        progress(
+            "closed-form statistics: 1000 clients x 200 classes x 1280 dims"
+            if not quick
+            else "closed-form statistics (quick)"
+        )
+    cf = (
+        dict(dim=1280, classes=200, clients=1000, samples_per_client=50, block=50)
+        if not quick
+        else dict(dim=64, classes=10, clients=50, samples_per_client=20, block=10)
+    )
     rec.update(run_child(dict(cf, threads=threads, closedform=True)))
     return rec
 
@@ -552,8 +668,10 @@ def _extraction(quick: bool, device: str) -> dict:
 def speed_table(rec: dict):
     from rich.table import Table
 
-    t = Table(title=f"fedhead bench speed ({'quick' if rec['bench_quick'] else 'paper scale'}, "
-                    f"{rec['bench_device']}, {rec.get('machine_threads')} threads, load {rec['bench_load_before']})")
+    t = Table(
+        title=f"fedhead bench speed ({'quick' if rec['bench_quick'] else 'paper scale'}, "
+        f"{rec['bench_device']}, {rec.get('machine_threads')} threads, load {rec['bench_load_before']})"
+    )
     t.add_column("measure")
     t.add_column("value", justify="right")
     t.add_column("note")
@@ -561,47 +679,76 @@ def speed_table(rec: dict):
     def row(label, key, fmt="{:.3f}", note=""):
         if key in rec:
             v = rec[key]
-            t.add_row(label, fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v),
-                      note)
+            t.add_row(label, fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v), note)
 
-    row("trainer s/round", "trainer_s_per_round", note=f"{rec.get('trainer_clients')} clients, "
+    row(
+        "trainer s/round",
+        "trainer_s_per_round",
+        note=f"{rec.get('trainer_clients')} clients, "
         f"tile {rec.get('trainer_tile_clients')}, block {rec.get('trainer_block_clients')}, "
-        f"closed-form loss {rec.get('trainer_closed_form_loss')}, fused opt {rec.get('trainer_fused_optimizer')}")
+        f"closed-form loss {rec.get('trainer_closed_form_loss')}, fused opt {rec.get('trainer_fused_optimizer')}",
+    )
     row("est. 50 rounds (s)", "trainer_est_50_rounds_s", "{:.1f}", "goal < 90")
-    row("trainer s/round, subnormals kept", "trainer_denormals_kept_s_per_round",
+    row(
+        "trainer s/round, subnormals kept",
+        "trainer_denormals_kept_s_per_round",
         note=f"flushed in the run above: {rec.get('trainer_denormals_flushed')}; "
-             f"{rec.get('trainer_denormal_slowdown', float('nan')):.2f}x slower kept")
-    row("trainer matmul GFLOP/s", "trainer_matmul_gflops", "{:.1f}",
-        f"{rec.get('trainer_matmul_gflop_per_round', 0):.1f} GFLOP/round over the whole round")
+        f"{rec.get('trainer_denormal_slowdown', float('nan')):.2f}x slower kept",
+    )
+    row(
+        "trainer matmul GFLOP/s",
+        "trainer_matmul_gflops",
+        "{:.1f}",
+        f"{rec.get('trainer_matmul_gflop_per_round', 0):.1f} GFLOP/round over the whole round",
+    )
     row("bmm kernels GFLOP/s", "trainer_bmm_gflops", "{:.1f}", "FLOPs / profiled matmul time")
     row("machine matmul GFLOP/s", "machine_matmul_gflops", "{:.1f}", "dense fp32, same threads")
     row("matmul fraction", "trainer_matmul_fraction", "{:.1%}", "goal >= 40%")
-    row("optimizer GB/s (round)", "trainer_optimizer_gb_per_s", "{:.1f}",
-        f"{rec.get('trainer_optimizer_gb_per_round', 0):.1f} GB/round")
+    row(
+        "optimizer GB/s (round)",
+        "trainer_optimizer_gb_per_s",
+        "{:.1f}",
+        f"{rec.get('trainer_optimizer_gb_per_round', 0):.1f} GB/round",
+    )
     row("optimizer GB/s (kernel)", "trainer_optimizer_only_gb_per_s", "{:.1f}", "bytes / profiled optimizer time")
     row("machine copy GB/s", "machine_copy_gb_per_s", "{:.1f}", "read + write")
     for part in ("matmul", "optimizer", "gather", "loss_other"):
-        row(f"profile: {part}", f"trainer_profile_{part}_fraction", "{:.1%}",
-            f"{rec.get(f'trainer_profile_{part}_s', 0):.2f} s")
-    row("trainer with autograd loss s/round", "trainer_autograd_loss_s_per_round",
-        note="the head's closed-form loss_and_grad switched off")
+        row(
+            f"profile: {part}",
+            f"trainer_profile_{part}_fraction",
+            "{:.1%}",
+            f"{rec.get(f'trainer_profile_{part}_s', 0):.2f} s",
+        )
+    row(
+        "trainer with autograd loss s/round",
+        "trainer_autograd_loss_s_per_round",
+        note="the head's closed-form loss_and_grad switched off",
+    )
     row("loop s/round", "loop_s_per_round", note="per-client torch.optim loop")
     for key in sorted(k for k in rec if k.startswith("speedup_vs_loop_")):
         n = key.rsplit("_", 1)[1]
         row(f"speed-up vs loop ({n} clients)", key, "{:.1f}x", "goal >= 3x (100), >= 10x (1000)")
-    for key in sorted((k for k in rec if k.startswith("scale_") and k.endswith("_s_per_round")),
-                      key=lambda k: (len(k), k)):
-        name = key[len("scale_"):-len("_s_per_round")]
+    for key in sorted(
+        (k for k in rec if k.startswith("scale_") and k.endswith("_s_per_round")), key=lambda k: (len(k), k)
+    ):
+        name = key[len("scale_") : -len("_s_per_round")]
         row(f"scale {name}: s/round", key, note=f"peak {rec.get(f'scale_{name}_peak_mb', 0):.0f} MB")
     for key in (k for k in rec if k.startswith("scale_") and "_vs_" in k):
         row(key.replace("_", " "), key, "{:.2f}x", "goal <= 1.5x")
-    row("closed form: stream 1000 messages (s)", "closedform_stream_s", note=f"{rec.get('closedform_clients')} "
+    row(
+        "closed form: stream 1000 messages (s)",
+        "closedform_stream_s",
+        note=f"{rec.get('closedform_clients')} "
         f"clients x {rec.get('closedform_classes')} classes x {rec.get('closedform_dim')} dims, blocks of "
-        f"{rec.get('closedform_block')}; {rec.get('closedform_mb_up_per_client', 0):.1f} MB per client")
+        f"{rec.get('closedform_block')}; {rec.get('closedform_mb_up_per_client', 0):.1f} MB per client",
+    )
     row("closed form: ridge solve (s)", "closedform_ridge_solve_s")
     row("closed form: stream + ridge solve (s)", "closedform_ridge_total_s", note="goal < 5 s")
-    row("closed form: LDA / NCM solve (s)", "closedform_lda_solve_s",
-        note=f"NCM {rec.get('closedform_ncm_solve_s', 0):.3f} s")
+    row(
+        "closed form: LDA / NCM solve (s)",
+        "closedform_lda_solve_s",
+        note=f"NCM {rec.get('closedform_ncm_solve_s', 0):.3f} s",
+    )
     row("closed form: peak MB", "closedform_peak_mb", "{:.0f}", "goal < 2048")
     row("closed form: clients computing their messages (s)", "closedform_client_s", note="runs on the clients")
     row("extraction images/s", "extract_images_per_sec", "{:.1f}")
@@ -613,8 +760,19 @@ def speed_table(rec: dict):
     return t
 
 
-SCRATCH_COLUMNS = ("model", "protocol: members x batch", "GFLOP/sample", "engine samples/s", "loop samples/s",
-                   "engine/loop", "engine GFLOP/s", "loop GFLOP/s", "engine/matmul", "load", "other nets")
+SCRATCH_COLUMNS = (
+    "model",
+    "protocol: members x batch",
+    "GFLOP/sample",
+    "engine samples/s",
+    "loop samples/s",
+    "engine/loop",
+    "engine GFLOP/s",
+    "loop GFLOP/s",
+    "engine/matmul",
+    "load",
+    "other nets",
+)
 
 
 def scratch_rows(rec: dict) -> list[list[str]]:
@@ -622,32 +780,46 @@ def scratch_rows(rec: dict) -> list[list[str]]:
     column."""
     rows = []
     for model in dict.fromkeys(k.split("_")[1] for k in rec if k.startswith("scratch_") and k.endswith("_model")):
-        r = {k[len(f"scratch_{model}_"):]: v for k, v in rec.items() if k.startswith(f"scratch_{model}_")}
-        rows.append([model, f"{r['algo']} {r['dataset']}: {r['members']} x {r['batch']} {r['optimizer']}",
-                     f"{r['gflop_per_sample']:.4f}", f"{r['engine_samples_per_s']:.0f}",
-                     f"{r['loop_samples_per_s']:.0f}", f"{r['speedup_vs_loop']:.2f}x", f"{r['engine_gflops']:.1f}",
-                     f"{r['loop_gflops']:.1f}", f"{r['engine_matmul_fraction']:.1%}",
-                     f"{r['load_before'].split()[0]}-{r['load_after'].split()[0]}",
-                     " ".join(f"{k[4:-len('_samples_per_s')]} {v:.0f}/s" for k, v in r.items()
-                              if k.startswith("net_") and k.endswith("_samples_per_s"))])
+        r = {k[len(f"scratch_{model}_") :]: v for k, v in rec.items() if k.startswith(f"scratch_{model}_")}
+        rows.append(
+            [
+                model,
+                f"{r['algo']} {r['dataset']}: {r['members']} x {r['batch']} {r['optimizer']}",
+                f"{r['gflop_per_sample']:.4f}",
+                f"{r['engine_samples_per_s']:.0f}",
+                f"{r['loop_samples_per_s']:.0f}",
+                f"{r['speedup_vs_loop']:.2f}x",
+                f"{r['engine_gflops']:.1f}",
+                f"{r['loop_gflops']:.1f}",
+                f"{r['engine_matmul_fraction']:.1%}",
+                f"{r['load_before'].split()[0]}-{r['load_after'].split()[0]}",
+                " ".join(
+                    f"{k[4 : -len('_samples_per_s')]} {v:.0f}/s"
+                    for k, v in r.items()
+                    if k.startswith("net_") and k.endswith("_samples_per_s")
+                ),
+            ]
+        )
     return rows
 
 
 def scratch_table(rec: dict):
     from rich.table import Table
 
-    first = next((k[:-len("_threads")] for k in rec if k.startswith("scratch_") and k.endswith("_threads")), None)
-    t = Table(title=f"fedhead bench speed: scratch engine vs loop backend (cpu, {rec.get(f'{first}_threads')} "
-                    f"threads; float32 matmul {rec.get(f'{first}_machine_matmul_gflops', 0):.0f} GFLOP/s by "
-                    f"torch.mm/MKL, {rec.get(f'{first}_machine_onednn_matmul_gflops', 0):.0f} by oneDNN)",
-              caption="FLOPs: FlopCounterMode, convolutions + matmuls of forward and backward. samples/s: median of "
-                      "the timed calls. engine/matmul: of the faster matmul. load: 1-min load average before-after")
+    first = next((k[: -len("_threads")] for k in rec if k.startswith("scratch_") and k.endswith("_threads")), None)
+    t = Table(
+        title=f"fedhead bench speed: scratch engine vs loop backend (cpu, {rec.get(f'{first}_threads')} "
+        f"threads; float32 matmul {rec.get(f'{first}_machine_matmul_gflops', 0):.0f} GFLOP/s by "
+        f"torch.mm/MKL, {rec.get(f'{first}_machine_onednn_matmul_gflops', 0):.0f} by oneDNN)",
+        caption="FLOPs: FlopCounterMode, convolutions + matmuls of forward and backward. samples/s: median of "
+        "the timed calls. engine/matmul: of the faster matmul. load: 1-min load average before-after",
+    )
     rows = scratch_rows(rec)
     cols = SCRATCH_COLUMNS if any(r[-1] for r in rows) else SCRATCH_COLUMNS[:-1]
     for c in cols:
         t.add_column(c, justify="left" if c.startswith(("model", "protocol")) else "right")
     for row in rows:
-        t.add_row(*row[:len(cols)])
+        t.add_row(*row[: len(cols)])
     return t
 
 
@@ -655,48 +827,69 @@ def scratch_markdown(rec: dict) -> str:
     """The scratch table as Markdown (written next to the JSON record as ``<out>.md``)."""
     rows = scratch_rows(rec)
     cols = SCRATCH_COLUMNS if any(r[-1] for r in rows) else SCRATCH_COLUMNS[:-1]
-    first = next((k[:-len("_threads")] for k in rec if k.startswith("scratch_") and k.endswith("_threads")), None)
-    lines = ["# fedhead bench speed: scratch engine vs loop backend",
-             "",
-             f"CPU, {rec.get(f'{first}_threads')} threads; dense float32 matmul at that thread count: "
-             f"{rec.get(f'{first}_machine_matmul_gflops', 0):.0f} GFLOP/s through torch.mm (MKL), "
-             f"{rec.get(f'{first}_machine_onednn_matmul_gflops', 0):.0f} GFLOP/s through oneDNN. FLOPs per sample: "
-             "torch.utils.flop_counter.FlopCounterMode on one member's forward + backward (convolutions and matrix "
-             "products). samples/s: median of the timed calls. engine/matmul: engine GFLOP/s over the faster "
-             "matmul. load: 1-minute load average before-after each model.",
-             "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(r[:len(cols)]) + " |" for r in rows]
+    first = next((k[: -len("_threads")] for k in rec if k.startswith("scratch_") and k.endswith("_threads")), None)
+    lines = [
+        "# fedhead bench speed: scratch engine vs loop backend",
+        "",
+        f"CPU, {rec.get(f'{first}_threads')} threads; dense float32 matmul at that thread count: "
+        f"{rec.get(f'{first}_machine_matmul_gflops', 0):.0f} GFLOP/s through torch.mm (MKL), "
+        f"{rec.get(f'{first}_machine_onednn_matmul_gflops', 0):.0f} GFLOP/s through oneDNN. FLOPs per sample: "
+        "torch.utils.flop_counter.FlopCounterMode on one member's forward + backward (convolutions and matrix "
+        "products). samples/s: median of the timed calls. engine/matmul: engine GFLOP/s over the faster "
+        "matmul. load: 1-minute load average before-after each model.",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
+    lines += ["| " + " | ".join(r[: len(cols)]) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
 @cli_errors
 def speed_cmd(
-    out: Path = typer.Option(Path("speed.json"), "--out", help="JSON file for the flat record (the scratch table "
-                             "also goes to the same name with .md)."),
+    out: Path = typer.Option(
+        Path("speed.json"),
+        "--out",
+        help="JSON file for the flat record (the scratch table also goes to the same name with .md).",
+    ),
     quick: bool = typer.Option(False, "--quick", help="Small sizes (smoke test, seconds)."),
     rounds: int = typer.Option(3, "--rounds", help="Timed rounds per configuration (after one warm-up round)."),
     loop_rounds: int = typer.Option(1, "--loop-rounds", help="Timed rounds of the loop backend."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda | auto"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: all cores, or "
-                                          "FEDHEAD_THREADS)."),
+    threads: Optional[int] = typer.Option(
+        None, "--threads", help="CPU threads (default: all cores, or FEDHEAD_THREADS)."
+    ),
     extraction: bool = typer.Option(True, "--extraction/--no-extraction", help="Also time `fedhead extract`."),
-    heads: bool = typer.Option(True, "--heads/--no-heads", help="Time the head trainer and the closed-form "
-                               "statistics."),
-    scratch: bool = typer.Option(True, "--scratch/--no-scratch", help="Time the scratch engine against its loop "
-                                 "backend (cpu) for every scratch model."),
-    scratch_model: Optional[list[str]] = typer.Option(None, "--scratch-model", help="Only this scratch model "
-                                                      "(repeat for several)."),
+    heads: bool = typer.Option(
+        True, "--heads/--no-heads", help="Time the head trainer and the closed-form statistics."
+    ),
+    scratch: bool = typer.Option(
+        True,
+        "--scratch/--no-scratch",
+        help="Time the scratch engine against its loop backend (cpu) for every scratch model.",
+    ),
+    scratch_model: Optional[list[str]] = typer.Option(
+        None, "--scratch-model", help="Only this scratch model (repeat for several)."
+    ),
     scratch_repeat: int = typer.Option(3, "--scratch-repeat", help="Timed calls per scratch backend (median)."),
-    scratch_net: Optional[list[str]] = typer.Option(None, "--scratch-net", help="Also time the engine with this "
-                                                    "formulation: member | grouped | vmap (repeat for several)."),
+    scratch_net: Optional[list[str]] = typer.Option(
+        None,
+        "--scratch-net",
+        help="Also time the engine with this formulation: member | grouped | vmap (repeat for several).",
+    ),
 ) -> None:
     """Trainer speed vs the machine's matmul/memory limits, vs a per-client loop, and in 100..1000 clients; the
     scratch engine's samples/s and GFLOP/s per model vs its loop backend."""
-    from fedhead.util import (atomic_write_json, atomic_write_text, check_out, resolve_device, stderr_console,
-                              stdout_console)
+    from fedhead.util import (
+        atomic_write_json,
+        atomic_write_text,
+        check_out,
+        resolve_device,
+        stderr_console,
+        stdout_console,
+    )
 
-    check_out(out)                      # a folder there, or below a file: refused before the measurement
+    check_out(out)  # a folder there, or below a file: refused before the measurement
     validate("--rounds", rounds, Interval(1, None, integer=True))
     validate("--loop-rounds", loop_rounds, Interval(0, None, integer=True))
     if threads is not None:
@@ -708,10 +901,20 @@ def speed_cmd(
         validate("--scratch-net", n, OneOf(("member", "grouped", "vmap")))
     resolve_device(device)
     err = stderr_console()
-    rec = measure_speed(quick=quick, rounds=rounds, device=device, threads=threads, loop_rounds=loop_rounds,
-                        extraction=extraction, heads=heads, scratch=scratch, scratch_models=scratch_model or None,
-                        scratch_repeat=scratch_repeat, scratch_nets=tuple(scratch_net or ()),
-                        progress=lambda s: err.print(f"[bold]bench speed[/]: {s}"))
+    rec = measure_speed(
+        quick=quick,
+        rounds=rounds,
+        device=device,
+        threads=threads,
+        loop_rounds=loop_rounds,
+        extraction=extraction,
+        heads=heads,
+        scratch=scratch,
+        scratch_models=scratch_model or None,
+        scratch_repeat=scratch_repeat,
+        scratch_nets=tuple(scratch_net or ()),
+        progress=lambda s: err.print(f"[bold]bench speed[/]: {s}"),
+    )
     if scratch:
         md = out.with_suffix(".md") if out.suffix != ".md" else out.with_name(out.name + ".table.md")
         atomic_write_text(md, scratch_markdown(rec))

@@ -1,4 +1,5 @@
 """An aggregation rule of one's own, run through fedhead without editing it (README "Your own head or method")."""
+
 import sys
 
 import fedhead
@@ -12,7 +13,7 @@ class FedExP(Aggregator):
 
     eps = 1e-4
 
-    def message(self, theta, trained, sizes, holds):   # per client [K, ...]; the server sees only their sums
+    def message(self, theta, trained, sizes, holds):  # per client [K, ...]; the server sees only their sums
         d = trained - theta
         return {"delta": d, "sq": (d * d).sum((1, 2))}
 
@@ -28,7 +29,17 @@ fedhead.register_method("ova2-fedexp", "OvA-LP aggregated by FedExP", head="ova2
 
 if __name__ == "__main__":
     store, out = sys.argv[1], sys.argv[2]
-    res = fedhead.run(TrainConfig(features=store, aggregate="fedexp", partition="shard", clients=10, rounds=3,
-                                  partition_params={"shards_per_client": 2}, central_reference=True), out=out)
+    res = fedhead.run(
+        TrainConfig(
+            features=store,
+            aggregate="fedexp",
+            partition="shard",
+            clients=10,
+            rounds=3,
+            partition_params={"shards_per_client": 2},
+            central_reference=True,
+        ),
+        out=out,
+    )
     print("accuracy per round:", [round(r["accuracy"], 4) for r in res.rows])
     print("ratio to central:", round(res.summary["final_ratio_to_central"], 4))

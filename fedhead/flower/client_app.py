@@ -48,6 +48,10 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp  # noqa: E402
 
 from extract.store import Features, load_store  # noqa: E402
+
+from ..aggregate import Accumulator, aggregator_of  # noqa: E402
+from ..closedform import client_stats  # noqa: E402
+from ..dp import clip_rows, feature_clip  # noqa: E402
 from ..engine import ClientSet, Engine, LocalConfig, OptimConfig, ScaffoldState  # noqa: E402
 from ..errors import FedheadError  # noqa: E402
 from ..heads import create_head  # noqa: E402
@@ -55,19 +59,22 @@ from ..noise import apply_noise  # noqa: E402
 from ..partitions import class_counts  # noqa: E402
 from ..train import FeatureStats, build_federation, ccvr_client_stats, noise_dataset_name, prepare  # noqa: E402
 from ..util import atomic_torch_save, resolve_device  # noqa: E402
-from ..closedform import client_stats  # noqa: E402
-from .common import (MESSAGE_PREFIX, check_fingerprint, client_stats_record, config_from_json,  # noqa: E402
-                     crash_rounds, store_fingerprint)
-from ..aggregate import Accumulator, aggregator_of  # noqa: E402
+from .common import (
+    MESSAGE_PREFIX,
+    check_fingerprint,
+    client_stats_record,
+    config_from_json,  # noqa: E402
+    crash_rounds,
+    store_fingerprint,
+)
 from .secure import is_secure, node_values, plain_content, secure_mod, secure_reply  # noqa: E402
-from ..dp import clip_rows, feature_clip  # noqa: E402
 
 LOG = logging.getLogger("flwr")
 _STORES: dict[str, Features] = {}
 _LOCAL: dict[tuple, "LocalData"] = {}
-VARIATES = "fedhead-scaffold"      # Context.state record: this node's SCAFFOLD c_k, by version tag
-NODE_STATE = "node-state"          # simulation: the virtual nodes' state folder inside the server's run folder
-SECURE_KIND = "secure-kind"        # the config key of a secure exchange (fedhead.flower.secure.KIND)
+VARIATES = "fedhead-scaffold"  # Context.state record: this node's SCAFFOLD c_k, by version tag
+NODE_STATE = "node-state"  # simulation: the virtual nodes' state folder inside the server's run folder
+SECURE_KIND = "secure-kind"  # the config key of a secure exchange (fedhead.flower.secure.KIND)
 
 
 @dataclass
@@ -76,7 +83,7 @@ class NodeSettings:
     pid: int
     num_partitions: int | None
     device: str = "auto"
-    state_dir: str | None = None       # SCAFFOLD: where the node's variates are also kept on disk
+    state_dir: str | None = None  # SCAFFOLD: where the node's variates are also kept on disk
 
 
 @dataclass
@@ -85,9 +92,9 @@ class LocalData:
 
     store: Features
     pid: int
-    parts: list                    # client id -> indices; only entry ``pid`` is this node's (others empty
-    labels: np.ndarray             # in own-store mode)
-    counts: np.ndarray             # [len(parts), C]
+    parts: list  # client id -> indices; only entry ``pid`` is this node's (others empty
+    labels: np.ndarray  # in own-store mode)
+    counts: np.ndarray  # [len(parts), C]
     device: torch.device
     engines: dict = field(default_factory=dict)
 
@@ -98,53 +105,83 @@ class LocalData:
     def stats_message(self, clip: float | None = None) -> tuple[np.ndarray, float, int]:
         """Feature sum (float64), sum of squared norms and count over this node's samples (``clip``: DP's
         per-sample feature-norm clip first, as :func:`fedhead.train.federated_feature_stats` does)."""
-        xp = self.store.train_x[self.mine].astype(np.float64) if clip is None else clip_rows(
-            self.store.train_x[self.mine], clip)
+        xp = (
+            self.store.train_x[self.mine].astype(np.float64)
+            if clip is None
+            else clip_rows(self.store.train_x[self.mine], clip)
+        )
         return xp.sum(0), float((xp * xp).sum()), len(self.mine)
 
     def engine(self, cfg, stats: FeatureStats) -> Engine:
-        key = (None if stats.mean is None else hashlib.sha1(stats.mean.tobytes()).hexdigest(), stats.scale,
-               cfg.head, tuple(sorted(cfg.head_params.items())), cfg.optimizer, cfg.lr, cfg.weight_decay,
-               cfg.momentum, cfg.local_epochs, cfg.local_steps, cfg.batch_size, cfg.backend)
+        key = (
+            None if stats.mean is None else hashlib.sha1(stats.mean.tobytes()).hexdigest(),
+            stats.scale,
+            cfg.head,
+            tuple(sorted(cfg.head_params.items())),
+            cfg.optimizer,
+            cfg.lr,
+            cfg.weight_decay,
+            cfg.momentum,
+            cfg.local_epochs,
+            cfg.local_steps,
+            cfg.batch_size,
+            cfg.backend,
+        )
         eng = self.engines.get(key)
         if eng is None:
             x = prepare(self.store.train_x, stats, self.device)
-            data = ClientSet(x=x, y=torch.as_tensor(self.labels, device=self.device), parts=self.parts,
-                             counts=self.counts, num_classes=self.store.info.num_classes)
-            eng = Engine(data, create_head(cfg.head, **cfg.head_params),
-                         OptimConfig(name=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                     momentum=cfg.momentum),
-                         LocalConfig(epochs=cfg.local_epochs, batch_size=cfg.batch_size, steps=cfg.local_steps),
-                         backend=cfg.backend, block_clients=1)
-            self.engines = {key: eng}      # one prepared copy per process is enough
+            data = ClientSet(
+                x=x,
+                y=torch.as_tensor(self.labels, device=self.device),
+                parts=self.parts,
+                counts=self.counts,
+                num_classes=self.store.info.num_classes,
+            )
+            eng = Engine(
+                data,
+                create_head(cfg.head, **cfg.head_params),
+                OptimConfig(name=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum),
+                LocalConfig(epochs=cfg.local_epochs, batch_size=cfg.batch_size, steps=cfg.local_steps),
+                backend=cfg.backend,
+                block_clients=1,
+            )
+            self.engines = {key: eng}  # one prepared copy per process is enough
         return eng
 
 
-def node_settings(context: Context, default_store: str | None = None,
-                  default_state_dir: str | None = None) -> NodeSettings:
+def node_settings(
+    context: Context, default_store: str | None = None, default_state_dir: str | None = None
+) -> NodeSettings:
     nc = dict(context.node_config)
     store = nc.get("feature-store") or context.run_config.get("client-feature-store") or default_store
     if not store and nc.get("num-partitions", "") != "":
         # Flower's simulation: every virtual node slices the one shared store the server also uses
         store = context.run_config.get("feature-store", "")
     if not store:
-        raise FedheadError("This SuperNode has no feature store. Start it with --node-config "
-                           "\"feature-store='PATH' partition-id=N\" (PATH written by 'fedhead extract').")
+        raise FedheadError(
+            "This SuperNode has no feature store. Start it with --node-config "
+            "\"feature-store='PATH' partition-id=N\" (PATH written by 'fedhead extract')."
+        )
     if "partition-id" not in nc:
-        raise FedheadError("This SuperNode has no partition id. Start it with --node-config "
-                           "\"feature-store='PATH' partition-id=N\" (N = 0 .. clients-1, unique per node).")
+        raise FedheadError(
+            "This SuperNode has no partition id. Start it with --node-config "
+            "\"feature-store='PATH' partition-id=N\" (N = 0 .. clients-1, unique per node)."
+        )
     try:
         pid = int(nc["partition-id"])
         nparts = int(nc["num-partitions"]) if nc.get("num-partitions", "") != "" else None
     except (TypeError, ValueError):
-        raise FedheadError(f"The node config 'partition-id'/'num-partitions' must be integers. Got "
-                           f"{nc.get('partition-id')!r}/{nc.get('num-partitions')!r} instead.") from None
+        raise FedheadError(
+            f"The node config 'partition-id'/'num-partitions' must be integers. Got "
+            f"{nc.get('partition-id')!r}/{nc.get('num-partitions')!r} instead."
+        ) from None
     state_dir = nc.get("state-dir") or None
-    if state_dir is None and not nc.get("feature-store"):      # simulation: the nodes share the server's machine
+    if state_dir is None and not nc.get("feature-store"):  # simulation: the nodes share the server's machine
         run_dir = context.run_config.get("run-dir")
         state_dir = str(Path(str(run_dir)) / NODE_STATE) if run_dir else default_state_dir
-    return NodeSettings(str(store), pid, nparts, str(nc.get("device", "auto")),
-                        None if state_dir is None else str(state_dir))
+    return NodeSettings(
+        str(store), pid, nparts, str(nc.get("device", "auto")), None if state_dir is None else str(state_dir)
+    )
 
 
 def open_node_store(path: str) -> Features:
@@ -162,19 +199,29 @@ def local_data(ns: NodeSettings, cfg, seed: int) -> LocalData:
     C = store.info.num_classes
     if ns.num_partitions is not None:
         if ns.num_partitions != cfg.clients:
-            raise FedheadError(f"The node config 'num-partitions' must equal the server's --clients "
-                               f"({cfg.clients}). Got {ns.num_partitions} instead.")
+            raise FedheadError(
+                f"The node config 'num-partitions' must equal the server's --clients "
+                f"({cfg.clients}). Got {ns.num_partitions} instead."
+            )
         if not 0 <= ns.pid < ns.num_partitions:
-            raise FedheadError(f"The node config 'partition-id' must be in [0, {ns.num_partitions}). "
-                               f"Got {ns.pid} instead.")
+            raise FedheadError(
+                f"The node config 'partition-id' must be in [0, {ns.num_partitions}). Got {ns.pid} instead."
+            )
         fed = build_federation(store, cfg, seed, cfg.partition, cfg.partition_params)
         parts, labels, counts = fed.parts, fed.labels, fed.counts
     else:
         # own store: all of its training split is this node's data; noise keyed by (seed, partition id)
         empty = np.zeros(0, dtype=np.int64)
         parts = [empty] * ns.pid + [np.arange(len(store.train_y))]
-        noisy, _ = apply_noise(cfg.noise, cfg.noise_rate, [store.train_y[p] for p in parts], C,
-                               dataset=noise_dataset_name(store, cfg), seed=seed, asym_rule=cfg.asym_rule)
+        noisy, _ = apply_noise(
+            cfg.noise,
+            cfg.noise_rate,
+            [store.train_y[p] for p in parts],
+            C,
+            dataset=noise_dataset_name(store, cfg),
+            seed=seed,
+            asym_rule=cfg.asym_rule,
+        )
         labels = noisy[ns.pid]
         counts = class_counts(parts, labels, C)
     if len(_LOCAL) > 8:
@@ -191,7 +238,7 @@ def _fedhead_errors(fn):
         try:
             return fn(msg, context)
         except FedheadError as exc:
-            if str(exc).startswith("[["):     # marked already (a handler called by another)
+            if str(exc).startswith("[["):  # marked already (a handler called by another)
                 raise
             raise FedheadError(f"[[{exc}]]") from None
 
@@ -214,8 +261,11 @@ def make_client_app(default_store: str | None = None, default_state_dir: str | N
         cfg = config_from_json(str(c["train-config"]))
         ns = settings(context)
         store = open_node_store(ns.store)
-        check_fingerprint(store_fingerprint(store.info), _json(c["server-store"]),
-                          f"The feature store {ns.store!r} of node partition {ns.pid}")
+        check_fingerprint(
+            store_fingerprint(store.info),
+            _json(c["server-store"]),
+            f"The feature store {ns.store!r} of node partition {ns.pid}",
+        )
         ld = local_data(ns, cfg, int(c["seed"]))
         if cfg.secure_aggregation and not str(c.get(SECURE_KIND, "")):
             # secure aggregation: sizes, class counts and statistics reach the server only summed (SecAgg+)
@@ -236,12 +286,13 @@ def make_client_app(default_store: str | None = None, default_state_dir: str | N
             # the statistics exchange of a closed-form head / --init start: the simulator's client_stats
             solver = create_head(str(c["closed-form"]), **cfg.head_params)
             t0 = time.perf_counter()
-            m = client_stats(store.train_x[ld.mine], ld.labels[ld.mine], store.info.num_classes, solver.needs_gram,
-                             feature_clip(cfg))
+            m = client_stats(
+                store.train_x[ld.mine], ld.labels[ld.mine], store.info.num_classes, solver.needs_gram, feature_clip(cfg)
+            )
             metrics["stats-ms"] = 1000 * (time.perf_counter() - t0)
             arrays.update(client_stats_record(m))
         content = {"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics)}
-        if cfg.scaffold:               # the server checks, on (re)connecting, that the node still holds its c_k
+        if cfg.scaffold:  # the server checks, on (re)connecting, that the node still holds its c_k
             held = held_variates(context, ns, cfg, int(c["seed"]))
             content["config"] = ConfigRecord({"scaffold-tags": " ".join(held.keys() if held is not None else [])})
         return Message(RecordDict(content), reply_to=msg)
@@ -261,16 +312,21 @@ def make_client_app(default_store: str | None = None, default_state_dir: str | N
             x = ld.engine(cfg, _feature_stats(c)).data.x
             blob = ccvr_client_stats(x, ld.labels, ld.mine, ld.store.info.num_classes).to_bytes()
         arrays = ArrayRecord({"ccvr-stats": Array(np.frombuffer(blob, dtype=np.uint8).copy())})
-        metrics = MetricRecord({"partition-id": ns.pid, "num-examples": int(len(ld.mine)),
-                                "client-ms": 1000 * (time.perf_counter() - t0)})
+        metrics = MetricRecord(
+            {"partition-id": ns.pid, "num-examples": int(len(ld.mine)), "client-ms": 1000 * (time.perf_counter() - t0)}
+        )
         return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
 
     @app.train(mods=[secure_mod])
     @_fedhead_errors
     def train(msg: Message, context: Context) -> Message:
-        if is_secure(msg):                 # a SecAgg+ exchange: the plain handler's numbers, masked
-            return _secure(msg, context, {"train": plain_train, "census": hello, "statistics": hello,
-                                          "cof-spread": hello, "ccvr": ccvr}, default_store)
+        if is_secure(msg):  # a SecAgg+ exchange: the plain handler's numbers, masked
+            return _secure(
+                msg,
+                context,
+                {"train": plain_train, "census": hello, "statistics": hello, "cof-spread": hello, "ccvr": ccvr},
+                default_store,
+            )
         return plain_train(msg, context)
 
     def plain_train(msg: Message, context: Context) -> Message:
@@ -287,33 +343,46 @@ def make_client_app(default_store: str | None = None, default_state_dir: str | N
         scaffold = None
         if cfg.scaffold and n > 0:
             scaffold = _node_variate(msg, held_variates(context, ns, cfg, seed), ns.pid, theta)
-            if scaffold is None:            # the server names a c_k this node no longer holds (it restarted)
-                return Message(RecordDict({"metrics": MetricRecord({"partition-id": ns.pid, "num-examples": int(n),
-                                                                    "scaffold-lost": 1})}), reply_to=msg)
+            if scaffold is None:  # the server names a c_k this node no longer holds (it restarted)
+                return Message(
+                    RecordDict(
+                        {"metrics": MetricRecord({"partition-id": ns.pid, "num-examples": int(n), "scaffold-lost": 1})}
+                    ),
+                    reply_to=msg,
+                )
             start = scaffold.ck[0].clone()
         if n == 0:
             w, holds, loss, ms = theta, torch.zeros(theta.shape[0], dtype=torch.bool), 0.0, 0.0
         else:
             eng = ld.engine(cfg, stats)
             t0 = time.perf_counter()
-            ws, sizes, hs, losses = eng.train_block(theta, [ns.pid], seed, rnd, prox_mu=cfg.prox_mu,
-                                                    scaffold=scaffold)
+            ws, sizes, hs, losses = eng.train_block(theta, [ns.pid], seed, rnd, prox_mu=cfg.prox_mu, scaffold=scaffold)
             if ld.device.type == "cuda":
                 torch.cuda.synchronize()
             ms = 1000 * (time.perf_counter() - t0)
             w, holds, loss = ws[0], hs[0], float(losses[0])
         # the aggregation rule's message (fedavg: n_k W_k), the simulator's Accumulator.message for one client
-        sent = Accumulator(aggregator_of(cfg), theta).message(w[None], torch.tensor([float(n)], device=w.device),
-                                                              holds[None].to(w.device))
-        arrays = ArrayRecord({**{MESSAGE_PREFIX + k: Array(v[0].detach().cpu().numpy()) for k, v in sent.items()},
-                              "holds": Array(holds.cpu().numpy().astype(np.uint8))})
+        sent = Accumulator(aggregator_of(cfg), theta).message(
+            w[None], torch.tensor([float(n)], device=w.device), holds[None].to(w.device)
+        )
+        arrays = ArrayRecord(
+            {
+                **{MESSAGE_PREFIX + k: Array(v[0].detach().cpu().numpy()) for k, v in sent.items()},
+                "holds": Array(holds.cpu().numpy().astype(np.uint8)),
+            }
+        )
         if scaffold is not None:
             # one client's pending sum is its delta c_k+ - c_k (float32 values, exact in float32)
             arrays["scaffold-delta"] = Array(scaffold.pending.to(torch.float32).cpu().numpy())
-            _keep_variates(context, variates_file(ns, cfg, seed), str(c["scaffold-in"]), start,
-                           str(c["scaffold-out"]), scaffold.ck[0])
-        metrics = MetricRecord({"partition-id": ns.pid, "num-examples": int(n), "train-loss": loss,
-                                "client-ms": ms})
+            _keep_variates(
+                context,
+                variates_file(ns, cfg, seed),
+                str(c["scaffold-in"]),
+                start,
+                str(c["scaffold-out"]),
+                scaffold.ck[0],
+            )
+        metrics = MetricRecord({"partition-id": ns.pid, "num-examples": int(n), "train-loss": loss, "client-ms": ms})
         return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
 
     return app
@@ -355,7 +424,7 @@ def held_variates(context: Context, ns: NodeSettings, cfg, seed: int) -> ArrayRe
     if held is None and path is not None and path.is_file():
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:   # a damaged file is a lost variate: the server restarts SCAFFOLD, as without it
+        except Exception as exc:  # a damaged file is a lost variate: the server restarts SCAFFOLD, as without it
             LOG.warning("[fedhead] ignoring the SCAFFOLD variates in %s (%s): %s", path, type(exc).__name__, exc)
             return None
         held = ArrayRecord({str(t): Array(v.numpy()) for t, v in saved.items()})
@@ -377,8 +446,9 @@ def _node_variate(msg: Message, held: ArrayRecord | None, pid: int, theta: torch
     return ScaffoldState.held_by([pid], c, ck)
 
 
-def _keep_variates(context: Context, path: Path | None, tag_in: str, start: torch.Tensor, tag_out: str,
-                   end: torch.Tensor) -> None:
+def _keep_variates(
+    context: Context, path: Path | None, tag_in: str, start: torch.Tensor, tag_out: str, end: torch.Tensor
+) -> None:
     """Keep the variate the round started from and the one it ended with (older versions are dropped): the
     server's next message names the second if it applied this round's delta, the first if the reply was lost.
     With a state folder the two are also written to ``path`` (atomically) before the reply leaves the node."""

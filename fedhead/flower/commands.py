@@ -31,14 +31,32 @@ from .common import RUN_CONFIG_FIELDS, require_flower
 
 _O = typer.Option
 TRAIN_OPTIONS = [
-    ("features", Path, _O(..., "--features", help="HDF5 feature store (the server's: central evaluation; in "
-                                                   "simulation also the store every virtual client slices).")),
-    ("head", Optional[str], _O(None, help="softmax | ova | ova2 | fedabc | fedrs | fedlc; closed form: ncm | ridge | cof | "
-                                         "lda [recipe: ova2; fast: softmax]")),
+    (
+        "features",
+        Path,
+        _O(
+            ...,
+            "--features",
+            help="HDF5 feature store (the server's: central evaluation; in "
+            "simulation also the store every virtual client slices).",
+        ),
+    ),
+    (
+        "head",
+        Optional[str],
+        _O(
+            None,
+            help="softmax | ova | ova2 | fedabc | fedrs | fedlc; closed form: ncm | ridge | cof | "
+            "lda [recipe: ova2; fast: softmax]",
+        ),
+    ),
     ("partition", str, _O("iid", help="iid | shard | dirichlet | bernoulli-dirichlet | zipf | kmeans")),
     ("shards_per_client", Optional[int], _O(None, help="shard: shards (labels) per client [2]")),
-    ("distinct_labels", Optional[bool], _O(None, "--distinct-labels/--no-distinct-labels",
-                                           help="shard: force s different labels per client")),
+    (
+        "distinct_labels",
+        Optional[bool],
+        _O(None, "--distinct-labels/--no-distinct-labels", help="shard: force s different labels per client"),
+    ),
     ("alpha", Optional[float], _O(None, help="dirichlet [0.5] / bernoulli-dirichlet [10] concentration")),
     ("p", Optional[float], _O(None, "--p", help="bernoulli-dirichlet: class inclusion probability [0.7]")),
     ("zipf_s", Optional[float], _O(None, help="zipf: size exponent [1.0]")),
@@ -70,9 +88,16 @@ TRAIN_OPTIONS = [
     ("out", Optional[Path], _O(None, help="run directory [runs/<timestamp>-flower-<head>-<partition>]")),
     ("resume", bool, _O(False, "--resume", help="continue an interrupted run in --out from its checkpoint")),
     ("round_timeout", float, _O(600.0, help="seconds to wait for a round's replies (late nodes = failures)")),
-    ("secure_aggregation", bool, _O(False, "--secure-aggregation",
-                                    help="Flower's SecAgg+: the server learns only sums over each round's clients "
-                                         "(head updates, feature and closed-form statistics; >= 3 clients a round)")),
+    (
+        "secure_aggregation",
+        bool,
+        _O(
+            False,
+            "--secure-aggregation",
+            help="Flower's SecAgg+: the server learns only sums over each round's clients "
+            "(head updates, feature and closed-form statistics; >= 3 clients a round)",
+        ),
+    ),
 ]
 # the method options of every training command (closed-form heads, --init, FedProx, server optimisers, ...)
 TRAIN_OPTIONS += [(n, t, o) for n, (t, o) in METHOD_OPTIONS.items()]
@@ -91,8 +116,7 @@ def with_train_options(fn=None, *, skip: tuple = ()):
     def wrapper(**kw):
         return fn(**kw)
 
-    wrapper.__signature__ = inspect.Signature([p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
-                                              + extra)
+    wrapper.__signature__ = inspect.Signature([p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + extra)
     wrapper.__annotations__ = {**{p.name: p.annotation for p in own}, **{n: t for n, t, _ in opts}}
     del wrapper.__wrapped__
     return wrapper
@@ -104,28 +128,60 @@ def train_config(kw: dict) -> TrainConfig:
         raise FedheadError("The '--features' parameter is required. Got none. Name the server's feature store.")
     method = method_fields({n: kw[n] for n in METHOD_OPTIONS if n in kw})
     return TrainConfig(
-        features=str(kw["features"]), head=kw["head"], partition=kw["partition"],
-        partition_params={k: kw[k] for k in ("shards_per_client", "distinct_labels", "alpha", "p", "zipf_s",
-                                             "min_size") if kw.get(k) is not None},
-        head_params={**{k: kw[k] for k in ("stage1_rounds", "positive_keep", "fedabc_margins", "focal_gamma",
-                                           "fedrs_alpha") if kw.get(k) is not None}, **method.pop("head_params")},
+        features=str(kw["features"]),
+        head=kw["head"],
+        partition=kw["partition"],
+        partition_params={
+            k: kw[k]
+            for k in ("shards_per_client", "distinct_labels", "alpha", "p", "zipf_s", "min_size")
+            if kw.get(k) is not None
+        },
+        head_params={
+            **{
+                k: kw[k]
+                for k in ("stage1_rounds", "positive_keep", "fedabc_margins", "focal_gamma", "fedrs_alpha")
+                if kw.get(k) is not None
+            },
+            **method.pop("head_params"),
+        },
         **method,
-        clients=kw["clients"], rounds=kw["rounds"], local_epochs=kw["local_epochs"], batch_size=kw["batch_size"],
-        recipe=kw["recipe"], optimizer=kw["optimizer"], lr=kw["lr"], weight_decay=kw["weight_decay"],
-        momentum=kw["momentum"], aggregate=kw["aggregate"], center=kw["center"], scale=kw["scale"],
-        participation=kw["participation"], noise=kw["noise"], noise_rate=kw["noise_rate"],
-        asym_rule=kw["asym_map"], seeds=list(kw["seed"]), backend=kw["backend"], device=kw["device"],
-        secure_aggregation=bool(kw.get("secure_aggregation", False)))
+        clients=kw["clients"],
+        rounds=kw["rounds"],
+        local_epochs=kw["local_epochs"],
+        batch_size=kw["batch_size"],
+        recipe=kw["recipe"],
+        optimizer=kw["optimizer"],
+        lr=kw["lr"],
+        weight_decay=kw["weight_decay"],
+        momentum=kw["momentum"],
+        aggregate=kw["aggregate"],
+        center=kw["center"],
+        scale=kw["scale"],
+        participation=kw["participation"],
+        noise=kw["noise"],
+        noise_rate=kw["noise_rate"],
+        asym_rule=kw["asym_map"],
+        seeds=list(kw["seed"]),
+        backend=kw["backend"],
+        device=kw["device"],
+        secure_aggregation=bool(kw.get("secure_aggregation", False)),
+    )
 
 
 def run_config_of(cfg: TrainConfig, out: Path, resume: bool, round_timeout: float, wait_timeout: float) -> dict:
     """The Flower run config (``[tool.flwr.app.config]`` keys) for a TrainConfig: what ``flwr run -c`` gets."""
     import json
 
-    rc = {"feature-store": str(Path(cfg.features).resolve()), "run-dir": str(out.resolve()), "resume": resume,
-          "round-timeout": float(round_timeout), "wait-timeout": float(wait_timeout),
-          "partition-params": json.dumps(cfg.partition_params), "head-params": json.dumps(cfg.head_params),
-          "seeds": " ".join(str(s) for s in cfg.seeds)}
+    rc = {
+        "feature-store": str(Path(cfg.features).resolve()),
+        "run-dir": str(out.resolve()),
+        "resume": resume,
+        "round-timeout": float(round_timeout),
+        "wait-timeout": float(wait_timeout),
+        "partition-params": json.dumps(cfg.partition_params),
+        "head-params": json.dumps(cfg.head_params),
+        "seeds": " ".join(str(s) for s in cfg.seeds),
+    }
     for key, field in RUN_CONFIG_FIELDS.items():
         v = getattr(cfg, field)
         if v is not None:
@@ -136,8 +192,15 @@ def run_config_of(cfg: TrainConfig, out: Path, resume: bool, round_timeout: floa
 # ---------------------------------------------------------------- simulation
 
 
-def check_simulation(cfg: TrainConfig, out: Path | None, resume: bool, round_timeout: float,
-                     num_cpus: int | None, client_cpus: float, client_store: str | None = None):
+def check_simulation(
+    cfg: TrainConfig,
+    out: Path | None,
+    resume: bool,
+    round_timeout: float,
+    num_cpus: int | None,
+    client_cpus: float,
+    client_store: str | None = None,
+):
     """Everything :func:`simulate` can refuse without Ray, checked before Ray starts (Flower's simulation
     prints its warnings and Ray's logs, and takes 15 s or more, before the ServerApp would find a bad input):
     the server's store and the configuration as the ServerApp validates them, the checks of ``fedhead
@@ -145,6 +208,7 @@ def check_simulation(cfg: TrainConfig, out: Path | None, resume: bool, round_tim
     server), the simulation's own options, and the state of ``out`` (``resume``). Returns the loaded server
     store (handed to the ServerApp, which need not load it again)."""
     from extract.store import load_store
+
     from ..train import validate_config
     from ..util import check_out
     from .strategy import validate_server_config
@@ -153,10 +217,10 @@ def check_simulation(cfg: TrainConfig, out: Path | None, resume: bool, round_tim
     validate("--client-cpus", client_cpus, Interval(0, None, closed="neither"))
     if num_cpus is not None:
         validate("--num-cpus", num_cpus, Interval(1, None, integer=True))
-    cfg.resolved()                                   # names and ranges: before the store is read
+    cfg.resolved()  # names and ranges: before the store is read
     store = load_store(cfg.features, "--features")
     train_store = store if client_store is None else load_store(client_store, "--features")
-    validate_config(cfg, train_store)                # --device included
+    validate_config(cfg, train_store)  # --device included
     resolved = validate_server_config(cfg, store)
     if out is not None:
         _check_run_dir(check_out(out, kind="dir"), resume, resolved)
@@ -172,24 +236,37 @@ def _check_run_dir(out: Path, resume: bool, cfg: TrainConfig) -> None:
 
     if not resume:
         if out.exists() and any(out.iterdir()):
-            raise FedheadError(f"The '--out' parameter names {str(out)!r}, which already holds files. "
-                               "Use --resume to continue that run, or choose another --out.")
+            raise FedheadError(
+                f"The '--out' parameter names {str(out)!r}, which already holds files. "
+                "Use --resume to continue that run, or choose another --out."
+            )
         return
     finished = (out / "summary.json").exists() and (out / "config.json").exists()
     if not (out / CHECKPOINT).exists() and not finished:
-        raise FedheadError(f"The '--resume' option needs a checkpoint in {str(out)!r}, but none exists. Run "
-                           "without --resume (or name the interrupted run with --out).")
+        raise FedheadError(
+            f"The '--resume' option needs a checkpoint in {str(out)!r}, but none exists. Run "
+            "without --resume (or name the interrupted run with --out)."
+        )
     try:
         prev = json.loads((out / "config.json").read_text())
     except (OSError, ValueError):
         prev = {}
     if prev.get("identity") != cfg.identity():
-        raise FedheadError(f"The '--resume' option found a run in {str(out)!r} with a different configuration. "
-                           "Use the same options as the interrupted run, or a new --out.")
+        raise FedheadError(
+            f"The '--resume' option found a run in {str(out)!r} with a different configuration. "
+            "Use the same options as the interrupted run, or a new --out."
+        )
 
 
-def simulate(cfg: TrainConfig, out: Path | None = None, resume: bool = False, round_timeout: float = 600.0,
-             num_cpus: int | None = None, client_cpus: float = 1.0, client_store: str | None = None):
+def simulate(
+    cfg: TrainConfig,
+    out: Path | None = None,
+    resume: bool = False,
+    round_timeout: float = 600.0,
+    num_cpus: int | None = None,
+    client_cpus: float = 1.0,
+    client_store: str | None = None,
+):
     """Run ``cfg`` on Flower's simulation engine (Ray), one virtual SuperNode per client; returns RunOutcome.
     Every input is checked (:func:`check_simulation`) before Ray starts."""
     require_flower()
@@ -203,13 +280,20 @@ def simulate(cfg: TrainConfig, out: Path | None = None, resume: bool = False, ro
     results: list = []
     # virtual SuperNodes are Ray actors started by the first message (imports included: over 2 minutes on
     # a loaded 2-core machine), so the first query gets the round's time limit, not the connect limit
-    settings = ServerSettings(out=str(out) if out else None, resume=resume, round_timeout=round_timeout,
-                              wait_timeout=round_timeout)
+    settings = ServerSettings(
+        out=str(out) if out else None, resume=resume, round_timeout=round_timeout, wait_timeout=round_timeout
+    )
     ncpu = num_cpus or os.cpu_count() or 1
-    node_state = Path(out).resolve() / NODE_STATE if out else None   # SCAFFOLD's c_k of the virtual nodes
-    backend = {"client_resources": {"num_cpus": float(client_cpus), "num_gpus": 0.0},
-               "init_args": {"num_cpus": int(ncpu), "include_dashboard": False, "logging_level": "ERROR",
-                             "log_to_driver": True}}
+    node_state = Path(out).resolve() / NODE_STATE if out else None  # SCAFFOLD's c_k of the virtual nodes
+    backend = {
+        "client_resources": {"num_cpus": float(client_cpus), "num_gpus": 0.0},
+        "init_args": {
+            "num_cpus": int(ncpu),
+            "include_dashboard": False,
+            "logging_level": "ERROR",
+            "log_to_driver": True,
+        },
+    }
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     # Ray's driver aborts the process on SIGTERM; start Ray here (Flower then reuses it) and put fedhead's
     # handlers over Ray's: a signal sets a flag that the strategy checks after each round's checkpoint
@@ -220,16 +304,21 @@ def simulate(cfg: TrainConfig, out: Path | None = None, resume: bool = False, ro
         os.environ["PYTHONPATH"] = pythonpath
         ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **backend["init_args"])
     with signals_flag():
-        run_simulation(make_server_app(cfg, settings, results, store=store),
-                       make_client_app(client_store if client_store is not None else cfg.features,
-                                       str(node_state) if node_state else None),
-                       num_supernodes=cfg.clients, backend_config=backend)
+        run_simulation(
+            make_server_app(cfg, settings, results, store=store),
+            make_client_app(
+                client_store if client_store is not None else cfg.features, str(node_state) if node_state else None
+            ),
+            num_supernodes=cfg.clients,
+            backend_config=backend,
+        )
     if not results:
-        raise FedheadError("The Flower simulation ended without a result (see the log above). "
-                           "Re-run with FEDHEAD_DEBUG=1 for details.")
+        raise FedheadError(
+            "The Flower simulation ended without a result (see the log above). Re-run with FEDHEAD_DEBUG=1 for details."
+        )
     if isinstance(results[0], BaseException):
         raise results[0]
-    if node_state:             # the virtual nodes' SCAFFOLD variates are needed only to resume an unfinished run
+    if node_state:  # the virtual nodes' SCAFFOLD variates are needed only to resume an unfinished run
         shutil.rmtree(node_state, ignore_errors=True)
     return results[0]
 
@@ -256,13 +345,16 @@ def simulate_cmd(
     if kw["resume"] and kw["out"] is None:
         raise FedheadError("The '--resume' option needs --out naming the interrupted run's directory. Got none.")
     out = Path(kw["out"] or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-flower-{cfg.resolved().head}-{cfg.partition}"))
-    check_out(out, kind="dir")          # before the lock beside it (simulate checks everything else)
+    check_out(out, kind="dir")  # before the lock beside it (simulate checks everything else)
     with exclusive_writer(out, f"the run directory {str(out)!r}"):
         try:
             res = simulate(cfg, out, kw["resume"], kw["round_timeout"], num_cpus, client_cpus)
         except Interrupted as exc:
-            raise Interrupted(exc.signum, f"interrupted; the checkpoint in {str(out)!r} is consistent: re-run the "
-                                          f"same command with --resume --out {out} to continue") from None
+            raise Interrupted(
+                exc.signum,
+                f"interrupted; the checkpoint in {str(out)!r} is consistent: re-run the "
+                f"same command with --resume --out {out} to continue",
+            ) from None
     _print_summary(f"fedhead flower simulate — {res.run_dir}", res.summary)
 
 
@@ -293,10 +385,13 @@ def _exe(name: str) -> str:
 # Checked before any process starts: a missing, unreadable or malformed file is one line naming the option,
 # the file and how to make a right one (fedhead/flower/DEPLOY.md, step 0 "Certificates and keys").
 
-_TLS_FIX = ("Make the CA and the server certificate as fedhead/flower/DEPLOY.md shows (step 0), or pass --insecure "
-            "on loopback.")
-_KEY_FIX = ("Make a SuperNode key pair with: ssh-keygen -t ecdsa -b 384 -N '' -f node-key "
-            "(node-key is the private key, node-key.pub the public one).")
+_TLS_FIX = (
+    "Make the CA and the server certificate as fedhead/flower/DEPLOY.md shows (step 0), or pass --insecure on loopback."
+)
+_KEY_FIX = (
+    "Make a SuperNode key pair with: ssh-keygen -t ecdsa -b 384 -N '' -f node-key "
+    "(node-key is the private key, node-key.pub the public one)."
+)
 
 
 def _file_bytes(param: str, path: Path, want: str, fix: str) -> bytes:
@@ -326,8 +421,9 @@ def check_certificates(param: str, path: Path, fix: str = _TLS_FIX) -> list:
         return x509.load_pem_x509_certificates(data)
     except ValueError:
         kind = "a private key" if b"PRIVATE KEY-----" in data else "not a PEM certificate"
-        raise FedheadError(f"The '{param}' parameter must name {want}. Got {str(path)!r} instead, which is "
-                           f"{kind}. {fix}") from None
+        raise FedheadError(
+            f"The '{param}' parameter must name {want}. Got {str(path)!r} instead, which is {kind}. {fix}"
+        ) from None
 
 
 def check_tls_key(param: str, path: Path, cert_param: str, cert, fix: str = _TLS_FIX) -> None:
@@ -339,22 +435,28 @@ def check_tls_key(param: str, path: Path, cert_param: str, cert, fix: str = _TLS
     data = _file_bytes(param, path, want, fix)
     try:
         key = serialization.load_pem_private_key(data, password=None)
-    except TypeError:                     # encrypted: Flower's servers take no password
-        raise FedheadError(f"The '{param}' parameter must name {want}. Got {str(path)!r} instead, which is "
-                           f"encrypted. Decrypt it: openssl pkey -in KEY -out server.key") from None
+    except TypeError:  # encrypted: Flower's servers take no password
+        raise FedheadError(
+            f"The '{param}' parameter must name {want}. Got {str(path)!r} instead, which is "
+            f"encrypted. Decrypt it: openssl pkey -in KEY -out server.key"
+        ) from None
     except (ValueError, UnsupportedAlgorithm):
         kind = "a certificate" if b"CERTIFICATE-----" in data else "not a PEM private key"
-        raise FedheadError(f"The '{param}' parameter must name {want}. Got {str(path)!r} instead, which is "
-                           f"{kind}. {fix}") from None
+        raise FedheadError(
+            f"The '{param}' parameter must name {want}. Got {str(path)!r} instead, which is {kind}. {fix}"
+        ) from None
     pub = serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     if key.public_key().public_bytes(*pub) != cert.public_key().public_bytes(*pub):
-        raise FedheadError(f"The '{param}' parameter must name the private key of the '{cert_param}' "
-                           f"certificate. Got {str(path)!r} instead, which belongs to another certificate. "
-                           f"Pass the key made with that certificate.")
+        raise FedheadError(
+            f"The '{param}' parameter must name the private key of the '{cert_param}' "
+            f"certificate. Got {str(path)!r} instead, which belongs to another certificate. "
+            f"Pass the key made with that certificate."
+        )
 
 
-def check_server_certificate(chain: list, cas: list, certfile: Path, ca_certfile: Path,
-                             client_host: str | None) -> None:
+def check_server_certificate(
+    chain: list, cas: list, certfile: Path, ca_certfile: Path, client_host: str | None
+) -> None:
     """The SuperLink's certificate is in date, signed by the CA (directly or through the intermediates of its
     file) and, when fedhead connects to the SuperLink itself (``client_host``), names that address."""
     import datetime
@@ -366,15 +468,17 @@ def check_server_certificate(chain: list, cas: list, certfile: Path, ca_certfile
     leaf = chain[0]
     now = datetime.datetime.now(datetime.timezone.utc)
     if not leaf.not_valid_before_utc <= now <= leaf.not_valid_after_utc:
-        raise FedheadError(f"The '--ssl-certfile' certificate must be valid now. Got {str(certfile)!r} instead, "
-                           f"valid from {leaf.not_valid_before_utc:%Y-%m-%d %H:%M} to "
-                           f"{leaf.not_valid_after_utc:%Y-%m-%d %H:%M} UTC. Make a new one (DEPLOY.md step 0).")
+        raise FedheadError(
+            f"The '--ssl-certfile' certificate must be valid now. Got {str(certfile)!r} instead, "
+            f"valid from {leaf.not_valid_before_utc:%Y-%m-%d %H:%M} to "
+            f"{leaf.not_valid_after_utc:%Y-%m-%d %H:%M} UTC. Make a new one (DEPLOY.md step 0)."
+        )
 
     def issued_by(cert, issuer) -> bool:
         try:
             cert.verify_directly_issued_by(issuer)
             return True
-        except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm):     # not its issuer
+        except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm):  # not its issuer
             return False
 
     current, rest = leaf, list(chain[1:])
@@ -383,9 +487,11 @@ def check_server_certificate(chain: list, cas: list, certfile: Path, ca_certfile
             break
         nxt = next((c for c in rest if issued_by(current, c)), None)
         if nxt is None:
-            raise FedheadError(f"The '--ssl-certfile' certificate must be signed by the '--ssl-ca-certfile' CA. "
-                               f"Got {str(certfile)!r}, which {str(ca_certfile)!r} did not sign. Pass the CA "
-                               "certificate that signed it (the one the nodes get as --root-certificates).")
+            raise FedheadError(
+                f"The '--ssl-certfile' certificate must be signed by the '--ssl-ca-certfile' CA. "
+                f"Got {str(certfile)!r}, which {str(ca_certfile)!r} did not sign. Pass the CA "
+                "certificate that signed it (the one the nodes get as --root-certificates)."
+            )
         rest.remove(nxt)
         current = nxt
     if client_host is None:
@@ -403,9 +509,11 @@ def check_server_certificate(chain: list, cas: list, certfile: Path, ca_certfile
         ok = host in dns or any(d.startswith("*.") and host.partition(".")[2] == d[2:] for d in dns)
     if not ok:
         names = ", ".join([f"IP:{a}" for a in sorted(ips)] + [f"DNS:{d}" for d in dns]) or "none"
-        raise FedheadError(f"The '--ssl-certfile' certificate must name {client_host} in its subjectAltName "
-                           f"(fedhead connects to the SuperLink there to register keys and submit the job). Got "
-                           f"{str(certfile)!r}, which names {names}. Add it (DEPLOY.md step 0).")
+        raise FedheadError(
+            f"The '--ssl-certfile' certificate must name {client_host} in its subjectAltName "
+            f"(fedhead connects to the SuperLink there to register keys and submit the job). Got "
+            f"{str(certfile)!r}, which names {names}. Add it (DEPLOY.md step 0)."
+        )
 
 
 def _tls_args(insecure: bool, certfile, keyfile, ca_certfile, client_host: str | None = None) -> list[str]:
@@ -415,16 +523,22 @@ def _tls_args(insecure: bool, certfile, keyfile, ca_certfile, client_host: str |
     if insecure:
         if any(given.values()):
             name = next(k for k, v in given.items() if v)
-            raise FedheadError(f"The '--insecure' option contradicts '{name}'. Got both. Drop --insecure to serve "
-                               "TLS, or drop the certificate options (loopback/tests only).")
+            raise FedheadError(
+                f"The '--insecure' option contradicts '{name}'. Got both. Drop --insecure to serve "
+                "TLS, or drop the certificate options (loopback/tests only)."
+            )
         return ["--insecure"]
     if not any(given.values()):
-        raise FedheadError("The '--insecure' option is off but no certificate was given. Pass --ssl-certfile, "
-                           "--ssl-keyfile and --ssl-ca-certfile, or --insecure (loopback/tests only).")
+        raise FedheadError(
+            "The '--insecure' option is off but no certificate was given. Pass --ssl-certfile, "
+            "--ssl-keyfile and --ssl-ca-certfile, or --insecure (loopback/tests only)."
+        )
     missing = [k for k, v in given.items() if not v]
     if missing:
-        raise FedheadError(f"The '{missing[0]}' parameter is required with the other TLS options. Got none. "
-                           "Pass --ssl-certfile, --ssl-keyfile and --ssl-ca-certfile together.")
+        raise FedheadError(
+            f"The '{missing[0]}' parameter is required with the other TLS options. Got none. "
+            "Pass --ssl-certfile, --ssl-keyfile and --ssl-ca-certfile together."
+        )
     cas = check_certificates("--ssl-ca-certfile", ca_certfile)
     chain = check_certificates("--ssl-certfile", certfile)
     check_tls_key("--ssl-keyfile", keyfile, "--ssl-certfile", chain[0])
@@ -436,7 +550,8 @@ def _nist_ec(key) -> bool:
     from cryptography.hazmat.primitives.asymmetric import ec
 
     return isinstance(key, ec.EllipticCurvePublicKey) and isinstance(
-        key.curve, (ec.SECP192R1, ec.SECP224R1, ec.SECP256R1, ec.SECP384R1, ec.SECP521R1))
+        key.curve, (ec.SECP192R1, ec.SECP224R1, ec.SECP256R1, ec.SECP384R1, ec.SECP521R1)
+    )
 
 
 def _key_kind(key) -> str:
@@ -477,17 +592,23 @@ def check_auth_public_keys(files: list[Path]) -> list[tuple[str, bytes]]:
                     what = "a PEM public key (convert it: ssh-keygen -i -m PKCS8 -f KEY.pem > KEY.pub)"
                 else:
                     what = "not an OpenSSH public key"
-                raise FedheadError(f"The '--auth-public-keys' parameter must name {want}. Got {label} instead, "
-                                   f"which is {what}. {_KEY_FIX}")
+                raise FedheadError(
+                    f"The '--auth-public-keys' parameter must name {want}. Got {label} instead, "
+                    f"which is {what}. {_KEY_FIX}"
+                )
             blob = line.split()[1]
             if blob in seen:
-                raise FedheadError(f"The '--auth-public-keys' parameter lists the same key twice: {seen[blob]} and "
-                                   f"{label}. Give every SuperNode its own key pair and list each once.")
+                raise FedheadError(
+                    f"The '--auth-public-keys' parameter lists the same key twice: {seen[blob]} and "
+                    f"{label}. Give every SuperNode its own key pair and list each once."
+                )
             seen[blob] = label
             keys.append((label, line))
     if not keys:
-        raise FedheadError(f"The '--auth-public-keys' parameter must name {want}. Got {[str(f) for f in files]!r} "
-                           f"instead, which hold no key. {_KEY_FIX}")
+        raise FedheadError(
+            f"The '--auth-public-keys' parameter must name {want}. Got {[str(f) for f in files]!r} "
+            f"instead, which hold no key. {_KEY_FIX}"
+        )
     return keys
 
 
@@ -505,12 +626,16 @@ def check_auth_private_key(path: Path) -> None:
     except TypeError:
         raise FedheadError(f"{head} encrypted. Remove the passphrase: ssh-keygen -p -N '' -f KEY") from None
     except (ValueError, UnsupportedAlgorithm):
-        kind = ("a PEM key, not OpenSSH (convert it: ssh-keygen -p -N '' -f KEY)" if b"-----BEGIN" in data
-                and b"OPENSSH" not in data else "not an OpenSSH private key")
+        kind = (
+            "a PEM key, not OpenSSH (convert it: ssh-keygen -p -N '' -f KEY)"
+            if b"-----BEGIN" in data and b"OPENSSH" not in data
+            else "not an OpenSSH private key"
+        )
         raise FedheadError(f"{head} {kind}. {_KEY_FIX}") from None
     if not _nist_ec(key.public_key()):
-        raise FedheadError(f"{head} {_key_kind(key)}, not ECDSA on a NIST curve (Flower's SuperNode keys are). "
-                           f"{_KEY_FIX}")
+        raise FedheadError(
+            f"{head} {_key_kind(key)}, not ECDSA on a NIST curve (Flower's SuperNode keys are). {_KEY_FIX}"
+        )
 
 
 @contextlib.contextmanager
@@ -543,26 +668,36 @@ def register_supernodes(home: str, keys: list[tuple[str, bytes]], env: dict, par
         for i, (label, line) in batch:
             keyfile = Path(home, f"supernode-{i}.pub")
             keyfile.write_bytes(line + b"\n")
-            running.append((label, subprocess.Popen(
-                [_exe("flwr"), "supernode", "register", str(keyfile), "fedhead", "--format", "json"],
-                env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+            running.append(
+                (
+                    label,
+                    subprocess.Popen(
+                        [_exe("flwr"), "supernode", "register", str(keyfile), "fedhead", "--format", "json"],
+                        env=e,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    ),
+                )
+            )
         for label, proc in running:
             out, err = proc.communicate()
             try:
-                res = json.loads(out[out.index("{"):])
+                res = json.loads(out[out.index("{") :])
             except ValueError:
                 res = {"success": False, "error-message": (err or out).strip()}
             why = " ".join(str(res.get("error-message", "")).replace("Using SuperLink: fedhead", "").split())
-            if "Public key already in use" in why:      # a --database SuperLink that registered it before
+            if "Public key already in use" in why:  # a --database SuperLink that registered it before
                 print(f"fedhead: the SuperNode key in {label} was already registered", file=sys.stderr)
             elif proc.returncode != 0 or not res.get("success"):
                 for _, other in running:
                     _stop(other, grace=2)
-                raise FedheadError(f"The SuperLink refused to register the SuperNode key in {label} "
-                                   f"(flwr supernode register): {why[-300:]}")
+                raise FedheadError(
+                    f"The SuperLink refused to register the SuperNode key in {label} "
+                    f"(flwr supernode register): {why[-300:]}"
+                )
             else:
-                print(f"fedhead: registered the SuperNode key in {label} as node {res.get('node-id')}",
-                      file=sys.stderr)
+                print(f"fedhead: registered the SuperNode key in {label} as node {res.get('node-id')}", file=sys.stderr)
 
 
 def _wait_port(host: str, port: int, timeout: float, proc: subprocess.Popen) -> None:
@@ -571,8 +706,10 @@ def _wait_port(host: str, port: int, timeout: float, proc: subprocess.Popen) -> 
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
-            raise FedheadError(f"flower-superlink exited with code {proc.returncode} before listening on "
-                               f"{host}:{port}. Is the port free?")
+            raise FedheadError(
+                f"flower-superlink exited with code {proc.returncode} before listening on "
+                f"{host}:{port}. Is the port free?"
+            )
         with socket.socket() as s:
             s.settimeout(0.5)
             if s.connect_ex((host, port)) == 0:
@@ -592,10 +729,18 @@ def _stop(proc: subprocess.Popen | None, grace: float = 10.0) -> None:
         proc.wait(5)
 
 
-def superlink_command(host: str, port: int, tls: list[str], database: Optional[str],
-                      supernode_auth: bool = False) -> list[str]:
-    cmd = [_exe("flower-superlink"), *tls, "--host", host, "--port", str(port),
-           "--disable-runtime-dependency-installation"]
+def superlink_command(
+    host: str, port: int, tls: list[str], database: Optional[str], supernode_auth: bool = False
+) -> list[str]:
+    cmd = [
+        _exe("flower-superlink"),
+        *tls,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--disable-runtime-dependency-installation",
+    ]
     if supernode_auth:
         cmd.append("--enable-supernode-auth")
     if database:
@@ -610,8 +755,10 @@ def submit_run(home: str, rc: dict, app_dir: Path | None = None, env: dict | Non
 
     app_dir = app_dir or Path(__file__).resolve().parents[2]
     if not (app_dir / "pyproject.toml").exists():
-        raise FedheadError(f"The fedhead Flower app needs its source tree (pyproject.toml) to build the FAB; "
-                           f"none in {str(app_dir)!r}. Install fedhead from its repository (pip install -e).")
+        raise FedheadError(
+            f"The fedhead Flower app needs its source tree (pyproject.toml) to build the FAB; "
+            f"none in {str(app_dir)!r}. Install fedhead from its repository (pip install -e)."
+        )
     Path(home, "run.toml").write_text(tomli_w.dumps(rc))
     cmd = [_exe("flwr"), "run", str(app_dir), "fedhead", "--run-config", str(Path(home, "run.toml")), "--stream"]
     e = dict(env or flower_env())
@@ -625,42 +772,51 @@ def superlink_cmd(
     host: str = typer.Option("0.0.0.0", help="address the SuperLink listens on (nodes and flwr run connect)"),
     port: int = typer.Option(9093, help="the SuperLink's HTTP port (Fleet, Control and ServerApp APIs)"),
     insecure: bool = typer.Option(False, "--insecure", help="no TLS (loopback and tests only)"),
-    ssl_certfile: Optional[Path] = typer.Option(None, help="TLS certificate of the SuperLink (PEM; SANs for the "
-                                                           "address nodes use and for 127.0.0.1)"),
+    ssl_certfile: Optional[Path] = typer.Option(
+        None, help="TLS certificate of the SuperLink (PEM; SANs for the address nodes use and for 127.0.0.1)"
+    ),
     ssl_keyfile: Optional[Path] = typer.Option(None, help="TLS private key of the SuperLink (PEM, unencrypted)"),
     ssl_ca_certfile: Optional[Path] = typer.Option(None, help="CA certificate that signed --ssl-certfile (PEM)"),
     auth_public_keys: Optional[List[Path]] = typer.Option(
-        None, "--auth-public-keys",
+        None,
+        "--auth-public-keys",
         help="SuperNode authentication: only nodes whose public key is listed may join (OpenSSH ECDSA lines as "
-             "ssh-keygen -t ecdsa -b 384 writes them; repeat or list several per file). Starts Flower's SuperLink "
-             "with --enable-supernode-auth and registers each key with 'flwr supernode register'. Needs TLS"),
+        "ssh-keygen -t ecdsa -b 384 writes them; repeat or list several per file). Starts Flower's SuperLink "
+        "with --enable-supernode-auth and registers each key with 'flwr supernode register'. Needs TLS",
+    ),
     database: Optional[str] = typer.Option(None, help="SuperLink state file [in memory]"),
-    features: Optional[Path] = typer.Option(None, "--features",
-                                            help="the server's store: with it, also submit the training run "
-                                                 "(same options as 'fedhead flower simulate') and stop when done"),
-    wait_timeout: float = typer.Option(300.0, help="seconds to wait for --clients SuperNodes to connect (then "
-                                                   "the run stops, naming how many did)"),
+    features: Optional[Path] = typer.Option(
+        None,
+        "--features",
+        help="the server's store: with it, also submit the training run "
+        "(same options as 'fedhead flower simulate') and stop when done",
+    ),
+    wait_timeout: float = typer.Option(
+        300.0, help="seconds to wait for --clients SuperNodes to connect (then the run stops, naming how many did)"
+    ),
     **kw,
 ):
     """Start a Flower SuperLink; with --features, also run the training job on the connected SuperNodes."""
     require_flower()
     # every file and option before any process starts
-    client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host    # where fedhead reaches it
-    connects = features is not None or bool(auth_public_keys)                 # ... to submit or register
+    client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # where fedhead reaches it
+    connects = features is not None or bool(auth_public_keys)  # ... to submit or register
     tls = _tls_args(insecure, ssl_certfile, ssl_keyfile, ssl_ca_certfile, client_host if connects else None)
     keys = check_auth_public_keys(list(auth_public_keys)) if auth_public_keys else []
     if keys and insecure:
-        raise FedheadError("The '--auth-public-keys' option needs TLS (Flower refuses SuperNode authentication "
-                           "with --insecure). Got --insecure. Pass --ssl-certfile, --ssl-keyfile and "
-                           "--ssl-ca-certfile instead.")
+        raise FedheadError(
+            "The '--auth-public-keys' option needs TLS (Flower refuses SuperNode authentication "
+            "with --insecure). Got --insecure. Pass --ssl-certfile, --ssl-keyfile and "
+            "--ssl-ca-certfile instead."
+        )
     validate("--port", port, Interval(1, 65535, integer=True))
     validate("--wait-timeout", wait_timeout, Interval(0, None, closed="neither"))
     env = flower_env()
     cmd = superlink_command(host, port, tls, database, supernode_auth=bool(keys))
     if features is None:
         if not keys:
-            os.execve(cmd[0], cmd, env)          # serve in the foreground; runs come from 'flwr run'
-        proc = subprocess.Popen(cmd, env=env)    # serve, after registering the listed SuperNodes
+            os.execve(cmd[0], cmd, env)  # serve in the foreground; runs come from 'flwr run'
+        proc = subprocess.Popen(cmd, env=env)  # serve, after registering the listed SuperNodes
         try:
             _wait_port(client_host, port, 60.0, proc)
             with flwr_connection(f"{client_host}:{port}", False, ssl_ca_certfile) as home:
@@ -691,8 +847,10 @@ def superlink_cmd(
         _stop(proc)
     summary_path = Path(out) / "summary.json"
     if code != 0 or not summary_path.exists():
-        raise FedheadError(f"The Flower run failed (flwr run exit code {code}); its log is above. "
-                           f"Partial results and the checkpoint are in {str(out)!r} (resume with --resume).")
+        raise FedheadError(
+            f"The Flower run failed (flwr run exit code {code}); its log is above. "
+            f"Partial results and the checkpoint are in {str(out)!r} (resume with --resume)."
+        )
     import json
 
     _print_summary(f"fedhead flower superlink — {out}", json.loads(summary_path.read_text()))
@@ -703,21 +861,27 @@ def supernode_cmd(
     superlink: str = typer.Option(..., help="the SuperLink's address HOST:PORT"),
     features: Path = typer.Option(..., "--features", help="this node's own feature store ('fedhead extract')"),
     partition_id: int = typer.Option(..., help="this node's client id, 0 .. clients-1, unique per node"),
-    num_partitions: Optional[int] = typer.Option(None, help="slice a shared store like 'fedhead train' "
-                                                            "(= --clients); omit to use the whole store"),
+    num_partitions: Optional[int] = typer.Option(
+        None, help="slice a shared store like 'fedhead train' (= --clients); omit to use the whole store"
+    ),
     host: str = typer.Option("127.0.0.1", help="address of this node's local runtime API"),
     port: int = typer.Option(9094, help="port of this node's local runtime API (one per node per machine)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda for local training"),
     insecure: bool = typer.Option(False, "--insecure", help="no TLS (loopback and tests only)"),
-    root_certificates: Optional[Path] = typer.Option(None, help="CA certificate of the SuperLink's TLS (PEM): "
-                                                                "the node connects only to a SuperLink it signed"),
+    root_certificates: Optional[Path] = typer.Option(
+        None, help="CA certificate of the SuperLink's TLS (PEM): the node connects only to a SuperLink it signed"
+    ),
     auth_supernode_private_key: Optional[Path] = typer.Option(
-        None, "--auth-supernode-private-key",
+        None,
+        "--auth-supernode-private-key",
         help="this node's private key for SuperNode authentication (OpenSSH ECDSA, ssh-keygen -t ecdsa -b 384); "
-             "its .pub must be listed in the SuperLink's --auth-public-keys. Needs TLS"),
+        "its .pub must be listed in the SuperLink's --auth-public-keys. Needs TLS",
+    ),
     state_dir: Optional[Path] = typer.Option(
-        None, help="folder where this node also keeps its SCAFFOLD control variates, so that a server resumed "
-                   "in a new Flower run continues SCAFFOLD; without it a resume restarts SCAFFOLD from zero"),
+        None,
+        help="folder where this node also keeps its SCAFFOLD control variates, so that a server resumed "
+        "in a new Flower run continues SCAFFOLD; without it a resume restarts SCAFFOLD from zero",
+    ),
 ):
     """Start a Flower SuperNode that trains the head on this machine's own feature store."""
     require_flower()
@@ -727,21 +891,30 @@ def supernode_cmd(
 
     # every file and option before the node starts
     if insecure and root_certificates is not None:
-        raise FedheadError("The '--insecure' option contradicts '--root-certificates'. Got both. Drop --insecure "
-                           "to connect with TLS, or drop --root-certificates (loopback/tests only).")
+        raise FedheadError(
+            "The '--insecure' option contradicts '--root-certificates'. Got both. Drop --insecure "
+            "to connect with TLS, or drop --root-certificates (loopback/tests only)."
+        )
     if not insecure and root_certificates is None:
-        raise FedheadError("The '--insecure' option is off but no --root-certificates was given. Pass the "
-                           "SuperLink's CA certificate, or --insecure (loopback/tests only).")
+        raise FedheadError(
+            "The '--insecure' option is off but no --root-certificates was given. Pass the "
+            "SuperLink's CA certificate, or --insecure (loopback/tests only)."
+        )
     if root_certificates is not None:
-        check_certificates("--root-certificates", root_certificates,
-                           "Pass the CA certificate (ca.pem) that signed the SuperLink's certificate.")
+        check_certificates(
+            "--root-certificates",
+            root_certificates,
+            "Pass the CA certificate (ca.pem) that signed the SuperLink's certificate.",
+        )
     if auth_supernode_private_key is not None:
         if insecure:
-            raise FedheadError("The '--auth-supernode-private-key' option needs TLS (Flower's SuperLink refuses "
-                               "SuperNode authentication without it). Got --insecure. Pass --root-certificates "
-                               "instead.")
+            raise FedheadError(
+                "The '--auth-supernode-private-key' option needs TLS (Flower's SuperLink refuses "
+                "SuperNode authentication without it). Got --insecure. Pass --root-certificates "
+                "instead."
+            )
         check_auth_private_key(auth_supernode_private_key)
-    info = open_store(features, "--features")        # refuse a missing/partial/foreign file right here
+    info = open_store(features, "--features")  # refuse a missing/partial/foreign file right here
     validate("--partition-id", partition_id, Interval(0, None, integer=True))
     if num_partitions is not None:
         validate("--num-partitions", num_partitions, Interval(1, None, integer=True))
@@ -753,19 +926,33 @@ def supernode_cmd(
     tls = ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
     if auth_supernode_private_key is not None:
         tls += ["--auth-supernode-private-key", str(auth_supernode_private_key)]
-    if state_dir is not None:          # last: the folder is made only when every other option is good
+    if state_dir is not None:  # last: the folder is made only when every other option is good
         state_dir = check_out(state_dir, "--state-dir", kind="dir").resolve()
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise FedheadError(f"The '--state-dir' parameter names {str(state_dir)!r}, which cannot be created "
-                               f"({exc.strerror}). Choose a folder this user can write.") from None
+            raise FedheadError(
+                f"The '--state-dir' parameter names {str(state_dir)!r}, which cannot be created "
+                f"({exc.strerror}). Choose a folder this user can write."
+            ) from None
         if not os.access(state_dir, os.W_OK | os.X_OK):
-            raise FedheadError(f"The '--state-dir' parameter names {str(state_dir)!r}, which this user cannot "
-                               "write. Choose a folder this user can write.")
+            raise FedheadError(
+                f"The '--state-dir' parameter names {str(state_dir)!r}, which this user cannot "
+                "write. Choose a folder this user can write."
+            )
         node_config += f" state-dir={str(state_dir)!r}"
-    cmd = [_exe("flower-supernode"), *tls, "--superlink", superlink, "--host", host, "--port", str(port),
-           "--node-config", node_config]
+    cmd = [
+        _exe("flower-supernode"),
+        *tls,
+        "--superlink",
+        superlink,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--node-config",
+        node_config,
+    ]
     os.execve(cmd[0], cmd, flower_env())
 
 
@@ -801,10 +988,20 @@ def bench_cmd(
     # labels), Ray's CPUs and --out
     sizes = dict(num_classes=num_classes, train_per_class=train_per_class, test_per_class=20, dim=dim)
     validate_synthetic(**sizes, spread=2.2, seed=0)
-    cfg = TrainConfig(features="", head=head, partition=partition, clients=clients, rounds=rounds,
-                      local_epochs=local_epochs, batch_size=batch_size, device="cpu")
-    validate_config(cfg, labels_store(np.repeat(np.arange(num_classes), train_per_class),
-                                      [f"class{c:03d}" for c in range(num_classes)]))
+    cfg = TrainConfig(
+        features="",
+        head=head,
+        partition=partition,
+        clients=clients,
+        rounds=rounds,
+        local_epochs=local_epochs,
+        batch_size=batch_size,
+        device="cpu",
+    )
+    validate_config(
+        cfg,
+        labels_store(np.repeat(np.arange(num_classes), train_per_class), [f"class{c:03d}" for c in range(num_classes)]),
+    )
     if num_cpus is not None:
         validate("--num-cpus", num_cpus, Interval(1, None, integer=True))
     out = check_out(Path(out), kind="dir")
@@ -820,18 +1017,37 @@ def bench_cmd(
     t_flower = time.perf_counter() - t0
     acc_a = np.array([r["accuracy"] for r in a.rows], dtype=float)
     acc_b = np.array([r["accuracy"] for r in b.rows], dtype=float)
-    result = {"clients": clients, "rounds": rounds, "num_classes": num_classes, "dim": dim, "head": head,
-              "partition": partition, "local_epochs": local_epochs, "train_wall_s": t_train,
-              "flower_wall_s": t_flower, "ratio_flower_over_train": t_flower / t_train,
-              "final_accuracy_train": float(acc_a[-1]), "final_accuracy_flower": float(acc_b[-1]),
-              "max_round_accuracy_diff": float(np.abs(acc_a - acc_b).max()),
-              "cpus": os.cpu_count()}
+    result = {
+        "clients": clients,
+        "rounds": rounds,
+        "num_classes": num_classes,
+        "dim": dim,
+        "head": head,
+        "partition": partition,
+        "local_epochs": local_epochs,
+        "train_wall_s": t_train,
+        "flower_wall_s": t_flower,
+        "ratio_flower_over_train": t_flower / t_train,
+        "final_accuracy_train": float(acc_a[-1]),
+        "final_accuracy_flower": float(acc_b[-1]),
+        "max_round_accuracy_diff": float(np.abs(acc_a - acc_b).max()),
+        "cpus": os.cpu_count(),
+    }
     atomic_write_json(out / "bench.json", result)
     from ..commands import results_table
 
-    stdout_console().print(results_table(
-        f"fedhead bench flower — {clients} clients, {rounds} rounds", [result],
-        [("train_wall_s", "fedhead train s"), ("flower_wall_s", "Flower simulation s"),
-         ("ratio_flower_over_train", "ratio"), ("final_accuracy_train", "acc train"),
-         ("final_accuracy_flower", "acc flower"), ("max_round_accuracy_diff", "max |Δacc|")]))
+    stdout_console().print(
+        results_table(
+            f"fedhead bench flower — {clients} clients, {rounds} rounds",
+            [result],
+            [
+                ("train_wall_s", "fedhead train s"),
+                ("flower_wall_s", "Flower simulation s"),
+                ("ratio_flower_over_train", "ratio"),
+                ("final_accuracy_train", "acc train"),
+                ("final_accuracy_flower", "acc flower"),
+                ("max_round_accuracy_diff", "max |Δacc|"),
+            ],
+        )
+    )
     typer.echo(json.dumps(result))

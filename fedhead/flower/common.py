@@ -37,29 +37,56 @@ from ..errors import FedheadError
 from ..options import parse_betas
 
 INSTALL_HINT = "pip install 'fedhead[flower]'"
-MESSAGE_PREFIX = "msg."      # a train reply's arrays: the aggregation rule's message tensors under "msg.<key>"
+MESSAGE_PREFIX = "msg."  # a train reply's arrays: the aggregation rule's message tensors under "msg.<key>"
 
 # run-config keys (pyproject [tool.flwr.app.config]) <-> TrainConfig fields. An empty string means
 # "not given" (the recipe's value, or TrainConfig's default).
 RUN_CONFIG_FIELDS = {
-    "head": "head", "partition": "partition", "clients": "clients", "rounds": "rounds",
-    "local-epochs": "local_epochs", "local-steps": "local_steps", "batch-size": "batch_size", "recipe": "recipe", "optimizer": "optimizer",
-    "lr": "lr", "weight-decay": "weight_decay", "momentum": "momentum", "aggregate": "aggregate",
-    "center": "center", "scale": "scale", "participation": "participation", "noise": "noise",
-    "noise-rate": "noise_rate", "asym-map": "asym_rule", "noise-dataset": "noise_dataset", "backend": "backend",
+    "head": "head",
+    "partition": "partition",
+    "clients": "clients",
+    "rounds": "rounds",
+    "local-epochs": "local_epochs",
+    "local-steps": "local_steps",
+    "batch-size": "batch_size",
+    "recipe": "recipe",
+    "optimizer": "optimizer",
+    "lr": "lr",
+    "weight-decay": "weight_decay",
+    "momentum": "momentum",
+    "aggregate": "aggregate",
+    "center": "center",
+    "scale": "scale",
+    "participation": "participation",
+    "noise": "noise",
+    "noise-rate": "noise_rate",
+    "asym-map": "asym_rule",
+    "noise-dataset": "noise_dataset",
+    "backend": "backend",
     "device": "device",
-    "eval-every": "eval_every", "init": "init", "init-scale": "init_scale", "prox-mu": "prox_mu",
-    "server-opt": "server_opt", "server-lr": "server_lr", "server-momentum": "server_momentum",
-    "server-tau": "server_tau", "server-betas": "server_betas", "scaffold": "scaffold", "calibrate": "calibrate",
+    "eval-every": "eval_every",
+    "init": "init",
+    "init-scale": "init_scale",
+    "prox-mu": "prox_mu",
+    "server-opt": "server_opt",
+    "server-lr": "server_lr",
+    "server-momentum": "server_momentum",
+    "server-tau": "server_tau",
+    "server-betas": "server_betas",
+    "scaffold": "scaffold",
+    "calibrate": "calibrate",
     "ccvr-samples": "ccvr_samples",
-    "dp-noise-multiplier": "dp_noise_multiplier", "dp-clip": "dp_clip", "dp-delta": "dp_delta",
-    "dp-feature-clip": "dp_feature_clip", "secure-aggregation": "secure_aggregation",
+    "dp-noise-multiplier": "dp_noise_multiplier",
+    "dp-clip": "dp_clip",
+    "dp-delta": "dp_delta",
+    "dp-feature-clip": "dp_feature_clip",
+    "secure-aggregation": "secure_aggregation",
 }
 
 # The test hooks (documented in DEPLOY.md): make a client raise in a given round, stop the server after a
 # round's checkpoint. Both read the environment of the process that runs the app.
-CRASH_ENV = "FEDHEAD_FLOWER_CRASH"            # "PID@ROUND[,PID@ROUND...]"
-STOP_ENV = "FEDHEAD_FLOWER_STOP_AFTER"        # "ROUND"
+CRASH_ENV = "FEDHEAD_FLOWER_CRASH"  # "PID@ROUND[,PID@ROUND...]"
+STOP_ENV = "FEDHEAD_FLOWER_STOP_AFTER"  # "ROUND"
 
 
 def require_flower():
@@ -93,8 +120,10 @@ def _parse_json_dict(key: str, value: Any) -> dict:
     except ValueError:
         out = None
     if not isinstance(out, dict):
-        raise FedheadError(f"The '{key}' run-config value must be a JSON object, e.g. "
-                           f"'{{\"shards_per_client\": 2}}'. Got {value!r} instead.")
+        raise FedheadError(
+            f"The '{key}' run-config value must be a JSON object, e.g. "
+            f"'{{\"shards_per_client\": 2}}'. Got {value!r} instead."
+        )
     return out
 
 
@@ -113,16 +142,19 @@ def config_from_run_config(rc: dict) -> TrainConfig:
         try:
             seeds = [int(s) for s in str(seeds).replace(",", " ").split()]
         except ValueError:
-            raise FedheadError(f"The 'seeds' run-config value must be integers separated by spaces. "
-                               f"Got {seeds!r} instead.") from None
+            raise FedheadError(
+                f"The 'seeds' run-config value must be integers separated by spaces. Got {seeds!r} instead."
+            ) from None
     kw["seeds"] = seeds
     kw["partition_params"] = _parse_json_dict("partition-params", rc.get("partition-params", ""))
     kw["head_params"] = _parse_json_dict("head-params", rc.get("head-params", ""))
     store = rc.get("feature-store", "")
     if not store:
-        raise FedheadError("The 'feature-store' run-config value must name the server's feature store (its "
-                           "test split is used for central evaluation). Got '' instead. "
-                           "Use flwr run -c \"feature-store='PATH'\".")
+        raise FedheadError(
+            "The 'feature-store' run-config value must name the server's feature store (its "
+            "test split is used for central evaluation). Got '' instead. "
+            "Use flwr run -c \"feature-store='PATH'\"."
+        )
     return TrainConfig(features=str(store), **kw)
 
 
@@ -132,23 +164,33 @@ def config_from_run_config(rc: dict) -> TrainConfig:
 def store_fingerprint(info) -> dict:
     """What must agree between the server's store and a node's store (encoder and label space)."""
     a = info.attrs
-    return {"encoder": str(a.get("encoder", "")), "weights_sha256": str(a.get("weights_sha256", "")),
-            "feature_dim": int(a.get("feature_dim", 0)), "num_classes": int(info.num_classes),
-            "dataset": str(a.get("dataset", ""))}
+    return {
+        "encoder": str(a.get("encoder", "")),
+        "weights_sha256": str(a.get("weights_sha256", "")),
+        "feature_dim": int(a.get("feature_dim", 0)),
+        "num_classes": int(info.num_classes),
+        "dataset": str(a.get("dataset", "")),
+    }
 
 
 def check_fingerprint(mine: dict, server: dict, where: str) -> None:
     """Refuse a store from another encoder (or another label space) than the server's, in one line."""
     if (mine["encoder"], mine["weights_sha256"], mine["feature_dim"]) != (
-            server["encoder"], server["weights_sha256"], server["feature_dim"]):
+        server["encoder"],
+        server["weights_sha256"],
+        server["feature_dim"],
+    ):
         raise FedheadError(
             f"{where} was extracted with encoder {mine['encoder']!r} (dim {mine['feature_dim']}, weights "
             f"{mine['weights_sha256'][:12] or '-'}), but the server's store with {server['encoder']!r} "
             f"(dim {server['feature_dim']}, weights {server['weights_sha256'][:12] or '-'}). "
-            f"Re-extract this node's images with 'fedhead extract --encoder {server['encoder']}'.")
+            f"Re-extract this node's images with 'fedhead extract --encoder {server['encoder']}'."
+        )
     if mine["num_classes"] != server["num_classes"]:
-        raise FedheadError(f"{where} has {mine['num_classes']} classes, but the server's store has "
-                           f"{server['num_classes']}. Extract the same dataset's label space on every node.")
+        raise FedheadError(
+            f"{where} has {mine['num_classes']} classes, but the server's store has "
+            f"{server['num_classes']}. Extract the same dataset's label space on every node."
+        )
 
 
 def crash_rounds(pid: int) -> set[int]:
@@ -181,9 +223,11 @@ def client_stats_record(m) -> dict:
 
     from ..closedform import pack_upper
 
-    out = {"cf-classes": Array(np.asarray(m.classes, dtype=np.int64)),
-           "cf-counts": Array(np.asarray(m.counts, dtype=np.int64)),
-           "cf-sums": Array(np.ascontiguousarray(m.sums, dtype=np.float64).reshape(len(m.classes), -1))}
+    out = {
+        "cf-classes": Array(np.asarray(m.classes, dtype=np.int64)),
+        "cf-counts": Array(np.asarray(m.counts, dtype=np.int64)),
+        "cf-sums": Array(np.ascontiguousarray(m.sums, dtype=np.float64).reshape(len(m.classes), -1)),
+    }
     if m.gram is not None:
         out["cf-gram"] = Array(pack_upper(m.gram))
     return out

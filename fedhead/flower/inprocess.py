@@ -27,8 +27,12 @@ class InProcessGrid(Grid):
 
     def __init__(self, app, node_configs: list[dict], run_config: dict | None = None, wire: bool = False):
         self.app, self.wire = app, wire
-        self.ctx = {1000 + i: Context(run_id=1, node_id=1000 + i, node_config=nc, state=RecordDict(),
-                                      run_config=run_config or {}) for i, nc in enumerate(node_configs)}
+        self.ctx = {
+            1000 + i: Context(
+                run_id=1, node_id=1000 + i, node_config=nc, state=RecordDict(), run_config=run_config or {}
+            )
+            for i, nc in enumerate(node_configs)
+        }
 
     def set_run(self, run_id):
         pass
@@ -53,8 +57,12 @@ class InProcessGrid(Grid):
         out = []
         for m in messages:
             if self.wire:
-                m = Message(recorddict_from_proto(recorddict_to_proto(m.content)), dst_node_id=m.metadata.dst_node_id,
-                            message_type=m.metadata.message_type, group_id=m.metadata.group_id)
+                m = Message(
+                    recorddict_from_proto(recorddict_to_proto(m.content)),
+                    dst_node_id=m.metadata.dst_node_id,
+                    message_type=m.metadata.message_type,
+                    group_id=m.metadata.group_id,
+                )
             try:
                 r = self.app(m, self.ctx[m.metadata.dst_node_id])
                 if self.wire and not r.has_error():

@@ -46,8 +46,15 @@ require_flower()
 import torch  # noqa: E402
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
 from flwr.client.mod import secaggplus_mod  # noqa: E402
-from flwr.common import (Code, FitIns, FitRes, Status, bytes_to_ndarray, ndarrays_to_parameters,  # noqa: E402
-                         parameters_to_ndarrays)
+from flwr.common import (
+    Code,
+    FitIns,
+    FitRes,
+    Status,
+    bytes_to_ndarray,
+    ndarrays_to_parameters,  # noqa: E402
+    parameters_to_ndarrays,
+)
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key  # noqa: E402
 from flwr.compat.common import recorddict_compat as compat  # noqa: E402
 from flwr.server.compat.grid_client_proxy import GridClientProxy  # noqa: E402
@@ -63,13 +70,13 @@ from ..config import SECURE_MIN_CLIENTS as MIN_CLIENTS  # noqa: E402
 from ..errors import FedheadError  # noqa: E402
 
 LIMB_BITS = 30
-QUANTIZATION_RANGE = 1 << LIMB_BITS          # Flower's quantization_range R
+QUANTIZATION_RANGE = 1 << LIMB_BITS  # Flower's quantization_range R
 CLIPPING_RANGE = float(1 << (LIMB_BITS - 1))  # Flower's clipping_range c: its quantiser maps digit d to d + c exactly
-MODULUS_RANGE = 1 << 62                      # the masks' group Z_(2^62) (Flower's modulus_range, a power of 2)
-COMPLETE_GRAPH_UP_TO = 32                    # up to this many nodes every node shares keys with every other
-KIND = "secure-kind"                         # config key: which exchange a secure train message is
-ARRAY_NAMES = "secure-arrays"                # config key: the names of the FitIns parameters, in order
-METRICS = "fedhead.secagg"                   # reply metric record: the node's SecAgg+ compute time (ms)
+MODULUS_RANGE = 1 << 62  # the masks' group Z_(2^62) (Flower's modulus_range, a power of 2)
+COMPLETE_GRAPH_UP_TO = 32  # up to this many nodes every node shares keys with every other
+KIND = "secure-kind"  # config key: which exchange a secure train message is
+ARRAY_NAMES = "secure-arrays"  # config key: the names of the FitIns parameters, in order
+METRICS = "fedhead.secagg"  # reply metric record: the node's SecAgg+ compute time (ms)
 
 
 # ---------------------------------------------------------------- fixed point
@@ -86,7 +93,7 @@ class FixedPoint:
     @property
     def step(self) -> float:
         """The rounding step: each value is off by at most half of it, per client."""
-        return 2.0 ** -self.frac_bits
+        return 2.0**-self.frac_bits
 
     @property
     def bound(self) -> float:
@@ -98,14 +105,18 @@ class FixedPoint:
         block first. Exact except the final rounding (each subtraction below is exact in float64)."""
         x = np.asarray(x, dtype=np.float64).reshape(-1)
         if not np.all(np.isfinite(x)):
-            raise FedheadError(f"The secure-aggregation {what} holds a non-finite number, which SecAgg+ cannot add. "
-                               "Lower --lr (or check the features) so that training stays finite.")
+            raise FedheadError(
+                f"The secure-aggregation {what} holds a non-finite number, which SecAgg+ cannot add. "
+                "Lower --lr (or check the features) so that training stays finite."
+            )
         big = float(np.abs(x).max()) if x.size else 0.0
         if big >= self.bound:
-            raise FedheadError(f"The secure-aggregation {what} holds a value of magnitude {big:.3g}, outside the "
-                               f"fixed-point range |x| < {self.bound:.3g} (2^-{self.frac_bits} steps). Lower --lr "
-                               "or rescale the features (fedhead.flower.secure formats).")
-        r = x * 2.0 ** self.frac_bits
+            raise FedheadError(
+                f"The secure-aggregation {what} holds a value of magnitude {big:.3g}, outside the "
+                f"fixed-point range |x| < {self.bound:.3g} (2^-{self.frac_bits} steps). Lower --lr "
+                "or rescale the features (fedhead.flower.secure formats)."
+            )
+        r = x * 2.0**self.frac_bits
         digits = []
         for j in range(self.limbs - 1, 0, -1):
             unit = 2.0 ** (LIMB_BITS * j)
@@ -119,20 +130,20 @@ class FixedPoint:
         """The sum of the encoded values from the digit-wise sums ``[limbs * n]`` (float64)."""
         d = np.asarray(digit_sums, dtype=np.float64).reshape(self.limbs, -1)
         out = np.zeros(d.shape[1])
-        for j in range(self.limbs - 1, -1, -1):          # the largest digit first
+        for j in range(self.limbs - 1, -1, -1):  # the largest digit first
             out += d[j] * 2.0 ** (LIMB_BITS * j)
-        return out * 2.0 ** -self.frac_bits
+        return out * 2.0**-self.frac_bits
 
 
-HEAD_FORMAT = FixedPoint(24, 2)    # training rounds: |x| < 2^35 ~ 3.4e10, step 6.0e-8 (heads, n_k W_k, deltas)
-STATS_FORMAT = FixedPoint(36, 3)   # statistics: |x| < 2^53 ~ 9.0e15, step 1.5e-11 (float64 sums, Gram, moments)
+HEAD_FORMAT = FixedPoint(24, 2)  # training rounds: |x| < 2^35 ~ 3.4e10, step 6.0e-8 (heads, n_k W_k, deltas)
+STATS_FORMAT = FixedPoint(36, 3)  # statistics: |x| < 2^53 ~ 9.0e15, step 1.5e-11 (float64 sums, Gram, moments)
 
 
 @dataclass
 class Layout:
     """The named parts of one exchange's vector (every node and the server build the same one)."""
 
-    parts: list                    # [(name, shape)]
+    parts: list  # [(name, shape)]
     fmt: FixedPoint
 
     @property
@@ -144,8 +155,10 @@ class Layout:
         for name, shape in self.parts:
             v = np.asarray(values[name], dtype=np.float64)
             if v.shape != tuple(shape):
-                raise FedheadError(f"The secure-aggregation part {name!r} has shape {v.shape}, but the exchange "
-                                   f"expects {tuple(shape)}. Every client must send the same message shapes.")
+                raise FedheadError(
+                    f"The secure-aggregation part {name!r} has shape {v.shape}, but the exchange "
+                    f"expects {tuple(shape)}. Every client must send the same message shapes."
+                )
             out.append(v.reshape(-1))
         return np.concatenate(out) if out else np.zeros(0)
 
@@ -153,7 +166,7 @@ class Layout:
         out, o = {}, 0
         for name, shape in self.parts:
             k = int(np.prod(shape))
-            out[name] = vec[o:o + k].reshape(shape)
+            out[name] = vec[o : o + k].reshape(shape)
             o += k
         return out
 
@@ -162,8 +175,10 @@ class Layout:
 
     def decode(self, digit_sums: np.ndarray) -> dict:
         if digit_sums.size != self.fmt.limbs * self.size:
-            raise FedheadError(f"The secure sum has {digit_sums.size} digits, but the exchange expects "
-                               f"{self.fmt.limbs * self.size}. The nodes run another fedhead version; update them.")
+            raise FedheadError(
+                f"The secure sum has {digit_sums.size} digits, but the exchange expects "
+                f"{self.fmt.limbs * self.size}. The nodes run another fedhead version; update them."
+            )
         return self.unflatten(self.fmt.decode(digit_sums))
 
 
@@ -171,8 +186,9 @@ def train_layout(agg, theta: torch.Tensor, scaffold: bool) -> Layout:
     """A training round: the rule's message (shapes from a dry run, as :meth:`fedhead.Aggregator.nbytes`), the
     sample count, class holds, whether the client trained, its loss and compute time, SCAFFOLD's delta."""
     C = theta.shape[0]
-    dry = agg.message(theta, theta[None], torch.ones(1, device=theta.device),
-                      torch.ones(1, C, dtype=torch.bool, device=theta.device))
+    dry = agg.message(
+        theta, theta[None], torch.ones(1, device=theta.device), torch.ones(1, C, dtype=torch.bool, device=theta.device)
+    )
     parts = [("msg." + k, tuple(v.shape[1:])) for k, v in sorted(dry.items())]
     parts += [("n", ()), ("holds", (C,)), ("trained", ()), ("loss", ()), ("ms", ())]
     if scaffold:
@@ -289,7 +305,6 @@ def node_values(kind: str, request: RecordDict, reply: Message, C: int, D: int, 
     run's message, so both runs send the same numbers): the layout and its values."""
     from .common import MESSAGE_PREFIX, client_stats_from_record
 
-    c = request["config"]
     if reply.has_error():
         raise FedheadError(reply.error.reason)
     arrays = reply.content["arrays"] if "arrays" in reply.content else {}
@@ -302,19 +317,27 @@ def node_values(kind: str, request: RecordDict, reply: Message, C: int, D: int, 
         v = {name: np.zeros(shape) for name, shape in layout.parts}
         if cfg.scaffold and int(m.get("scaffold-lost", 0)):
             v["scaffold-lost"] = 1.0
-        elif int(m["num-examples"]) > 0:   # an empty client adds nothing (the plain server skips it)
+        elif int(m["num-examples"]) > 0:  # an empty client adds nothing (the plain server skips it)
             for name, _ in layout.parts:
                 if name.startswith("msg."):
                     v[name] = arrays[MESSAGE_PREFIX + name[4:]].numpy()
-            v.update(n=float(m["num-examples"]), holds=arrays["holds"].numpy().astype(np.float64), trained=1.0,
-                     loss=float(m["train-loss"]), ms=float(m["client-ms"]))
+            v.update(
+                n=float(m["num-examples"]),
+                holds=arrays["holds"].numpy().astype(np.float64),
+                trained=1.0,
+                loss=float(m["train-loss"]),
+                ms=float(m["client-ms"]),
+            )
             if cfg.scaffold:
                 v["scaffold-delta"] = arrays["scaffold-delta"].numpy()
         return layout, v
     if kind == "census":
         features = "feature-sum" in arrays
-        v = {"counts": arrays["class-counts"].numpy(), "flipped": float(m["noise-flipped"]),
-             "n": float(m["num-examples"])}
+        v = {
+            "counts": arrays["class-counts"].numpy(),
+            "flipped": float(m["noise-flipped"]),
+            "n": float(m["num-examples"]),
+        }
         if features:
             v.update({"feature-sum": arrays["feature-sum"].numpy(), "feature-sq": float(m["feature-sq"])})
         return census_layout(C, D, features), v
@@ -342,8 +365,7 @@ def node_values(kind: str, request: RecordDict, reply: Message, C: int, D: int, 
                 n, mu = float(s.counts[j]), s.means[j]
                 counts[cls], sums[cls] = n, n * mu
                 second[cls] = ((n - 1.0) * s.covs[j] + n * np.outer(mu, mu))[iu]
-        return ccvr_layout(C, D), {"counts": counts, "sums": sums, "second": second,
-                                   "ms": float(m["client-ms"])}
+        return ccvr_layout(C, D), {"counts": counts, "sums": sums, "second": second, "ms": float(m["client-ms"])}
     raise FedheadError(f"Unknown secure exchange {kind!r} from the server. Update this node's fedhead.")
 
 
@@ -358,11 +380,14 @@ def content_bytes(rd: RecordDict) -> int:
     total = 0
     for rec in rd.array_records.values():
         total += sum(len(a.data) for a in rec.values())
-    recs = [r for k, r in list(rd.config_records.items()) + list(rd.metric_records.items())
-            if k not in ("fitins.config", METRICS)]
+    recs = [
+        r
+        for k, r in list(rd.config_records.items()) + list(rd.metric_records.items())
+        if k not in ("fitins.config", METRICS)
+    ]
     for rec in recs:
         for v in rec.values():
-            for x in (v if isinstance(v, list) else [v]):
+            for x in v if isinstance(v, list) else [v]:
                 total += len(x) if isinstance(x, (bytes, str)) else 8
     return total
 
@@ -376,7 +401,7 @@ class _Recorder:
         self.up: dict = {}
         self.down: dict = {}
         self.node_ms: dict = {}
-        self.failed: dict = {}        # node -> reason, for the last call
+        self.failed: dict = {}  # node -> reason, for the last call
         self.wait_s = 0.0
 
     def send_and_receive(self, messages, *, timeout=None):
@@ -448,10 +473,10 @@ class SecureSum:
     included: list
     failed: dict
     halted: str | None
-    bytes_up: int = 0              # all nodes, all stages
+    bytes_up: int = 0  # all nodes, all stages
     bytes_down: int = 0
     wall_s: float = 0.0
-    server_s: float = 0.0          # the server's own computation (unmasking, decoding)
+    server_s: float = 0.0  # the server's own computation (unmasking, decoding)
     node_ms: dict = field(default_factory=dict)
     restarts: int = 0
     shares: int | float = 0
@@ -489,25 +514,36 @@ def secure_sum(grid, messages: list, kind: str, layout: Layout, rnd: int, timeou
         return done(f"secure aggregation needs at least {MIN_CLIENTS} clients, but only {n0} could be asked")
     while True:
         if len(pending) < max(t, MIN_CLIENTS - 1):
-            return done(f"secure aggregation stopped: {len(pending)} of {n0} nodes left before masking, fewer "
-                        f"than the reconstruction threshold {t}")
-        wf = SecAggPlusWorkflow(shares if isinstance(shares, float) else min(shares, len(pending)), t,
-                                max_weight=1.0, clipping_range=CLIPPING_RANGE, quantization_range=QUANTIZATION_RANGE,
-                                modulus_range=MODULUS_RANGE, timeout=timeout)
+            return done(
+                f"secure aggregation stopped: {len(pending)} of {n0} nodes left before masking, fewer "
+                f"than the reconstruction threshold {t}"
+            )
+        wf = SecAggPlusWorkflow(
+            shares if isinstance(shares, float) else min(shares, len(pending)),
+            t,
+            max_weight=1.0,
+            clipping_range=CLIPPING_RANGE,
+            quantization_range=QUANTIZATION_RANGE,
+            modulus_range=MODULUS_RANGE,
+            timeout=timeout,
+        )
         strat = _Exchange(rec, dict(pending))
-        ctx = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}),
-                            config=ServerConfig(num_rounds=max(1, rnd)), strategy=strat)
+        ctx = LegacyContext(
+            Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+            config=ServerConfig(num_rounds=max(1, rnd)),
+            strategy=strat,
+        )
         ctx.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: int(rnd)})
         ctx.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
         state = WorkflowState()
         early = {}
         ok = True
-        for i, step in enumerate((wf.setup_stage, wf.share_keys_stage)):
+        for i, step in enumerate((wf.setup_stage, wf.share_keys_stage)):  # noqa: B007 - i names the stage below
             ok = step(rec, ctx, state)
             early.update(rec.failed)
             if not ok:
                 break
-        if early:          # no mask involves these nodes yet: start again without them
+        if early:  # no mask involves these nodes yet: start again without them
             for node, why in early.items():
                 failed[node] = why
                 pending.pop(node, None)
@@ -519,13 +555,17 @@ def secure_sum(grid, messages: list, kind: str, layout: Layout, rnd: int, timeou
         failed.update(rec.failed)
         if not ok:
             lost = "; ".join(f"node {k}: {v}" for k, v in sorted(rec.failed.items()))
-            return done(f"secure aggregation stopped in SecAgg+ stage collect masked vectors: "
-                        f"{len(state.active_node_ids)} of {len(pending)} nodes sent their masked vectors, fewer "
-                        f"than the reconstruction threshold {t} ({lost})")
+            return done(
+                f"secure aggregation stopped in SecAgg+ stage collect masked vectors: "
+                f"{len(state.active_node_ids)} of {len(pending)} nodes sent their masked vectors, fewer "
+                f"than the reconstruction threshold {t} ({lost})"
+            )
         ok = wf.unmask_stage(rec, ctx, state)
         if not ok or strat.mean is None:
-            return done(f"secure aggregation stopped in SecAgg+ stage unmask: fewer than the reconstruction "
-                        f"threshold {t} nodes returned their key shares")
+            return done(
+                f"secure aggregation stopped in SecAgg+ stage unmask: fewer than the reconstruction "
+                f"threshold {t} nodes returned their key shares"
+            )
         included = strat.included
         digit_sums = np.rint(np.asarray(strat.mean, dtype=np.float64) * len(included))
         return done(None, layout.decode(digit_sums), included)
@@ -543,8 +583,8 @@ class SecureRounds:
     def __init__(self, strategy):
         self.s = strategy
         self.up = self.down = 0
-        self.client_ms = 0.0           # the statistics exchange's mean client time (its row)
-        self.exchanges: list = []      # one record per exchange (summary.json)
+        self.client_ms = 0.0  # the statistics exchange's mean client time (its row)
+        self.exchanges: list = []  # one record per exchange (summary.json)
         self.check_memory()
 
     @property
@@ -562,18 +602,36 @@ class SecureRounds:
         per_round = max(1, int(round(cfg.participation * cfg.clients)))
         needs = [("census", cfg.clients, census_layout(C, D, bool(cfg.center or cfg.scale != "none")), None)]
         if self.s.solver is not None:
-            what = (f"'--head' {cfg.head!r}" if cfg.head == self.s.solver.name else f"'--init' {cfg.init!r}")
-            needs.append(("statistics", per_round, statistics_layout(C, D, self.s.solver.needs_gram),
-                          (what, f"{D + 1}x{D + 1} Gram" if self.s.solver.needs_gram else f"{C}x{D} class sums",
-                           "use a head without a Gram (ncm, lda) or fewer --clients / --participation")))
+            what = f"'--head' {cfg.head!r}" if cfg.head == self.s.solver.name else f"'--init' {cfg.init!r}"
+            needs.append(
+                (
+                    "statistics",
+                    per_round,
+                    statistics_layout(C, D, self.s.solver.needs_gram),
+                    (
+                        what,
+                        f"{D + 1}x{D + 1} Gram" if self.s.solver.needs_gram else f"{C}x{D} class sums",
+                        "use a head without a Gram (ncm, lda) or fewer --clients / --participation",
+                    ),
+                )
+            )
         if cfg.calibrate == "ccvr":
-            needs.append(("ccvr", cfg.clients, ccvr_layout(C, D),
-                          ("'--calibrate' option 'ccvr'", f"{C} classes x {D}-dim covariances",
-                           "drop --calibrate ccvr, or run it without --secure-aggregation (each node then sends "
-                           "only the classes it holds)")))
+            needs.append(
+                (
+                    "ccvr",
+                    cfg.clients,
+                    ccvr_layout(C, D),
+                    (
+                        "'--calibrate' option 'ccvr'",
+                        f"{C} classes x {D}-dim covariances",
+                        "drop --calibrate ccvr, or run it without --secure-aggregation (each node then sends "
+                        "only the classes it holds)",
+                    ),
+                )
+            )
         free = available_memory()
         for kind, nodes, layout, why in needs:
-            per_node = layout.size * layout.fmt.limbs * 8                 # int64 digits
+            per_node = layout.size * layout.fmt.limbs * 8  # int64 digits
             if per_node > 1e6:
                 LOG.info("[fedhead] SecAgg+ %s: %.1f MB from each of %s nodes", kind, per_node / 1e6, nodes)
             if why is not None and free is not None and per_node * nodes > free:
@@ -582,7 +640,8 @@ class SecureRounds:
                     f"The {opt} with '--secure-aggregation' needs {_mb(per_node * nodes)} on the server for its "
                     f"masked {'class moments' if kind == 'ccvr' else kind} ({nodes} nodes x {_mb(per_node)}: "
                     f"{size}), but this machine has {_mb(free)} free. {fix[0].upper() + fix[1:]}, or run the server on a "
-                    "machine with more memory.")
+                    "machine with more memory."
+                )
 
     def _run(self, grid, msgs: list, kind: str, layout: Layout, rnd: int) -> SecureSum:
         from .strategy import LOG
@@ -591,17 +650,39 @@ class SecureRounds:
         self.up += res.bytes_up
         self.down += res.bytes_down
         node_ms = float(np.mean(list(res.node_ms.values()))) if res.node_ms else 0.0
-        self.exchanges.append({"seed": int(self.s.seed), "round": int(rnd), "kind": kind, "nodes": len(msgs),
-                               "included": len(res.included), "shares": res.shares, "threshold": res.threshold,
-                               "restarts": res.restarts, "bytes_up": res.bytes_up, "bytes_down": res.bytes_down,
-                               "wall_s": res.wall_s, "server_s": res.server_s, "node_secagg_ms": node_ms,
-                               "halted": res.halted or ""})
-        LOG.log(WARNING if res.halted else INFO,
-                "[fedhead] SecAgg+ %s (round %s): %s of %s nodes summed, %s shares, threshold %s, %.0f B up and "
-                "%.0f B down per node, %.2f s%s", kind, rnd, len(res.included), len(msgs),
-                "all" if isinstance(res.shares, float) else res.shares, res.threshold,
-                res.bytes_up / max(1, len(msgs)), res.bytes_down / max(1, len(msgs)), res.wall_s,
-                f": {res.halted}" if res.halted else "")
+        self.exchanges.append(
+            {
+                "seed": int(self.s.seed),
+                "round": int(rnd),
+                "kind": kind,
+                "nodes": len(msgs),
+                "included": len(res.included),
+                "shares": res.shares,
+                "threshold": res.threshold,
+                "restarts": res.restarts,
+                "bytes_up": res.bytes_up,
+                "bytes_down": res.bytes_down,
+                "wall_s": res.wall_s,
+                "server_s": res.server_s,
+                "node_secagg_ms": node_ms,
+                "halted": res.halted or "",
+            }
+        )
+        LOG.log(
+            WARNING if res.halted else INFO,
+            "[fedhead] SecAgg+ %s (round %s): %s of %s nodes summed, %s shares, threshold %s, %.0f B up and "
+            "%.0f B down per node, %.2f s%s",
+            kind,
+            rnd,
+            len(res.included),
+            len(msgs),
+            "all" if isinstance(res.shares, float) else res.shares,
+            res.threshold,
+            res.bytes_up / max(1, len(msgs)),
+            res.bytes_down / max(1, len(msgs)),
+            res.wall_s,
+            f": {res.halted}" if res.halted else "",
+        )
         return res
 
     def take_bytes(self, clients: int, extra_down: int = 0) -> dict:
@@ -620,13 +701,23 @@ class SecureRounds:
 
     def _query(self, pids: list, kind: str, want_stats: bool, closed_form: str, arrays: dict | None = None) -> list:
         s = self.s
-        cr = ConfigRecord({"train-config": s.cfg_json, "server-store": s.fingerprint, "seed": int(s.seed),
-                           "want-stats": bool(want_stats), "closed-form": closed_form, "round": 1})
+        cr = ConfigRecord(
+            {
+                "train-config": s.cfg_json,
+                "server-store": s.fingerprint,
+                "seed": int(s.seed),
+                "want-stats": bool(want_stats),
+                "closed-form": closed_form,
+                "round": 1,
+            }
+        )
         content = {"config": cr}
         if arrays:
             content["arrays"] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
-        return [Message(RecordDict(content), dst_node_id=s.node_of[p], message_type=MessageType.TRAIN,
-                        group_id=kind) for p in pids]
+        return [
+            Message(RecordDict(content), dst_node_id=s.node_of[p], message_type=MessageType.TRAIN, group_id=kind)
+            for p in pids
+        ]
 
     def census(self, grid):
         """Before round 1, every node: the class counts, flipped labels and feature sums, summed. Returns the
@@ -640,8 +731,11 @@ class SecureRounds:
         v = self._everyone(res, "census (class counts and feature statistics)")
         n = float(np.rint(v["n"]))
         K = len(pids)
-        stats = (s.stats_from_sums(v["feature-sum"], float(v["feature-sq"]), n, res.bytes_up / K, res.bytes_down / K)
-                 if features else FeatureStats(None, 1.0, 0, 0))
+        stats = (
+            s.stats_from_sums(v["feature-sum"], float(v["feature-sq"]), n, res.bytes_up / K, res.bytes_down / K)
+            if features
+            else FeatureStats(None, 1.0, 0, 0)
+        )
         return stats, (float(np.rint(v["flipped"])) / n if n else 0.0)
 
     def statistics(self, grid, pids: list):
@@ -651,8 +745,13 @@ class SecureRounds:
 
         s, (C, D) = self.s, self.dims
         solver = s.solver
-        res = self._run(grid, self._query(pids, "statistics", False, solver.name), "statistics",
-                        statistics_layout(C, D, solver.needs_gram), 1)
+        res = self._run(
+            grid,
+            self._query(pids, "statistics", False, solver.name),
+            "statistics",
+            statistics_layout(C, D, solver.needs_gram),
+            1,
+        )
         v = self._everyone(res, "statistics exchange")
         acc = StatsAccumulator(C, D, gram=solver.needs_gram)
         acc.sums = torch.as_tensor(v["sums"], dtype=torch.float64)
@@ -661,13 +760,19 @@ class SecureRounds:
             acc.gram = torch.as_tensor(unpack_upper(v["gram"], D + 1), dtype=torch.float64)
         acc.clients, acc.bytes_up = len(res.included), res.bytes_up
         self.client_ms = float(v["ms"]) / max(1, len(pids))
-        if solver.needs_client_means:      # cof: a_c needs the summed counts and holders first
+        if solver.needs_client_means:  # cof: a_c needs the summed counts and holders first
             n_c, k_c = np.rint(v["counts"]), np.rint(v["holders"])
             acc.set_cof_weights(n_c, k_c)
-            res2 = self._run(grid, self._query(pids, "cof-spread", False, solver.name, {"class-n": n_c, "class-k": k_c}),
-                             "cof-spread", spread_layout(D), 1)
-            acc.spread = torch.as_tensor(unpack_upper(self._everyone(res2, "cof spread exchange")["spread"], D),
-                                         dtype=torch.float64)
+            res2 = self._run(
+                grid,
+                self._query(pids, "cof-spread", False, solver.name, {"class-n": n_c, "class-k": k_c}),
+                "cof-spread",
+                spread_layout(D),
+                1,
+            )
+            acc.spread = torch.as_tensor(
+                unpack_upper(self._everyone(res2, "cof spread exchange")["spread"], D), dtype=torch.float64
+            )
             acc.bytes_up += res2.bytes_up
         return acc
 
@@ -683,24 +788,37 @@ class SecureRounds:
         for node, why in res.failed.items():
             s.last.failed[pid_of.get(node, node)] = why
         if res.sums is None:
-            for m in msgs:             # no update of this round reaches the head
+            for m in msgs:  # no update of this round reaches the head
                 s.last.failed[pid_of[m.metadata.dst_node_id]] = res.halted
             return
         v = res.sums
         if s.cfg.scaffold and np.rint(v["scaffold-lost"]) > 0:
-            s.lost_variates = (f"{int(np.rint(v['scaffold-lost']))} node(s) no longer held their control variate "
-                               "(counted in the secure sum)")
+            s.lost_variates = (
+                f"{int(np.rint(v['scaffold-lost']))} node(s) no longer held their control variate "
+                "(counted in the secure sum)"
+            )
         trained = int(np.rint(v["trained"]))
         if trained == 0:
             return
         dev = s.device
-        msg = {name[4:]: torch.as_tensor(v[name], dtype=torch.float64, device=dev)[None]
-               for name, _ in layout.parts if name.startswith("msg.")}
+        msg = {
+            name[4:]: torch.as_tensor(v[name], dtype=torch.float64, device=dev)[None]
+            for name, _ in layout.parts
+            if name.startswith("msg.")
+        }
         deltas = torch.as_tensor(v["scaffold-delta"], dtype=torch.float64)[None] if s.cfg.scaffold else None
-        s._finish_round(rnd, msg, torch.as_tensor([float(np.rint(v["n"]))], device=dev),
-                        torch.as_tensor(np.rint(v["holds"]), device=dev)[None], trained, deltas,
-                        sorted(pid_of[n] for n in res.included), float(v["loss"]), [float(v["ms"]) / trained],
-                        time.perf_counter() - res.server_s)
+        s._finish_round(
+            rnd,
+            msg,
+            torch.as_tensor([float(np.rint(v["n"]))], device=dev),
+            torch.as_tensor(np.rint(v["holds"]), device=dev)[None],
+            trained,
+            deltas,
+            sorted(pid_of[n] for n in res.included),
+            float(v["loss"]),
+            [float(v["ms"]) / trained],
+            time.perf_counter() - res.server_s,
+        )
 
     def ccvr(self, grid, msgs: list, rnd: int, failed: dict):
         """CCVR's statistics as class moments summed over the nodes that answer (a lost node is a failure of the
@@ -719,16 +837,33 @@ class SecureRounds:
             return PooledStats(C, D), {}, failed, 0, 0.0
         v = res.sums
         second = np.stack([unpack_upper(t, D) for t in v["second"]])
-        return (PooledStats.from_moments(v["counts"], v["sums"], second), {pid_of[n]: None for n in res.included},
-                failed, res.bytes_up, float(v["ms"]))
+        return (
+            PooledStats.from_moments(v["counts"], v["sums"], second),
+            {pid_of[n]: None for n in res.included},
+            failed,
+            res.bytes_up,
+            float(v["ms"]),
+        )
 
     def summary(self) -> dict:
         """summary.json's ``secure_aggregation``: the protocol's parameters and every exchange."""
-        return {"protocol": "SecAgg+ (flwr SecAggPlusWorkflow / secaggplus_mod)", "min_clients": MIN_CLIENTS,
-                "threshold": "majority of each node's neighbourhood (all nodes up to "
-                             f"{COMPLETE_GRAPH_UP_TO}, then 2 ceil(2 log2 n) + 1)",
-                "head_format": {"frac_bits": HEAD_FORMAT.frac_bits, "limbs": HEAD_FORMAT.limbs,
-                                "step": HEAD_FORMAT.step, "bound": HEAD_FORMAT.bound},
-                "stats_format": {"frac_bits": STATS_FORMAT.frac_bits, "limbs": STATS_FORMAT.limbs,
-                                 "step": STATS_FORMAT.step, "bound": STATS_FORMAT.bound},
-                "modulus_range": MODULUS_RANGE, "exchanges": self.exchanges}
+        return {
+            "protocol": "SecAgg+ (flwr SecAggPlusWorkflow / secaggplus_mod)",
+            "min_clients": MIN_CLIENTS,
+            "threshold": "majority of each node's neighbourhood (all nodes up to "
+            f"{COMPLETE_GRAPH_UP_TO}, then 2 ceil(2 log2 n) + 1)",
+            "head_format": {
+                "frac_bits": HEAD_FORMAT.frac_bits,
+                "limbs": HEAD_FORMAT.limbs,
+                "step": HEAD_FORMAT.step,
+                "bound": HEAD_FORMAT.bound,
+            },
+            "stats_format": {
+                "frac_bits": STATS_FORMAT.frac_bits,
+                "limbs": STATS_FORMAT.limbs,
+                "step": STATS_FORMAT.step,
+                "bound": STATS_FORMAT.bound,
+            },
+            "modulus_range": MODULUS_RANGE,
+            "exchanges": self.exchanges,
+        }

@@ -15,15 +15,19 @@ from flwr.app import Context  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 from extract.store import Features, load_store  # noqa: E402
+
 from ..config import TrainConfig  # noqa: E402
 from .common import config_from_run_config  # noqa: E402
 from .strategy import FedheadStrategy, RunOutcome, ServerSettings, validate_server_config  # noqa: E402
 
 
 def settings_from_run_config(rc: dict) -> ServerSettings:
-    return ServerSettings(out=str(rc.get("run-dir", "")) or None, resume=bool(rc.get("resume", False)),
-                          round_timeout=float(rc.get("round-timeout", 600.0)),
-                          wait_timeout=float(rc.get("wait-timeout", 120.0)))
+    return ServerSettings(
+        out=str(rc.get("run-dir", "")) or None,
+        resume=bool(rc.get("resume", False)),
+        round_timeout=float(rc.get("round-timeout", 600.0)),
+        wait_timeout=float(rc.get("wait-timeout", 120.0)),
+    )
 
 
 def run_server(grid: Grid, cfg: TrainConfig, settings: ServerSettings, store: Features | None = None) -> RunOutcome:
@@ -33,8 +37,9 @@ def run_server(grid: Grid, cfg: TrainConfig, settings: ServerSettings, store: Fe
     return FedheadStrategy(cfg, store, settings).start(grid)
 
 
-def make_server_app(cfg: TrainConfig, settings: ServerSettings, results: list | None = None,
-                    store: Features | None = None) -> ServerApp:
+def make_server_app(
+    cfg: TrainConfig, settings: ServerSettings, results: list | None = None, store: Features | None = None
+) -> ServerApp:
     """A ServerApp for a fixed configuration; the outcome is appended to ``results`` (same process).
     ``store``: the server's store if the caller loaded it already (``fedhead flower simulate``)."""
     app = ServerApp()

@@ -51,35 +51,66 @@ from flwr.serverapp import Grid  # noqa: E402
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
 from extract.store import Features  # noqa: E402
+
 from ..aggregate import Accumulator, aggregator_of  # noqa: E402
-from ..dp import epsilon_schedule, noisy_feature_sums  # noqa: E402
-from ..config import TrainConfig  # noqa: E402
 from ..ccvr import ClassStats, PooledStats  # noqa: E402
+from ..closedform import StatsAccumulator, is_closed_form  # noqa: E402
+from ..config import TrainConfig  # noqa: E402
+from ..dp import epsilon_schedule, noisy_feature_sums  # noqa: E402
 from ..engine import ScaffoldState, evaluate  # noqa: E402
 from ..errors import FedheadError  # noqa: E402
 from ..heads import create_head, resolve_head_params  # noqa: E402
-from ..train import ccvr_calibrate, validate_method  # noqa: E402
 from ..partitions import resolve_partition_params  # noqa: E402
-from ..rundir import ROUND_FIELDS, default_run_dir, read_csv, write_clients_per_seed, write_config, write_csv, write_summary  # noqa: E402
-from ..closedform import StatsAccumulator, is_closed_form  # noqa: E402
-from ..train import (CHECKPOINT, PAUSE_ENV, FeatureStats, ServerUpdate, prepare, sample_clients, solve_statistics,  # noqa: E402
-                     statistics_row, summarize)
-from .common import client_stats_from_record  # noqa: E402
+from ..rundir import (
+    ROUND_FIELDS,
+    default_run_dir,
+    read_csv,
+    write_clients_per_seed,
+    write_config,
+    write_csv,
+    write_summary,
+)  # noqa: E402
+from ..train import (  # noqa: E402
+    CHECKPOINT,
+    PAUSE_ENV,
+    FeatureStats,
+    ServerUpdate,
+    ccvr_calibrate,
+    prepare,
+    sample_clients,
+    solve_statistics,  # noqa: E402
+    statistics_row,
+    summarize,
+    validate_method,
+)
 from ..util import atomic_torch_save, pause_hook, raise_if_stopped, resolve_device  # noqa: E402
-from .common import MESSAGE_PREFIX, ServerStopped, config_to_json, stop_after, store_fingerprint  # noqa: E402
+from .common import (  # noqa: E402
+    MESSAGE_PREFIX,
+    ServerStopped,
+    client_stats_from_record,  # noqa: E402
+    config_to_json,
+    stop_after,
+    store_fingerprint,
+)
 from .secure import SecureRounds  # noqa: E402
 
 LOG = logging.getLogger("flwr")
-FLOWER_ROUND_FIELDS = ROUND_FIELDS + ["run", "partition", "clients_trained", "failures", "failed_clients",
-                                      "failure_reason"]
+FLOWER_ROUND_FIELDS = ROUND_FIELDS + [
+    "run",
+    "partition",
+    "clients_trained",
+    "failures",
+    "failed_clients",
+    "failure_reason",
+]
 
 
 @dataclass
 class ServerSettings:
-    out: str | None = None             # run directory [runs/<stamp>-flower-<head>-<partition>]
-    resume: bool = False               # continue the run in ``out`` from its checkpoint
-    round_timeout: float = 600.0       # seconds to wait for a round's replies (late nodes = failures)
-    wait_timeout: float = 120.0        # seconds to wait for ``clients`` nodes to connect / answer the query
+    out: str | None = None  # run directory [runs/<stamp>-flower-<head>-<partition>]
+    resume: bool = False  # continue the run in ``out`` from its checkpoint
+    round_timeout: float = 600.0  # seconds to wait for a round's replies (late nodes = failures)
+    wait_timeout: float = 120.0  # seconds to wait for ``clients`` nodes to connect / answer the query
     runs_root: str = "runs"
 
 
@@ -98,7 +129,7 @@ class _Round:
     loss_sum: float = 0.0
     client_ms: list = field(default_factory=list)
     server_s: float = 0.0
-    failed: dict = field(default_factory=dict)     # partition id -> reason
+    failed: dict = field(default_factory=dict)  # partition id -> reason
 
 
 def _marked(reason: str) -> str | None:
@@ -122,15 +153,21 @@ def validate_server_config(cfg: TrainConfig, store: Features) -> TrainConfig:
     resolve_partition_params(cfg.partition, **cfg.partition_params)
     validate_method(cfg)
     if cfg.iid_reference:
-        raise FedheadError("The '--iid-reference' option is not supported on Flower. Got True instead. "
-                           "Run the IID reference with 'fedhead train --iid-reference'.")
+        raise FedheadError(
+            "The '--iid-reference' option is not supported on Flower. Got True instead. "
+            "Run the IID reference with 'fedhead train --iid-reference'."
+        )
     if cfg.central_reference:
-        raise FedheadError("The '--central-reference' option is not supported on Flower (the server holds no "
-                           "training features to train the ceiling on). Got True instead. Run the ceiling with "
-                           "'fedhead train --central-reference' on a store of the pooled features.")
+        raise FedheadError(
+            "The '--central-reference' option is not supported on Flower (the server holds no "
+            "training features to train the ceiling on). Got True instead. Run the ceiling with "
+            "'fedhead train --central-reference' on a store of the pooled features."
+        )
     if len(store.test_y) == 0:
-        raise FedheadError(f"The 'feature-store' of the server ({cfg.features!r}) has an empty test split, "
-                           "which central evaluation needs. Extract the test images into it.")
+        raise FedheadError(
+            f"The 'feature-store' of the server ({cfg.features!r}) has an empty test split, "
+            "which central evaluation needs. Extract the test images into it."
+        )
     return cfg
 
 
@@ -147,7 +184,7 @@ class NodeVariates:
 
     identity: str
     seed: int
-    accepted: np.ndarray                              # [N] int64
+    accepted: np.ndarray  # [N] int64
     generation: int = 0
     restarts: list = field(default_factory=list)
     run: str = field(default_factory=lambda: os.urandom(6).hex())
@@ -163,8 +200,12 @@ class NodeVariates:
         return self.tag(self.accepted[pid]) not in held
 
     def state_dict(self) -> dict:
-        return {"accepted": self.accepted.copy(), "generation": self.generation, "restarts": list(self.restarts),
-                "run": self.run}
+        return {
+            "accepted": self.accepted.copy(),
+            "generation": self.generation,
+            "restarts": list(self.restarts),
+            "run": self.run,
+        }
 
 
 class FedheadStrategy(Strategy):
@@ -177,16 +218,15 @@ class FedheadStrategy(Strategy):
         self.fingerprint = json.dumps(store_fingerprint(store.info), sort_keys=True)
         self.cfg_json = config_to_json(cfg)
         self.seed = cfg.seeds[0]
-        self.node_of: dict[int, int] = {}          # partition id -> node id
+        self.node_of: dict[int, int] = {}  # partition id -> node id
         self.stats = FeatureStats(None, 1.0, 0, 0)
         self.theta: torch.Tensor | None = None
         self.last = _Round()
         closed = is_closed_form(cfg.head)
-        self.solver = create_head(cfg.head if closed else cfg.init, **cfg.head_params) \
-            if (closed or cfg.init) else None
+        self.solver = create_head(cfg.head if closed else cfg.init, **cfg.head_params) if (closed or cfg.init) else None
         self.server = self.server_update()
-        self.variates: NodeVariates | None = None   # SCAFFOLD: which c_k each node trains from
-        self.lost_variates: str | None = None       # SCAFFOLD: why it must restart before the next round
+        self.variates: NodeVariates | None = None  # SCAFFOLD: which c_k each node trains from
+        self.lost_variates: str | None = None  # SCAFFOLD: why it must restart before the next round
         # --secure-aggregation: every sum below comes from Flower's SecAgg+ (fedhead.flower.secure)
         self.secure = SecureRounds(self) if cfg.secure_aggregation else None
 
@@ -194,10 +234,11 @@ class FedheadStrategy(Strategy):
         """The simulator's :class:`fedhead.train.ServerUpdate` for one seed (server optimiser, SCAFFOLD's ``c``).
         The clients' variates live on their nodes: the server's SCAFFOLD state holds ``c`` and ``N`` only."""
         shape = (self.store.info.num_classes, self.store.test_x.shape[1] + 1)
-        server = ServerUpdate(replace(self.cfg, scaffold=False), shape, self.device)   # no [N, C, D+1] here
+        server = ServerUpdate(replace(self.cfg, scaffold=False), shape, self.device)  # no [N, C, D+1] here
         if self.cfg.scaffold:
-            server.scaffold = ScaffoldState.held_by([], torch.zeros(shape, device=self.device),
-                                                    num_clients=self.cfg.clients)
+            server.scaffold = ScaffoldState.held_by(
+                [], torch.zeros(shape, device=self.device), num_clients=self.cfg.clients
+            )
         return server
 
     def restart_variates(self, rnd: int, why: str) -> None:
@@ -215,20 +256,36 @@ class FedheadStrategy(Strategy):
 
     def summary(self) -> None:
         c = self.cfg
-        LOG.log(INFO, "FedheadStrategy: head=%s partition=%s clients=%s rounds=%s aggregate=%s "
-                "participation=%s seeds=%s", c.head, c.partition, c.clients, c.rounds, c.aggregate,
-                c.participation, c.seeds)
+        LOG.log(
+            INFO,
+            "FedheadStrategy: head=%s partition=%s clients=%s rounds=%s aggregate=%s participation=%s seeds=%s",
+            c.head,
+            c.partition,
+            c.clients,
+            c.rounds,
+            c.aggregate,
+            c.participation,
+            c.seeds,
+        )
 
     def _round_config(self, server_round: int) -> ConfigRecord:
-        cr = ConfigRecord({"train-config": self.cfg_json, "server-store": self.fingerprint,
-                           "seed": int(self.seed), "round": int(server_round),
-                           "stage": self.head.stage(server_round), "stats-scale": float(self.stats.scale)})
+        cr = ConfigRecord(
+            {
+                "train-config": self.cfg_json,
+                "server-store": self.fingerprint,
+                "seed": int(self.seed),
+                "round": int(server_round),
+                "stage": self.head.stage(server_round),
+                "stats-scale": float(self.stats.scale),
+            }
+        )
         if self.stats.mean is not None:
             cr["stats-mean"] = [float(v) for v in self.stats.mean]
         return cr
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         sel = sample_clients(self.cfg.clients, self.cfg.participation, self.seed, server_round)
         self.last = _Round()
         self._selected = [int(k) for k in sel]
@@ -236,7 +293,7 @@ class FedheadStrategy(Strategy):
         for k, v in config.items():
             cfg_rec[k] = v
         scaffold = self.server.scaffold
-        if scaffold is not None:                  # SCAFFOLD: the server's c travels with the head
+        if scaffold is not None:  # SCAFFOLD: the server's c travels with the head
             arrays = ArrayRecord({**dict(arrays.items()), "scaffold-c": Array(scaffold.c.cpu().numpy())})
         msgs = []
         for pid in self._selected:
@@ -245,15 +302,27 @@ class FedheadStrategy(Strategy):
                 self.last.failed[pid] = "no connected SuperNode has this partition id"
                 continue
             rec = cfg_rec
-            if scaffold is not None:              # which c_k to train from, and under which tag to keep the result
-                rec = ConfigRecord({**dict(cfg_rec.items()), "scaffold-in": self.variates.tag(self.variates.accepted[pid]),
-                                    "scaffold-out": self.variates.tag(server_round)})
-            msgs.append(Message(RecordDict({"arrays": arrays, "config": rec}), dst_node_id=node,
-                                message_type=MessageType.TRAIN, group_id=str(server_round)))
+            if scaffold is not None:  # which c_k to train from, and under which tag to keep the result
+                rec = ConfigRecord(
+                    {
+                        **dict(cfg_rec.items()),
+                        "scaffold-in": self.variates.tag(self.variates.accepted[pid]),
+                        "scaffold-out": self.variates.tag(server_round),
+                    }
+                )
+            msgs.append(
+                Message(
+                    RecordDict({"arrays": arrays, "config": rec}),
+                    dst_node_id=node,
+                    message_type=MessageType.TRAIN,
+                    group_id=str(server_round),
+                )
+            )
         return msgs
 
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         pid_of = {n: p for p, n in self.node_of.items()}
         good = []
         answered = set()
@@ -267,42 +336,73 @@ class FedheadStrategy(Strategy):
                 continue
             m = r.content["metrics"]
             if int(m.get("scaffold-lost", 0)):
-                self.last.failed[pid] = ("the node no longer holds its SCAFFOLD control variate (restarted?); "
-                                         "SCAFFOLD restarts from zero variates next round")
+                self.last.failed[pid] = (
+                    "the node no longer holds its SCAFFOLD control variate (restarted?); "
+                    "SCAFFOLD restarts from zero variates next round"
+                )
                 self.lost_variates = f"the node of partition {pid} no longer held its control variate"
                 continue
             if int(m["num-examples"]) == 0:
-                continue                          # an empty client is skipped, as in the simulator
+                continue  # an empty client is skipped, as in the simulator
             good.append((pid, r))
         for pid in self._selected:
             if pid not in answered and pid not in self.last.failed:
                 self.last.failed[pid] = f"no reply within {self.settings.round_timeout:g} s"
         if not good:
             return None, MetricRecord({"clients-trained": 0, "failures": len(self.last.failed)})
-        good.sort(key=lambda t: t[0])             # partition order = the simulator's order
+        good.sort(key=lambda t: t[0])  # partition order = the simulator's order
         t0 = time.perf_counter()
         keys = sorted(k for k in good[0][1].content["arrays"].keys() if k.startswith(MESSAGE_PREFIX))
-        msg = {k[len(MESSAGE_PREFIX):]: torch.stack([torch.as_tensor(r.content["arrays"][k].numpy())
-                                                     for _, r in good]).to(self.device) for k in keys}
-        holds = torch.stack([torch.as_tensor(r.content["arrays"]["holds"].numpy()).bool()
-                             for _, r in good]).to(self.device)
+        msg = {
+            k[len(MESSAGE_PREFIX) :]: torch.stack(
+                [torch.as_tensor(r.content["arrays"][k].numpy()) for _, r in good]
+            ).to(self.device)
+            for k in keys
+        }
+        holds = torch.stack([torch.as_tensor(r.content["arrays"]["holds"].numpy()).bool() for _, r in good]).to(
+            self.device
+        )
         sizes = torch.as_tensor([int(r.content["metrics"]["num-examples"]) for _, r in good], device=self.device)
-        deltas = torch.stack([torch.as_tensor(r.content["arrays"]["scaffold-delta"].numpy()) for _, r in good]) \
-            if self.server.scaffold is not None else None
-        return self._finish_round(server_round, msg, sizes, holds, len(good), deltas, [pid for pid, _ in good],
-                                  sum(float(r.content["metrics"]["train-loss"]) for _, r in good),
-                                  [float(r.content["metrics"]["client-ms"]) for _, r in good], t0)
+        deltas = (
+            torch.stack([torch.as_tensor(r.content["arrays"]["scaffold-delta"].numpy()) for _, r in good])
+            if self.server.scaffold is not None
+            else None
+        )
+        return self._finish_round(
+            server_round,
+            msg,
+            sizes,
+            holds,
+            len(good),
+            deltas,
+            [pid for pid, _ in good],
+            sum(float(r.content["metrics"]["train-loss"]) for _, r in good),
+            [float(r.content["metrics"]["client-ms"]) for _, r in good],
+            t0,
+        )
 
-    def _finish_round(self, server_round: int, msg: dict, sizes: torch.Tensor, holds: torch.Tensor, clients: int,
-                      deltas: torch.Tensor | None, pids: list, loss_sum: float, client_ms: list, t0: float):
+    def _finish_round(
+        self,
+        server_round: int,
+        msg: dict,
+        sizes: torch.Tensor,
+        holds: torch.Tensor,
+        clients: int,
+        deltas: torch.Tensor | None,
+        pids: list,
+        loss_sum: float,
+        client_ms: list,
+        t0: float,
+    ):
         """The server's half of a round from ``clients`` clients' messages: stacked per client (a plain round), or
         one secure sum (``[1, ...]`` each, :meth:`fedhead.flower.secure.SecureRounds.train_round`)."""
-        acc = Accumulator(aggregator_of(self.cfg), self.theta, seed=self.seed, rnd=server_round,
-                          sampled=len(self._selected))        # the simulator's sums of the same messages
+        acc = Accumulator(
+            aggregator_of(self.cfg), self.theta, seed=self.seed, rnd=server_round, sampled=len(self._selected)
+        )  # the simulator's sums of the same messages
         acc.add_message(msg, sizes, holds)
         acc.clients = clients
         aggregated = acc.finish()
-        if self.server.scaffold is not None:      # the simulator's rule: c += sum of the deltas / N
+        if self.server.scaffold is not None:  # the simulator's rule: c += sum of the deltas / N
             self.server.scaffold.add_deltas(deltas.to(self.device))
             self.server.scaffold.server_update()
             for pid in pids:
@@ -313,13 +413,21 @@ class FedheadStrategy(Strategy):
         self.last.loss_sum = float(loss_sum)
         self.last.client_ms = list(client_ms)
         self.theta = theta
-        return (ArrayRecord({"head": Array(theta.cpu().numpy())}),
-                MetricRecord({"clients-trained": clients, "failures": len(self.last.failed),
-                              "train-loss": self.last.loss_sum / clients}))
+        return (
+            ArrayRecord({"head": Array(theta.cpu().numpy())}),
+            MetricRecord(
+                {
+                    "clients-trained": clients,
+                    "failures": len(self.last.failed),
+                    "train-loss": self.last.loss_sum / clients,
+                }
+            ),
+        )
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
-        return []                                 # evaluation is central, on the server's test split
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return []  # evaluation is central, on the server's test split
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return None
@@ -335,16 +443,25 @@ class FedheadStrategy(Strategy):
             if time.monotonic() - t0 > self.settings.wait_timeout:
                 raise FedheadError(
                     f"Only {len(ids)} of {n} SuperNodes connected after {self.settings.wait_timeout:g} s. Start "
-                    f"one 'fedhead flower supernode' per client (partition-id 0..{n - 1}), or lower --clients.")
+                    f"one 'fedhead flower supernode' per client (partition-id 0..{n - 1}), or lower --clients."
+                )
             time.sleep(0.5)
 
     def _query(self, grid: Grid, node_ids: list[int], want_stats: bool) -> list[tuple[int, Message]]:
-        cr = ConfigRecord({"train-config": self.cfg_json, "server-store": self.fingerprint,
-                           "seed": int(self.seed), "want-stats": bool(want_stats),
-                           # the statistics exchange of a closed-form head or an --init start (round 1)
-                           "closed-form": self.solver.name if (want_stats and self.solver is not None) else ""})
-        msgs = [Message(RecordDict({"config": cr}), dst_node_id=n, message_type=MessageType.QUERY,
-                        group_id="query") for n in node_ids]
+        cr = ConfigRecord(
+            {
+                "train-config": self.cfg_json,
+                "server-store": self.fingerprint,
+                "seed": int(self.seed),
+                "want-stats": bool(want_stats),
+                # the statistics exchange of a closed-form head or an --init start (round 1)
+                "closed-form": self.solver.name if (want_stats and self.solver is not None) else "",
+            }
+        )
+        msgs = [
+            Message(RecordDict({"config": cr}), dst_node_id=n, message_type=MessageType.QUERY, group_id="query")
+            for n in node_ids
+        ]
         replies = list(grid.send_and_receive(msgs, timeout=self.settings.wait_timeout))
         out = []
         for r in replies:
@@ -361,24 +478,32 @@ class FedheadStrategy(Strategy):
         K = self.cfg.clients
         if len(replies) < len(ids):
             missing = sorted(set(ids) - {n for n, _ in replies})
-            raise FedheadError(f"SuperNodes {missing} did not answer the query within "
-                               f"{self.settings.wait_timeout:g} s. Check that they are running.")
+            raise FedheadError(
+                f"SuperNodes {missing} did not answer the query within "
+                f"{self.settings.wait_timeout:g} s. Check that they are running."
+            )
         node_of, info = {}, {}
         for node, r in replies:
             m = r.content["metrics"]
             pid = int(m["partition-id"])
             if not 0 <= pid < K:
-                raise FedheadError(f"SuperNode {node} has partition-id {pid}, but the run has --clients {K}. "
-                                   f"Give the nodes partition ids 0..{K - 1}.")
+                raise FedheadError(
+                    f"SuperNode {node} has partition-id {pid}, but the run has --clients {K}. "
+                    f"Give the nodes partition ids 0..{K - 1}."
+                )
             if pid in node_of:
-                raise FedheadError(f"SuperNodes {node_of[pid]} and {node} both have partition-id {pid}. "
-                                   "Give every node its own partition id.")
+                raise FedheadError(
+                    f"SuperNodes {node_of[pid]} and {node} both have partition-id {pid}. "
+                    "Give every node its own partition id."
+                )
             node_of[pid] = node
             info[pid] = r
         missing = sorted(set(range(K)) - set(node_of))
         if missing:
-            raise FedheadError(f"No connected SuperNode has partition-id {missing[0]} (missing: {missing}). "
-                               f"Start one node per partition id 0..{K - 1}.")
+            raise FedheadError(
+                f"No connected SuperNode has partition-id {missing[0]} (missing: {missing}). "
+                f"Start one node per partition id 0..{K - 1}."
+            )
         self.node_of = node_of
         return info
 
@@ -422,7 +547,7 @@ class FedheadStrategy(Strategy):
         """The federated mean and scale from the summed feature statistics (a plain run's replies added in partition
         order, or a secure census); ``up``/``down``: bytes per client of that exchange."""
         cfg = self.cfg
-        total, sq, n = noisy_feature_sums(total, sq, n, cfg, self.seed)      # DP: the simulator's noise (no-op)
+        total, sq, n = noisy_feature_sums(total, sq, n, cfg, self.seed)  # DP: the simulator's noise (no-op)
         mean = total / max(1, n)
         s = 1.0
         if cfg.scale == "rms":
@@ -455,13 +580,18 @@ class FedheadStrategy(Strategy):
         cfg = self.cfg
         self.refresh_nodes(grid)
         cr = self._round_config(rnd)
-        mtype = MessageType.TRAIN if self.secure is not None else "query.ccvr"      # SecAgg+ runs on train messages
-        msgs = [Message(RecordDict({"config": cr}), dst_node_id=self.node_of[p], message_type=mtype,
-                        group_id="ccvr") for p in range(cfg.clients) if p in self.node_of]
-        got, failed = {}, {p: "no connected SuperNode has this partition id"
-                           for p in range(cfg.clients) if p not in self.node_of}
+        mtype = MessageType.TRAIN if self.secure is not None else "query.ccvr"  # SecAgg+ runs on train messages
+        msgs = [
+            Message(RecordDict({"config": cr}), dst_node_id=self.node_of[p], message_type=mtype, group_id="ccvr")
+            for p in range(cfg.clients)
+            if p in self.node_of
+        ]
+        got, failed = (
+            {},
+            {p: "no connected SuperNode has this partition id" for p in range(cfg.clients) if p not in self.node_of},
+        )
         pid_of = {n: p for p, n in self.node_of.items()}
-        if self.secure is not None:               # the class moments, summed by SecAgg+
+        if self.secure is not None:  # the class moments, summed by SecAgg+
             pooled, got, failed, up, client_ms = self.secure.ccvr(grid, msgs, rnd, failed)
         else:
             for r in grid.send_and_receive(msgs, timeout=self.settings.round_timeout):
@@ -477,54 +607,88 @@ class FedheadStrategy(Strategy):
                     failed[p] = f"no reply within {self.settings.round_timeout:g} s"
             pooled = PooledStats(self.store.info.num_classes, self.store.test_x.shape[1])
             up, client_ms = 0, 0.0
-            for p in sorted(got):                     # partition order = the simulator's order
+            for p in sorted(got):  # partition order = the simulator's order
                 blob = got[p].content["arrays"]["ccvr-stats"].numpy().tobytes()
                 client_ms += float(got[p].content["metrics"]["client-ms"])
                 if blob:
                     pooled.add(ClassStats.from_bytes(blob, pooled.dim))
                     up += len(blob)
-        self.theta, row = ccvr_calibrate(self.head, self.theta, pooled, cfg, self.seed, xt, y_test, rnd,
-                                         cfg.clients, up, client_ms / 1000)
+        self.theta, row = ccvr_calibrate(
+            self.head, self.theta, pooled, cfg, self.seed, xt, y_test, rnd, cfg.clients, up, client_ms / 1000
+        )
         if self.secure is not None:
-            row.update(self.secure.take_bytes(cfg.clients, cfg.clients * self.theta.numel() * self.theta.element_size()))
+            row.update(
+                self.secure.take_bytes(cfg.clients, cfg.clients * self.theta.numel() * self.theta.element_size())
+            )
         lost = sorted(failed)
-        LOG.log(INFO, "[fedhead] seed %s CCVR calibration: accuracy %.4f from %s nodes%s", self.seed, row["accuracy"],
-                len(got), f", {len(lost)} failed ({failed[lost[0]]})" if lost else "")
-        return {"seed": self.seed, **row, "run": "main", "partition": cfg.partition, "failures": len(lost),
-                "failed_clients": " ".join(map(str, lost)), "failure_reason": failed[lost[0]] if lost else ""}
+        LOG.log(
+            INFO,
+            "[fedhead] seed %s CCVR calibration: accuracy %.4f from %s nodes%s",
+            self.seed,
+            row["accuracy"],
+            len(got),
+            f", {len(lost)} failed ({failed[lost[0]]})" if lost else "",
+        )
+        return {
+            "seed": self.seed,
+            **row,
+            "run": "main",
+            "partition": cfg.partition,
+            "failures": len(lost),
+            "failed_clients": " ".join(map(str, lost)),
+            "failure_reason": failed[lost[0]] if lost else "",
+        }
 
     # ---------------------------------------------------------------- the run
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
-              timeout: float | None = None, train_config: ConfigRecord | None = None,
-              evaluate_config: ConfigRecord | None = None, evaluate_fn=None) -> RunOutcome:
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord | None = None,
+        num_rounds: int | None = None,
+        timeout: float | None = None,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn=None,
+    ) -> RunOutcome:
         cfg, st = self.cfg, self.settings
         if timeout is not None:
             st.round_timeout = timeout
         rounds = 1 if is_closed_form(cfg.head) else (num_rounds or cfg.rounds)
-        privacy = epsilon_schedule(cfg, rounds)          # DP: epsilon per round ({} without DP)
+        privacy = epsilon_schedule(cfg, rounds)  # DP: epsilon per round ({} without DP)
         run_dir = Path(st.out) if st.out else default_run_dir(st.runs_root, "flower", cfg.head, cfg.partition)
         ckpt_path = run_dir / CHECKPOINT
         ckpt = self._load_resume(run_dir, ckpt_path)
         if isinstance(ckpt, RunOutcome):
             return ckpt
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_config(run_dir, {
-            "identity": cfg.identity(), "config": cfg.to_dict(),
-            "head_params": resolve_head_params(cfg.head, **cfg.head_params),
-            "partition_params": resolve_partition_params(cfg.partition, **cfg.partition_params),
-            "store": {"path": str(self.store.info.path), **self.store.info.attrs,
-                      "shapes": {k: list(v) for k, v in self.store.info.shapes.items()}},
-            "device": str(self.device), "torch_version": torch.__version__, "runtime": "flower",
-            "flower_version": _flwr_version(), "round_timeout_s": st.round_timeout,
-            "randomness": "numpy default_rng keyed by (seed, round[, client, epoch]); no global seeding"})
+        write_config(
+            run_dir,
+            {
+                "identity": cfg.identity(),
+                "config": cfg.to_dict(),
+                "head_params": resolve_head_params(cfg.head, **cfg.head_params),
+                "partition_params": resolve_partition_params(cfg.partition, **cfg.partition_params),
+                "store": {
+                    "path": str(self.store.info.path),
+                    **self.store.info.attrs,
+                    "shapes": {k: list(v) for k, v in self.store.info.shapes.items()},
+                },
+                "device": str(self.device),
+                "torch_version": torch.__version__,
+                "runtime": "flower",
+                "flower_version": _flwr_version(),
+                "round_timeout_s": st.round_timeout,
+                "randomness": "numpy default_rng keyed by (seed, round[, client, epoch]); no global seeding",
+            },
+        )
         self.summary()
 
         rows: list[dict] = list(ckpt["rows"]) if ckpt else []
         done: set = set(ckpt["done_seeds"]) if ckpt else set()
         realised: dict = dict(ckpt.get("realised", {})) if ckpt else {}
         client_rows: list = list(ckpt.get("client_rows", [])) if ckpt else []
-        restarts: list = list(ckpt.get("scaffold_restarts", [])) if ckpt else []   # SCAFFOLD: (seed, round)
+        restarts: list = list(ckpt.get("scaffold_restarts", [])) if ckpt else []  # SCAFFOLD: (seed, round)
         wall0 = time.perf_counter() - (ckpt["wall_s"] if ckpt else 0.0)
         C, D = self.store.info.num_classes, self.store.test_x.shape[1]
         y_test = torch.as_tensor(self.store.test_y, device=self.device)
@@ -535,14 +699,15 @@ class FedheadStrategy(Strategy):
             self.seed = seed
             resuming = ckpt is not None and ckpt["current"] == seed
             info = self.connect(grid, need_stats=not resuming)
-            self.server = self.server_update()        # a fresh server optimiser and SCAFFOLD c per seed
+            self.server = self.server_update()  # a fresh server optimiser and SCAFFOLD c per seed
             if cfg.scaffold:
                 self.variates = NodeVariates(cfg.identity(), seed, np.zeros(cfg.clients, dtype=np.int64))
             self.lost_variates = None
             if resuming:
                 s = ckpt["stats"]
-                self.stats = FeatureStats(None if s["mean"] is None else np.asarray(s["mean"]), s["scale"],
-                                          s["up"], s["down"])
+                self.stats = FeatureStats(
+                    None if s["mean"] is None else np.asarray(s["mean"]), s["scale"], s["up"], s["down"]
+                )
                 self.theta = ckpt["theta"].to(self.device)
                 start = int(ckpt["round"]) + 1
                 self.server.load_state_dict(ckpt.get("server", {}), self.device)
@@ -555,12 +720,14 @@ class FedheadStrategy(Strategy):
                     # their variates only if they keep them in a state folder (node config state-dir)
                     lost = [p for p in range(cfg.clients) if self.variates.lost(p, info[p])]
                     if lost:
-                        self.lost_variates = (f"the nodes of partitions {lost} no longer hold their control variates "
-                                              "(the server resumed in a new Flower run)")
+                        self.lost_variates = (
+                            f"the nodes of partitions {lost} no longer hold their control variates "
+                            "(the server resumed in a new Flower run)"
+                        )
             else:
                 self.theta = torch.zeros(C, D + 1, device=self.device)
                 start = 1
-                if self.secure is not None:      # the server never sees a node's counts: no clients.csv rows
+                if self.secure is not None:  # the server never sees a node's counts: no clients.csv rows
                     self.stats, realised[f"{seed}:main"] = self.secure.census(grid)
                 else:
                     self.stats = self.combine_stats(info)
@@ -573,8 +740,8 @@ class FedheadStrategy(Strategy):
             xt = prepare(self.store.test_x, self.stats, self.device)
             head_bytes = self.theta.numel() * self.theta.element_size()
             msg_bytes = aggregator_of(cfg).nbytes(self.theta)
-            down = self.server.transfer_multiplier() * head_bytes      # SCAFFOLD's c travels too
-            up = down - head_bytes + msg_bytes                          # the rule's message (+ the c_k delta)
+            down = self.server.transfer_multiplier() * head_bytes  # SCAFFOLD's c travels too
+            up = down - head_bytes + msg_bytes  # the rule's message (+ the c_k delta)
             for rnd in range(start, rounds + 1):
                 extra_up = self.stats.bytes_up_per_client if rnd == 1 else 0
                 extra_down = self.stats.bytes_down_per_client if rnd == 1 else 0
@@ -587,10 +754,23 @@ class FedheadStrategy(Strategy):
                     sacc = self.statistics(info, self._selected, grid)
                     t1 = time.perf_counter()
                     self.theta = solve_statistics(self.solver, sacc, cfg, self.stats, self.device, seed=seed)
-                    row = statistics_row(sacc, 0.0, time.perf_counter() - t1, cfg, len(sel), head_bytes, extra_up,
-                                         stats_clients * (extra_up + extra_down))
-                    row["client_ms"] = self.secure.client_ms if self.secure is not None else float(np.mean(
-                        [float(info[p].content["metrics"].get("stats-ms", 0.0)) for p in self._selected]))
+                    row = statistics_row(
+                        sacc,
+                        0.0,
+                        time.perf_counter() - t1,
+                        cfg,
+                        len(sel),
+                        head_bytes,
+                        extra_up,
+                        stats_clients * (extra_up + extra_down),
+                    )
+                    row["client_ms"] = (
+                        self.secure.client_ms
+                        if self.secure is not None
+                        else float(
+                            np.mean([float(info[p].content["metrics"].get("stats-ms", 0.0)) for p in self._selected])
+                        )
+                    )
                     row["server_ms"] = 1000 * (time.perf_counter() - t0)
                     self.last = _Round(trained=sacc.clients)
                     lr = self.last
@@ -608,39 +788,75 @@ class FedheadStrategy(Strategy):
                     else:
                         self.aggregate_train(rnd, grid.send_and_receive(msgs, timeout=st.round_timeout))
                     lr = self.last
-                    row = {"stage": self.head.stage(rnd), "train_loss": lr.loss_sum / max(1, lr.trained),
-                           "client_ms": float(np.mean(lr.client_ms)) if lr.client_ms else 0.0,
-                           "server_ms": 1000 * lr.server_s, "bytes_up_per_client": up + extra_up,
-                           "bytes_total": len(self._selected) * (up + down) + stats_clients * (extra_up + extra_down),
-                           "clients_trained": lr.trained}
-                if self.secure is not None:       # every SecAgg+ message of the round (a closed-form head: + its head)
-                    row.update(self.secure.take_bytes(len(self._selected),
-                                                      len(self._selected) * head_bytes if is_closed_form(cfg.head) else 0))
+                    row = {
+                        "stage": self.head.stage(rnd),
+                        "train_loss": lr.loss_sum / max(1, lr.trained),
+                        "client_ms": float(np.mean(lr.client_ms)) if lr.client_ms else 0.0,
+                        "server_ms": 1000 * lr.server_s,
+                        "bytes_up_per_client": up + extra_up,
+                        "bytes_total": len(self._selected) * (up + down) + stats_clients * (extra_up + extra_down),
+                        "clients_trained": lr.trained,
+                    }
+                if self.secure is not None:  # every SecAgg+ message of the round (a closed-form head: + its head)
+                    row.update(
+                        self.secure.take_bytes(
+                            len(self._selected), len(self._selected) * head_bytes if is_closed_form(cfg.head) else 0
+                        )
+                    )
                 evaluate_now = rnd % cfg.eval_every == 0 or rnd == rounds
                 acc = evaluate(self.theta, xt, y_test) if evaluate_now else float("nan")
                 failed = sorted(lr.failed)
-                rows.append({
-                    "seed": seed, "round": rnd, "accuracy": acc, **row,
-                    "ratio_to_iid": None, "run": "main", "partition": cfg.partition,
-                    "failures": len(failed), "failed_clients": " ".join(map(str, failed)),
-                    "failure_reason": lr.failed[failed[0]] if failed else "", **privacy.get(rnd, {}),
-                })
-                LOG.log(INFO, "[fedhead] seed %s round %s/%s: accuracy %.4f, %s clients trained%s", seed, rnd,
-                        rounds, acc, lr.trained,
-                        f", {len(failed)} failed ({lr.failed[failed[0]]})" if failed else "")
-                atomic_torch_save({"identity": cfg.identity(), "current": seed, "round": rnd,
-                                   "theta": self.theta.cpu(), "rows": rows, "done_seeds": sorted(done),
-                                   "realised": realised, "client_rows": client_rows,
-                                   "stats": {"mean": self.stats.mean, "scale": self.stats.scale,
-                                             "up": self.stats.bytes_up_per_client,
-                                             "down": self.stats.bytes_down_per_client},
-                                   "server": self.server.state_dict(),
-                                   "variates": self.variates.state_dict() if self.variates is not None else None,
-                                   "scaffold_restarts": restarts,
-                                   "wall_s": time.perf_counter() - wall0}, ckpt_path)
+                rows.append(
+                    {
+                        "seed": seed,
+                        "round": rnd,
+                        "accuracy": acc,
+                        **row,
+                        "ratio_to_iid": None,
+                        "run": "main",
+                        "partition": cfg.partition,
+                        "failures": len(failed),
+                        "failed_clients": " ".join(map(str, failed)),
+                        "failure_reason": lr.failed[failed[0]] if failed else "",
+                        **privacy.get(rnd, {}),
+                    }
+                )
+                LOG.log(
+                    INFO,
+                    "[fedhead] seed %s round %s/%s: accuracy %.4f, %s clients trained%s",
+                    seed,
+                    rnd,
+                    rounds,
+                    acc,
+                    lr.trained,
+                    f", {len(failed)} failed ({lr.failed[failed[0]]})" if failed else "",
+                )
+                atomic_torch_save(
+                    {
+                        "identity": cfg.identity(),
+                        "current": seed,
+                        "round": rnd,
+                        "theta": self.theta.cpu(),
+                        "rows": rows,
+                        "done_seeds": sorted(done),
+                        "realised": realised,
+                        "client_rows": client_rows,
+                        "stats": {
+                            "mean": self.stats.mean,
+                            "scale": self.stats.scale,
+                            "up": self.stats.bytes_up_per_client,
+                            "down": self.stats.bytes_down_per_client,
+                        },
+                        "server": self.server.state_dict(),
+                        "variates": self.variates.state_dict() if self.variates is not None else None,
+                        "scaffold_restarts": restarts,
+                        "wall_s": time.perf_counter() - wall0,
+                    },
+                    ckpt_path,
+                )
                 write_csv(run_dir / "rounds.csv", rows, FLOWER_ROUND_FIELDS)
                 pause_hook(PAUSE_ENV, len(rows))
-                raise_if_stopped()          # a signal during `flower simulate`: stop at this consistent point
+                raise_if_stopped()  # a signal during `flower simulate`: stop at this consistent point
                 if stop is not None and rnd == stop:
                     raise ServerStopped(f"server stopped after round {rnd} ({'FEDHEAD_FLOWER_STOP_AFTER'})")
             if cfg.calibrate == "ccvr":
@@ -651,7 +867,7 @@ class FedheadStrategy(Strategy):
             torch.save(self.theta.cpu(), run_dir / f"head-seed{seed}.pt")
 
         write_csv(run_dir / "rounds.csv", rows, FLOWER_ROUND_FIELDS)
-        if client_rows:                   # none with --secure-aggregation
+        if client_rows:  # none with --secure-aggregation
             write_clients_per_seed(run_dir, client_rows)
         summary = summarize(rows, cfg, realised, time.perf_counter() - wall0)
         summary["runtime"] = "flower"
@@ -669,25 +885,34 @@ class FedheadStrategy(Strategy):
         cfg = self.cfg
         if not self.settings.resume:
             if run_dir.exists() and any(run_dir.iterdir()):
-                raise FedheadError(f"The 'run-dir' parameter names {str(run_dir)!r}, which already holds files. "
-                                   "Use resume=true to continue that run, or choose another run-dir.")
+                raise FedheadError(
+                    f"The 'run-dir' parameter names {str(run_dir)!r}, which already holds files. "
+                    "Use resume=true to continue that run, or choose another run-dir."
+                )
             return None
         if not ckpt_path.exists():
             if (run_dir / "summary.json").exists() and (run_dir / "config.json").exists():
                 prev = json.loads((run_dir / "config.json").read_text())
                 if prev.get("identity") != cfg.identity():
-                    raise FedheadError(f"The 'resume' option found a run in {str(run_dir)!r} with a different "
-                                       "configuration. Use the same options, or a new run-dir.")
-                return RunOutcome(run_dir, json.loads((run_dir / "summary.json").read_text()),
-                                  read_csv(run_dir / "rounds.csv"))
+                    raise FedheadError(
+                        f"The 'resume' option found a run in {str(run_dir)!r} with a different "
+                        "configuration. Use the same options, or a new run-dir."
+                    )
+                return RunOutcome(
+                    run_dir, json.loads((run_dir / "summary.json").read_text()), read_csv(run_dir / "rounds.csv")
+                )
             if run_dir.exists() and any(run_dir.iterdir()):
-                raise FedheadError(f"The 'resume' option needs a checkpoint in {str(run_dir)!r}, but none "
-                                   "exists. Run without resume, or name the run's directory.")
-            return None                    # nothing there yet: a fresh run
+                raise FedheadError(
+                    f"The 'resume' option needs a checkpoint in {str(run_dir)!r}, but none "
+                    "exists. Run without resume, or name the run's directory."
+                )
+            return None  # nothing there yet: a fresh run
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
         if ckpt.get("identity") != cfg.identity():
-            raise FedheadError(f"The 'resume' option found a run in {str(run_dir)!r} with a different "
-                               "configuration. Use the same options as the interrupted run, or a new run-dir.")
+            raise FedheadError(
+                f"The 'resume' option found a run in {str(run_dir)!r} with a different "
+                "configuration. Use the same options as the interrupted run, or a new run-dir."
+            )
         LOG.log(INFO, "[fedhead] resuming %s after round %s of seed %s", run_dir, ckpt["round"], ckpt["current"])
         return ckpt
 

@@ -38,17 +38,17 @@ from . import engine as E
 class Plan:
     """What one round trains: member m belongs to client ``owner[m]`` and starts from ``start`` [M, ...]."""
 
-    owner: np.ndarray             # [M] client id of each member
+    owner: np.ndarray  # [M] client id of each member
     member_idx: list[np.ndarray]  # [M] training indices of each member
-    start: E.Params               # [M, ...] start parameters (all tensors of the model)
-    aux: dict                     # loss-function extras, tensors are [M, ...]
+    start: E.Params  # [M, ...] start parameters (all tensors of the model)
+    aux: dict  # loss-function extras, tensors are [M, ...]
     loss_fn: Callable
     epochs: int
     optim: E.OptimSpec
     trainable: set[str] | None = None  # None = every tensor
     stage: str = "train"
-    group: torch.Tensor | None = None   # FedOVA: class of each member
-    prox_mu: float = 0.0                # FedProx: mu of (mu/2)||w - w_start||^2 (0 = off)
+    group: torch.Tensor | None = None  # FedOVA: class of each member
+    prox_mu: float = 0.0  # FedProx: mu of (mu/2)||w - w_start||^2 (0 = off)
     grad_offset: E.Params | None = None  # SCAFFOLD: c - c_k per member, [M, ...] per tensor
 
 
@@ -111,10 +111,24 @@ def _optim(ctx, lr=None) -> E.OptimSpec:
 
 
 def _train(ctx, plan: Plan, start: E.Params, trainable, epochs: int) -> E.TrainResult:
-    return E.train_members(ctx.model, start, plan.member_idx, plan.aux, plan.loss_fn, x_all=ctx.x_train,
-                           y_all=ctx.y_train, to_float=ctx.data.to_float, epochs=epochs,
-                           batch_size=ctx.cfg.batch_size, optim=plan.optim, rng=ctx.rng, trainable=trainable,
-                           backend=ctx.cfg.backend, prox_mu=plan.prox_mu, grad_offset=plan.grad_offset)
+    return E.train_members(
+        ctx.model,
+        start,
+        plan.member_idx,
+        plan.aux,
+        plan.loss_fn,
+        x_all=ctx.x_train,
+        y_all=ctx.y_train,
+        to_float=ctx.data.to_float,
+        epochs=epochs,
+        batch_size=ctx.cfg.batch_size,
+        optim=plan.optim,
+        rng=ctx.rng,
+        trainable=trainable,
+        backend=ctx.cfg.backend,
+        prox_mu=plan.prox_mu,
+        grad_offset=plan.grad_offset,
+    )
 
 
 # ---------------------------------------------------------------- FedAvg / FedABC
@@ -129,8 +143,9 @@ class FedAvg(Algorithm):
     def configure(self, ctx, state, rnd, selected):
         idx = [ctx.parts[k] for k in selected]
         fn, aux = self.loss(ctx, selected)
-        return Plan(np.asarray(selected), idx, E.stack_copies(state, len(selected)), aux, fn,
-                    ctx.cfg.local_epochs, _optim(ctx))
+        return Plan(
+            np.asarray(selected), idx, E.stack_copies(state, len(selected)), aux, fn, ctx.cfg.local_epochs, _optim(ctx)
+        )
 
     def after_round(self, ctx, state, plan, trained):
         if ctx.local_test is None:
@@ -168,13 +183,17 @@ class FedOVA(Algorithm):
         held = (ctx.client_counts > 0).sum(1)
         ones = np.flatnonzero(held == 1)
         if len(ones) == np.count_nonzero(held):
-            raise FedheadError("FedOVA cannot train: every client holds a single label, so no binary network "
-                               "has negatives. Use a partition with >= 2 labels per client, e.g. "
-                               "--partition shard --distinct-labels --shards-per-client 2.")
+            raise FedheadError(
+                "FedOVA cannot train: every client holds a single label, so no binary network "
+                "has negatives. Use a partition with >= 2 labels per client, e.g. "
+                "--partition shard --distinct-labels --shards-per-client 2."
+            )
         for k in ones:
             c = int(np.flatnonzero(ctx.client_counts[k])[0])
-            ctx.log(f"warning: FedOVA client {k} holds one label ({c}) and has no negatives; it trains nothing "
-                    f"and sends nothing.")
+            ctx.log(
+                f"warning: FedOVA client {k} holds one label ({c}) and has no negatives; it trains nothing "
+                f"and sends nothing."
+            )
         ctx.client_extra["fedova_trains"] = (held >= 2).astype(int).tolist()
 
     def configure(self, ctx, state, rnd, selected):
@@ -191,8 +210,16 @@ class FedOVA(Algorithm):
             return None
         group = torch.tensor(cls, dtype=torch.long)
         start = {n: p[group].clone() for n, p in state.items()}
-        return Plan(np.array(owner), idx, start, {"cls": group.to(ctx.device)}, E.binary_bce,
-                    ctx.cfg.local_epochs, _optim(ctx), group=group)
+        return Plan(
+            np.array(owner),
+            idx,
+            start,
+            {"cls": group.to(ctx.device)},
+            E.binary_bce,
+            ctx.cfg.local_epochs,
+            _optim(ctx),
+            group=group,
+        )
 
     def aggregate(self, ctx, state, plan, trained):
         return E.grouped_average(state, trained.params, plan.group.to(next(iter(state.values())).device))
@@ -215,9 +242,11 @@ class DivideAndConquer(FedAvg):
         self.layers = ctx.layers
         self.split = ctx.cfg.split_layer
         if self.split is not None and not 1 <= self.split < len(self.layers):
-            raise FedheadError(f"The '--split-layer' parameter must be an integer in [1, {len(self.layers) - 1}] "
-                               f"for model {ctx.cfg.model} ({len(self.layers)} weight layers). Got "
-                               f"{self.split} instead.")
+            raise FedheadError(
+                f"The '--split-layer' parameter must be an integer in [1, {len(self.layers) - 1}] "
+                f"for model {ctx.cfg.model} ({len(self.layers)} weight layers). Got "
+                f"{self.split} instead."
+            )
         self.div_rows: list[dict] = []
 
     def configure(self, ctx, state, rnd, selected):
@@ -231,9 +260,9 @@ class DivideAndConquer(FedAvg):
         j = rnd - c.prepass_rounds  # 1-based round after the pre-pass
         lr = c.lr * (c.lr_decay ** (j - 1))
         if j % 2 == 1:
-            layers, plan.epochs, plan.stage = self.layers[:self.split], c.feature_epochs, "feature"
+            layers, plan.epochs, plan.stage = self.layers[: self.split], c.feature_epochs, "feature"
         else:
-            layers, plan.epochs, plan.stage = self.layers[self.split:], c.finetune_epochs, "finetune"
+            layers, plan.epochs, plan.stage = self.layers[self.split :], c.finetune_epochs, "finetune"
             lr *= c.finetune_lr_factor
         plan.trainable = {n for names in layers for n in names}
         plan.optim = dataclasses.replace(plan.optim, lr=lr)
@@ -248,8 +277,10 @@ class DivideAndConquer(FedAvg):
 
     def _auto_split(self, ctx) -> int:
         if not self.div_rows:
-            raise FedheadError("The '--split-layer' parameter is needed when --prepass-rounds is 0 "
-                               "(no divergence to choose from). Got None instead.")
+            raise FedheadError(
+                "The '--split-layer' parameter is needed when --prepass-rounds is 0 "
+                "(no divergence to choose from). Got None instead."
+            )
         last = max(r["round"] for r in self.div_rows)
         d = np.array([r["divergence"] for r in self.div_rows if r["round"] == last])
         return E.choose_split(d, ctx.cfg.split_threshold)
@@ -261,9 +292,16 @@ class DivideAndConquer(FedAvg):
             ref = state if ctx.cfg.divergence == "local-vs-global" else None
             d = E.cosine_divergence(ref, trained.params, self.layers, ctx.cfg.divergence)
             rnd = (max((r["round"] for r in self.div_rows), default=0)) + 1
-            for l, v in enumerate(d):
-                self.div_rows.append({"seed": ctx.seed, "round": rnd, "layer": l + 1,
-                                      "name": self.layers[l][0].rsplit(".", 1)[0], "divergence": float(v)})
+            for layer, v in enumerate(d):
+                self.div_rows.append(
+                    {
+                        "seed": ctx.seed,
+                        "round": rnd,
+                        "layer": layer + 1,
+                        "name": self.layers[layer][0].rsplit(".", 1)[0],
+                        "divergence": float(v),
+                    }
+                )
         return out
 
 
@@ -302,20 +340,20 @@ class Scaffold(FedAvg):
     def configure(self, ctx, state, rnd, selected):
         plan = super().configure(ctx, state, rnd, selected)
         ids = torch.as_tensor(plan.owner, dtype=torch.long, device=self.var.ck.device)
-        corr = self.var.correction(ids)[:, 0]                            # [M, P]: c - c_k
+        corr = self.var.correction(ids)[:, 0]  # [M, P]: c - c_k
         plan.grad_offset = E.unflatten(corr, plan.start, self.names)
         return plan
 
     def aggregate(self, ctx, state, plan, trained):
         ids = torch.as_tensor(plan.owner, dtype=torch.long, device=self.var.ck.device)
-        theta = E.flatten({n: state[n].unsqueeze(0) for n in self.names}, self.names)      # [1, P]
-        w = E.flatten(trained.params, self.names).unsqueeze(1)                               # [M, 1, P]
+        theta = E.flatten({n: state[n].unsqueeze(0) for n in self.names}, self.names)  # [1, P]
+        w = E.flatten(trained.params, self.names).unsqueeze(1)  # [M, 1, P]
         self.var.client_update(ids, theta, w, trained.steps, self.step_size)
         self.var.server_update()
         return super().aggregate(ctx, state, plan, trained)
 
     def member_bytes(self, ctx, plan, trained):
-        return super().member_bytes(ctx, plan, trained) + self.var.nbytes   # the model and one variate
+        return super().member_bytes(ctx, plan, trained) + self.var.nbytes  # the model and one variate
 
     def state_dict(self) -> dict:
         return {"scaffold": self.var.state_dict()}
@@ -345,7 +383,7 @@ class Personalised(FedAvg):
 
     def head_names(self, ctx) -> set[str]:
         """The last ``--head-layers`` weight layers."""
-        return {n for names in ctx.layers[-ctx.cfg.head_layers:] for n in names}
+        return {n for names in ctx.layers[-ctx.cfg.head_layers :] for n in names}
 
     def setup(self, ctx):
         super().setup(ctx)
@@ -356,8 +394,9 @@ class Personalised(FedAvg):
 
     def init(self, ctx):
         state = super().init(ctx)
-        self.personal = {n: p.to(ctx.device)
-                         for n, p in E.stack_copies({m: state[m] for m in sorted(self.names)}, self.K).items()}
+        self.personal = {
+            n: p.to(ctx.device) for n, p in E.stack_copies({m: state[m] for m in sorted(self.names)}, self.K).items()
+        }
         return state
 
     def configure(self, ctx, state, rnd, selected):
@@ -383,16 +422,21 @@ class Personalised(FedAvg):
     def predict(self, ctx, state, x):
         k, n = self.K, len(x)
         per = -(-n // k)
-        idx = np.arange(per * k).reshape(per, k).T            # client j scores samples j, j + K, j + 2K, ...
+        idx = np.arange(per * k).reshape(per, k).T  # client j scores samples j, j + K, j + 2K, ...
         valid = idx < n
-        group = max(1, ctx.cfg.eval_batch // per)            # clients per forward: about eval_batch images
+        group = max(1, ctx.cfg.eval_batch // per)  # clients per forward: about eval_batch images
         outs = []
         for j in range(0, k, group):
             sl = slice(j, min(k, j + group))
-            params = {m: (self.personal[m][sl] if m in self.names else p.unsqueeze(0).expand(sl.stop - j, *p.shape))
-                      for m, p in state.items()}
-            outs.append(E.predict_stacked_own(ctx.model, params, x, np.where(valid, idx, 0)[sl], ctx.data.to_float,
-                                              batch_size=per))
+            params = {
+                m: (self.personal[m][sl] if m in self.names else p.unsqueeze(0).expand(sl.stop - j, *p.shape))
+                for m, p in state.items()
+            }
+            outs.append(
+                E.predict_stacked_own(
+                    ctx.model, params, x, np.where(valid, idx, 0)[sl], ctx.data.to_float, batch_size=per
+                )
+            )
         out = self.personal_logits(torch.cat(outs))
         logits = torch.empty(n, out.shape[-1], dtype=out.dtype, device=out.device)
         v = torch.from_numpy(valid).to(out.device)
@@ -408,8 +452,10 @@ class Personalised(FedAvg):
     def load_state_dict(self, d: dict) -> None:
         got = d["personal"]
         if set(got) != self.names:
-            raise FedheadError(f"The checkpoint's personal tensors {sorted(got)} are not this run's "
-                               f"{sorted(self.names)}. Resume with the same options, or start a fresh --out.")
+            raise FedheadError(
+                f"The checkpoint's personal tensors {sorted(got)} are not this run's "
+                f"{sorted(self.names)}. Resume with the same options, or start a fresh --out."
+            )
         self.personal = {n: p.to(self.device).clone() for n, p in got.items()}
 
 
@@ -491,20 +537,21 @@ class FedRoD(Personalised):
         return E.fedrod_loss, {"log_counts": counts.log()}
 
     def personal_logits(self, out):
-        return out[..., out.shape[-1] // 2:]
+        return out[..., out.shape[-1] // 2 :]
 
     def after_round(self, ctx, state, plan, trained):
         out = super().after_round(ctx, state, plan, trained)
         g = E.predict_logits(ctx.model, state, ctx.test_x, ctx.data.to_float)
-        pred = g[:, :g.shape[1] // 2].argmax(1).cpu()
+        pred = g[:, : g.shape[1] // 2].argmax(1).cpu()
         out["generic_accuracy"] = float((pred == ctx.test_y_cpu).float().mean())
         return out
 
 
-ALGORITHMS: dict[str, type[Algorithm]] = {a.name: a for a in (FedAvg, FedOVA, FedABC, DivideAndConquer, Local,
-                                                                FedProx, Scaffold, FedPer, FedRep, FedRoD,
-                                                                LGFedAvg)}
-HEAD_SPLIT = ("fedper", "fedrep", "lg-fedavg")   # algorithms that take --head-layers
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    a.name: a
+    for a in (FedAvg, FedOVA, FedABC, DivideAndConquer, Local, FedProx, Scaffold, FedPer, FedRep, FedRoD, LGFedAvg)
+}
+HEAD_SPLIT = ("fedper", "fedrep", "lg-fedavg")  # algorithms that take --head-layers
 
 
 def create_algorithm(name: str) -> Algorithm:

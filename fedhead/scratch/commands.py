@@ -13,19 +13,31 @@ from ..errors import cli_errors
 
 @cli_errors
 def scratch_cmd(
-    algo: str = typer.Argument(..., help="fedavg | fedova | fedabc | dnc | local | fedprox | scaffold | fedper | "
-                               "fedrep | fedrod | lg-fedavg"),
-    dataset: str = typer.Option(..., "--dataset", help="mnist | fashion-mnist | cifar10 | cifar100 | tinyimagenet | "
-                                 "imagefolder | digits | speech-commands"),
+    algo: str = typer.Argument(
+        ..., help="fedavg | fedova | fedabc | dnc | local | fedprox | scaffold | fedper | fedrep | fedrod | lg-fedavg"
+    ),
+    dataset: str = typer.Option(
+        ...,
+        "--dataset",
+        help="mnist | fashion-mnist | cifar10 | cifar100 | tinyimagenet | imagefolder | digits | speech-commands",
+    ),
     data_dir: Path = typer.Option(..., "--data-dir", help="Folder holding the dataset."),
-    model: Optional[str] = typer.Option(None, "--model", help="cnn | fedabc-mlp | fedabc-convnet | vgg11 | vgg9 | "
-                                        "kws-cnn (default depends on algorithm and dataset)."),
-    partition: Optional[str] = typer.Option(None, "--partition", help="iid | shard | dirichlet | "
-                                            "bernoulli-dirichlet | zipf | color-skew (default per algorithm)."),
-    shards_per_client: Optional[int] = typer.Option(None, "--shards-per-client", help="shard: s (labels per "
-                                                    "client with --distinct-labels, i.e. non-IID-l)."),
-    distinct_labels: Optional[bool] = typer.Option(None, "--distinct-labels/--no-distinct-labels",
-                                                   help="shard: s different labels per client (FedOVA)."),
+    model: Optional[str] = typer.Option(
+        None,
+        "--model",
+        help="cnn | fedabc-mlp | fedabc-convnet | vgg11 | vgg9 | kws-cnn (default depends on algorithm and dataset).",
+    ),
+    partition: Optional[str] = typer.Option(
+        None,
+        "--partition",
+        help="iid | shard | dirichlet | bernoulli-dirichlet | zipf | color-skew (default per algorithm).",
+    ),
+    shards_per_client: Optional[int] = typer.Option(
+        None, "--shards-per-client", help="shard: s (labels per client with --distinct-labels, i.e. non-IID-l)."
+    ),
+    distinct_labels: Optional[bool] = typer.Option(
+        None, "--distinct-labels/--no-distinct-labels", help="shard: s different labels per client (FedOVA)."
+    ),
     alpha: Optional[float] = typer.Option(None, "--alpha", help="dirichlet / bernoulli-dirichlet concentration."),
     min_size: Optional[int] = typer.Option(None, "--min-size", help="dirichlet / zipf smallest client size."),
     p: Optional[float] = typer.Option(None, "--p", help="bernoulli-dirichlet class probability."),
@@ -43,38 +55,59 @@ def scratch_cmd(
     seed: list[int] = typer.Option([0], "--seed", help="Seed; repeat for several seeds."),
     subset: Optional[int] = typer.Option(None, "--subset", help="Use a stratified training subset of this size."),
     test_subset: Optional[int] = typer.Option(None, "--test-subset", help="Stratified test subset size."),
-    max_samples_per_client: Optional[int] = typer.Option(None, "--max-samples-per-client",
-                                                         help="Cap each client's local set."),
+    max_samples_per_client: Optional[int] = typer.Option(
+        None, "--max-samples-per-client", help="Cap each client's local set."
+    ),
     noise: str = typer.Option("none", "--noise", help="Label noise: none | symmetric | asymmetric."),
     noise_rate: float = typer.Option(0.0, "--noise-rate", help="Label noise rate."),
-    local_test_size: Optional[int] = typer.Option(None, "--local-test-size", help="Per-client local test set "
-                                                  "for PFL accuracy and drift (0 = off; fedabc default 200)."),
+    local_test_size: Optional[int] = typer.Option(
+        None,
+        "--local-test-size",
+        help="Per-client local test set for PFL accuracy and drift (0 = off; fedabc default 200).",
+    ),
     prepass_rounds: int = typer.Option(5, "--prepass-rounds", help="dnc: full-model FedAvg pre-pass rounds."),
-    split_layer: Optional[int] = typer.Option(None, "--split-layer", help="dnc: layers 1..s learn features "
-                                              "(default: chosen from the pre-pass divergence)."),
-    split_threshold: float = typer.Option(0.5, "--split-threshold", help="dnc: split before the first layer "
-                                          "whose divergence exceeds this fraction of the largest."),
+    split_layer: Optional[int] = typer.Option(
+        None, "--split-layer", help="dnc: layers 1..s learn features (default: chosen from the pre-pass divergence)."
+    ),
+    split_threshold: float = typer.Option(
+        0.5,
+        "--split-threshold",
+        help="dnc: split before the first layer whose divergence exceeds this fraction of the largest.",
+    ),
     divergence: str = typer.Option("local-vs-global", "--divergence", help="dnc: local-vs-global | local-vs-local."),
     feature_epochs: int = typer.Option(20, "--feature-epochs", help="dnc: local epochs of feature rounds."),
     finetune_epochs: int = typer.Option(4, "--finetune-epochs", help="dnc: local epochs of fine-tuning rounds."),
     finetune_lr_factor: float = typer.Option(0.5, "--finetune-lr-factor", help="dnc: fine-tuning lr factor."),
     lr_decay: float = typer.Option(0.9, "--lr-decay", help="dnc: lr factor per round after the pre-pass."),
-    share_fraction: float = typer.Option(0.0, "--share-fraction", help="Data sharing (Zhao et al. 2018, as FedOVA "
-                                         "uses it), any algorithm: a random global subset D_s of round(beta x "
-                                         "mean client size) training samples, drawn once per seed, sent once to "
-                                         "every client (bytes counted in round 1) and added to its local data; "
-                                         "beta in [0, 1], 0 = off."),
-    prox_mu: Optional[float] = typer.Option(None, "--prox-mu", help="fedprox: mu of (mu/2)||w - w_global||^2 "
-                                            "(default 0.01; 0 = FedAvg)."),
-    head_layers: Optional[int] = typer.Option(None, "--head-layers", help="fedper / fedrep / lg-fedavg: the head "
-                                              "is the last N weight layers (default 1)."),
-    body_epochs: Optional[int] = typer.Option(None, "--body-epochs", help="fedrep: the last N of --local-epochs "
-                                              "train the body, the others the head (default 1)."),
+    share_fraction: float = typer.Option(
+        0.0,
+        "--share-fraction",
+        help="Data sharing (Zhao et al. 2018, as FedOVA "
+        "uses it), any algorithm: a random global subset D_s of round(beta x "
+        "mean client size) training samples, drawn once per seed, sent once to "
+        "every client (bytes counted in round 1) and added to its local data; "
+        "beta in [0, 1], 0 = off.",
+    ),
+    prox_mu: Optional[float] = typer.Option(
+        None, "--prox-mu", help="fedprox: mu of (mu/2)||w - w_global||^2 (default 0.01; 0 = FedAvg)."
+    ),
+    head_layers: Optional[int] = typer.Option(
+        None, "--head-layers", help="fedper / fedrep / lg-fedavg: the head is the last N weight layers (default 1)."
+    ),
+    body_epochs: Optional[int] = typer.Option(
+        None,
+        "--body-epochs",
+        help="fedrep: the last N of --local-epochs train the body, the others the head (default 1).",
+    ),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda (cuda uses autocast)."),
     backend: str = typer.Option("vmap", "--backend", help="vmap (fast) | loop (reference, one member at a time)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Run directory (default runs/<time>-scratch-...)."),
-    resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run in --out from its "
-                                "checkpoint (same options; a finished run is reported again)."),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        help="Continue the interrupted run in --out from its "
+        "checkpoint (same options; a finished run is reported again).",
+    ),
 ):
     """Train a model from scratch with FedAvg, FedOVA, FedABC, Divide-and-Conquer or FedABC's baselines (local,
     FedProx, SCAFFOLD, FedPer, FedRep, FedRoD, LG-FedAvg)."""
@@ -82,31 +115,70 @@ def scratch_cmd(
     from ..util import make_progress, stderr_console, stdout_console
     from .runner import ScratchConfig, run_scratch
 
-    pp = {"shards_per_client": shards_per_client, "distinct_labels": distinct_labels, "alpha": alpha,
-          "min_size": min_size, "p": p, "zipf_s": zipf_s}
-    cfg = ScratchConfig(algo=algo, dataset=dataset, data_dir=str(data_dir), model=model, partition=partition,
-                        partition_params=pp, clients=clients, participation=participation, rounds=rounds,
-                        local_epochs=local_epochs, batch_size=batch_size, optimizer=optimizer, lr=lr,
-                        momentum=momentum, weight_decay=weight_decay, seeds=list(seed), subset=subset,
-                        test_subset=test_subset, max_samples_per_client=max_samples_per_client, noise=noise,
-                        noise_rate=noise_rate, local_test_size=local_test_size, skew=skew,
-                        prepass_rounds=prepass_rounds, split_layer=split_layer, split_threshold=split_threshold,
-                        divergence=divergence, feature_epochs=feature_epochs, finetune_epochs=finetune_epochs,
-                        finetune_lr_factor=finetune_lr_factor, lr_decay=lr_decay, share_fraction=share_fraction,
-                        prox_mu=prox_mu, head_layers=head_layers, body_epochs=body_epochs, device=device,
-                        backend=backend)
+    pp = {
+        "shards_per_client": shards_per_client,
+        "distinct_labels": distinct_labels,
+        "alpha": alpha,
+        "min_size": min_size,
+        "p": p,
+        "zipf_s": zipf_s,
+    }
+    cfg = ScratchConfig(
+        algo=algo,
+        dataset=dataset,
+        data_dir=str(data_dir),
+        model=model,
+        partition=partition,
+        partition_params=pp,
+        clients=clients,
+        participation=participation,
+        rounds=rounds,
+        local_epochs=local_epochs,
+        batch_size=batch_size,
+        optimizer=optimizer,
+        lr=lr,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        seeds=list(seed),
+        subset=subset,
+        test_subset=test_subset,
+        max_samples_per_client=max_samples_per_client,
+        noise=noise,
+        noise_rate=noise_rate,
+        local_test_size=local_test_size,
+        skew=skew,
+        prepass_rounds=prepass_rounds,
+        split_layer=split_layer,
+        split_threshold=split_threshold,
+        divergence=divergence,
+        feature_epochs=feature_epochs,
+        finetune_epochs=finetune_epochs,
+        finetune_lr_factor=finetune_lr_factor,
+        lr_decay=lr_decay,
+        share_fraction=share_fraction,
+        prox_mu=prox_mu,
+        head_layers=head_layers,
+        body_epochs=body_epochs,
+        device=device,
+        backend=backend,
+    )
     if resume and out is None:
         from ..errors import FedheadError
-        raise FedheadError("The '--resume' option needs the run directory to continue. Got no --out instead. "
-                           "Name the interrupted run with --out.")
+
+        raise FedheadError(
+            "The '--resume' option needs the run directory to continue. Got no --out instead. "
+            "Name the interrupted run with --out."
+        )
     out_dir = out or default_run_dir("runs", "scratch", algo, dataset)
     err = stderr_console()
     with make_progress(transient=True) as progress:
-        summary = run_scratch(cfg, out_dir, log=lambda m: err.print(m, markup=False, highlight=False),
-                              progress=progress, resume=resume)
+        summary = run_scratch(
+            cfg, out_dir, log=lambda m: err.print(m, markup=False, highlight=False), progress=progress, resume=resume
+        )
     con = stdout_console()
     if algo == "dnc" and summary.get("divergence_last_prepass"):
         from rich.table import Table
+
         cfgj = json.loads((Path(out_dir) / "config.json").read_text())
         t = Table(title="Layer-wise weight divergence after the pre-pass (1 - cos)")
         t.add_column("layer")
@@ -118,10 +190,21 @@ def scratch_cmd(
         con.print(t)
     if algo == "dnc":
         con.print(f"split layer: {summary['split_layer']} (layers 1..{summary['split_layer']} feature learning)")
-    keys = ["final_accuracy", "last5_accuracy", "last5_pfl_accuracy", "last5_drift_accuracy",
-            "last5_generic_accuracy", "bytes_total"]
-    con.print(" ".join(f"{k}={summary[k]:.4f}" if isinstance(summary[k], float) and k != "bytes_total"
-                       else f"{k}={summary[k]:.0f}" for k in keys if k in summary))
+    keys = [
+        "final_accuracy",
+        "last5_accuracy",
+        "last5_pfl_accuracy",
+        "last5_drift_accuracy",
+        "last5_generic_accuracy",
+        "bytes_total",
+    ]
+    con.print(
+        " ".join(
+            f"{k}={summary[k]:.4f}" if isinstance(summary[k], float) and k != "bytes_total" else f"{k}={summary[k]:.0f}"
+            for k in keys
+            if k in summary
+        )
+    )
     if algo == "dnc":
         s = summary["per_seed"][0]
         con.print(f"bytes_prepass={s['bytes_prepass']} bytes_after_prepass={s['bytes_after_prepass']}")

@@ -26,13 +26,13 @@ from ..errors import FedheadError, Interval, param_error, unknown_name, validate
 class ScratchData:
     name: str
     train_x: torch.Tensor  # uint8 [N, C, H, W] (images) or float32 [N, 1, T, F] (MFCCs)
-    train_y: np.ndarray    # int64 [N]
+    train_y: np.ndarray  # int64 [N]
     test_x: torch.Tensor
     test_y: np.ndarray
     classes: list[str]
-    mean: tuple            # per-channel normalisation applied by to_float
+    mean: tuple  # per-channel normalisation applied by to_float
     std: tuple
-    input_kind: str        # "image" or "mfcc"
+    input_kind: str  # "image" or "mfcc"
     info: dict = field(default_factory=dict)
 
     @property
@@ -65,6 +65,7 @@ def register_dataset(name: str, help: str):
         DATASETS[name] = fn
         DATASET_HELP[name] = help
         return fn
+
     return deco
 
 
@@ -81,8 +82,9 @@ def load_dataset(name: str, data_dir: str | Path) -> ScratchData:
         raise unknown_name("--dataset", name, DATASETS, "dataset")
     data_dir = Path(data_dir)
     if not data_dir.exists():
-        raise param_error("--data-dir", str(data_dir), "must be an existing directory",
-                          f"Point it at your copy of {name}.")
+        raise param_error(
+            "--data-dir", str(data_dir), "must be an existing directory", f"Point it at your copy of {name}."
+        )
     key = (name, str(data_dir.resolve()), data_dir.stat().st_mtime_ns)
     if key not in _LOADED:
         _LOADED.clear()  # keep at most one dataset in memory
@@ -115,7 +117,7 @@ def _read_idx(path: Path) -> np.ndarray:
     with opener(path, "rb") as f:
         data = f.read()
     ndim = data[3]
-    dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
 
 
@@ -125,9 +127,11 @@ def _find_idx(root: Path, sub: str, stem: str) -> Path:
             p = d / f"{stem}{suffix}"
             if p.exists():
                 return p
-    raise FedheadError(f"The '--data-dir' parameter has no {stem} file (looked in {root}/{sub}/raw, "
-                       f"{root}/raw and {root}). Got {str(root)!r} instead. Point it at the folder holding "
-                       f"{sub}/raw.")
+    raise FedheadError(
+        f"The '--data-dir' parameter has no {stem} file (looked in {root}/{sub}/raw, "
+        f"{root}/raw and {root}). Got {str(root)!r} instead. Point it at the folder holding "
+        f"{sub}/raw."
+    )
 
 
 def _idx_dataset(name: str, sub: str, classes: list[str], mean: float, std: float):
@@ -136,14 +140,17 @@ def _idx_dataset(name: str, sub: str, classes: list[str], mean: float, std: floa
             x = _read_idx(_find_idx(root, sub, f"{prefix}-images-idx3-ubyte"))
             y = _read_idx(_find_idx(root, sub, f"{prefix}-labels-idx1-ubyte")).astype(np.int64)
             return torch.from_numpy(x.copy()).unsqueeze(1), y
+
         trx, try_ = part("train")
         tex, tey = part("t10k")
         return ScratchData(name, trx, try_, tex, tey, classes, (mean,), (std,), "image")
+
     return load
 
 
 register_dataset("mnist", "MNIST idx files (<data-dir>/MNIST/raw)")(
-    _idx_dataset("mnist", "MNIST", [str(i) for i in range(10)], 0.1307, 0.3081))
+    _idx_dataset("mnist", "MNIST", [str(i) for i in range(10)], 0.1307, 0.3081)
+)
 # ---------------------------------------------------------------- CIFAR-10 (image folders or python batches)
 
 
@@ -165,8 +172,7 @@ def _image_folder(root: Path, classes: list[str] | None = None):
     return np.stack(xs).transpose(0, 3, 1, 2).copy(), np.array(ys, dtype=np.int64), classes
 
 
-@register_dataset("cifar10", "CIFAR-10 image folders (<data-dir>/{train,test}/<class>/*.jpg) or "
-                  "cifar-10-batches-py")
+@register_dataset("cifar10", "CIFAR-10 image folders (<data-dir>/{train,test}/<class>/*.jpg) or cifar-10-batches-py")
 def _cifar10(root: Path, cache: Path) -> ScratchData:
     mean, std = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
     if not ((root / "train").is_dir() and (root / "test").is_dir()):
@@ -180,11 +186,11 @@ def _cifar10(root: Path, cache: Path) -> ScratchData:
         trx, try_, classes = _image_folder(root / "train")
         tex, tey, _ = _image_folder(root / "test", classes)
         from ..util import atomic_path
+
         with atomic_path(path) as tmp:
             with open(tmp, "wb") as f:
                 np.savez(f, train_x=trx, train_y=try_, test_x=tex, test_y=tey, classes=np.array(classes))
-    return ScratchData("cifar10", torch.from_numpy(trx), try_, torch.from_numpy(tex), tey, classes, mean, std,
-                       "image")
+    return ScratchData("cifar10", torch.from_numpy(trx), try_, torch.from_numpy(tex), tey, classes, mean, std, "image")
 
 
 # ---------------------------------------------------------------- other image datasets via extract.datasets
@@ -206,9 +212,11 @@ def _extract_loader(name: str, rgb: bool):
                 for i in range(len(split)):
                     im = split.image(i)
                     if im.shape != first:
-                        raise FedheadError(f"The '--data-dir' parameter holds images of different sizes "
-                                           f"({first} and {im.shape}). Got {str(root)!r} instead. The scratch "
-                                           f"path needs one image size; resize the copy first.")
+                        raise FedheadError(
+                            f"The '--data-dir' parameter holds images of different sizes "
+                            f"({first} and {im.shape}). Got {str(root)!r} instead. The scratch "
+                            f"path needs one image size; resize the copy first."
+                        )
                     imgs[i] = im
             return np.ascontiguousarray(imgs.transpose(0, 3, 1, 2))
 
@@ -221,24 +229,36 @@ def _extract_loader(name: str, rgb: bool):
             trx, tex = arr(tr), arr(te)
             if not tr.in_memory:
                 from ..util import atomic_path
+
                 with atomic_path(path) as tmp:
                     with open(tmp, "wb") as f:
                         np.savez(f, train_x=trx, test_x=tex)
         sample = torch.from_numpy(trx[:10000]).float() / 255.0
         mean = tuple(float(v) for v in sample.mean(dim=(0, 2, 3)))
         std = tuple(float(v) for v in sample.std(dim=(0, 2, 3)).clamp(min=1e-3))
-        return ScratchData(name, torch.from_numpy(trx), np.asarray(tr.labels, dtype=np.int64),
-                           torch.from_numpy(tex), np.asarray(te.labels, dtype=np.int64), list(tr.class_names),
-                           mean, std, "image", {"loader": "extract.datasets"})
+        return ScratchData(
+            name,
+            torch.from_numpy(trx),
+            np.asarray(tr.labels, dtype=np.int64),
+            torch.from_numpy(tex),
+            np.asarray(te.labels, dtype=np.int64),
+            list(tr.class_names),
+            mean,
+            std,
+            "image",
+            {"loader": "extract.datasets"},
+        )
+
     return load
 
 
 for _name, _rgb, _help in (
-        ("fashion-mnist", False, "Fashion-MNIST (<data-dir>/FashionMNIST/raw), via extract.datasets"),
-        ("cifar100", True, "CIFAR-100 (cifar-100-python), via extract.datasets"),
-        ("tinyimagenet", True, "Tiny ImageNet 64x64 (tiny-imagenet-200), via extract.datasets; cached .npz"),
-        ("imagefolder", True, "train/<class>/* and test/<class>/* of one image size, via extract.datasets"),
-        ("digits", False, "scikit-learn 8x8 digits (no data dir needed; pass any folder), via extract.datasets")):
+    ("fashion-mnist", False, "Fashion-MNIST (<data-dir>/FashionMNIST/raw), via extract.datasets"),
+    ("cifar100", True, "CIFAR-100 (cifar-100-python), via extract.datasets"),
+    ("tinyimagenet", True, "Tiny ImageNet 64x64 (tiny-imagenet-200), via extract.datasets; cached .npz"),
+    ("imagefolder", True, "train/<class>/* and test/<class>/* of one image size, via extract.datasets"),
+    ("digits", False, "scikit-learn 8x8 digits (no data dir needed; pass any folder), via extract.datasets"),
+):
     register_dataset(_name, _help)(_extract_loader(_name, _rgb))
 
 
@@ -254,15 +274,20 @@ def _read_wav(path: Path) -> np.ndarray:
         return np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.float32) / 32768.0
 
 
-@register_dataset("speech-commands", "Speech Commands, the 10 command words (<data-dir>/<word>/*.wav, 16 kHz), "
-                  "as 50x16 MFCCs; test = 20% of speakers (hash of the speaker id)")
+@register_dataset(
+    "speech-commands",
+    "Speech Commands, the 10 command words (<data-dir>/<word>/*.wav, 16 kHz), "
+    "as 50x16 MFCCs; test = 20% of speakers (hash of the speaker id)",
+)
 def _speech(root: Path, cache: Path) -> ScratchData:
     from .mfcc import MfccConfig, mfcc
 
     missing = [w for w in KWS_WORDS if not (root / w).is_dir()]
     if missing:
-        raise FedheadError(f"The '--data-dir' parameter must hold one folder per command word; missing "
-                           f"{', '.join(missing)} in {str(root)!r}.")
+        raise FedheadError(
+            f"The '--data-dir' parameter must hold one folder per command word; missing "
+            f"{', '.join(missing)} in {str(root)!r}."
+        )
     path = cache / f"kws-{_cache_key(root, 'mfcc50x16')}.npz"
     if path.exists():
         z = np.load(path)
@@ -279,21 +304,33 @@ def _speech(root: Path, cache: Path) -> ScratchData:
         feats = mfcc(torch.from_numpy(np.stack(clips)), MfccConfig()).numpy().astype(np.float32)
         ys, test = np.array(ys, dtype=np.int64), np.array(test)
         from ..util import atomic_path
+
         with atomic_path(path) as tmp:
             with open(tmp, "wb") as f:
                 np.savez(f, x=feats, y=ys, test=test)
     x = torch.from_numpy(feats).unsqueeze(1)  # [N, 1, 50, 16]
     tr = ~test
     mean, std = float(x[torch.from_numpy(tr)].mean()), float(x[torch.from_numpy(tr)].std())
-    return ScratchData("speech-commands", x[torch.from_numpy(tr)], ys[tr], x[torch.from_numpy(test)], ys[test],
-                       list(KWS_WORDS), (mean,), (std,), "mfcc", {"mfcc": "50 frames x 16 coefficients"})
+    return ScratchData(
+        "speech-commands",
+        x[torch.from_numpy(tr)],
+        ys[tr],
+        x[torch.from_numpy(test)],
+        ys[test],
+        list(KWS_WORDS),
+        (mean,),
+        (std,),
+        "mfcc",
+        {"mfcc": "50 frames x 16 coefficients"},
+    )
 
 
 # ---------------------------------------------------------------- colour skew (SPEC section 2, D&C)
 
 
-def color_skew(labels: np.ndarray, num_clients: int, *, seed: int, skew: float = 0.95,
-               num_test: int = 0) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+def color_skew(
+    labels: np.ndarray, num_clients: int, *, seed: int, skew: float = 0.95, num_test: int = 0
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
     """D&C / FedMA colour skew for 2 collaborators.
 
     Half the classes (chosen at random) go to collaborator 0 with a ``skew`` fraction of its images
@@ -301,8 +338,9 @@ def color_skew(labels: np.ndarray, num_clients: int, *, seed: int, skew: float =
     images are grayscaled at 50%. Returns (parts, train_gray_indices, test_gray_indices).
     """
     if num_clients != 2:
-        raise param_error("--clients", num_clients, "must be 2 with --partition color-skew",
-                          "Use --clients 2 (two collaborators).")
+        raise param_error(
+            "--clients", num_clients, "must be 2 with --partition color-skew", "Use --clients 2 (two collaborators)."
+        )
     validate("--skew", skew, Interval(0, 1))
     rng = np.random.default_rng(seed)
     labels = np.asarray(labels)

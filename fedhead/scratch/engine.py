@@ -35,6 +35,7 @@ def init_params(model: nn.Module, gen: torch.Generator, count: int | None = None
 
     With ``count`` the result is stacked ``[count, ...]`` of independent initialisations.
     """
+
     def one() -> Params:
         out = {}
         for mname, mod in model.named_modules():
@@ -76,7 +77,7 @@ def unflatten(flat: torch.Tensor, like: Params, names: list[str]) -> Params:
     for n in names:
         shape = like[n].shape[1:]
         k = int(np.prod(shape, dtype=np.int64))
-        out[n] = flat[:, i:i + k].reshape(flat.shape[0], *shape)
+        out[n] = flat[:, i : i + k].reshape(flat.shape[0], *shape)
         i += k
     if i != flat.shape[1]:
         raise FedheadError(f"unflatten: {flat.shape[1]} values for tensors holding {i}.")
@@ -88,9 +89,9 @@ def unflatten(flat: torch.Tensor, like: Params, names: list[str]) -> Params:
 
 @dataclass(frozen=True)
 class OptimSpec:
-    name: str                 # "sgd" or "adam"
+    name: str  # "sgd" or "adam"
     lr: float
-    momentum: float = 0.0     # sgd only
+    momentum: float = 0.0  # sgd only
     weight_decay: float = 0.0  # L2 added to the gradient (torch.optim semantics)
     betas: tuple = (0.9, 0.999)
     eps: float = 1e-8
@@ -107,12 +108,34 @@ def _fused_ok(name: str, device) -> bool:
         try:
             w, g, m = [torch.zeros(2, device=device)], [torch.ones(2, device=device)], [torch.zeros(2, device=device)]
             if name == "adam":
-                torch._fused_adam_(w, g, m, [torch.zeros(2, device=device)], [], [torch.ones((), device=device)],
-                                   lr=0.1, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
-                                   maximize=False)
+                torch._fused_adam_(
+                    w,
+                    g,
+                    m,
+                    [torch.zeros(2, device=device)],
+                    [],
+                    [torch.ones((), device=device)],
+                    lr=0.1,
+                    beta1=0.9,
+                    beta2=0.999,
+                    weight_decay=0.0,
+                    eps=1e-8,
+                    amsgrad=False,
+                    maximize=False,
+                )
             else:
-                torch._fused_sgd_(w, g, m, weight_decay=0.0, momentum=0.9, lr=0.1, dampening=0.0, nesterov=False,
-                                  maximize=False, is_first_step=False)
+                torch._fused_sgd_(
+                    w,
+                    g,
+                    m,
+                    weight_decay=0.0,
+                    momentum=0.9,
+                    lr=0.1,
+                    dampening=0.0,
+                    nesterov=False,
+                    maximize=False,
+                    is_first_step=False,
+                )
             _FUSED_OK[key] = bool(torch.isfinite(w[0]).all()) and float(w[0][0]) < 0
         except (AttributeError, RuntimeError, NotImplementedError, TypeError):
             _FUSED_OK[key] = False
@@ -131,17 +154,16 @@ class StackedOptimizer:
 
     def __init__(self, params: Params, spec: OptimSpec, fused: bool | None = None):
         if spec.name not in ("sgd", "adam"):
-            raise FedheadError(f"The '--optimizer' parameter must be one of 'sgd', 'adam'. Got {spec.name!r} "
-                               f"instead.")
+            raise FedheadError(f"The '--optimizer' parameter must be one of 'sgd', 'adam'. Got {spec.name!r} instead.")
         self.spec = spec
         m = next(iter(params.values())).shape[0]
         dev = next(iter(params.values())).device
-        self.t = torch.zeros(m, device=dev)          # steps taken per member (the masked path's bias correction)
-        self.count = np.zeros(m, dtype=np.int64)     # the same on the host (no device sync to test a prefix)
+        self.t = torch.zeros(m, device=dev)  # steps taken per member (the masked path's bias correction)
+        self.count = np.zeros(m, dtype=np.int64)  # the same on the host (no device sync to test a prefix)
         self.buf = {n: torch.zeros_like(p) for n, p in params.items()}
         self.sq = {n: torch.zeros_like(p) for n, p in params.items()} if spec.name == "adam" else {}
         self.fused = _fused_ok(spec.name, dev) if fused is None else fused
-        self._step = torch.zeros((), device=dev)    # the fused Adam kernel's step count (shared by the prefix)
+        self._step = torch.zeros((), device=dev)  # the fused Adam kernel's step count (shared by the prefix)
 
     @torch.no_grad()
     def step(self, params: Params, grads: Params, active: torch.Tensor) -> None:
@@ -172,32 +194,44 @@ class StackedOptimizer:
                 m.copy_(torch.where(a, b1 * m + (1 - b1) * g, m))
                 v.copy_(torch.where(a, b2 * v + (1 - b2) * g * g, v))
                 t = self.t.clamp(min=1).view(-1, *([1] * (p.dim() - 1)))
-                mhat = m / (1 - b1 ** t)
-                vhat = v / (1 - b2 ** t)
+                mhat = m / (1 - b1**t)
+                vhat = v / (1 - b2**t)
                 p.sub_(torch.where(a, s.lr * mhat / (vhat.sqrt() + s.eps), torch.zeros_like(m)))
 
     @torch.no_grad()
     def step_prefix(self, params: Params, grads: Params, k: int) -> None:
         """One step for members ``0..k-1`` (equal step counts); ``params`` are ``[M, ...]``, ``grads`` ``[k, ...]``."""
         if self.count[:k].min() != self.count[:k].max():
-            raise FedheadError(f"step_prefix: members 0..{k - 1} have taken different numbers of steps "
-                               f"({sorted(set(self.count[:k].tolist()))}).")
+            raise FedheadError(
+                f"step_prefix: members 0..{k - 1} have taken different numbers of steps "
+                f"({sorted(set(self.count[:k].tolist()))})."
+            )
         s = self.spec
         self.count[:k] += 1
         self.t[:k] += 1
         names = list(params)
         ps = [params[n][:k] for n in names]
-        gs = [grads[n].contiguous() for n in names]     # the fused kernels read gradients in the params' layout
+        gs = [grads[n].contiguous() for n in names]  # the fused kernels read gradients in the params' layout
         fused = self.fused and all(p.is_contiguous() for p in ps)
         if s.name == "sgd":
             bufs = [self.buf[n][:k] for n in names] if s.momentum else []
             if fused:
-                torch._fused_sgd_(ps, gs, bufs, weight_decay=s.weight_decay, momentum=s.momentum, lr=s.lr,
-                                  dampening=0.0, nesterov=False, maximize=False, is_first_step=False)
+                torch._fused_sgd_(
+                    ps,
+                    gs,
+                    bufs,
+                    weight_decay=s.weight_decay,
+                    momentum=s.momentum,
+                    lr=s.lr,
+                    dampening=0.0,
+                    nesterov=False,
+                    maximize=False,
+                    is_first_step=False,
+                )
                 return
             if s.weight_decay:
                 gs = torch._foreach_add(gs, ps, alpha=s.weight_decay)
-            if s.momentum:                   # zero buffers at first: the first step's buffer is the gradient
+            if s.momentum:  # zero buffers at first: the first step's buffer is the gradient
                 torch._foreach_mul_(bufs, s.momentum)
                 torch._foreach_add_(bufs, gs)
                 gs = bufs
@@ -208,8 +242,21 @@ class StackedOptimizer:
         t = int(self.count[0])
         if fused:
             self._step.fill_(t)
-            torch._fused_adam_(ps, gs, ms, vs, [], [self._step] * len(ps), lr=s.lr, beta1=b1, beta2=b2,
-                               weight_decay=s.weight_decay, eps=s.eps, amsgrad=False, maximize=False)
+            torch._fused_adam_(
+                ps,
+                gs,
+                ms,
+                vs,
+                [],
+                [self._step] * len(ps),
+                lr=s.lr,
+                beta1=b1,
+                beta2=b2,
+                weight_decay=s.weight_decay,
+                eps=s.eps,
+                amsgrad=False,
+                maximize=False,
+            )
             return
         if s.weight_decay:
             gs = torch._foreach_add(gs, ps, alpha=s.weight_decay)
@@ -217,9 +264,9 @@ class StackedOptimizer:
         torch._foreach_mul_(vs, b2)
         torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
         denom = torch._foreach_sqrt(vs)
-        torch._foreach_div_(denom, math.sqrt(1 - b2 ** t))
+        torch._foreach_div_(denom, math.sqrt(1 - b2**t))
         torch._foreach_add_(denom, s.eps)
-        torch._foreach_addcdiv_(ps, ms, denom, value=-s.lr / (1 - b1 ** t))
+        torch._foreach_addcdiv_(ps, ms, denom, value=-s.lr / (1 - b1**t))
 
 
 # ---------------------------------------------------------------- losses (per member, mean over valid samples)
@@ -266,7 +313,7 @@ def fedabc_loss(out, y, valid, aux):
         m_neg_p = ~pos & present & (qd > mn)
         m_neg_n = ~present & (qd > mnn)
     lpos = -((1 - q) ** gamma) * F.logsigmoid(s)
-    lneg = -(q ** gamma) * F.logsigmoid(-s)
+    lneg = -(q**gamma) * F.logsigmoid(-s)
     per = (lpos * m_pos + lneg * (m_neg_p | m_neg_n)).sum(-1)  # [M, B]
     return _masked_mean(per, valid)
 
@@ -284,7 +331,7 @@ def fedrod_loss(out, y, valid, aux):
     yy = y.reshape(-1)
     bsm = F.cross_entropy(g.reshape(m * b, c), yy, reduction="none").view(m, b)
     ce = F.cross_entropy(s[..., c:].reshape(m * b, c), yy, reduction="none").view(m, b)
-    per = torch.where(valid, bsm + ce, torch.zeros_like(bsm))   # padding rows may hit a -inf target: dropped
+    per = torch.where(valid, bsm + ce, torch.zeros_like(bsm))  # padding rows may hit a -inf target: dropped
     return per.sum(1) / valid.to(per.dtype).sum(1).clamp(min=1)
 
 
@@ -293,9 +340,9 @@ def fedrod_loss(out, y, valid, aux):
 
 @dataclass
 class TrainResult:
-    params: Params          # trained stacked parameters (trainable names only)
-    loss: torch.Tensor      # [M] mean training loss over each member's steps
-    steps: np.ndarray       # [M] optimizer steps taken
+    params: Params  # trained stacked parameters (trainable names only)
+    loss: torch.Tensor  # [M] mean training loss over each member's steps
+    steps: np.ndarray  # [M] optimizer steps taken
 
 
 def _schedule(member_idx: list[np.ndarray], epochs: int, batch_size: int, rng: np.random.Generator):
@@ -305,13 +352,13 @@ def _schedule(member_idx: list[np.ndarray], epochs: int, batch_size: int, rng: n
         batches = []
         for _ in range(epochs):
             perm = idx[rng.permutation(len(idx))]
-            batches += [perm[i:i + batch_size] for i in range(0, len(perm), batch_size)]
+            batches += [perm[i : i + batch_size] for i in range(0, len(perm), batch_size)]
         seqs.append(batches)
     s = max((len(b) for b in seqs), default=0)
     out = np.full((s, len(member_idx), batch_size), -1, dtype=np.int64)
     for m, batches in enumerate(seqs):
         for t, b in enumerate(batches):
-            out[t, m, :len(b)] = b
+            out[t, m, : len(b)] = b
     return out, np.array([len(b) for b in seqs])
 
 
@@ -417,24 +464,26 @@ class StackedNet:
             h = x.reshape(a, b, -1)
         elif self.conv == "grouped":
             h = self._grouped_features(p, x, a, b)
-        else:                                # member by member: each one's activations stay small (in cache)
+        else:  # member by member: each one's activations stay small (in cache)
             ws = {n: t.unbind(0) for n, t in p.items() if n.startswith("features.")}  # one backward node each
             xs = x.contiguous(memory_format=torch.channels_last).split(b)
-            h = torch.stack([self._features({n: t[i] for n, t in ws.items()}, xs[i]).reshape(b, -1)
-                             for i in range(a)])    # flattened in (C, H, W) order, as the module does
+            h = torch.stack(
+                [self._features({n: t[i] for n, t in ws.items()}, xs[i]).reshape(b, -1) for i in range(a)]
+            )  # flattened in (C, H, W) order, as the module does
         *body, (_, last, _) = self.cops
         for kind, pre, _ in body:
             h = _linear(p, pre, h) if kind == "linear" else F.relu(h)
         g = _linear(p, last, h)
-        if self.dual:                        # FedRoD: DualHead.forward
+        if self.dual:  # FedRoD: DualHead.forward
             return torch.cat([g, g.detach() + _linear(p, "p_head", h.detach())], dim=-1)
         return g
 
     def _features(self, p: dict, h: torch.Tensor) -> torch.Tensor:
         for kind, pre, m in self.fops:
             if kind == "conv":
-                h = F.conv2d(h, p[f"{pre}.weight"], p.get(f"{pre}.bias"), m.stride, m.padding, m.dilation,
-                             m.groups).contiguous(memory_format=torch.channels_last)  # 1 input channel: NCHW
+                h = F.conv2d(
+                    h, p[f"{pre}.weight"], p.get(f"{pre}.bias"), m.stride, m.padding, m.dilation, m.groups
+                ).contiguous(memory_format=torch.channels_last)  # 1 input channel: NCHW
             elif kind == "pool":
                 h = F.max_pool2d(h, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
             else:
@@ -443,11 +492,18 @@ class StackedNet:
 
     def _grouped_features(self, p: Params, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
         h = x.view(a, b, *x.shape[1:]).transpose(0, 1).reshape(b, a * x.shape[1], *x.shape[2:])
-        for kind, pre, m in self.fops:       # [B, A*C, H, W]: member a's channels are group a
+        for kind, pre, m in self.fops:  # [B, A*C, H, W]: member a's channels are group a
             if kind == "conv":
                 w, bias = p[f"{pre}.weight"], p.get(f"{pre}.bias")
-                h = F.conv2d(h, w.reshape(-1, *w.shape[2:]), None if bias is None else bias.reshape(-1), m.stride,
-                             m.padding, m.dilation, a * m.groups)
+                h = F.conv2d(
+                    h,
+                    w.reshape(-1, *w.shape[2:]),
+                    None if bias is None else bias.reshape(-1),
+                    m.stride,
+                    m.padding,
+                    m.dilation,
+                    a * m.groups,
+                )
             elif kind == "pool":
                 h = F.max_pool2d(h, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
             else:
@@ -493,11 +549,26 @@ def _take(v, order: torch.Tensor | None, copy: bool = False):
     return v[order.to(v.device)].contiguous()
 
 
-def train_members(model: nn.Module, params: Params, member_idx: list[np.ndarray], aux: dict,
-                  loss_fn: Callable, *, x_all: torch.Tensor, y_all: torch.Tensor, to_float: Callable,
-                  epochs: int, batch_size: int, optim: OptimSpec, rng: np.random.Generator,
-                  trainable: set[str] | None = None, backend: str = "vmap", prox_mu: float = 0.0,
-                  grad_offset: Params | None = None, net: str = "auto") -> TrainResult:
+def train_members(
+    model: nn.Module,
+    params: Params,
+    member_idx: list[np.ndarray],
+    aux: dict,
+    loss_fn: Callable,
+    *,
+    x_all: torch.Tensor,
+    y_all: torch.Tensor,
+    to_float: Callable,
+    epochs: int,
+    batch_size: int,
+    optim: OptimSpec,
+    rng: np.random.Generator,
+    trainable: set[str] | None = None,
+    backend: str = "vmap",
+    prox_mu: float = 0.0,
+    grad_offset: Params | None = None,
+    net: str = "auto",
+) -> TrainResult:
     """Train M members (stacked ``params``) on their own index arrays; returns the trainable params.
 
     Parameters not in ``trainable`` stay fixed (D&C). ``x_all`` / ``y_all`` live on the device.
@@ -515,19 +586,35 @@ def train_members(model: nn.Module, params: Params, member_idx: list[np.ndarray]
     formulation (tests, ``fedhead bench speed``).
     """
     if x_all.device.type == "cpu":
-        flush_denormals()                # a decaying optimizer state must not fall into slow subnormal arithmetic
+        flush_denormals()  # a decaying optimizer state must not fall into slow subnormal arithmetic
     if backend == "loop":
-        return _train_loop(model, params, member_idx, aux, loss_fn, x_all=x_all, y_all=y_all,
-                           to_float=to_float, epochs=epochs, batch_size=batch_size, optim=optim, rng=rng,
-                           trainable=trainable, prox_mu=prox_mu, grad_offset=grad_offset)
+        return _train_loop(
+            model,
+            params,
+            member_idx,
+            aux,
+            loss_fn,
+            x_all=x_all,
+            y_all=y_all,
+            to_float=to_float,
+            epochs=epochs,
+            batch_size=batch_size,
+            optim=optim,
+            rng=rng,
+            trainable=trainable,
+            prox_mu=prox_mu,
+            grad_offset=grad_offset,
+        )
     if net not in ("auto", "member", "grouped", "vmap"):
-        raise FedheadError(f"The 'net' parameter of train_members must be one of 'auto', 'member', 'grouped', "
-                           f"'vmap'. Got {net!r} instead.")
+        raise FedheadError(
+            f"The 'net' parameter of train_members must be one of 'auto', 'member', 'grouped', "
+            f"'vmap'. Got {net!r} instead."
+        )
     device = x_all.device
     names = list(params)
     trainable = set(names) if trainable is None else set(trainable)
     sched, steps = _schedule(member_idx, epochs, batch_size, rng)
-    order = np.argsort(-steps, kind="stable")            # most steps first: the active members are a prefix
+    order = np.argsort(-steps, kind="stable")  # most steps first: the active members are a prefix
     same = bool((order == np.arange(len(order))).all())
     order_t = None if same else torch.from_numpy(order).to(device)
     n_active = (steps[order][None, :] > np.arange(sched.shape[0])[:, None]).sum(1)
@@ -551,10 +638,10 @@ def train_members(model: nn.Module, params: Params, member_idx: list[np.ndarray]
     for t in range(sched.shape[0]):
         a = int(n_active[t])
         full = a == m_count
-        idx = sched_t[t] if full else sched_t[t, :a]      # [A, B]
+        idx = sched_t[t] if full else sched_t[t, :a]  # [A, B]
         valid = idx >= 0
         flat = idx.clamp(min=0).reshape(-1)
-        xb = to_float(x_all[flat])                         # [A*B, ...] member-major
+        xb = to_float(x_all[flat])  # [A*B, ...] member-major
         yb = y_all[flat].view(a, b)
         leaves = {n: (p if full else p[:a]).detach().requires_grad_(True) for n, p in train_p.items()}
         p_all = {n: (leaves[n] if n in leaves else fixed_p[n] if full else fixed_p[n][:a]) for n in names}
@@ -573,17 +660,33 @@ def train_members(model: nn.Module, params: Params, member_idx: list[np.ndarray]
     return TrainResult({n: _take(p, inv) for n, p in train_p.items()}, _take(mean_loss, inv).cpu(), steps)
 
 
-def _train_loop(model, params, member_idx, aux, loss_fn, *, x_all, y_all, to_float, epochs, batch_size,
-                optim, rng, trainable, prox_mu=0.0, grad_offset=None):
+def _train_loop(
+    model,
+    params,
+    member_idx,
+    aux,
+    loss_fn,
+    *,
+    x_all,
+    y_all,
+    to_float,
+    epochs,
+    batch_size,
+    optim,
+    rng,
+    trainable,
+    prox_mu=0.0,
+    grad_offset=None,
+):
     """Reference backend: one member at a time, same schedule and optimizer maths as the vmap path."""
     outs, losses, steps = [], [], []
     sched, _ = _schedule(member_idx, epochs, batch_size, rng)
     for m in range(len(member_idx)):
-        one = {n: p[m:m + 1] for n, p in params.items()}
-        aux_m = {k: (v[m:m + 1] if torch.is_tensor(v) else v) for k, v in aux.items()}
-        sub = sched[:, m:m + 1]
+        one = {n: p[m : m + 1] for n, p in params.items()}
+        aux_m = {k: (v[m : m + 1] if torch.is_tensor(v) else v) for k, v in aux.items()}
+        sub = sched[:, m : m + 1]
         sub = sub[(sub >= 0).any(axis=(1, 2))]
-        off_m = None if grad_offset is None else {n: v[m:m + 1] for n, v in grad_offset.items()}
+        off_m = None if grad_offset is None else {n: v[m : m + 1] for n, v in grad_offset.items()}
         try:
             r = _run_fixed(model, one, sub, aux_m, loss_fn, x_all, y_all, to_float, optim, trainable, prox_mu, off_m)
         except Exception as exc:  # noqa: BLE001 - re-raised with the member named
@@ -591,12 +694,12 @@ def _train_loop(model, params, member_idx, aux, loss_fn, *, x_all, y_all, to_flo
         outs.append(r.params)
         losses.append(r.loss)
         steps.append(r.steps[0])
-    return TrainResult({n: torch.cat([o[n] for o in outs]) for n in outs[0]}, torch.cat(losses),
-                       np.array(steps))
+    return TrainResult({n: torch.cat([o[n] for o in outs]) for n in outs[0]}, torch.cat(losses), np.array(steps))
 
 
-def _run_fixed(model, params, sched, aux, loss_fn, x_all, y_all, to_float, optim, trainable, prox_mu=0.0,
-               grad_offset=None):
+def _run_fixed(
+    model, params, sched, aux, loss_fn, x_all, y_all, to_float, optim, trainable, prox_mu=0.0, grad_offset=None
+):
     device = x_all.device
     trainable = set(params) if trainable is None else set(trainable)
     train_p = {n: params[n].detach().clone().to(device).requires_grad_(True) for n in params if n in trainable}
@@ -617,50 +720,54 @@ def _run_fixed(model, params, sched, aux, loss_fn, x_all, y_all, to_float, optim
         grads = torch.autograd.grad(loss.sum(), [train_p[n] for n in names], allow_unused=True)
         grads = {n: (g if g is not None else torch.zeros_like(train_p[n])) for n, g in zip(names, grads)}
         mods.apply(train_p, grads, 1)
-        opt.step_prefix(train_p, grads, 1)             # the loop's schedule holds this member's batches only
+        opt.step_prefix(train_p, grads, 1)  # the loop's schedule holds this member's batches only
         total += loss.detach()
-    return TrainResult({n: p.detach() for n, p in train_p.items()}, (total / max(sched.shape[0], 1)).cpu(),
-                       np.array([sched.shape[0]]))
+    return TrainResult(
+        {n: p.detach() for n, p in train_p.items()}, (total / max(sched.shape[0], 1)).cpu(), np.array([sched.shape[0]])
+    )
 
 
 # ---------------------------------------------------------------- evaluation
 
 
 @torch.no_grad()
-def predict_logits(model: nn.Module, params: Params, x: torch.Tensor, to_float: Callable,
-                   batch_size: int = 1000) -> torch.Tensor:
+def predict_logits(
+    model: nn.Module, params: Params, x: torch.Tensor, to_float: Callable, batch_size: int = 1000
+) -> torch.Tensor:
     """Single (unstacked) ``params`` on ``x`` -> logits [N, O]."""
     device = next(iter(params.values())).device
     outs = []
     for i in range(0, len(x), batch_size):
         with _autocast(device):
-            outs.append(functional_call(model, params, (to_float(x[i:i + batch_size].to(device)),)).float())
+            outs.append(functional_call(model, params, (to_float(x[i : i + batch_size].to(device)),)).float())
     return torch.cat(outs)
 
 
 @torch.no_grad()
-def predict_stacked_shared(model: nn.Module, params: Params, x: torch.Tensor, to_float: Callable,
-                           batch_size: int = 500) -> torch.Tensor:
+def predict_stacked_shared(
+    model: nn.Module, params: Params, x: torch.Tensor, to_float: Callable, batch_size: int = 500
+) -> torch.Tensor:
     """Stacked ``params`` [M, ...], all on the same inputs -> [M, N, O] (FedOVA's n binary networks)."""
     device = next(iter(params.values())).device
     f = vmap(lambda p, xb: functional_call(model, p, (xb,)), in_dims=(0, None))
     outs = []
     for i in range(0, len(x), batch_size):
         with _autocast(device):
-            outs.append(f(params, to_float(x[i:i + batch_size].to(device))).float())
+            outs.append(f(params, to_float(x[i : i + batch_size].to(device))).float())
     return torch.cat(outs, dim=1)
 
 
 @torch.no_grad()
-def predict_stacked_own(model: nn.Module, params: Params, x_all: torch.Tensor, idx: np.ndarray,
-                        to_float: Callable, batch_size: int = 250) -> torch.Tensor:
+def predict_stacked_own(
+    model: nn.Module, params: Params, x_all: torch.Tensor, idx: np.ndarray, to_float: Callable, batch_size: int = 250
+) -> torch.Tensor:
     """Stacked ``params`` [M, ...], member m on rows ``idx[m]`` of ``x_all`` -> [M, n, O]."""
     device = next(iter(params.values())).device
     f = vmap(lambda p, xb: functional_call(model, p, (xb,)), in_dims=(0, 0))
     idx_t = torch.as_tensor(idx, device=x_all.device)
     outs = []
     for i in range(0, idx_t.shape[1], batch_size):
-        blk = idx_t[:, i:i + batch_size]
+        blk = idx_t[:, i : i + batch_size]
         xb = to_float(x_all[blk.reshape(-1)]).view(*blk.shape, *x_all.shape[1:]).to(device)
         with _autocast(device):
             outs.append(f(params, xb).float())
@@ -700,8 +807,9 @@ def partial_average(previous: Params, stacked: Params, weights: torch.Tensor) ->
 # ---------------------------------------------------------------- layer-wise divergence (D&C)
 
 
-def cosine_divergence(reference: Params, stacked: Params, layers: list[list[str]],
-                      mode: str = "local-vs-global") -> np.ndarray:
+def cosine_divergence(
+    reference: Params, stacked: Params, layers: list[list[str]], mode: str = "local-vs-global"
+) -> np.ndarray:
     """Per weight layer: 1 - cos between flattened weights (all tensors of the layer concatenated).
 
     ``local-vs-global``: mean over members of 1 - cos(local_m, reference). ``local-vs-local``: mean over
@@ -723,8 +831,10 @@ def cosine_divergence(reference: Params, stacked: Params, layers: list[list[str]
             iu = torch.triu_indices(m, m, offset=1)
             out.append(float((1 - sim[iu[0], iu[1]]).mean()))
         else:
-            raise FedheadError(f"The '--divergence' parameter must be one of 'local-vs-global', "
-                               f"'local-vs-local'. Got {mode!r} instead.")
+            raise FedheadError(
+                f"The '--divergence' parameter must be one of 'local-vs-global', "
+                f"'local-vs-local'. Got {mode!r} instead."
+            )
     return np.array(out)
 
 

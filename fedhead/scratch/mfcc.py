@@ -13,16 +13,16 @@ import torch
 
 @dataclass(frozen=True)
 class MfccConfig:
-    sample_rate: int = 16000   # Hz
+    sample_rate: int = 16000  # Hz
     clip_samples: int = 16000  # clips are cut / zero-padded to this length
-    win_length: int = 640      # 40 ms Hann window
-    hop_length: int = 320      # 20 ms hop
+    win_length: int = 640  # 40 ms Hann window
+    hop_length: int = 320  # 20 ms hop
     n_fft: int = 1024
     n_mels: int = 40
     n_mfcc: int = 16
     f_min: float = 20.0
     f_max: float = 4000.0
-    frames: int = 50           # output frames (the clip is padded on the right to give exactly this many)
+    frames: int = 50  # output frames (the clip is padded on the right to give exactly this many)
 
 
 def _hz_to_mel(f):
@@ -58,8 +58,15 @@ def mfcc(wave: torch.Tensor, cfg: MfccConfig = MfccConfig()) -> torch.Tensor:
     x = wave[:, : cfg.clip_samples].float()
     x = torch.nn.functional.pad(x, (0, need - x.shape[1])) if x.shape[1] < need else x[:, :need]
     window = torch.hann_window(cfg.win_length, dtype=x.dtype)
-    spec = torch.stft(x, cfg.n_fft, hop_length=cfg.hop_length, win_length=cfg.win_length, window=window,
-                      center=False, return_complex=True)  # [N, freq, frames]
+    spec = torch.stft(
+        x,
+        cfg.n_fft,
+        hop_length=cfg.hop_length,
+        win_length=cfg.win_length,
+        window=window,
+        center=False,
+        return_complex=True,
+    )  # [N, freq, frames]
     power = spec.abs() ** 2
     mel = torch.einsum("mf,nft->ntm", mel_filterbank(cfg), power)
     logmel = torch.log(mel + 1e-6)

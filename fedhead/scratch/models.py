@@ -31,6 +31,7 @@ def register_model(name: str, help: str, input_kind: str = "image"):
     def deco(fn):
         MODELS[name] = ModelSpec(name, fn, help, input_kind)
         return fn
+
     return deco
 
 
@@ -107,12 +108,21 @@ class DualHead(nn.Module):
         return torch.cat([g, g.detach() + self.p_head(z.detach())], dim=-1)
 
 
-@register_model("cnn", "FedOVA/FedAvg CNN: conv16-pool-conv32-pool (5x5, 2x2 pooling) + linear "
-                "(MNIST / Fashion-MNIST; any image size and channel count)")
+@register_model(
+    "cnn",
+    "FedOVA/FedAvg CNN: conv16-pool-conv32-pool (5x5, 2x2 pooling) + linear "
+    "(MNIST / Fashion-MNIST; any image size and channel count)",
+)
 def _cnn(in_shape, n):
     c = in_shape[0]
-    f = nn.Sequential(nn.Conv2d(c, 16, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-                      nn.Conv2d(16, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2))
+    f = nn.Sequential(
+        nn.Conv2d(c, 16, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+    )
     return _Seq(f, [n], in_shape)
 
 
@@ -124,12 +134,11 @@ def _mlp(in_shape, n):
 @register_model("fedabc-convnet", "FedABC ConvNet: conv64-pool-conv64-pool (5x5) + FC 120, 64, n (CIFAR-10)")
 def _convnet(in_shape, n):
     c = in_shape[0]
-    f = nn.Sequential(nn.Conv2d(c, 64, 5), nn.ReLU(), nn.MaxPool2d(2),
-                      nn.Conv2d(64, 64, 5), nn.ReLU(), nn.MaxPool2d(2))
+    f = nn.Sequential(nn.Conv2d(c, 64, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(64, 64, 5), nn.ReLU(), nn.MaxPool2d(2))
     return _Seq(f, [120, 64, n], in_shape)
 
 
-VGG9_CFG = [32, 64, "M", 128, 128, "M", 256, 256, "M"]        # FedMA ModerateCNN (D&C)
+VGG9_CFG = [32, 64, "M", 128, 128, "M", 256, 256, "M"]  # FedMA ModerateCNN (D&C)
 VGG11_CFG = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
 
 
@@ -152,26 +161,42 @@ def _vgg(cfg: list, div: int = 1):
 
 register_model("vgg11", "VGG11 (no batch norm; FedOVA CIFAR-10): 8 conv + FC 512, 512, n")(_vgg(VGG11_CFG))
 register_model("vgg9", "VGG-9 (FedMA ModerateCNN, D&C): conv 32,64,P,128,128,P,256,256,P + FC 512, 512, n")(
-    _vgg(VGG9_CFG))
-for _div in (2, 4, 8):   # narrower copies (every conv and hidden FC width / div): paper protocols cut to CPU size
-    register_model(f"vgg11-w{_div}", f"VGG11 at 1/{_div} width: 8 conv ({64 // _div}..{512 // _div}) + FC "
-                   f"{512 // _div}, {512 // _div}, n")(_vgg(VGG11_CFG, _div))
-    register_model(f"vgg9-w{_div}", f"VGG-9 at 1/{_div} width: conv {32 // _div}..{256 // _div} + FC {512 // _div}, "
-                   f"{512 // _div}, n")(_vgg(VGG9_CFG, _div))
+    _vgg(VGG9_CFG)
+)
+for _div in (2, 4, 8):  # narrower copies (every conv and hidden FC width / div): paper protocols cut to CPU size
+    register_model(
+        f"vgg11-w{_div}",
+        f"VGG11 at 1/{_div} width: 8 conv ({64 // _div}..{512 // _div}) + FC {512 // _div}, {512 // _div}, n",
+    )(_vgg(VGG11_CFG, _div))
+    register_model(
+        f"vgg9-w{_div}",
+        f"VGG-9 at 1/{_div} width: conv {32 // _div}..{256 // _div} + FC {512 // _div}, {512 // _div}, n",
+    )(_vgg(VGG9_CFG, _div))
 
 
-@register_model("kws-cnn", "Keyword-spotting CNN: 3 conv (16/32/64, 3x3, 1x2 pooling) + FC 256, n on 50x16 MFCCs",
-                input_kind="mfcc")
+@register_model(
+    "kws-cnn", "Keyword-spotting CNN: 3 conv (16/32/64, 3x3, 1x2 pooling) + FC 256, n on 50x16 MFCCs", input_kind="mfcc"
+)
 def _kws(in_shape, n):
     c = in_shape[0]
-    f = nn.Sequential(nn.Conv2d(c, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d((1, 2)),
-                      nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d((1, 2)),
-                      nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d((1, 2)))
+    f = nn.Sequential(
+        nn.Conv2d(c, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d((1, 2)),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d((1, 2)),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d((1, 2)),
+    )
     return _Seq(f, [256, n], in_shape)
 
 
 def check_model_input(name: str, input_kind: str, dataset: str) -> None:
     spec = MODELS[name]
     if spec.input_kind != input_kind:
-        raise FedheadError(f"The '--model' parameter {name!r} takes {spec.input_kind} input but dataset "
-                           f"{dataset!r} gives {input_kind} input. Use a model made for {input_kind} input.")
+        raise FedheadError(
+            f"The '--model' parameter {name!r} takes {spec.input_kind} input but dataset "
+            f"{dataset!r} gives {input_kind} input. Use a model made for {input_kind} input."
+        )

@@ -28,7 +28,6 @@ import torch
 
 from ..errors import FedheadError, Interval, OneOf, param_error, validate
 from ..rundir import acc95_round, mean_std, write_clients, write_config, write_csv, write_rounds, write_summary
-from . import engine as E
 from .algorithms import ALGORITHMS, HEAD_SPLIT, create_algorithm
 from .data import ScratchData, color_skew, grayscale_, load_dataset, subsample
 from .models import MODELS, check_model_input, create_model, weight_layers
@@ -36,75 +35,127 @@ from .models import MODELS, check_model_input, create_model, weight_layers
 
 @dataclass
 class ScratchConfig:
-    algo: str                       # fedavg | fedova | fedabc | dnc | local | fedprox | scaffold | fedper |
-                                    # fedrep | fedrod | lg-fedavg
-    dataset: str                    # registered dataset name
-    data_dir: str                   # the dataset's folder
-    model: str | None = None        # None: the algorithm/dataset default (DEFAULT_MODELS)
-    partition: str | None = None    # None: the algorithm default (ALGO_DEFAULTS)
+    algo: str  # fedavg | fedova | fedabc | dnc | local | fedprox | scaffold | fedper |
+    # fedrep | fedrod | lg-fedavg
+    dataset: str  # registered dataset name
+    data_dir: str  # the dataset's folder
+    model: str | None = None  # None: the algorithm/dataset default (DEFAULT_MODELS)
+    partition: str | None = None  # None: the algorithm default (ALGO_DEFAULTS)
     partition_params: dict = field(default_factory=dict)  # e.g. {"alpha": 0.1}; None values = defaults
-    clients: int | None = None      # K
+    clients: int | None = None  # K
     participation: float | None = None  # fraction of clients per round
-    rounds: int | None = None       # T (D&C: rounds after the pre-pass)
+    rounds: int | None = None  # T (D&C: rounds after the pre-pass)
     local_epochs: int | None = None  # E
-    batch_size: int | None = None   # B
-    optimizer: str | None = None    # sgd | adam
+    batch_size: int | None = None  # B
+    optimizer: str | None = None  # sgd | adam
     lr: float | None = None
-    momentum: float | None = None   # sgd only
+    momentum: float | None = None  # sgd only
     weight_decay: float | None = None
     seeds: list[int] = field(default_factory=lambda: [0])
-    subset: int | None = None       # stratified training subset size (None = all)
+    subset: int | None = None  # stratified training subset size (None = all)
     test_subset: int | None = None  # stratified test subset size (None = all)
     max_samples_per_client: int | None = None  # cap each client's local set after partitioning
-    noise: str = "none"             # label noise kind (fedhead.noise)
+    noise: str = "none"  # label noise kind (fedhead.noise)
     noise_rate: float = 0.0
     local_test_size: int | None = None  # PFL/drift local test set per client (0 = off)
     fedabc_margins: tuple | None = None  # (m_p, m_n, m_nn, gamma)
-    skew: float = 0.95              # color-skew grayscale fraction of collaborator 1
-    prepass_rounds: int = 5         # dnc: full-model FedAvg rounds before splitting
+    skew: float = 0.95  # color-skew grayscale fraction of collaborator 1
+    prepass_rounds: int = 5  # dnc: full-model FedAvg rounds before splitting
     split_layer: int | None = None  # dnc: layers 1..s learn features; None = from the divergence
-    split_threshold: float = 0.5    # dnc: first layer above threshold x max divergence starts the top part
+    split_threshold: float = 0.5  # dnc: first layer above threshold x max divergence starts the top part
     divergence: str = "local-vs-global"  # dnc: or local-vs-local
-    feature_epochs: int = 20        # dnc: local epochs of feature-learning rounds
-    finetune_epochs: int = 4        # dnc: local epochs of fine-tuning rounds
+    feature_epochs: int = 20  # dnc: local epochs of feature-learning rounds
+    finetune_epochs: int = 4  # dnc: local epochs of fine-tuning rounds
     finetune_lr_factor: float = 0.5  # dnc: fine-tuning lr = factor x feature lr
-    lr_decay: float = 0.9           # dnc: lr multiplied by this every round after the pre-pass
-    share_fraction: float = 0.0     # data sharing (Zhao et al. 2018): |D_s| = round(beta x mean client size); 0 = off
-    prox_mu: float | None = None    # fedprox: mu of (mu/2)||w - w_global||^2 (None: 0.01; other algorithms: unused)
+    lr_decay: float = 0.9  # dnc: lr multiplied by this every round after the pre-pass
+    share_fraction: float = 0.0  # data sharing (Zhao et al. 2018): |D_s| = round(beta x mean client size); 0 = off
+    prox_mu: float | None = None  # fedprox: mu of (mu/2)||w - w_global||^2 (None: 0.01; other algorithms: unused)
     head_layers: int | None = None  # fedper / fedrep / lg-fedavg: the head = the last N weight layers (None: 1)
     body_epochs: int | None = None  # fedrep: the last N local epochs train the body, the others the head (None: 1)
     device: str = "auto"
-    backend: str = "vmap"           # vmap (fast) | loop (reference, one member at a time)
+    backend: str = "vmap"  # vmap (fast) | loop (reference, one member at a time)
     eval_batch: int = 1000
 
 
 # algorithm defaults (SPEC sections 3-5); dataset-specific lr for FedABC
 ALGO_DEFAULTS = {
-    "fedavg": dict(partition="shard", partition_params={"shards_per_client": 2, "distinct_labels": True},
-                   clients=100, participation=0.2, rounds=50, local_epochs=5, batch_size=15, optimizer="adam",
-                   lr=1e-3, momentum=0.0, weight_decay=0.0, local_test_size=0),
-    "fedova": dict(partition="shard", partition_params={"shards_per_client": 2, "distinct_labels": True},
-                   clients=100, participation=0.2, rounds=50, local_epochs=5, batch_size=15, optimizer="adam",
-                   lr=1e-3, momentum=0.0, weight_decay=0.0, local_test_size=0),
-    "fedabc": dict(partition="dirichlet", partition_params={"alpha": 0.1}, clients=20, participation=0.5,
-                   rounds=50, local_epochs=5, batch_size=64, optimizer="sgd", lr=None, momentum=0.9,
-                   weight_decay=1e-5, local_test_size=200),
-    "dnc": dict(partition="color-skew", partition_params={}, clients=2, participation=1.0, rounds=13,
-                local_epochs=5, batch_size=64, optimizer="sgd", lr=1e-3, momentum=0.9, weight_decay=0.0,
-                local_test_size=0),
+    "fedavg": dict(
+        partition="shard",
+        partition_params={"shards_per_client": 2, "distinct_labels": True},
+        clients=100,
+        participation=0.2,
+        rounds=50,
+        local_epochs=5,
+        batch_size=15,
+        optimizer="adam",
+        lr=1e-3,
+        momentum=0.0,
+        weight_decay=0.0,
+        local_test_size=0,
+    ),
+    "fedova": dict(
+        partition="shard",
+        partition_params={"shards_per_client": 2, "distinct_labels": True},
+        clients=100,
+        participation=0.2,
+        rounds=50,
+        local_epochs=5,
+        batch_size=15,
+        optimizer="adam",
+        lr=1e-3,
+        momentum=0.0,
+        weight_decay=0.0,
+        local_test_size=0,
+    ),
+    "fedabc": dict(
+        partition="dirichlet",
+        partition_params={"alpha": 0.1},
+        clients=20,
+        participation=0.5,
+        rounds=50,
+        local_epochs=5,
+        batch_size=64,
+        optimizer="sgd",
+        lr=None,
+        momentum=0.9,
+        weight_decay=1e-5,
+        local_test_size=200,
+    ),
+    "dnc": dict(
+        partition="color-skew",
+        partition_params={},
+        clients=2,
+        participation=1.0,
+        rounds=13,
+        local_epochs=5,
+        batch_size=64,
+        optimizer="sgd",
+        lr=1e-3,
+        momentum=0.9,
+        weight_decay=0.0,
+        local_test_size=0,
+    ),
 }
 FEDABC_BASELINES = ("local", "fedprox", "scaffold", "fedper", "fedrep", "fedrod", "lg-fedavg")
-for _a in FEDABC_BASELINES:      # FedABC's comparison set runs at FedABC's protocol (SPEC section 3)
+for _a in FEDABC_BASELINES:  # FedABC's comparison set runs at FedABC's protocol (SPEC section 3)
     ALGO_DEFAULTS[_a] = ALGO_DEFAULTS["fedabc"]
 DEFAULT_MODELS = {  # (algo or "*", dataset) -> model
-    ("*", "mnist"): "cnn", ("*", "fashion-mnist"): "cnn", ("*", "cifar10"): "fedabc-convnet",
-    ("*", "speech-commands"): "kws-cnn", ("fedabc", "mnist"): "fedabc-mlp", ("fedabc", "fashion-mnist"): "fedabc-mlp",
-    ("fedova", "cifar10"): "vgg11", ("dnc", "cifar10"): "vgg9",
+    ("*", "mnist"): "cnn",
+    ("*", "fashion-mnist"): "cnn",
+    ("*", "cifar10"): "fedabc-convnet",
+    ("*", "speech-commands"): "kws-cnn",
+    ("fedabc", "mnist"): "fedabc-mlp",
+    ("fedabc", "fashion-mnist"): "fedabc-mlp",
+    ("fedova", "cifar10"): "vgg11",
+    ("dnc", "cifar10"): "vgg9",
     **{(a, d): "fedabc-mlp" for a in FEDABC_BASELINES for d in ("mnist", "fashion-mnist")},
 }
-PROX_MU_DEFAULT = 0.01           # FL-bench's FedProx default; the FedProx paper tries 0.001 - 1
-FEDABC_MARGINS = {"cifar10": (0.85, 0.2, 0.3, 2.0), "mnist": (0.75, 0.25, 0.3, 2.0),
-                  "fashion-mnist": (0.75, 0.25, 0.3, 2.0)}
+PROX_MU_DEFAULT = 0.01  # FL-bench's FedProx default; the FedProx paper tries 0.001 - 1
+FEDABC_MARGINS = {
+    "cifar10": (0.85, 0.2, 0.3, 2.0),
+    "mnist": (0.75, 0.25, 0.3, 2.0),
+    "fashion-mnist": (0.75, 0.25, 0.3, 2.0),
+}
 FEDABC_LR = {"cifar10": 0.1, "mnist": 0.01, "fashion-mnist": 0.01}
 
 
@@ -112,10 +163,13 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
     """Fill algorithm defaults for every None and validate every value (one-line errors)."""
     if cfg.algo not in ALGORITHMS:
         from ..errors import unknown_name
+
         raise unknown_name("ALGO", cfg.algo, ALGORITHMS, "algorithm")
     from .data import DATASETS
+
     if cfg.dataset not in DATASETS:
         from ..errors import unknown_name
+
         raise unknown_name("--dataset", cfg.dataset, DATASETS, "dataset")
     d = ALGO_DEFAULTS[cfg.algo]
     c = dataclasses.replace(cfg)
@@ -125,8 +179,10 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
         if getattr(c, key) is None:
             setattr(c, key, val)
     if cfg.partition is None:
-        c.partition_params = {**d["partition_params"],
-                              **{k: v for k, v in cfg.partition_params.items() if v is not None}}
+        c.partition_params = {
+            **d["partition_params"],
+            **{k: v for k, v in cfg.partition_params.items() if v is not None},
+        }
     if c.lr is None:
         c.lr = FEDABC_LR.get(c.dataset, 0.01)
     if c.fedabc_margins is None:
@@ -135,6 +191,7 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
         c.model = DEFAULT_MODELS.get((c.algo, c.dataset), DEFAULT_MODELS.get(("*", c.dataset), "cnn"))
     if c.model not in MODELS:
         from ..errors import unknown_name
+
         raise unknown_name("--model", c.model, MODELS, "model")
     validate("--clients", c.clients, Interval(1, None, integer=True))
     validate("--participation", c.participation, Interval(0, 1, closed="right"))
@@ -145,8 +202,11 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
     validate("--lr", c.lr, Interval(0, None, closed="neither"))
     validate("--momentum", c.momentum, Interval(0, 1, closed="left"))
     validate("--weight-decay", c.weight_decay, Interval(0, None))
-    for name, v in (("--subset", c.subset), ("--test-subset", c.test_subset),
-                    ("--max-samples-per-client", c.max_samples_per_client)):
+    for name, v in (
+        ("--subset", c.subset),
+        ("--test-subset", c.test_subset),
+        ("--max-samples-per-client", c.max_samples_per_client),
+    ):
         if v is not None:
             validate(name, v, Interval(1, None, integer=True))
     validate("--local-test-size", c.local_test_size, Interval(0, None, integer=True))
@@ -158,29 +218,65 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
     validate("--backend", c.backend, OneOf(("vmap", "loop")))
     validate("--lr-decay", c.lr_decay, Interval(0, None, closed="neither"))
     validate("--finetune-lr-factor", c.finetune_lr_factor, Interval(0, None, closed="neither"))
-    validate("--share-fraction", c.share_fraction, Interval(0, 1),
-             "Use a fraction of the mean client size in [0, 1], e.g. 0.05 (0 = no shared data).")
-    _algo_option(c, "--prox-mu", "prox_mu", ("fedprox",), PROX_MU_DEFAULT, Interval(0, None),
-                 "Use mu >= 0, e.g. 0.01 (0 is FedAvg).")
-    _algo_option(c, "--head-layers", "head_layers", HEAD_SPLIT, 1, Interval(1, None, integer=True),
-                 "Use 1 (the last linear layer) or more, below the model's number of weight layers.")
-    _algo_option(c, "--body-epochs", "body_epochs", ("fedrep",), 1, Interval(1, None, integer=True),
-                 "Use 1 or more, below --local-epochs.")
+    validate(
+        "--share-fraction",
+        c.share_fraction,
+        Interval(0, 1),
+        "Use a fraction of the mean client size in [0, 1], e.g. 0.05 (0 = no shared data).",
+    )
+    _algo_option(
+        c,
+        "--prox-mu",
+        "prox_mu",
+        ("fedprox",),
+        PROX_MU_DEFAULT,
+        Interval(0, None),
+        "Use mu >= 0, e.g. 0.01 (0 is FedAvg).",
+    )
+    _algo_option(
+        c,
+        "--head-layers",
+        "head_layers",
+        HEAD_SPLIT,
+        1,
+        Interval(1, None, integer=True),
+        "Use 1 (the last linear layer) or more, below the model's number of weight layers.",
+    )
+    _algo_option(
+        c,
+        "--body-epochs",
+        "body_epochs",
+        ("fedrep",),
+        1,
+        Interval(1, None, integer=True),
+        "Use 1 or more, below --local-epochs.",
+    )
     if c.algo == "fedrep" and c.body_epochs >= c.local_epochs:
-        raise param_error("--body-epochs", c.body_epochs, f"must be < --local-epochs ({c.local_epochs}) for fedrep "
-                          "(the other epochs train the head)",
-                          f"Use --body-epochs {max(1, c.local_epochs - 1)} with --local-epochs >= 2.")
+        raise param_error(
+            "--body-epochs",
+            c.body_epochs,
+            f"must be < --local-epochs ({c.local_epochs}) for fedrep (the other epochs train the head)",
+            f"Use --body-epochs {max(1, c.local_epochs - 1)} with --local-epochs >= 2.",
+        )
     if c.algo == "scaffold" and c.optimizer != "sgd":
-        raise param_error("--optimizer", c.optimizer, "must be 'sgd' for scaffold (option II divides the drift by "
-                          "steps x lr / (1 - momentum))", "Use --optimizer sgd.")
-    if c.split_layer is not None:       # the upper bound needs the model: check_data
+        raise param_error(
+            "--optimizer",
+            c.optimizer,
+            "must be 'sgd' for scaffold (option II divides the drift by steps x lr / (1 - momentum))",
+            "Use --optimizer sgd.",
+        )
+    if c.split_layer is not None:  # the upper bound needs the model: check_data
         validate("--split-layer", c.split_layer, Interval(1, None, integer=True))
     elif c.algo == "dnc" and c.prepass_rounds == 0:
-        raise FedheadError("The '--split-layer' parameter is needed when --prepass-rounds is 0 (no divergence to "
-                           "choose from). Got None instead.")
+        raise FedheadError(
+            "The '--split-layer' parameter is needed when --prepass-rounds is 0 (no divergence to "
+            "choose from). Got None instead."
+        )
     from ..noise import NOISE_KINDS
+
     if c.noise not in NOISE_KINDS:
         from ..errors import unknown_name
+
         raise unknown_name("--noise", c.noise, NOISE_KINDS, "noise kind")
     validate("--noise-rate", c.noise_rate, Interval(0, 1, closed="left"))
     if c.noise != "none" and c.noise_rate == 0:
@@ -192,14 +288,17 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
     if c.partition == "color-skew":
         validate("--skew", c.skew, Interval(0, 1))
         if c.clients != 2:
-            raise param_error("--clients", c.clients, "must be 2 with --partition color-skew",
-                              "Use --clients 2 (two collaborators).")
+            raise param_error(
+                "--clients", c.clients, "must be 2 with --partition color-skew", "Use --clients 2 (two collaborators)."
+            )
         if c.partition_params and any(v is not None for v in c.partition_params.values()):
-            raise FedheadError("The '--partition' parameter color-skew takes only --skew. Got other partition "
-                               "options instead.")
+            raise FedheadError(
+                "The '--partition' parameter color-skew takes only --skew. Got other partition options instead."
+            )
         c.partition_params = {"skew": c.skew}
     else:
         from ..partitions import resolve_partition_params
+
         c.partition_params = resolve_partition_params(c.partition, **c.partition_params)
     return c
 
@@ -209,8 +308,9 @@ def _algo_option(c: ScratchConfig, flag: str, field: str, algos: tuple, default,
     value = getattr(c, field)
     if c.algo not in algos:
         if value is not None:
-            raise param_error(flag, value, f"does not apply to {c.algo}",
-                              f"Drop {flag}, or use it with {' / '.join(algos)}.")
+            raise param_error(
+                flag, value, f"does not apply to {c.algo}", f"Drop {flag}, or use it with {' / '.join(algos)}."
+            )
         return
     if value is None:
         setattr(c, field, default)
@@ -230,36 +330,51 @@ def check_data(cfg: ScratchConfig, data: ScratchData) -> None:
     rng = np.random.default_rng(cfg.seeds[0])
     y = data.train_y[subsample(data.train_y, cfg.subset, rng)]
     if cfg.clients > len(y):
-        raise param_error("--clients", cfg.clients, f"must be <= the number of training samples ({len(y)})",
-                          "Use fewer --clients" + (" or a larger --subset." if cfg.subset else "."))
+        raise param_error(
+            "--clients",
+            cfg.clients,
+            f"must be <= the number of training samples ({len(y)})",
+            "Use fewer --clients" + (" or a larger --subset." if cfg.subset else "."),
+        )
     if cfg.partition == "color-skew":
         if data.input_kind != "image" or data.in_shape[0] != 3:
-            raise FedheadError(f"The '--partition' parameter color-skew needs an RGB image dataset. Got "
-                               f"{cfg.dataset!r} instead.")
+            raise FedheadError(
+                f"The '--partition' parameter color-skew needs an RGB image dataset. Got {cfg.dataset!r} instead."
+            )
         sizes = [len(y) // 2, len(y) - len(y) // 2]
     else:
         from ..partitions import create_partition
+
         parts = create_partition(cfg.partition, y, cfg.clients, seed=cfg.seeds[0], **cfg.partition_params)
         sizes = [len(p) for p in parts]
     if cfg.max_samples_per_client:
         sizes = [min(n, cfg.max_samples_per_client) for n in sizes]
     if cfg.share_fraction and share_size(cfg.share_fraction, sizes) < 1:
-        raise param_error("--share-fraction", cfg.share_fraction, f"gives an empty shared set (mean client size "
-                          f"{np.mean(sizes):.1f} samples)", "Use a larger --share-fraction, or 0 for no sharing.")
-    if cfg.noise != "none":   # a dataset without an asymmetric map
+        raise param_error(
+            "--share-fraction",
+            cfg.share_fraction,
+            f"gives an empty shared set (mean client size {np.mean(sizes):.1f} samples)",
+            "Use a larger --share-fraction, or 0 for no sharing.",
+        )
+    if cfg.noise != "none":  # a dataset without an asymmetric map
         from ..noise import apply_noise
+
         apply_noise(cfg.noise, cfg.noise_rate, [y[:1]], data.num_classes, dataset=cfg.dataset, seed=0)
     if (cfg.algo == "dnc" and cfg.split_layer is not None) or cfg.head_layers is not None:
         n_out = 1 if ALGORITHMS[cfg.algo].out_per_class else data.num_classes
         with torch.device("meta"):
             layers = len(weight_layers(create_model(cfg.model, data.in_shape, n_out)))
         if cfg.algo == "dnc" and not 1 <= cfg.split_layer < layers:
-            raise FedheadError(f"The '--split-layer' parameter must be an integer in [1, {layers - 1}] for model "
-                               f"{cfg.model} ({layers} weight layers). Got {cfg.split_layer} instead.")
+            raise FedheadError(
+                f"The '--split-layer' parameter must be an integer in [1, {layers - 1}] for model "
+                f"{cfg.model} ({layers} weight layers). Got {cfg.split_layer} instead."
+            )
         if cfg.head_layers is not None and not 1 <= cfg.head_layers < layers:
-            raise FedheadError(f"The '--head-layers' parameter must be an integer in [1, {layers - 1}] for model "
-                               f"{cfg.model} ({layers} weight layers; the body needs one). Got {cfg.head_layers} "
-                               f"instead.")
+            raise FedheadError(
+                f"The '--head-layers' parameter must be an integer in [1, {layers - 1}] for model "
+                f"{cfg.model} ({layers} weight layers; the body needs one). Got {cfg.head_layers} "
+                f"instead."
+            )
 
 
 @dataclass
@@ -271,8 +386,8 @@ class Context:
     data: ScratchData
     model: torch.nn.Module
     layers: list[list[str]]
-    parts: list[np.ndarray]           # per client: indices into x_train / y_train (device tensors)
-    client_counts: np.ndarray         # [K, C]
+    parts: list[np.ndarray]  # per client: indices into x_train / y_train (device tensors)
+    client_counts: np.ndarray  # [K, C]
     x_train: torch.Tensor
     y_train: torch.Tensor
     test_x: torch.Tensor
@@ -281,10 +396,10 @@ class Context:
     gen: torch.Generator
     rng: np.random.Generator
     log: Callable[[str], None]
-    local_test: tuple | None = None   # (own-proportion sets [K, n], balanced sets [K, n]) test indices
+    local_test: tuple | None = None  # (own-proportion sets [K, n], balanced sets [K, n]) test indices
     client_extra: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
-    share_bytes: int = 0              # bytes of the shared set D_s sent to one client (0 = no sharing)
+    share_bytes: int = 0  # bytes of the shared set D_s sent to one client (0 = no sharing)
 
 
 def _local_test_sets(test_y: np.ndarray, counts: np.ndarray, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -319,28 +434,35 @@ def _setup(cfg: ScratchConfig, data: ScratchData, seed: int, device, log) -> Con
     info = {"train_size": int(len(tr)), "test_size": int(len(te))}
     if cfg.partition == "color-skew":
         if data.input_kind != "image" or x_train.shape[1] != 3:
-            raise FedheadError(f"The '--partition' parameter color-skew needs an RGB image dataset. Got "
-                               f"{cfg.dataset!r} instead.")
-        parts, gray_tr, gray_te = color_skew(y_train, cfg.clients, seed=seed, skew=cfg.skew,
-                                             num_test=len(y_test))
+            raise FedheadError(
+                f"The '--partition' parameter color-skew needs an RGB image dataset. Got {cfg.dataset!r} instead."
+            )
+        parts, gray_tr, gray_te = color_skew(y_train, cfg.clients, seed=seed, skew=cfg.skew, num_test=len(y_test))
         grayscale_(x_train, gray_tr)
         grayscale_(x_test, gray_te)
         info["gray_fraction_per_client"] = [float(np.isin(p, gray_tr).mean()) for p in parts]
         info["gray_fraction_test"] = float(len(gray_te) / max(len(y_test), 1))
     else:
         from ..partitions import create_partition
+
         parts = create_partition(cfg.partition, y_train, cfg.clients, seed=seed, **cfg.partition_params)
     if cfg.max_samples_per_client:
-        parts = [np.sort(rng.choice(p, size=cfg.max_samples_per_client, replace=False))
-                 if len(p) > cfg.max_samples_per_client else p for p in parts]
+        parts = [
+            np.sort(rng.choice(p, size=cfg.max_samples_per_client, replace=False))
+            if len(p) > cfg.max_samples_per_client
+            else p
+            for p in parts
+        ]
     shared = None
     if cfg.share_fraction:
         shared = draw_shared(len(y_train), [len(p) for p in parts], cfg.share_fraction, seed)
-        shared_y = y_train[shared].copy()            # the server's labels: before any client's label noise
+        shared_y = y_train[shared].copy()  # the server's labels: before any client's label noise
     if cfg.noise != "none":
         from ..noise import apply_noise
-        noisy, frac = apply_noise(cfg.noise, cfg.noise_rate, [y_train[p] for p in parts], data.num_classes,
-                                  dataset=cfg.dataset, seed=seed)
+
+        noisy, frac = apply_noise(
+            cfg.noise, cfg.noise_rate, [y_train[p] for p in parts], data.num_classes, dataset=cfg.dataset, seed=seed
+        )
         for p, yn in zip(parts, noisy):
             y_train[p] = yn
         info["noise_realised_fraction"] = frac
@@ -357,29 +479,50 @@ def _setup(cfg: ScratchConfig, data: ScratchData, seed: int, device, log) -> Con
         parts = [np.concatenate([p, rows]) for p in parts]
         counts = np.stack([np.bincount(y_train[p], minlength=data.num_classes) for p in parts])
         share_bytes = int(len(shared) * (x_train[0].numel() * x_train.element_size() + 8))
-        info.update(share_size=int(len(shared)), share_bytes_per_client=share_bytes,
-                    share_class_counts=np.bincount(shared_y, minlength=data.num_classes).tolist())
+        info.update(
+            share_size=int(len(shared)),
+            share_bytes_per_client=share_bytes,
+            share_class_counts=np.bincount(shared_y, minlength=data.num_classes).tolist(),
+        )
     empty = [k for k, p in enumerate(parts) if len(p) == 0]
     if empty:
-        log(f"warning: {len(empty)} client(s) have no training samples (e.g. client {empty[0]}); they train "
-            f"nothing when selected.")
+        log(
+            f"warning: {len(empty)} client(s) have no training samples (e.g. client {empty[0]}); they train "
+            f"nothing when selected."
+        )
     algo_cls = ALGORITHMS[cfg.algo]
     n_out = 1 if algo_cls.out_per_class else data.num_classes
     model = algo_cls.wrap_model(create_model(cfg.model, data.in_shape, n_out)).to(device)
     if device.type == "cpu":
         pass  # buffer-free models; vmap'd convs run as grouped convs in the default layout
     gen = torch.Generator().manual_seed(seed)
-    ctx = Context(cfg, seed, data, model, weight_layers(model), parts, counts,
-                  x_train.to(device), torch.from_numpy(y_train).to(device), x_test.to(device),
-                  torch.from_numpy(y_test), device, gen, rng, log, info=info, share_bytes=share_bytes)
+    ctx = Context(
+        cfg,
+        seed,
+        data,
+        model,
+        weight_layers(model),
+        parts,
+        counts,
+        x_train.to(device),
+        torch.from_numpy(y_train).to(device),
+        x_test.to(device),
+        torch.from_numpy(y_test),
+        device,
+        gen,
+        rng,
+        log,
+        info=info,
+        share_bytes=share_bytes,
+    )
     if shared is not None:
         ctx.client_extra["private_size"] = [int(n) for n in private_counts.sum(1)]
-    if cfg.local_test_size:   # FedABC's local test sets follow the client's own (private) class proportions
+    if cfg.local_test_size:  # FedABC's local test sets follow the client's own (private) class proportions
         ctx.local_test = _local_test_sets(y_test, private_counts, cfg.local_test_size, rng)
     return ctx
 
 
-SHARE_KEY = 0x5AE7D5   # the shared set's generator: (seed, SHARE_KEY), apart from the run's other draws
+SHARE_KEY = 0x5AE7D5  # the shared set's generator: (seed, SHARE_KEY), apart from the run's other draws
 
 
 def draw_shared(num_train: int, sizes, beta: float, seed: int) -> np.ndarray:
@@ -393,7 +536,7 @@ def draw_shared(num_train: int, sizes, beta: float, seed: int) -> np.ndarray:
 
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_FORMAT = 1
-PAUSE_ENV = "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS"   # test hook "k:FILE": after the k-th round row, pid -> FILE, sleep
+PAUSE_ENV = "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS"  # test hook "k:FILE": after the k-th round row, pid -> FILE, sleep
 from ..errors import SPACE_ERRNOS  # noqa: E402
 
 
@@ -403,7 +546,7 @@ def config_identity(cfg: ScratchConfig) -> str:
     d = dataclasses.asdict(cfg)
     d.pop("device", None)
     for key, unset in (("share_fraction", 0.0), ("prox_mu", None), ("head_layers", None), ("body_epochs", None)):
-        if d.get(key) == unset:   # options added later: at their defaults, a run keeps its earlier identity
+        if d.get(key) == unset:  # options added later: at their defaults, a run keeps its earlier identity
             d.pop(key)
     d["data_dir"] = str(Path(cfg.data_dir).resolve())
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -421,8 +564,16 @@ def _keyed_torch_rng(seed: int, rnd: int, device: torch.device):
         yield
 
 
-def run_seed(cfg: ScratchConfig, data: ScratchData, seed: int, device, log, progress=None,
-             on_round: Callable[[dict], None] | None = None, resume: dict | None = None) -> dict:
+def run_seed(
+    cfg: ScratchConfig,
+    data: ScratchData,
+    seed: int,
+    device,
+    log,
+    progress=None,
+    on_round: Callable[[dict], None] | None = None,
+    resume: dict | None = None,
+) -> dict:
     """One seed's federated run; returns rows, client table, extras and the final global ``state`` (no files
     written). After every round ``on_round`` gets the seed's snapshot: ``round``, ``rows`` so far, ``state``
     (the global model, CPU tensors), ``algo`` (the algorithm's own state), ``rng`` and ``gen`` (the random
@@ -441,22 +592,38 @@ def run_seed(cfg: ScratchConfig, data: ScratchData, seed: int, device, log, prog
         rows, start = [dict(r) for r in resume["rows"]], int(resume["round"]) + 1
     total_rounds = cfg.rounds + (cfg.prepass_rounds if cfg.algo == "dnc" else 0)
     per_round = max(1, int(round(cfg.participation * cfg.clients)))
-    task = progress.add_task(f"{cfg.algo} seed {seed}", total=total_rounds, completed=start - 1,
-                             info="") if progress else None
+    task = (
+        progress.add_task(f"{cfg.algo} seed {seed}", total=total_rounds, completed=start - 1, info="")
+        if progress
+        else None
+    )
     for rnd in range(start, total_rounds + 1):
         with _keyed_torch_rng(seed, rnd, device):
             state, row = _round(ctx, algo, state, rnd, per_round)
         rows.append(row)
         if on_round:
-            on_round({"round": rnd, "rows": rows, "state": {n: p.detach().cpu() for n, p in state.items()},
-                      "algo": algo.state_dict(), "rng": ctx.rng.bit_generator.state, "gen": ctx.gen.get_state()})
+            on_round(
+                {
+                    "round": rnd,
+                    "rows": rows,
+                    "state": {n: p.detach().cpu() for n, p in state.items()},
+                    "algo": algo.state_dict(),
+                    "rng": ctx.rng.bit_generator.state,
+                    "gen": ctx.gen.get_state(),
+                }
+            )
         if progress:
-            extra = "".join(f" {k.split('_')[0]} {row[k]:.3f}" for k in ("pfl_accuracy", "drift_accuracy")
-                            if k in row)
+            extra = "".join(f" {k.split('_')[0]} {row[k]:.3f}" for k in ("pfl_accuracy", "drift_accuracy") if k in row)
             progress.update(task, advance=1, info=f"acc {row['accuracy']:.3f}{extra} [{row['stage']}]")
-    out = {"rows": rows, "counts": ctx.client_counts, "sizes": np.array([len(p) for p in ctx.parts]),
-           "client_extra": ctx.client_extra, "info": ctx.info, "layers": ctx.layers,
-           "state": {n: p.detach().cpu() for n, p in algo.export(state).items()}}
+    out = {
+        "rows": rows,
+        "counts": ctx.client_counts,
+        "sizes": np.array([len(p) for p in ctx.parts]),
+        "client_extra": ctx.client_extra,
+        "info": ctx.info,
+        "layers": ctx.layers,
+        "state": {n: p.detach().cpu() for n, p in algo.export(state).items()},
+    }
     if cfg.algo == "dnc":
         out["divergence"] = algo.div_rows
         out["split_layer"] = algo.split
@@ -465,14 +632,15 @@ def run_seed(cfg: ScratchConfig, data: ScratchData, seed: int, device, log, prog
 
 def _round(ctx: Context, algo, state, rnd: int, per_round: int):
     """One round: select, train, aggregate, evaluate; returns the new global state and the round's row."""
-    cfg, device, data, seed = ctx.cfg, ctx.device, ctx.data, ctx.seed
+    cfg, device, seed = ctx.cfg, ctx.device, ctx.seed
     selected = np.sort(ctx.rng.choice(cfg.clients, size=per_round, replace=False))
     selected = np.array([k for k in selected if len(ctx.parts[k]) > 0], dtype=int)
     plan = algo.configure(ctx, state, rnd, selected) if len(selected) else None
     row = {"seed": seed, "round": rnd}
     if plan is None:
-        row.update(stage="skipped", train_loss=float("nan"), client_ms=0.0, server_ms=0.0,
-                   bytes_up_per_client=0, bytes_total=0)
+        row.update(
+            stage="skipped", train_loss=float("nan"), client_ms=0.0, server_ms=0.0, bytes_up_per_client=0, bytes_total=0
+        )
     else:
         t0 = time.perf_counter()
         trained = algo.train(ctx, plan)
@@ -487,12 +655,20 @@ def _round(ctx: Context, algo, state, rnd: int, per_round: int):
         # bytes actually carried: what each member sends up, the same down (the algorithm's member_bytes)
         member_bytes = algo.member_bytes(ctx, plan, trained)
         up = {k: member_bytes * int((plan.owner == k).sum()) for k in clients}
-        row.update(stage=plan.stage, train_loss=float(trained.loss.mean()),
-                   client_ms=(t1 - t0) * 1000 / len(clients), server_ms=(t2 - t1) * 1000,
-                   bytes_up_per_client=float(np.mean(list(up.values()))), bytes_total=2 * sum(up.values()),
-                   clients=len(clients), members=len(plan.owner), lr=plan.optim.lr, epochs=plan.epochs)
+        row.update(
+            stage=plan.stage,
+            train_loss=float(trained.loss.mean()),
+            client_ms=(t1 - t0) * 1000 / len(clients),
+            server_ms=(t2 - t1) * 1000,
+            bytes_up_per_client=float(np.mean(list(up.values()))),
+            bytes_total=2 * sum(up.values()),
+            clients=len(clients),
+            members=len(plan.owner),
+            lr=plan.optim.lr,
+            epochs=plan.epochs,
+        )
         row.update(algo.after_round(ctx, state, plan, trained))
-    if ctx.share_bytes:   # D_s goes to every client once, before round 1: counted once, in round 1
+    if ctx.share_bytes:  # D_s goes to every client once, before round 1: counted once, in round 1
         row["bytes_shared_data"] = ctx.share_bytes * cfg.clients if rnd == 1 else 0
         row["bytes_total"] += row["bytes_shared_data"]
     pred = algo.predict(ctx, state, ctx.test_x).argmax(1).cpu()
@@ -518,8 +694,10 @@ def _write_error(path: Path, exc: OSError, run_dir: Path) -> FedheadError:
     """One line for a failed write in the run directory: what, why, and how to continue."""
     why = (exc.strerror or str(exc)).replace("\n", " ")
     if exc.errno in SPACE_ERRNOS:
-        return FedheadError(f"No space left while writing {str(path)!r} ({why}); free space (or raise the file "
-                            f"size limit) and {_resume_hint(run_dir)}.")
+        return FedheadError(
+            f"No space left while writing {str(path)!r} ({why}); free space (or raise the file "
+            f"size limit) and {_resume_hint(run_dir)}."
+        )
     return FedheadError(f"Writing {str(path)!r} failed ({why}); fix the cause and {_resume_hint(run_dir)}.")
 
 
@@ -549,8 +727,13 @@ def check_config(cfg: ScratchConfig) -> tuple[ScratchConfig, ScratchData]:
     return cfg, data
 
 
-def run_scratch(cfg: ScratchConfig, out_dir: str | Path, log: Callable[[str], None] = lambda s: None,
-                progress=None, resume: bool = False) -> dict:
+def run_scratch(
+    cfg: ScratchConfig,
+    out_dir: str | Path,
+    log: Callable[[str], None] = lambda s: None,
+    progress=None,
+    resume: bool = False,
+) -> dict:
     """Resolve, load, run (or, with ``resume``, continue) every seed, write the run directory; returns the
     summary. Everything is validated before anything is written; the run directory has one writer."""
     from ..util import Interrupted, check_out, exclusive_writer, resolve_device
@@ -563,8 +746,10 @@ def run_scratch(cfg: ScratchConfig, out_dir: str | Path, log: Callable[[str], No
             return _run_locked(cfg, data, device, out_dir, resume, log, progress)
         except Interrupted as exc:
             if (out_dir / "config.json").exists():
-                msg = (f"interrupted; the checkpoint in {str(out_dir)!r} is consistent: re-run the same command "
-                       f"with --resume --out {out_dir} to continue")
+                msg = (
+                    f"interrupted; the checkpoint in {str(out_dir)!r} is consistent: re-run the same command "
+                    f"with --resume --out {out_dir} to continue"
+                )
             else:
                 msg = f"interrupted before anything was written to {str(out_dir)!r}; re-run the same command"
             raise Interrupted(exc.signum, msg) from None
@@ -574,12 +759,13 @@ def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise FedheadError(f"The '--resume' option cannot read {str(path)!r} ({exc}). Choose another --out, or "
-                           "run again without --resume into an empty one.") from None
+        raise FedheadError(
+            f"The '--resume' option cannot read {str(path)!r} ({exc}). Choose another --out, or "
+            "run again without --resume into an empty one."
+        ) from None
 
 
-def _run_locked(cfg: ScratchConfig, data: ScratchData, device, out_dir: Path, resume: bool, log,
-                progress) -> dict:
+def _run_locked(cfg: ScratchConfig, data: ScratchData, device, out_dir: Path, resume: bool, log, progress) -> dict:
     from ..util import pause_hook, set_cpu_threads, signals_deferred
 
     threads = set_cpu_threads() if device.type == "cpu" else None
@@ -590,45 +776,63 @@ def _run_locked(cfg: ScratchConfig, data: ScratchData, device, out_dir: Path, re
         raise FedheadError(f"The '--out' parameter names {str(out_dir)!r}, which is a file. Choose a directory.")
     if resume:
         if not config_path.exists():
-            raise FedheadError(f"The '--resume' option needs a run to continue in {str(out_dir)!r}, but it holds "
-                               "none (no config.json). Run without --resume, or name the interrupted run with "
-                               "--out.")
+            raise FedheadError(
+                f"The '--resume' option needs a run to continue in {str(out_dir)!r}, but it holds "
+                "none (no config.json). Run without --resume, or name the interrupted run with "
+                "--out."
+            )
         prev = _read_json(config_path)
         if prev.get("identity") != identity:
-            raise FedheadError(f"The '--resume' option found a run in {str(out_dir)!r} with a different "
-                               "configuration. Use the same options as the interrupted run, or a new --out.")
+            raise FedheadError(
+                f"The '--resume' option found a run in {str(out_dir)!r} with a different "
+                "configuration. Use the same options as the interrupted run, or a new --out."
+            )
         if threads is not None and prev.get("cpu_threads"):
             threads = set_cpu_threads(int(prev["cpu_threads"]))  # the bits of a round follow the thread count
         if ckpt_path.exists():
             try:
                 ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
             except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint is the same one-line error
-                raise FedheadError(f"The '--resume' option cannot read the checkpoint {str(ckpt_path)!r} "
-                                   f"({type(exc).__name__}). Choose another --out, or run again without "
-                                   "--resume into an empty one.") from None
+                raise FedheadError(
+                    f"The '--resume' option cannot read the checkpoint {str(ckpt_path)!r} "
+                    f"({type(exc).__name__}). Choose another --out, or run again without "
+                    "--resume into an empty one."
+                ) from None
             if ckpt.get("identity") != identity or ckpt.get("format") != CHECKPOINT_FORMAT:
-                raise FedheadError(f"The '--resume' option found a checkpoint in {str(out_dir)!r} of a different "
-                                   "configuration. Use the same options as the interrupted run, or a new --out.")
+                raise FedheadError(
+                    f"The '--resume' option found a checkpoint in {str(out_dir)!r} of a different "
+                    "configuration. Use the same options as the interrupted run, or a new --out."
+                )
         elif summary_path.exists():
-            return _read_json(summary_path)     # a finished run: reported again
+            return _read_json(summary_path)  # a finished run: reported again
         # else: stopped before its first round was saved; nothing to keep, it starts over
     elif out_dir.exists() and any(out_dir.iterdir()):
-        raise FedheadError(f"The '--out' parameter names {str(out_dir)!r}, which already holds files. Use "
-                           "--resume to continue that run, or choose another --out.")
+        raise FedheadError(
+            f"The '--out' parameter names {str(out_dir)!r}, which already holds files. Use "
+            "--resume to continue that run, or choose another --out."
+        )
     with _writing(out_dir, out_dir):
         out_dir.mkdir(parents=True, exist_ok=True)
-    base_config = {"command": "scratch", "identity": identity, **dataclasses.asdict(cfg),
-                   "device_resolved": str(device), "cpu_threads": threads, "torch_version": torch.__version__,
-                   "num_classes": data.num_classes, "classes": data.classes, "in_shape": list(data.in_shape),
-                   "randomness": "numpy default_rng(seed) per seed, its state checkpointed after every round; "
-                                 "init from torch.Generator(seed); global torch RNG keyed by (seed, round)",
-                   "bytes_accounting": "per round, each participating client downloads and uploads exactly the "
-                                       "tensors it sends (fp32: the trained tensors; personalised algorithms only "
-                                       "the shared ones, local none; SCAFFOLD also one control variate each way); "
-                                       "bytes_total = down + up over clients; with --share-fraction, the shared "
-                                       "set (uint8 pixels or float32 MFCCs, int64 labels) sent to every client "
-                                       "once, counted in round 1 (bytes_shared_data)",
-                   "accuracy_of": ALGORITHMS[cfg.algo].accuracy_of}
+    base_config = {
+        "command": "scratch",
+        "identity": identity,
+        **dataclasses.asdict(cfg),
+        "device_resolved": str(device),
+        "cpu_threads": threads,
+        "torch_version": torch.__version__,
+        "num_classes": data.num_classes,
+        "classes": data.classes,
+        "in_shape": list(data.in_shape),
+        "randomness": "numpy default_rng(seed) per seed, its state checkpointed after every round; "
+        "init from torch.Generator(seed); global torch RNG keyed by (seed, round)",
+        "bytes_accounting": "per round, each participating client downloads and uploads exactly the "
+        "tensors it sends (fp32: the trained tensors; personalised algorithms only "
+        "the shared ones, local none; SCAFFOLD also one control variate each way); "
+        "bytes_total = down + up over clients; with --share-fraction, the shared "
+        "set (uint8 pixels or float32 MFCCs, int64 labels) sent to every client "
+        "once, counted in round 1 (bytes_shared_data)",
+        "accuracy_of": ALGORITHMS[cfg.algo].accuracy_of,
+    }
     with _writing(config_path, out_dir):
         write_config(out_dir, {**base_config, "data_info": dict(data.info)})
 
@@ -641,19 +845,28 @@ def _run_locked(cfg: ScratchConfig, data: ScratchData, device, out_dir: Path, re
         current = ckpt["current"] if ckpt is not None and ckpt["index"] == i else None
 
         def on_round(snap: dict, i=i, seed=seed) -> None:
-            rows = all_rows + snap["rows"]
-            with signals_deferred():            # the checkpoint and rounds.csv move together
+            rows = all_rows + snap["rows"]  # noqa: B023 - called within this seed's iteration
+            with signals_deferred():  # the checkpoint and rounds.csv move together
                 with _writing(ckpt_path, out_dir):
-                    save_torch({"format": CHECKPOINT_FORMAT, "identity": identity, "index": i, "seed": seed,
-                                "current": snap, "done": results, "wall_s": time.perf_counter() - wall0},
-                               ckpt_path)
+                    save_torch(
+                        {
+                            "format": CHECKPOINT_FORMAT,
+                            "identity": identity,
+                            "index": i,
+                            "seed": seed,
+                            "current": snap,
+                            "done": results,
+                            "wall_s": time.perf_counter() - wall0,
+                        },
+                        ckpt_path,
+                    )
                 with _writing(out_dir / "rounds.csv", out_dir):
                     write_rounds(out_dir, rows)
             pause_hook(PAUSE_ENV, len(rows))
 
         res = run_seed(cfg, data, seed, device, log, progress, on_round=on_round, resume=current)
         with _writing(out_dir / f"model-seed{seed}.pt", out_dir):
-            save_torch(res.pop("state"), out_dir / f"model-seed{seed}.pt")   # the final global model
+            save_torch(res.pop("state"), out_dir / f"model-seed{seed}.pt")  # the final global model
         results.append(res)
         all_rows += res["rows"]
     wall = time.perf_counter() - wall0
@@ -662,13 +875,23 @@ def _run_locked(cfg: ScratchConfig, data: ScratchData, device, out_dir: Path, re
     return summary
 
 
-def _finish(cfg: ScratchConfig, data: ScratchData, out_dir: Path, base_config: dict, results: list[dict],
-            all_rows: list[dict], wall: float) -> dict:
+def _finish(
+    cfg: ScratchConfig,
+    data: ScratchData,
+    out_dir: Path,
+    base_config: dict,
+    results: list[dict],
+    all_rows: list[dict],
+    wall: float,
+) -> dict:
     """The final files: config.json (with what the runs found), rounds.csv, clients.csv, summary.json and,
     for D&C, divergence.csv/png."""
     first = results[0]
-    config = {**base_config, "data_info": {**data.info, **first["info"]},
-              "weight_layers": [names[0].rsplit(".", 1)[0] for names in first["layers"]]}
+    config = {
+        **base_config,
+        "data_info": {**data.info, **first["info"]},
+        "weight_layers": [names[0].rsplit(".", 1)[0] for names in first["layers"]],
+    }
     if cfg.algo == "dnc":
         config["split_layer_used"] = [r["split_layer"] for r in results]
     with _writing(out_dir / "config.json", out_dir):
@@ -677,14 +900,18 @@ def _finish(cfg: ScratchConfig, data: ScratchData, out_dir: Path, base_config: d
         write_rounds(out_dir, all_rows)
     with _writing(out_dir / "clients.csv", out_dir):
         write_clients(out_dir, first["sizes"], first["counts"], first["client_extra"] or None)
-    summary = {"algo": cfg.algo, "dataset": cfg.dataset, "model": cfg.model, "wall_seconds": wall,
-               "seeds": cfg.seeds}
+    summary = {"algo": cfg.algo, "dataset": cfg.dataset, "model": cfg.model, "wall_seconds": wall, "seeds": cfg.seeds}
     per_seed = []
     for seed, res in zip(cfg.seeds, results):
         acc = [r["accuracy"] for r in res["rows"]]
-        s = {"seed": seed, "final_accuracy": acc[-1], "last5_accuracy": _last_mean(acc),
-             "best_accuracy": max(acc), "acc95_round": acc95_round(acc),
-             "bytes_total": int(sum(r["bytes_total"] for r in res["rows"]))}
+        s = {
+            "seed": seed,
+            "final_accuracy": acc[-1],
+            "last5_accuracy": _last_mean(acc),
+            "best_accuracy": max(acc),
+            "acc95_round": acc95_round(acc),
+            "bytes_total": int(sum(r["bytes_total"] for r in res["rows"])),
+        }
         if cfg.share_fraction:
             s["bytes_shared_data"] = int(sum(r.get("bytes_shared_data", 0) for r in res["rows"]))
         for key in ("pfl_accuracy", "drift_accuracy", "generic_accuracy"):
@@ -697,8 +924,13 @@ def _finish(cfg: ScratchConfig, data: ScratchData, out_dir: Path, base_config: d
             s["bytes_after_prepass"] = s["bytes_total"] - s["bytes_prepass"]
         per_seed.append(s)
     summary["per_seed"] = per_seed
-    for key in ("final_accuracy", "last5_accuracy", "last5_pfl_accuracy", "last5_drift_accuracy",
-                "last5_generic_accuracy"):
+    for key in (
+        "final_accuracy",
+        "last5_accuracy",
+        "last5_pfl_accuracy",
+        "last5_drift_accuracy",
+        "last5_generic_accuracy",
+    ):
         if key in per_seed[0]:
             m, sd = mean_std([s[key] for s in per_seed])
             summary[key] = m
@@ -712,8 +944,11 @@ def _finish(cfg: ScratchConfig, data: ScratchData, out_dir: Path, base_config: d
             with _writing(out_dir / "divergence.png", out_dir):
                 _plot_divergence(div, out_dir / "divergence.png", [r["split_layer"] for r in results][0])
         summary["split_layer"] = per_seed[0]["split_layer"]
-        summary["divergence_last_prepass"] = [r["divergence"] for r in div if r["seed"] == cfg.seeds[0]
-                                              and r["round"] == max(x["round"] for x in div)] if div else []
+        summary["divergence_last_prepass"] = (
+            [r["divergence"] for r in div if r["seed"] == cfg.seeds[0] and r["round"] == max(x["round"] for x in div)]
+            if div
+            else []
+        )
     with _writing(out_dir / "summary.json", out_dir):
         write_summary(out_dir, summary)
     return summary
@@ -721,6 +956,7 @@ def _finish(cfg: ScratchConfig, data: ScratchData, out_dir: Path, base_config: d
 
 def _plot_divergence(rows: list[dict], path: Path, split: int | None) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
