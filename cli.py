@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from fedhead.usage import OneLineCommand, OneLineGroup  # click usage errors as one 'error:' line
+from fedhead.interface.usage import OneLineCommand, OneLineGroup  # click usage errors as one 'error:' line
 
 app = typer.Typer(
     name="fedhead",

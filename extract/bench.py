@@ -18,7 +18,8 @@ from typing import Optional
 
 import typer
 
-from fedhead.errors import Interval, cli_errors, validate
+from fedhead.infra.errors import Interval, validate
+from fedhead.infra.exits import cli_errors
 
 
 def _sync(device) -> None:
@@ -47,8 +48,8 @@ def _measure_once(
 ) -> dict:
     import torch
 
-    from .run import encode, forward, iter_batches, prepare, to_input
-    from .store import StoreWriter
+    from extract.run import encode, forward, iter_batches, prepare, to_input
+    from extract.store import StoreWriter
 
     plan = prepare(
         dataset,
@@ -98,8 +99,8 @@ def _measure_once(
             return time.perf_counter() - t
 
     fwd_t, ext_t = [], []
-    from fedhead.train import PAUSE_ENV
-    from fedhead.util import pause_hook
+    from fedhead.federation.train import PAUSE_ENV
+    from fedhead.infra.signals import pause_hook
 
     for _ in range(repeats):  # alternate, so that drifting machine load hits both sides alike
         fwd_t.append(time_forward())
@@ -207,7 +208,8 @@ def bench_extract_cmd(
     """Extraction throughput vs the bare encoder forward on the same batches (images/s)."""
     from rich.table import Table
 
-    from fedhead.util import atomic_write_json, check_out, stdout_console
+    from fedhead.infra.console import stdout_console
+    from fedhead.infra.files import atomic_write_json, check_out
 
     if out is not None:
         check_out(out)  # a folder there, or below a file: refused before the measurement

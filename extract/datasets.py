@@ -37,7 +37,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from fedhead.errors import FedheadError, param_error, unknown_name
+from fedhead.infra.errors import FedheadError, param_error, unknown_name
 
 SPLITS = ("train", "test")
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}

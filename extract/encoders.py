@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fedhead.errors import FedheadError, param_error, unknown_name
+from fedhead.infra.errors import FedheadError, param_error, unknown_name
 
 RANDOM_INIT_SEED = 0
 

@@ -20,7 +20,7 @@ same file as an uninterrupted run. ``--limit N`` keeps N images per split chosen
 
 Hardening (see :func:`extract_features`): unreadable image files stop the run with a one-line error naming
 the file, or are left out and listed in the store with ``--skip-corrupt``; one process writes a store at a
-time (:func:`fedhead.util.exclusive_writer` on ``<out>.lock``); SIGINT/SIGTERM leave a consistent
+time (:func:`fedhead.infra.locks.exclusive_writer` on ``<out>.lock``); SIGINT/SIGTERM leave a consistent
 ``.partial`` and exit 130/143 with one line saying how to resume; a full disk is found before encoding
 starts (see extract/store.py) and is a one-line error too.
 
@@ -44,11 +44,10 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from fedhead.errors import FedheadError, Interval, OneOf, unknown_name, validate
-
-from . import datasets as D
-from .encoders import Encoder, load_encoder, preprocess_batch
-from .store import StoreWriter, open_store, partial_path, write_error
+from extract import datasets as D
+from extract.encoders import Encoder, load_encoder, preprocess_batch
+from extract.store import StoreWriter, open_store, partial_path, write_error
+from fedhead.infra.errors import FedheadError, Interval, OneOf, unknown_name, validate
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = ("float16", "float32")
@@ -119,7 +118,7 @@ def prepare(
     """Validate every input, load the data and the encoder, and build the store request."""
     import torch
 
-    from fedhead.util import resolve_device, set_cpu_threads
+    from fedhead.infra.devices import resolve_device, set_cpu_threads
 
     validate("--batch-size", batch_size, Interval(1, None, integer=True))
     validate("--precision", precision, OneOf(PRECISIONS))
@@ -281,7 +280,7 @@ def iter_batches(plan: Plan, split: str, start: int = 0) -> Iterator[Batch]:
     source images (the last one fewer), readable or not, so a resumed run forms the same batches."""
     import torch
 
-    from fedhead.util import worker_signals
+    from fedhead.infra.signals import worker_signals
 
     data = plan.splits[split]
     bs = plan.batch_size
@@ -387,7 +386,7 @@ def _reuse_threads(plan: Plan, w: StoreWriter) -> None:
 def _reusable(out: Path, plan: Plan, overwrite: bool, skip_corrupt: bool, progress: bool) -> bool:
     """True if ``out`` is a finished store of this request to return as is; raises if it is another
     request's (unless ``overwrite``), or if it lacks unreadable images and ``skip_corrupt`` is off."""
-    from fedhead.util import stderr_console
+    from fedhead.infra.console import stderr_console
 
     if not out.exists():
         return False
@@ -456,7 +455,7 @@ def _check_finite(plan: Plan, split: str, b: Batch, feats: np.ndarray) -> None:
 
 def _pause_hook(written: int) -> None:
     """Test hook (PAUSE_ENV = "k:FILE"): after ``k`` batches, write the pid into FILE and wait for a signal."""
-    from fedhead.util import pause_hook
+    from fedhead.infra.signals import pause_hook
 
     pause_hook(PAUSE_ENV, written)
 
@@ -502,7 +501,7 @@ def extract_features(
 
     An existing complete store with the same request is reused; a different one is an error unless
     ``overwrite``. A ``.partial`` store of the same request is resumed. The whole write (``.partial`` and
-    rename) holds :func:`fedhead.util.exclusive_writer` on ``<out>.lock``: a second process writing the
+    rename) holds :func:`fedhead.infra.locks.exclusive_writer` on ``<out>.lock``: a second process writing the
     same ``out`` stops at once with the first one's pid.
 
     Unreadable images (truncated, not an image, unreadable file; only file datasets have them) are found
@@ -531,11 +530,11 @@ def extract_features(
     3 minutes of encoding at 96 px, but a second pass over every file on every run and resume, and far
     more for large photos), so decoding-time detection was chosen.
 
-    SIGINT/SIGTERM (:func:`fedhead.util.signals_raise`) stop at a batch boundary (a batch's rows and
-    counters are written as one critical section) and raise :class:`fedhead.util.Interrupted` (exit code
+    SIGINT/SIGTERM (:func:`fedhead.infra.signals.signals_raise`) stop at a batch boundary (a batch's rows and
+    counters are written as one critical section) and raise :class:`fedhead.infra.signals.Interrupted` (exit code
     130/143 under ``cli_errors``) whose one-line message says where the same command resumes.
     """
-    from fedhead.util import Interrupted, signals_raise
+    from fedhead.infra.signals import Interrupted, signals_raise
 
     tally = _Tally()
     with signals_raise():
@@ -591,7 +590,9 @@ def _extract(
     state_dict,
     skip_corrupt,
 ) -> Path:
-    from fedhead.util import exclusive_writer, make_progress, signals_deferred, stderr_console
+    from fedhead.infra.console import make_progress, stderr_console
+    from fedhead.infra.locks import exclusive_writer
+    from fedhead.infra.signals import signals_deferred
 
     plan = prepare(
         dataset,

@@ -49,7 +49,7 @@ import h5py
 import numpy as np
 
 from fedhead import __version__
-from fedhead.errors import SPACE_ERRNOS, FedheadError
+from fedhead.infra.errors import SPACE_ERRNOS, FedheadError
 
 FORMAT = "fedhead-features"
 FORMAT_VERSION = 1
@@ -189,7 +189,7 @@ class StoreWriter:
     ):
         if dtype not in ("float16", "float32"):
             raise FedheadError(f"The '--dtype' parameter must be 'float16' or 'float32'. Got {dtype!r} instead.")
-        from fedhead.util import make_parent_dirs
+        from fedhead.infra.files import make_parent_dirs
 
         self.out = Path(out)
         self.tmp = partial_path(out)

@@ -2,7 +2,7 @@
 
 The Python API (imported on first use, so ``import fedhead`` stays light):
 
-- :func:`run` (``fedhead.train.run``): run a :class:`TrainConfig`, get the summary and per-round rows;
+- :func:`run` (``fedhead.federation.train.run``): run a :class:`TrainConfig`, get the summary and per-round rows;
 - :func:`register_head`, :class:`Head`, :class:`ClosedFormHead`, :class:`Param`, :class:`LossContext`:
   a head of one's own (a local loss, or a closed-form solve from client statistics);
 - :func:`register_aggregator`, :class:`Aggregator`, :class:`Totals`: an aggregation rule of one's own (what a
@@ -13,17 +13,17 @@ The Python API (imported on first use, so ``import fedhead`` stays light):
 __version__ = "0.1.0"
 
 _API = {
-    "run": ("fedhead.train", "run"),
-    "TrainConfig": ("fedhead.config", "TrainConfig"),
-    "register_head": ("fedhead.heads", "register_head"),
-    "Head": ("fedhead.heads", "Head"),
-    "LossContext": ("fedhead.heads", "LossContext"),
-    "ClosedFormHead": ("fedhead.closedform", "ClosedFormHead"),
-    "Param": ("fedhead.registry", "Param"),
-    "register_method": ("fedhead.plugins", "register_method"),
-    "register_aggregator": ("fedhead.aggregate", "register_aggregator"),
-    "Aggregator": ("fedhead.aggregate", "Aggregator"),
-    "Totals": ("fedhead.aggregate", "Totals"),
+    "run": ("fedhead.federation.train", "run"),
+    "TrainConfig": ("fedhead.federation.config", "TrainConfig"),
+    "register_head": ("fedhead.core.heads", "register_head"),
+    "Head": ("fedhead.core.heads", "Head"),
+    "LossContext": ("fedhead.core.heads", "LossContext"),
+    "ClosedFormHead": ("fedhead.core.closedform", "ClosedFormHead"),
+    "Param": ("fedhead.infra.params", "Param"),
+    "register_method": ("fedhead.federation.methods", "register_method"),
+    "register_aggregator": ("fedhead.core.aggregate", "register_aggregator"),
+    "Aggregator": ("fedhead.core.aggregate", "Aggregator"),
+    "Totals": ("fedhead.core.aggregate", "Totals"),
 }
 __all__ = sorted(_API)
 

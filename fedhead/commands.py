@@ -7,46 +7,11 @@ from typing import List, Optional
 
 import typer
 
-from .config import TrainConfig
-from .errors import FedheadError, cli_errors
-from .options import with_method_options
-
-
-def results_table(title: str, rows: list[dict], columns: list[tuple[str, str]]):
-    """A rich table of result rows; ``columns`` are (key, header); ``key_std`` shown as +- when present."""
-    from rich.table import Table
-
-    t = Table(title=title)
-    for _, h in columns:
-        t.add_column(h, justify="right" if h not in ("head", "partition", "recipe") else "left")
-    for r in rows:
-        cells = []
-        for k, _ in columns:
-            v = r.get(k)
-            s = r.get(k + "_std")
-            if isinstance(v, float) and "round" in k and v.is_integer() and not s:
-                cells.append(str(int(v)))
-            elif isinstance(v, float):
-                cells.append(f"{v:.4f}" + (f" ± {s:.4f}" if isinstance(s, float) and s > 0 else ""))
-            else:
-                cells.append("" if v is None else str(v))
-        t.add_row(*cells)
-    return t
-
-
-SUMMARY_COLUMNS = [
-    ("head", "head"),
-    ("partition", "partition"),
-    ("final_accuracy", "final acc"),
-    ("best_accuracy", "best acc"),
-    ("acc95_round", "Acc@95 round"),
-    ("central_accuracy", "central acc"),
-    ("final_ratio_to_central", "ratio to central"),
-    ("final_ratio_to_iid", "ratio to IID"),
-    ("client_ms", "client ms"),
-    ("server_ms", "server ms"),
-    ("wall_seconds", "wall s"),
-]
+from fedhead.federation.config import TrainConfig
+from fedhead.infra.errors import FedheadError
+from fedhead.infra.exits import cli_errors
+from fedhead.interface.options import with_method_options
+from fedhead.interface.tables import SUMMARY_COLUMNS, results_table
 
 
 @cli_errors
@@ -100,8 +65,8 @@ def train_cmd(
     method: dict = None,
 ):
     """Run federated rounds of a linear head over cached features and print the final numbers."""
-    from .train import run_training
-    from .util import stdout_console
+    from fedhead.federation.train import run_training
+    from fedhead.infra.console import stdout_console
 
     cfg = TrainConfig(
         features=str(features),
@@ -177,9 +142,9 @@ def synth_cmd(
 ):
     """Write a synthetic feature store (many classes, few samples, non-negative features)."""
     from extract.store import load_store
-
-    from .synthetic import probe_accuracy, validate_synthetic, write_synthetic
-    from .util import check_out, exclusive_writer
+    from fedhead.core.synthetic import probe_accuracy, validate_synthetic, write_synthetic
+    from fedhead.infra.files import check_out
+    from fedhead.infra.locks import exclusive_writer
 
     validate_synthetic(
         num_classes=num_classes,
@@ -223,8 +188,7 @@ def _same_synthetic(path: Path, sizes: dict) -> bool:
     import json
 
     from extract.store import open_store
-
-    from .synthetic import LATENT, synthetic_request
+    from fedhead.core.synthetic import LATENT, synthetic_request
 
     try:
         info = open_store(path, "--out", check_values=True)
@@ -242,8 +206,7 @@ def _check_demo(configs: list[TrainConfig]) -> None:
     """Validate the demo's runs before the (slow) extraction: ``validate_config`` against a stand-in store that
     holds the digits' training labels (the checks need the labels and the class count, not the features)."""
     from extract.datasets import load_dataset
-
-    from .train import labels_store, validate_config
+    from fedhead.federation.train import labels_store, validate_config
 
     split = load_dataset("digits", None, "train")
     store = labels_store(split.labels, split.class_names, "digits")
@@ -264,9 +227,9 @@ def demo_cmd(
     from extract.encoders import registry_weights
     from extract.run import extract_features
     from extract.store import load_store
-
-    from .train import run_training
-    from .util import check_out, stdout_console
+    from fedhead.federation.train import run_training
+    from fedhead.infra.console import stdout_console
+    from fedhead.infra.files import check_out
 
     def config(head: str, recipe: str, features: str) -> TrainConfig:
         return TrainConfig(

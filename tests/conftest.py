@@ -10,7 +10,7 @@ os.environ.setdefault("FEDHEAD_NO_PROGRESS", "1")
 @pytest.fixture(scope="session")
 def tiny_store(tmp_path_factory):
     """10 classes, 40 train / 10 test samples per class, 16-dim non-negative features."""
-    from fedhead.synthetic import write_synthetic
+    from fedhead.core.synthetic import write_synthetic
 
     path = tmp_path_factory.mktemp("stores") / "tiny.h5"
     return write_synthetic(

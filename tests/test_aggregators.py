@@ -1,4 +1,4 @@
-"""Aggregation rules as protocol objects (fedhead.aggregate): one message + update per rule, summed the same way by
+"""Aggregation rules as protocol objects (fedhead.core.aggregate): one message + update per rule, summed the same way by
 the simulator (client blocks) and a Flower server (one message at a time); a user's rule registered from outside
 fedhead runs in `train`, the CLI, `bench baselines` and Flower."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import fedhead
-from fedhead.aggregate import AGGREGATORS, Accumulator, Aggregator, fedavg, grouped
-from fedhead.config import TrainConfig
-from fedhead.errors import FedheadError
+from fedhead.core.aggregate import AGGREGATORS, Accumulator, Aggregator, fedavg, grouped
+from fedhead.federation.config import TrainConfig
+from fedhead.infra.errors import FedheadError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,9 +120,9 @@ def test_user_rule_on_flower_equals_train(fedexp, tmp_path):
     pytest.importorskip("flwr")
     from test_flower_sim import accs, cfg_of
 
+    from fedhead.core.synthetic import write_synthetic
+    from fedhead.federation.train import run_training
     from fedhead.flower.inprocess import run_in_process
-    from fedhead.synthetic import write_synthetic
-    from fedhead.train import run_training
 
     store = write_synthetic(tmp_path / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
     cfg = cfg_of(store, aggregate="fedexp", head="softmax")

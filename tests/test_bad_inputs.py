@@ -600,7 +600,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     import h5py
     from PIL import Image
 
-    from fedhead.synthetic import write_synthetic
+    from fedhead.core.synthetic import write_synthetic
 
     d = tmp_path_factory.mktemp("bad-inputs")
     store = write_synthetic(
@@ -751,7 +751,7 @@ def _fake_demo_extraction(monkeypatch) -> None:
     import extract.run
 
     def extract_features(dataset, data_dir, encoder, *, out, **kw):
-        from fedhead.synthetic import write_synthetic
+        from fedhead.core.synthetic import write_synthetic
 
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         return write_synthetic(out, num_classes=10, train_per_class=20, test_per_class=5, dim=8, latent=4, spread=1.0)

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 import cli
 from extract.store import load_store
-from fedhead.closedform import accumulate, message_bytes
-from fedhead.config import TrainConfig
-from fedhead.train import run_training
+from fedhead.core.closedform import accumulate, message_bytes
+from fedhead.federation.config import TrainConfig
+from fedhead.federation.train import run_training
 
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -49,7 +49,7 @@ def test_closed_form_head_is_one_exchange_with_exact_bytes(tiny_store, tmp_path)
     assert len(res.rows) == 1 and res.rows[0]["stage"] == "statistics"
     s = load_store(tiny_store)
     D, C = s.train_x.shape[1], s.info.num_classes
-    from fedhead.partitions import create_partition
+    from fedhead.core.partitions import create_partition
 
     parts = create_partition("shard", s.train_y, 8, seed=0, shards_per_client=1)
     held = [len(np.unique(s.train_y[p])) for p in parts]
@@ -80,9 +80,9 @@ def test_init_round_then_training_and_central_fields(tiny_store, tmp_path):
 
 def test_central_ceiling_is_the_converged_optimum(tiny_store):
     """The ceiling's L-BFGS reaches a point where the regularised pooled gradient vanishes."""
-    from fedhead.central import central_head
-    from fedhead.heads import create_head
-    from fedhead.train import federated_feature_stats, prepare
+    from fedhead.core.central import central_head
+    from fedhead.core.heads import create_head
+    from fedhead.federation.train import federated_feature_stats, prepare
 
     s = load_store(tiny_store)
     st = federated_feature_stats(s.train_x, [np.arange(len(s.train_y))], True, "none")
@@ -91,7 +91,7 @@ def test_central_ceiling_is_the_converged_optimum(tiny_store):
     head = create_head("softmax")
     theta, it = central_head(head, x, y, 10, 1e-3)
     theta = theta.clone().requires_grad_(True)
-    from fedhead.heads import LossContext
+    from fedhead.core.heads import LossContext
 
     ctx = LossContext(
         round=10**9, present=torch.ones(1, 10, dtype=torch.bool), counts=torch.ones(1, 10), u=torch.zeros(1, len(y))
@@ -131,7 +131,7 @@ def test_fedprox_zero_is_fedavg_and_baselines_run(tiny_store, tmp_path):
 
 
 def test_resume_keeps_server_optimizer_and_scaffold_state(tiny_store, tmp_path, monkeypatch):
-    import fedhead.train as train
+    import fedhead.federation.train as train
 
     kw = dict(head="ova2", rounds=4, scaffold=True, server_opt="fedyogi", participation=0.5)
     full = run_training(cfg(tiny_store, **kw), out=tmp_path / "full", progress=False)
@@ -240,7 +240,7 @@ def test_bad_method_options_are_one_line_errors(tiny_store, tmp_path, args, flag
 
 def test_ill_conditioned_solve_is_one_line(tmp_path):
     """More dimensions than samples and no shrinkage: LDA cannot solve; the error names the parameter."""
-    from fedhead.synthetic import write_synthetic
+    from fedhead.core.synthetic import write_synthetic
 
     st = write_synthetic(
         tmp_path / "wide.h5", num_classes=3, train_per_class=4, test_per_class=2, dim=40, latent=4, spread=1.0, seed=0

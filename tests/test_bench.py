@@ -27,7 +27,7 @@ def _env(monkeypatch):
 
 @pytest.fixture(scope="session")
 def stores(tmp_path_factory):
-    from fedhead.synthetic import write_synthetic
+    from fedhead.core.synthetic import write_synthetic
 
     d = tmp_path_factory.mktemp("bench-stores")
     a = write_synthetic(
@@ -154,7 +154,7 @@ def test_ablation_report_numbers_come_from_runs(stores, tmp_path):
 
 
 def test_resume_reruns_only_missing_and_continues_checkpoint(stores, tmp_path, monkeypatch):
-    import fedhead.train as T
+    import fedhead.federation.train as T
 
     out = tmp_path / "parts"
     args = [
@@ -216,8 +216,8 @@ def test_resume_reruns_only_missing_and_continues_checkpoint(stores, tmp_path, m
 
 def test_grid_interrupted_between_runs_resumes_rest(stores, tmp_path):
     from fedhead.bench.report import Cell, StoreCache, run_grid
-    from fedhead.config import TrainConfig
-    from fedhead.train import run_training
+    from fedhead.federation.config import TrainConfig
+    from fedhead.federation.train import run_training
 
     cells = [
         Cell(f"r{i}", {"head": h}, TrainConfig(features=str(stores["a"]), head=h, clients=5, rounds=1))

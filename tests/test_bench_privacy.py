@@ -13,8 +13,8 @@ pytest.importorskip("dp_accounting", reason="the DP extra is not installed (pip 
 
 import cli  # noqa: E402
 from fedhead.bench.privacy import noise_for_epsilon  # noqa: E402
-from fedhead.config import TrainConfig  # noqa: E402
-from fedhead.dp import epsilon_schedule  # noqa: E402
+from fedhead.core.dp import epsilon_schedule  # noqa: E402
+from fedhead.federation.config import TrainConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("head,rounds,part", [("softmax", 5, 0.5), ("ridge", 1, 1.0)])

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedhead.ccvr import (
+from fedhead.core.ccvr import (
     CCVRConfig,
     ClassStats,
     PooledStats,
@@ -13,8 +13,8 @@ from fedhead.ccvr import (
     retrain_head,
     sample_virtual,
 )
-from fedhead.errors import FedheadError
-from fedhead.heads import create_head
+from fedhead.core.heads import create_head
+from fedhead.infra.errors import FedheadError
 
 
 def _non_iid_clients(seed=0, n=500, D=6, C=4, K=7):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedhead.closedform import (
+from fedhead.core.closedform import (
     accumulate,
     client_stats,
     closed_form_names,
@@ -13,8 +13,8 @@ from fedhead.closedform import (
     to_prepared,
     unpack_upper,
 )
-from fedhead.heads import create_head
-from fedhead.partitions import create_partition
+from fedhead.core.heads import create_head
+from fedhead.core.partitions import create_partition
 
 
 def _data(n=600, d=7, c=5, seed=0):
@@ -150,7 +150,7 @@ def test_absent_class_gets_zero_row_and_ill_conditioned_is_one_line():
         assert torch.isfinite(t).all()
         assert torch.count_nonzero(t[2]) == 0
     # fewer samples than dimensions and no shrinkage: a singular covariance is a one-line error
-    from fedhead.errors import FedheadError
+    from fedhead.infra.errors import FedheadError
 
     xs, ys = _data(n=6, d=10, c=2)
     with pytest.raises(FedheadError, match="--lda-shrinkage"):

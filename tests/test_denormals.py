@@ -21,9 +21,9 @@ import torch
 torch.set_num_threads(2)
 torch.randn(10**6).mul(2)              # the pool exists before fedhead's first round
 
-import fedhead.engine as E
-from fedhead.heads import create_head
-from fedhead.partitions import class_counts, create_partition
+import fedhead.core.engine as E
+from fedhead.core.heads import create_head
+from fedhead.core.partitions import class_counts, create_partition
 
 
 def subnormal(t):
@@ -88,7 +88,7 @@ torch.randn(10**6).mul(2)
 
 from fedhead.scratch.engine import OptimSpec, init_params, softmax_ce, train_members
 from fedhead.scratch.models import create_model
-from fedhead.util import _pool_flushes
+from fedhead.infra.devices import _pool_flushes
 
 model = create_model("fedabc-mlp", (1, 8, 8), 10)
 params = init_params(model, torch.Generator().manual_seed(0), count=2)

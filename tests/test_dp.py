@@ -1,4 +1,4 @@
-"""Differential privacy (fedhead.dp, the ``dp-fedavg`` rule): clipping by hand, the noise (reproducible, the right
+"""Differential privacy (fedhead.core.dp, the ``dp-fedavg`` rule): clipping by hand, the noise (reproducible, the right
 std), DP-FedAvg without noise = unweighted FedAvg, the accountant against dp-accounting's (and Flower's) own
 computation, the statistics' sensitivity checked empirically, and a DP run on Flower equal to ``fedhead train``."""
 
@@ -12,18 +12,18 @@ import pytest
 import torch
 
 import fedhead
-from fedhead.aggregate import Accumulator, DPFedAvg, Totals, create_aggregator
-from fedhead.closedform import accumulate
-from fedhead.config import TrainConfig
-from fedhead.dp import (
-    clip_rows,
+from fedhead.core.aggregate import Accumulator, DPFedAvg, Totals, create_aggregator
+from fedhead.core.closedform import accumulate
+from fedhead.core.dp import (
     gaussian,
     noisy_feature_sums,
     privatize_statistics,
     statistics_sensitivity,
     statistics_vector,
 )
-from fedhead.rundir import read_csv
+from fedhead.core.linalg import clip_rows
+from fedhead.federation.config import TrainConfig
+from fedhead.federation.rundir import read_csv
 
 pytest.importorskip("dp_accounting", reason="the accountant needs dp-accounting (pip install 'fedhead[dp]')")
 from dp_accounting import dp_event, rdp  # noqa: E402
@@ -97,12 +97,12 @@ def test_noise_is_reproducible_and_has_the_right_std():
     assert abs(float(a.double().mean())) < 4 * (z * S / m) / math.sqrt(a.numel())
     # the denominator is the number sampled, not the number that sent something (3 here)
     assert abs(float(one(0, 1, sampled=8).double().std()) / (z * S / 8) - 1) < 0.015
-    # the same stream is what fedhead.dp.gaussian gives
+    # the same stream is what fedhead.core.dp.gaussian gives
     torch.testing.assert_close(a.double(), (gaussian((100, 201), z * S, 0, 1, "dp-fedavg") / m), rtol=0, atol=1e-7)
 
 
 def test_a_rule_without_seed_or_round_refuses():
-    from fedhead.errors import FedheadError
+    from fedhead.infra.errors import FedheadError
 
     t = Totals({"clipped": torch.zeros(1, 2, dtype=torch.float64)}, torch.ones(()), torch.ones(1), 1)
     with pytest.raises(FedheadError, match="seed"):
@@ -121,7 +121,7 @@ def test_no_noise_and_a_huge_clip_is_unweighted_fedavg():
     acc.add(stacked, sizes, torch.ones(5, 3, dtype=torch.bool))
     out = acc.finish()
     torch.testing.assert_close(out, stacked.mean(0), atol=1e-6, rtol=1e-6)
-    assert not torch.allclose(out, fedhead.aggregate.fedavg(stacked, sizes), atol=1e-3)
+    assert not torch.allclose(out, fedhead.core.aggregate.fedavg(stacked, sizes), atol=1e-3)
 
 
 def test_no_noise_run_equals_plain_fedavg_on_equal_clients(tiny_store, tmp_path):
@@ -277,8 +277,8 @@ def test_dp_run_on_flower_equals_train(tmp_path):
     from flwr.supercore.task_identity import TaskIdentity
     from test_flower_sim import accs, cfg_of, local_run
 
-    from fedhead.synthetic import write_synthetic
-    from fedhead.train import run_training
+    from fedhead.core.synthetic import write_synthetic
+    from fedhead.federation.train import run_training
 
     store = write_synthetic(tmp_path / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
     saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedhead.engine import BACKENDS, ClientSet, Engine, LocalConfig, OptimConfig, client_plan
-from fedhead.heads import create_head, iterative_head_names
+from fedhead.core.engine import BACKENDS, ClientSet, Engine, LocalConfig, OptimConfig, client_plan
+from fedhead.core.heads import create_head, iterative_head_names
 
 
 def toy_clients(n=300, d=12, c=5, k=6, seed=0):
@@ -109,7 +109,7 @@ def test_local_steps_vectorized_equals_loop(head):
 
 
 def test_step_plan_cycles_epochs_and_gives_every_client_the_same_steps():
-    from fedhead.engine import step_plan
+    from fedhead.core.engine import step_plan
 
     part = np.arange(100, 130)  # 30 samples, batches of 8, 10 steps = 80 samples
     idx, u = step_plan(part, 0, 1, 4, steps=10, batch=8)
@@ -124,7 +124,7 @@ def test_step_plan_cycles_epochs_and_gives_every_client_the_same_steps():
 def test_local_steps_count_in_scaffold():
     # SCAFFOLD's option II divides the drift by the client's step count: with --local-steps every client made
     # exactly `steps` steps, whatever its size
-    from fedhead.engine import ScaffoldState
+    from fedhead.core.engine import ScaffoldState
 
     data = toy_clients()
     eng = Engine(

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedhead.engine import ClientSet, Engine, LocalConfig, OptimConfig, StackedAdamW, StackedSGD, _fused_available
-from fedhead.heads import HEADS, create_head, iterative_head_names
+from fedhead.core.engine import ClientSet, Engine, LocalConfig, OptimConfig, StackedAdamW, StackedSGD, _fused_available
+from fedhead.core.heads import HEADS, create_head, iterative_head_names
 
 
 def clients(n=260, d=10, c=6, k=9, seed=1):
@@ -141,7 +141,7 @@ def closed_form_head(name, **params):
 
 
 def _ctx(K, B, C, rnd, seed=0):
-    from fedhead.heads import LossContext
+    from fedhead.core.heads import LossContext
 
     g = torch.Generator().manual_seed(seed)
     counts = torch.randint(0, 3, (K, C), generator=g).float()

@@ -415,7 +415,7 @@ def test_reuse_mismatch_overwrite(tmp_path, data_root):
     mtime = out.stat().st_mtime_ns
     extract_features("imagefolder", data_root["imagefolder"], TINY, **kw)
     assert out.stat().st_mtime_ns == mtime  # reused, not rewritten
-    from fedhead.errors import FedheadError
+    from fedhead.infra.errors import FedheadError
 
     kw2 = dict(kw, image_size=40)
     with pytest.raises(FedheadError, match="different request.*image_size"):

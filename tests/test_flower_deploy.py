@@ -33,7 +33,7 @@ pytest.importorskip("flwr", reason="Flower is not installed (pip install 'fedhea
 from certs import make_ca, make_node_key, make_server_cert  # noqa: E402
 
 from extract.store import load_store, write_store  # noqa: E402
-from fedhead.synthetic import write_synthetic  # noqa: E402
+from fedhead.core.synthetic import write_synthetic  # noqa: E402
 
 FEDHEAD = str(Path(sys.executable).parent / "fedhead")
 TIMEOUT = 300

@@ -18,12 +18,12 @@ pytest.importorskip("flwr", reason="Flower is not installed (pip install 'fedhea
 from test_flower_sim import LocalGrid, accs, cfg_of, local_run, sim_nodes, task_identity  # noqa: E402,F401
 
 from extract.store import load_store  # noqa: E402
+from fedhead.core.synthetic import write_synthetic  # noqa: E402
+from fedhead.federation.rundir import read_csv  # noqa: E402
+from fedhead.federation.train import run_training  # noqa: E402
 from fedhead.flower.client_app import VARIATES, make_client_app  # noqa: E402
 from fedhead.flower.common import CRASH_ENV, STOP_ENV, ServerStopped  # noqa: E402
 from fedhead.flower.strategy import FedheadStrategy, ServerSettings, validate_server_config  # noqa: E402
-from fedhead.rundir import read_csv  # noqa: E402
-from fedhead.synthetic import write_synthetic  # noqa: E402
-from fedhead.train import run_training  # noqa: E402
 
 
 @pytest.fixture(scope="module")

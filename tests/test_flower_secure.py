@@ -29,7 +29,8 @@ from test_flower_sim import LocalGrid, accs, cfg_of, sim_nodes, task_identity  #
 
 import fedhead.flower.client_app as client_app  # noqa: E402
 import fedhead.flower.secure as secure  # noqa: E402
-from fedhead.errors import FedheadError  # noqa: E402
+from fedhead.core.synthetic import write_synthetic  # noqa: E402
+from fedhead.federation.rundir import read_csv  # noqa: E402
 from fedhead.flower.common import CRASH_ENV  # noqa: E402
 from fedhead.flower.secure import (
     CLIPPING_RANGE,
@@ -40,8 +41,7 @@ from fedhead.flower.secure import (
 )
 from fedhead.flower.server_app import run_server  # noqa: E402
 from fedhead.flower.strategy import ServerSettings  # noqa: E402
-from fedhead.rundir import read_csv  # noqa: E402
-from fedhead.synthetic import write_synthetic  # noqa: E402
+from fedhead.infra.errors import FedheadError  # noqa: E402
 
 N_TEST = 60  # 6 classes x 10 test samples: one sample is 1/60 of accuracy
 
@@ -197,7 +197,7 @@ def test_an_exchange_that_cannot_fit_the_server_memory_is_refused_before_round_1
 ):
     """SecAgg+ sums dense vectors of 3 int64 digits per value and the server receives one from each node of an
     exchange: above the machine's free memory the run stops before training, in one line; at it, it runs."""
-    import fedhead.util as util
+    import fedhead.infra.devices as util
 
     cfg = cfg_of(store, rounds=2, secure_aggregation=True, **kw)
     need = per_node * 3 * 8 * cfg.clients  # CCVR asks every node; ridge the round's sample

@@ -20,8 +20,10 @@ flwr = pytest.importorskip("flwr", reason="Flower is not installed (pip install 
 
 
 from extract.store import load_store, write_store  # noqa: E402
-from fedhead.config import TrainConfig  # noqa: E402
-from fedhead.errors import FedheadError  # noqa: E402
+from fedhead.core.synthetic import write_synthetic  # noqa: E402
+from fedhead.federation.config import TrainConfig  # noqa: E402
+from fedhead.federation.rundir import read_csv  # noqa: E402
+from fedhead.federation.train import build_federation, run_training  # noqa: E402
 from fedhead.flower.client_app import make_client_app  # noqa: E402
 from fedhead.flower.commands import run_config_of, simulate  # noqa: E402
 from fedhead.flower.common import CRASH_ENV, STOP_ENV, ServerStopped, config_from_run_config  # noqa: E402
@@ -29,9 +31,7 @@ from fedhead.flower.inprocess import InProcessGrid, sim_nodes  # noqa: E402
 from fedhead.flower.inprocess import task_identity as flower_task_identity  # noqa: E402
 from fedhead.flower.server_app import run_server  # noqa: E402
 from fedhead.flower.strategy import FedheadStrategy, ServerSettings  # noqa: E402
-from fedhead.rundir import read_csv  # noqa: E402
-from fedhead.synthetic import write_synthetic  # noqa: E402
-from fedhead.train import build_federation, run_training  # noqa: E402
+from fedhead.infra.errors import FedheadError  # noqa: E402
 
 
 class LocalGrid(InProcessGrid):
@@ -253,7 +253,7 @@ def test_run_config_round_trip_and_pyproject_defaults(store, tmp_path):
 
 def test_core_does_not_import_flwr_and_missing_extra_is_one_line(monkeypatch):
     code = (
-        "import sys, cli, fedhead.train, fedhead.commands, fedhead.flower.commands; "
+        "import sys, cli, fedhead.federation.train, fedhead.commands, fedhead.flower.commands; "
         "assert 'flwr' not in sys.modules, 'flwr imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])

@@ -33,8 +33,10 @@ from extract.store import (
     write_error,
     write_store,
 )
-from fedhead.errors import FedheadError, cli_errors
-from fedhead.util import Interrupted, exclusive_writer, signals_deferred, signals_raise
+from fedhead.infra.errors import FedheadError
+from fedhead.infra.exits import cli_errors
+from fedhead.infra.locks import exclusive_writer
+from fedhead.infra.signals import Interrupted, signals_deferred, signals_raise
 
 ENV = {"FEDHEAD_NO_PROGRESS": "1", "FEDHEAD_THREADS": "1"}  # one thread: resumed stores equal bit for bit
 
@@ -243,7 +245,7 @@ def test_exclusive_writer_in_process(tmp_path):
 
 HOLD = """
 import os, sys, time
-from fedhead.util import exclusive_writer
+from fedhead.infra.locks import exclusive_writer
 with exclusive_writer(sys.argv[1], "the test target"):
     child = os.fork()  # like a DataLoader worker: it must not keep the lock after its parent dies
     if child == 0:
@@ -254,8 +256,8 @@ with exclusive_writer(sys.argv[1], "the test target"):
 """
 TRY = """
 import sys
-from fedhead.errors import FedheadError
-from fedhead.util import exclusive_writer
+from fedhead.infra.errors import FedheadError
+from fedhead.infra.locks import exclusive_writer
 try:
     with exclusive_writer(sys.argv[1], "the test target"):
         print("acquired")

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from fedhead.aggregate import Accumulator, fedavg, grouped
-from fedhead.errors import FedheadError
-from fedhead.heads import HEADS, LossContext, create_head, iterative_head_names
+from fedhead.core.aggregate import Accumulator, fedavg, grouped
+from fedhead.core.heads import HEADS, LossContext, create_head, iterative_head_names
+from fedhead.infra.errors import FedheadError
 
 
 def ctx_for(counts, u=None, rnd=2):

@@ -123,7 +123,7 @@ def test_signal_mid_bench_then_same_command_continues(tiny_store, tmp_path):
 
 HOLD = """
 import sys, time
-from fedhead.util import exclusive_writer
+from fedhead.infra.locks import exclusive_writer
 with exclusive_writer(sys.argv[1], 'x'):
     print('held', flush=True)
     time.sleep(120)
@@ -159,7 +159,7 @@ def test_signal_mid_flower_simulate_then_resume(tmp_path):
     """Ray's driver aborts on SIGTERM; fedhead's handler stops the strategy after a round's checkpoint. With
     SCAFFOLD: the resumed run is a new Flower run, whose virtual nodes find their variates in the run folder."""
     pytest.importorskip("flwr")
-    from fedhead.synthetic import write_synthetic
+    from fedhead.core.synthetic import write_synthetic
 
     store = write_synthetic(tmp_path / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
     args = [
@@ -228,7 +228,7 @@ def test_any_write_that_runs_out_of_space_is_one_line(capsys):
     """A report, a plot or a CSV failing for want of space anywhere: one line naming the file, exit code 2."""
     import errno
 
-    from fedhead.errors import report
+    from fedhead.infra.exits import report
 
     for code in (errno.ENOSPC, errno.EFBIG):
         assert report(OSError(code, os.strerror(code), "/r/report.md")) == 2

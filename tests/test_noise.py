@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from fedhead.errors import FedheadError
-from fedhead.noise import NOISE_KINDS, apply_noise, asymmetric_map
+from fedhead.core.noise import NOISE_KINDS, apply_noise, asymmetric_map
+from fedhead.infra.errors import FedheadError
 
 
 def clients(c=10, sizes=(1000, 757, 333, 1, 0), seed=0):

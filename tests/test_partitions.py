@@ -3,8 +3,7 @@
 import numpy as np
 import pytest
 
-from fedhead.errors import FedheadError
-from fedhead.partitions import (
+from fedhead.core.partitions import (
     PARTITIONS,
     class_counts,
     create_partition,
@@ -12,6 +11,7 @@ from fedhead.partitions import (
     partition_names,
     resolve_partition_params,
 )
+from fedhead.infra.errors import FedheadError
 
 C = 10
 N = 2000

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedhead.engine import BACKENDS, ClientSet, Engine, LocalConfig, OptimConfig, ScaffoldState
-from fedhead.errors import FedheadError
-from fedhead.heads import LossContext, create_head
+from fedhead.core.engine import BACKENDS, ClientSet, Engine, LocalConfig, OptimConfig, ScaffoldState
+from fedhead.core.heads import LossContext, create_head
+from fedhead.infra.errors import FedheadError
 
 
 def toy(n=150, d=6, c=4, k=5, seed=0):

@@ -268,7 +268,7 @@ def test_signal_mid_run_then_resume_equals_uninterrupted(tmp_path, reference, al
 
 HOLD = """
 import sys, time
-from fedhead.util import exclusive_writer
+from fedhead.infra.locks import exclusive_writer
 with exclusive_writer(sys.argv[1], 'x'):
     print('held', flush=True)
     time.sleep(120)
@@ -429,7 +429,7 @@ def test_full_disk_at_the_checkpoint_is_one_line_and_leaves_no_partial_file(tmp_
 
 @needs_mnist
 def test_full_disk_at_a_final_file_keeps_the_checkpoint(tmp_path, monkeypatch, reference):
-    from fedhead.util import atomic_path
+    from fedhead.infra.files import atomic_path
 
     out = tmp_path / "cut"
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedhead.aggregate import fedavg
-from fedhead.errors import FedheadError
-from fedhead.serveropt import SERVER_OPTS, ServerOptConfig, ServerOptimizer
+from fedhead.core.aggregate import fedavg
+from fedhead.core.serveropt import SERVER_OPTS, ServerOptConfig, ServerOptimizer
+from fedhead.infra.errors import FedheadError
 
 CPU = torch.device("cpu")
 F64 = torch.float64

@@ -11,12 +11,12 @@ from typer.testing import CliRunner
 
 from cli import app
 from extract.store import load_store
-from fedhead.closedform import is_closed_form
-from fedhead.config import TrainConfig
-from fedhead.heads import head_names
-from fedhead.partitions import partition_names
-from fedhead.rundir import read_csv
-from fedhead.train import run_training, sample_clients
+from fedhead.core.closedform import is_closed_form
+from fedhead.core.heads import head_names
+from fedhead.core.partitions import partition_names
+from fedhead.federation.config import TrainConfig
+from fedhead.federation.rundir import read_csv
+from fedhead.federation.train import run_training, sample_clients
 
 runner = CliRunner()
 
@@ -99,7 +99,7 @@ def test_multi_seed_mean_and_std(tiny_store, tmp_path):
 
 
 def test_resume_equals_uninterrupted(tiny_store, tmp_path, monkeypatch):
-    import fedhead.train as train
+    import fedhead.federation.train as train
 
     kw = dict(head="ova2", partition="shard", rounds=4, seeds=[0, 1], iid_reference=True, participation=0.5)
     monkeypatch.setenv("FEDHEAD_THREADS", "1")  # the uninterrupted and the interrupted run: one thread
@@ -286,8 +286,8 @@ def test_synth_cli_writes_a_store_and_refuses_bad_sizes(tmp_path):
 
 
 def test_fast_recipe_uses_local_steps_unless_epochs_given():
-    from fedhead.config import TrainConfig
-    from fedhead.errors import FedheadError
+    from fedhead.federation.config import TrainConfig
+    from fedhead.infra.errors import FedheadError
 
     fast = TrainConfig(features="x.h5", recipe="fast").resolved()
     assert (fast.local_steps, fast.head, fast.init) == (30, "softmax", "ridge")

@@ -1,7 +1,7 @@
 """``fedhead bench baselines``: every method for federated heads on frozen features, ranked against the
 centralised ceiling, in one report.
 
-A method is a name and the :class:`fedhead.config.TrainConfig` fields that make it (:data:`METHODS`): the
+A method is a name and the :class:`fedhead.federation.config.TrainConfig` fields that make it (:data:`METHODS`): the
 closed-form statistics heads, closed-form start + fine-tuning, the iterative heads under FedAvg, FedProx,
 SCAFFOLD and server optimisers, FedLC, FedRS, FedABC and CCVR. Every run carries ``--central-reference``, so
 the report leads with the ratio to the ceiling of the same head (trained centrally on the pooled data to
@@ -16,10 +16,9 @@ from pathlib import Path
 import numpy as np
 import typer
 
-from ..errors import FedheadError, unknown_name
-from . import plots as P
-from .commands import FEATURES_OPT, Common, _print_report, grid_command, pair_with_iid, start_report
-from .report import (
+from fedhead.bench import plots as P
+from fedhead.bench.commands import FEATURES_OPT, Common, _print_report, grid_command, pair_with_iid, start_report
+from fedhead.bench.report import (
     Cell,
     CellResult,
     Stat,
@@ -32,35 +31,9 @@ from .report import (
     write_report,
     write_results,
 )
+from fedhead.federation.methods import METHODS
+from fedhead.infra.errors import FedheadError, unknown_name
 
-# name -> (what it is, TrainConfig fields). FedProx mu 0.01 and FedAvgM momentum 0.9 are the values their
-# papers' head-to-head comparisons use most; FedAdam keeps Flower's defaults.
-METHODS: dict[str, tuple[str, dict]] = {
-    "ncm": ("FedNCM: normalised class means, one exchange", {"head": "ncm"}),
-    "ridge": ("Fed3R: ridge regression from Phi^T Phi, Phi^T Y, one exchange", {"head": "ridge"}),
-    "cof": ("FedCOF: class means + covariances from their spread, one exchange", {"head": "cof"}),
-    "lda": ("shared-covariance Gaussian classifier, one exchange", {"head": "lda"}),
-    "ncm+ft": ("FedNCM start, then softmax FedAvg", {"head": "softmax", "init": "ncm"}),
-    "ridge+ft": ("Fed3R start, then softmax FedAvg", {"head": "softmax", "init": "ridge"}),
-    "fast": (
-        "--recipe fast: Fed3R start, then softmax FedAvg, 30 local steps a round",
-        {"head": "softmax", "init": "ridge", "local_steps": 30},
-    ),
-    "ridge+ova2": ("Fed3R start, then OvA FedAvg", {"head": "ova2", "init": "ridge"}),
-    "softmax": ("softmax head, FedAvg", {"head": "softmax"}),
-    "ova2": ("OvA-LP (two-stage OvA), FedAvg", {"head": "ova2"}),
-    "ova2-fedprox": ("OvA-LP with FedProx, mu 0.01", {"head": "ova2", "prox_mu": 0.01}),
-    "ova2-scaffold": ("OvA-LP with SCAFFOLD (option II)", {"head": "ova2", "scaffold": True}),
-    "ova2-fedadam": ("OvA-LP with FedAdam (Flower's defaults)", {"head": "ova2", "server_opt": "fedadam"}),
-    "ova2-fedavgm": (
-        "OvA-LP with FedAvgM, server momentum 0.9",
-        {"head": "ova2", "server_opt": "fedavgm", "server_momentum": 0.9},
-    ),
-    "fedlc": ("FedLC: logits calibrated by local class counts", {"head": "fedlc"}),
-    "fedrs": ("FedRS: restricted softmax", {"head": "fedrs"}),
-    "fedabc": ("FedABC binary loss", {"head": "fedabc"}),
-    "softmax-ccvr": ("softmax FedAvg, then CCVR calibration", {"head": "softmax", "calibrate": "ccvr"}),
-}
 DEFAULT_PARTITIONS = ("iid", "shard-1", "shard-2", "dirichlet-0.1", "bernoulli-dirichlet")
 
 
@@ -112,7 +85,7 @@ def baselines_cmd(
     common: Common,
 ):
     """Closed-form heads, closed-form + fine-tuning and the classic FL baselines against the central ceiling."""
-    from ..plugins import load_plugins
+    from fedhead.core.plugins import load_plugins
 
     load_plugins()  # methods registered by users' modules
     names, plabels, parts = methods_and_partitions(methods, partitions, METHODS)

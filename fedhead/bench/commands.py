@@ -16,13 +16,8 @@ from typing import List, Optional
 import numpy as np
 import typer
 
-from ..config import PAPER_SEEDS, TrainConfig
-from ..errors import FedheadError, Interval, OneOf, cli_errors, validate
-from ..options import METHOD_OPTIONS, method_fields
-from ..train import PAUSE_ENV
-from ..util import Interrupted, check_out, exclusive_writer, pause_hook
-from . import plots as P
-from .report import (
+from fedhead.bench import plots as P
+from fedhead.bench.report import (
     STANDARD_NONIID,
     Cell,
     CellResult,
@@ -43,6 +38,14 @@ from .report import (
     write_report,
     write_results,
 )
+from fedhead.federation.config import PAPER_SEEDS, TrainConfig
+from fedhead.federation.train import PAUSE_ENV
+from fedhead.infra.errors import FedheadError, Interval, OneOf, validate
+from fedhead.infra.exits import cli_errors
+from fedhead.infra.files import check_out
+from fedhead.infra.locks import exclusive_writer
+from fedhead.infra.signals import Interrupted, pause_hook
+from fedhead.interface.options import METHOD_OPTIONS, method_fields
 
 # The paper's numbers printed next to ours (SPEC section 1; CIFAR-100, ViT-L/16, round 50).
 PAPER_RATIO = {"softmax": 56.3, "ova": 95.4, "ova2": 95.9}
@@ -303,7 +306,7 @@ def _pct(stat: Stat, digits: int = 2) -> str:
 def _print_report(path: Path, sections: list[str]) -> None:
     from rich.markdown import Markdown
 
-    from ..util import stdout_console
+    from fedhead.infra.console import stdout_console
 
     con = stdout_console()
     con.print(Markdown("\n\n".join(sections)))
@@ -1248,9 +1251,8 @@ def geometry_cmd(
 ):
     """Feature geometry (the paper's Fig. 2): alignment, intra, inter and intra/inter ratio. No training."""
     from extract.store import load_store, open_store
-
-    from ..rundir import write_csv
-    from .geometry import COLUMNS, METRICS, store_geometry
+    from fedhead.bench.geometry import COLUMNS, METRICS, store_geometry
+    from fedhead.federation.rundir import write_csv
 
     validate("--split", split, OneOf(("train", "test")))
     validate("--samples-per-class", samples_per_class, Interval(0, None, integer=True))
@@ -1338,7 +1340,7 @@ def geometry_cmd(
             f"\nNote: the stores hold different datasets ({', '.join(datasets)}); geometry is comparable only "
             "on the same images."
         )
-    from .geometry import __doc__ as gdoc
+    from fedhead.bench.geometry import __doc__ as gdoc
 
     s += ["", "Definitions (features L2-normalised):", "", "```", gdoc.strip(), "```"]
     sections = ["\n".join(s)]

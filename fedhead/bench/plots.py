@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..util import atomic_path
+from fedhead.infra.files import atomic_path
 
 
 def _plt():

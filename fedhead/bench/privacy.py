@@ -1,8 +1,8 @@
 """``fedhead bench privacy``: accuracy against the privacy budget, and what the protections cost.
 
 For each method (iterative heads under DP-FedAvg, closed-form heads under the Gaussian mechanism on their summed
-statistics; fedhead.dp) and partition, one run per target epsilon plus one without DP. The noise multiplier of a
-run is the smallest z whose final epsilon (the run's own accountant, fedhead.dp.epsilon_schedule, at
+statistics; fedhead.core.dp) and partition, one run per target epsilon plus one without DP. The noise multiplier of a
+run is the smallest z whose final epsilon (the run's own accountant, fedhead.core.dp.epsilon_schedule, at
 ``--dp-delta``) is at most the target: found by bisection on the accountant, so the runs' epsilons are what their
 summaries report, not a table of z values. An iterative head's epsilon is client level (its head updates); a
 closed-form head's, sample level (its one release of statistics); an iterative head that centres its features
@@ -18,11 +18,21 @@ from pathlib import Path
 import numpy as np
 import typer
 
-from ..errors import FedheadError, Interval, validate
-from . import plots as P
-from .baselines import _partition, methods_and_partitions
-from .commands import FEATURES_OPT, Common, _print_report, grid_command, parse_rates, start_report
-from .report import Cell, CellResult, Stat, StoreCache, md_table, run_grid, write_curves, write_report, write_results
+from fedhead.bench import plots as P
+from fedhead.bench.baselines import _partition, methods_and_partitions
+from fedhead.bench.commands import FEATURES_OPT, Common, _print_report, grid_command, parse_rates, start_report
+from fedhead.bench.report import (
+    Cell,
+    CellResult,
+    Stat,
+    StoreCache,
+    md_table,
+    run_grid,
+    write_curves,
+    write_report,
+    write_results,
+)
+from fedhead.infra.errors import FedheadError, Interval, validate
 
 METHODS = ("ova2", "softmax", "ridge", "ncm")
 NONE = "none"  # the run without DP
@@ -32,8 +42,8 @@ Z_RANGE = (0.05, 500.0)  # noise multipliers the bisection searches
 def noise_for_epsilon(cfg, epsilon: float, tol: float = 1e-3) -> float:
     """The smallest noise multiplier z (to ``tol`` relative) whose final epsilon for ``cfg`` (resolved, DP fields
     set; its z is replaced) is at most ``epsilon``."""
-    from ..closedform import is_closed_form
-    from ..dp import epsilon_schedule
+    from fedhead.core.closedform import is_closed_form
+    from fedhead.core.dp import epsilon_schedule
 
     last = 1 if is_closed_form(cfg.head) else cfg.rounds
 
@@ -88,7 +98,7 @@ def privacy_cmd(
 ):
     """Accuracy against epsilon (DP-FedAvg for iterative heads, noisy statistics for closed-form heads) and the
     time and bytes DP adds, against the same runs without DP."""
-    from ..closedform import is_closed_form
+    from fedhead.core.closedform import is_closed_form
 
     names, plabels, parts = methods_and_partitions(methods, partitions, METHODS)
     eps = parse_rates("--epsilons", epsilons, low_closed=False, high=None)
@@ -104,7 +114,7 @@ def privacy_cmd(
             Interval(3, None, integer=True),
             "SecAgg+ needs at least 3 clients; use 0 to skip its measurement.",
         )
-        from ..flower.common import require_flower
+        from fedhead.flower.common import require_flower
 
         require_flower()
     for k in ("dp_noise_multiplier", "dp_clip", "dp_delta", "dp_feature_clip"):
@@ -299,8 +309,8 @@ def _secagg_run(cfg, out: Path) -> tuple[dict, list[dict], float]:
     import shutil
     import time
 
-    from ..flower.inprocess import run_in_process
-    from ..rundir import read_csv
+    from fedhead.federation.rundir import read_csv
+    from fedhead.flower.inprocess import run_in_process
 
     done = out / "summary.json"
     if done.exists() and (out / "wall.json").exists():
@@ -310,7 +320,7 @@ def _secagg_run(cfg, out: Path) -> tuple[dict, list[dict], float]:
     t0 = time.perf_counter()
     res = run_in_process(cfg, out)
     wall = time.perf_counter() - t0
-    from ..util import atomic_write_json
+    from fedhead.infra.files import atomic_write_json
 
     atomic_write_json(out / "wall.json", wall)
     return res.summary, res.rows, wall
@@ -318,7 +328,7 @@ def _secagg_run(cfg, out: Path) -> tuple[dict, list[dict], float]:
 
 def _secagg_section(features, names, partition: str, clients: int, rounds: int, common: Common) -> str:
     """SecAgg+'s bytes and seconds against the same Flower run without it (fedhead.flower.secure), per method."""
-    from ..closedform import is_closed_form
+    from fedhead.core.closedform import is_closed_form
 
     pname, pparams = _partition(partition)
     rows = []

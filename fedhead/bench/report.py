@@ -33,10 +33,11 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from ..config import TrainConfig
-from ..errors import FedheadError, unknown_name
-from ..rundir import acc95_round, mean_std, read_csv, write_csv
-from ..util import atomic_write_json, atomic_write_text, make_progress
+from fedhead.federation.config import TrainConfig
+from fedhead.federation.rundir import acc95_round, mean_std, read_csv, write_csv
+from fedhead.infra.console import make_progress
+from fedhead.infra.errors import FedheadError, unknown_name
+from fedhead.infra.files import atomic_write_json, atomic_write_text
 
 # Partition labels used in the paper's figures -> (registry name, parameters).
 PARTITION_PRESETS: dict[str, tuple[str, dict]] = {
@@ -54,7 +55,7 @@ STANDARD_NONIID = ("shard-1", "shard-2", "bernoulli-dirichlet")
 
 def resolve_partition(label: str) -> tuple[str, dict]:
     """A partition label (preset such as ``shard-1``, or any registered partition name) -> (name, params)."""
-    from ..partitions import PARTITIONS
+    from fedhead.core.partitions import PARTITIONS
 
     if label in PARTITION_PRESETS:
         return PARTITION_PRESETS[label]
@@ -64,7 +65,7 @@ def resolve_partition(label: str) -> tuple[str, dict]:
 
 
 def check_head(name: str) -> str:
-    from ..heads import HEADS
+    from fedhead.core.heads import HEADS
 
     if name not in HEADS:
         raise unknown_name("--head", name, HEADS, "head")
@@ -128,7 +129,7 @@ def _num(v: Any) -> Any:
 
 def run_status(run_dir: Path) -> str:
     """What re-running ``run_dir`` will do: reused (finished), resumed (checkpoint), stale or new."""
-    from ..train import CHECKPOINT
+    from fedhead.federation.train import CHECKPOINT
 
     if (run_dir / CHECKPOINT).exists():
         return "resumed"
@@ -156,7 +157,7 @@ class StoreCache:
 
 def validate_cells(cells: Sequence[Cell], stores: StoreCache) -> None:
     """Check every run's configuration before the first one starts (one-line errors)."""
-    from ..train import validate_config
+    from fedhead.federation.train import validate_config
 
     seen = set()
     for c in cells:
@@ -175,7 +176,7 @@ def run_grid(
     """Run (or reuse, or resume) every cell into ``out/runs/<name>``; one outer progress bar over runs."""
     import functools
 
-    from ..train import run_training
+    from fedhead.federation.train import run_training
 
     # one centralised ceiling per head, preparation and labels for the whole report
     runner = runner or functools.partial(run_training, central_cache={})

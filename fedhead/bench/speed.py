@@ -34,9 +34,11 @@ from typing import Optional
 
 import typer
 
-from fedhead.errors import FedheadError, Interval, OneOf, cli_errors, validate
-from fedhead.train import PAUSE_ENV  # test hook: pause after the k-th job
-from fedhead.util import DENORMALS_ENV, pause_hook
+from fedhead.federation.train import PAUSE_ENV  # test hook: pause after the k-th job
+from fedhead.infra.devices import DENORMALS_ENV
+from fedhead.infra.errors import FedheadError, Interval, OneOf, validate
+from fedhead.infra.exits import cli_errors
+from fedhead.infra.signals import pause_hook
 
 PAPER = dict(samples=50_000, dim=1024, classes=100, epochs=3, batch=50)
 QUICK = dict(samples=4_000, dim=128, classes=20, epochs=3, batch=50)
@@ -112,8 +114,8 @@ def _federation(clients: int, samples: int, dim: int, classes: int, device, seed
     import numpy as np
     import torch
 
-    from fedhead.engine import ClientSet
-    from fedhead.partitions import class_counts, create_partition
+    from fedhead.core.engine import ClientSet
+    from fedhead.core.partitions import class_counts, create_partition
 
     g = torch.Generator().manual_seed(seed)
     x = torch.empty(samples, dim + 1)
@@ -158,9 +160,9 @@ def run_config(cfg: dict) -> dict:
     import numpy as np
     import torch
 
-    from fedhead.engine import Engine, LocalConfig, OptimConfig, _fused_available
-    from fedhead.heads import create_head
-    from fedhead.util import flush_denormals, resolve_device, set_cpu_threads
+    from fedhead.core.engine import Engine, LocalConfig, OptimConfig, _fused_available
+    from fedhead.core.heads import create_head
+    from fedhead.infra.devices import flush_denormals, resolve_device, set_cpu_threads
 
     dev = resolve_device(cfg["device"])
     threads = set_cpu_threads(cfg.get("threads"))
@@ -243,9 +245,9 @@ def closed_form_speed(cfg: dict) -> dict:
     import numpy as np
     import torch
 
-    from fedhead.closedform import StatsAccumulator, client_stats
-    from fedhead.heads import create_head
-    from fedhead.util import set_cpu_threads
+    from fedhead.core.closedform import StatsAccumulator, client_stats
+    from fedhead.core.heads import create_head
+    from fedhead.infra.devices import set_cpu_threads
 
     threads = set_cpu_threads(cfg.get("threads"))
     D, C, K, n, block = cfg["dim"], cfg["classes"], cfg["clients"], cfg["samples_per_client"], cfg["block"]
@@ -356,9 +358,9 @@ def scratch_speed(cfg: dict) -> dict:
     import numpy as np
     import torch
 
+    from fedhead.infra.devices import set_cpu_threads
     from fedhead.scratch import engine as E
     from fedhead.scratch.models import create_model
-    from fedhead.util import set_cpu_threads
 
     threads = set_cpu_threads(cfg.get("threads"))
     dev = torch.device("cpu")
@@ -880,14 +882,9 @@ def speed_cmd(
 ) -> None:
     """Trainer speed vs the machine's matmul/memory limits, vs a per-client loop, and in 100..1000 clients; the
     scratch engine's samples/s and GFLOP/s per model vs its loop backend."""
-    from fedhead.util import (
-        atomic_write_json,
-        atomic_write_text,
-        check_out,
-        resolve_device,
-        stderr_console,
-        stdout_console,
-    )
+    from fedhead.infra.console import stderr_console, stdout_console
+    from fedhead.infra.devices import resolve_device
+    from fedhead.infra.files import atomic_write_json, atomic_write_text, check_out
 
     check_out(out)  # a folder there, or below a file: refused before the measurement
     validate("--rounds", rounds, Interval(1, None, integer=True))

@@ -6,7 +6,7 @@ Node config (``flower-supernode --node-config``; Flower's simulation sets the la
 ``partition-id``    this node's client id (the server samples participation by it)
 ``num-partitions``  optional: the store is shared and this node takes slice ``partition-id`` of
                     ``num-partitions``, made with the same partitioner, seed and label noise as
-                    ``fedhead train`` (:func:`fedhead.train.build_federation`). Without it the node's whole
+                    ``fedhead train`` (:func:`fedhead.federation.train.build_federation`). Without it the node's whole
                     training split is its local data.
 ``device``          optional: auto | cpu | cuda (default auto)
 ``state-dir``       optional: a folder where the node also keeps its SCAFFOLD variates on disk, so that a server
@@ -20,13 +20,13 @@ update. The store is read once per process and cached (module-level cache keyed 
 
 SCAFFOLD (``--scaffold``): the node keeps its control variate ``c_k`` in Flower's ``Context.state`` (record
 ``fedhead-scaffold``, which persists on the node between the messages of one Flower run) and trains with a
-one-client :class:`fedhead.engine.ScaffoldState` built from it and the server's ``c``; it replies with its head
+one-client :class:`fedhead.core.engine.ScaffoldState` built from it and the server's ``c``; it replies with its head
 and its delta ``c_k+ - c_k``. It keeps two versions, by the tags the server gives: the variate the round started
 from and the one it ended with, so the server (which names the version whose delta it applied last) and the node
 agree even when a reply is lost. With a state folder the record is also written there (atomically, one file per
 partition and (config, seed)) and read back when a new Flower run starts with an empty ``Context.state``; the tags
 name the config, seed, the server's run id and SCAFFOLD's generation, so a file of another run is never taken for
-this one's. CCVR (``--calibrate ccvr``): the ``query.ccvr`` message returns :func:`fedhead.train.ccvr_client_stats` of the node's prepared features (:meth:`fedhead.ccvr.ClassStats.to_bytes`).
+this one's. CCVR (``--calibrate ccvr``): the ``query.ccvr`` message returns :func:`fedhead.federation.train.ccvr_client_stats` of the node's prepared features (:meth:`fedhead.core.ccvr.ClassStats.to_bytes`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import require_flower
+from fedhead.flower.common import require_flower
 
 require_flower()
 
@@ -48,26 +48,27 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp  # noqa: E402
 
 from extract.store import Features, load_store  # noqa: E402
-
-from ..aggregate import Accumulator, aggregator_of  # noqa: E402
-from ..closedform import client_stats  # noqa: E402
-from ..dp import clip_rows, feature_clip  # noqa: E402
-from ..engine import ClientSet, Engine, LocalConfig, OptimConfig, ScaffoldState  # noqa: E402
-from ..errors import FedheadError  # noqa: E402
-from ..heads import create_head  # noqa: E402
-from ..noise import apply_noise  # noqa: E402
-from ..partitions import class_counts  # noqa: E402
-from ..train import FeatureStats, build_federation, ccvr_client_stats, noise_dataset_name, prepare  # noqa: E402
-from ..util import atomic_torch_save, resolve_device  # noqa: E402
-from .common import (
+from fedhead.core.aggregate import Accumulator, aggregator_of  # noqa: E402
+from fedhead.core.closedform import client_stats  # noqa: E402
+from fedhead.core.dp import feature_clip  # noqa: E402
+from fedhead.core.engine import ClientSet, Engine, LocalConfig, OptimConfig, ScaffoldState  # noqa: E402
+from fedhead.core.heads import create_head  # noqa: E402
+from fedhead.core.linalg import clip_rows  # noqa: E402
+from fedhead.core.noise import apply_noise  # noqa: E402
+from fedhead.core.partitions import class_counts  # noqa: E402
+from fedhead.federation.train import FeatureStats, build_federation, ccvr_client_stats, noise_dataset_name, prepare  # noqa: E402
+from fedhead.flower.common import (
     MESSAGE_PREFIX,
     check_fingerprint,
     client_stats_record,
-    config_from_json,  # noqa: E402
+    config_from_json,
     crash_rounds,
     store_fingerprint,
 )
-from .secure import is_secure, node_values, plain_content, secure_mod, secure_reply  # noqa: E402
+from fedhead.flower.secure import is_secure, node_values, plain_content, secure_mod, secure_reply  # noqa: E402
+from fedhead.infra.devices import resolve_device  # noqa: E402
+from fedhead.infra.errors import FedheadError  # noqa: E402
+from fedhead.infra.files import atomic_torch_save
 
 LOG = logging.getLogger("flwr")
 _STORES: dict[str, Features] = {}
@@ -104,7 +105,7 @@ class LocalData:
 
     def stats_message(self, clip: float | None = None) -> tuple[np.ndarray, float, int]:
         """Feature sum (float64), sum of squared norms and count over this node's samples (``clip``: DP's
-        per-sample feature-norm clip first, as :func:`fedhead.train.federated_feature_stats` does)."""
+        per-sample feature-norm clip first, as :func:`fedhead.federation.train.federated_feature_stats` does)."""
         xp = (
             self.store.train_x[self.mine].astype(np.float64)
             if clip is None

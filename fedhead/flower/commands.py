@@ -21,11 +21,13 @@ from typing import List, Optional
 
 import typer
 
-from ..config import TrainConfig
-from ..errors import FedheadError, Interval, cli_errors, validate
-from ..options import METHOD_OPTIONS, method_fields
-from ..util import Interrupted, exclusive_writer, signals_flag
-from .common import RUN_CONFIG_FIELDS, require_flower
+from fedhead.federation.config import TrainConfig
+from fedhead.flower.common import RUN_CONFIG_FIELDS, require_flower
+from fedhead.infra.errors import FedheadError, Interval, validate
+from fedhead.infra.exits import cli_errors
+from fedhead.infra.locks import exclusive_writer
+from fedhead.infra.signals import Interrupted, signals_flag
+from fedhead.interface.options import METHOD_OPTIONS, method_fields
 
 # ---------------------------------------------------------------- the options of `fedhead train`
 
@@ -208,10 +210,9 @@ def check_simulation(
     server), the simulation's own options, and the state of ``out`` (``resume``). Returns the loaded server
     store (handed to the ServerApp, which need not load it again)."""
     from extract.store import load_store
-
-    from ..train import validate_config
-    from ..util import check_out
-    from .strategy import validate_server_config
+    from fedhead.federation.train import validate_config
+    from fedhead.flower.strategy import validate_server_config
+    from fedhead.infra.files import check_out
 
     validate("--round-timeout", round_timeout, Interval(0, None, closed="neither"))
     validate("--client-cpus", client_cpus, Interval(0, None, closed="neither"))
@@ -232,7 +233,7 @@ def _check_run_dir(out: Path, resume: bool, cfg: TrainConfig) -> None:
     same configuration (a checkpoint, or a finished run that is reported again)."""
     import json
 
-    from ..train import CHECKPOINT
+    from fedhead.federation.train import CHECKPOINT
 
     if not resume:
         if out.exists() and any(out.iterdir()):
@@ -272,9 +273,9 @@ def simulate(
     require_flower()
     from flwr.simulation import run_simulation
 
-    from .client_app import NODE_STATE, make_client_app
-    from .server_app import make_server_app
-    from .strategy import ServerSettings
+    from fedhead.flower.client_app import NODE_STATE, make_client_app
+    from fedhead.flower.server_app import make_server_app
+    from fedhead.flower.strategy import ServerSettings
 
     store = check_simulation(cfg, out, resume, round_timeout, num_cpus, client_cpus, client_store)
     results: list = []
@@ -324,8 +325,8 @@ def simulate(
 
 
 def _print_summary(title: str, summary: dict) -> None:
-    from ..commands import SUMMARY_COLUMNS, results_table
-    from ..util import stdout_console
+    from fedhead.infra.console import stdout_console
+    from fedhead.interface.tables import SUMMARY_COLUMNS, results_table
 
     cols = SUMMARY_COLUMNS + [("failures", "failures")]
     stdout_console().print(results_table(title, [summary], cols))
@@ -339,7 +340,7 @@ def simulate_cmd(
     **kw,
 ):
     """Run the same job as 'fedhead train' on Flower's simulation engine (one virtual SuperNode per client)."""
-    from ..util import check_out
+    from fedhead.infra.files import check_out
 
     cfg = train_config(kw)
     if kw["resume"] and kw["out"] is None:
@@ -886,8 +887,7 @@ def supernode_cmd(
     """Start a Flower SuperNode that trains the head on this machine's own feature store."""
     require_flower()
     from extract.store import open_store
-
-    from ..util import check_out
+    from fedhead.infra.files import check_out
 
     # every file and option before the node starts
     if insecure and root_certificates is not None:
@@ -980,9 +980,10 @@ def bench_cmd(
 
     import numpy as np
 
-    from ..synthetic import validate_synthetic, write_synthetic
-    from ..train import labels_store, run_training, validate_config
-    from ..util import atomic_write_json, check_out, stdout_console
+    from fedhead.core.synthetic import validate_synthetic, write_synthetic
+    from fedhead.federation.train import labels_store, run_training, validate_config
+    from fedhead.infra.console import stdout_console
+    from fedhead.infra.files import atomic_write_json, check_out
 
     # every option first (nothing is written on bad input): the store's sizes, the run (against the store's
     # labels), Ray's CPUs and --out
@@ -1034,7 +1035,7 @@ def bench_cmd(
         "cpus": os.cpu_count(),
     }
     atomic_write_json(out / "bench.json", result)
-    from ..commands import results_table
+    from fedhead.interface.tables import results_table
 
     stdout_console().print(
         results_table(

@@ -6,7 +6,7 @@ Protocol (message types, all in one run):
            configuration and the server store's fingerprint. The node opens its store, refuses a foreign one,
            and replies with its ``partition-id``, ``num-examples``, class counts and, when the recipe centres
            or scales features, its feature sum (float64 ``[D]``), sum of squared norms and count: the one
-           exchange of feature statistics that :func:`fedhead.train.federated_feature_stats` models.
+           exchange of feature statistics that :func:`fedhead.federation.train.federated_feature_stats` models.
 ``train``  server -> the round's sampled nodes: the global head ``[C, D+1]`` plus the round, seed, stage and the
            federated mean/scale. The node trains locally and replies with its head, ``num-examples``,
            class holds (for the ``grouped`` aggregator), its mean local loss and its compute time.
@@ -16,8 +16,8 @@ Protocol (message types, all in one run):
            (``scaffold-delta``), or with ``scaffold-lost`` when it no longer holds that version. The ``query``
            reply lists the versions a node holds (``scaffold-tags``).
 ``query.ccvr``  server -> every node, once after the last round (``--calibrate ccvr``): the node replies with
-           :func:`fedhead.train.ccvr_client_stats` of its prepared features as
-           :meth:`fedhead.ccvr.ClassStats.to_bytes` (``ccvr-stats``, uint8).
+           :func:`fedhead.federation.train.ccvr_client_stats` of its prepared features as
+           :meth:`fedhead.core.ccvr.ClassStats.to_bytes` (``ccvr-stats``, uint8).
 
 With ``--secure-aggregation`` (:mod:`fedhead.flower.secure`) the ``query`` reply carries only the partition id,
 and every exchange whose numbers the server adds up (the statistics before round 1, each ``train`` round,
@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import re
 from typing import Any
 
-from ..config import TrainConfig
-from ..errors import FedheadError
-from ..options import parse_betas
+from fedhead.federation.config import TrainConfig
+from fedhead.infra.errors import FedheadError
+from fedhead.interface.options import parse_betas
 
 INSTALL_HINT = "pip install 'fedhead[flower]'"
 MESSAGE_PREFIX = "msg."  # a train reply's arrays: the aggregation rule's message tensors under "msg.<key>"
@@ -217,11 +219,11 @@ class ServerStopped(RuntimeError):
 
 
 def client_stats_record(m) -> dict:
-    """A :class:`fedhead.closedform.ClientStats` as the arrays of a reply (the Gram as its upper triangle)."""
+    """A :class:`fedhead.core.closedform.ClientStats` as the arrays of a reply (the Gram as its upper triangle)."""
     import numpy as np
     from flwr.app import Array
 
-    from ..closedform import pack_upper
+    from fedhead.core.closedform import pack_upper
 
     out = {
         "cf-classes": Array(np.asarray(m.classes, dtype=np.int64)),
@@ -235,8 +237,27 @@ def client_stats_record(m) -> dict:
 
 def client_stats_from_record(arrays, dim: int):
     """The inverse of :func:`client_stats_record`."""
-    from ..closedform import ClientStats, unpack_upper
+    from fedhead.core.closedform import ClientStats, unpack_upper
 
     gram = unpack_upper(arrays["cf-gram"].numpy(), dim + 1) if "cf-gram" in arrays else None
     sums = arrays["cf-sums"].numpy().reshape(-1, dim)
     return ClientStats(arrays["cf-classes"].numpy(), arrays["cf-counts"].numpy(), sums, gram)
+
+
+# ---------------------------------------------------------------- the server's log and a node's failure, in one line
+
+LOG = logging.getLogger("flwr")
+
+
+def marked_reason(reason: str) -> str | None:
+    m = re.search(r"\[\[(.*?)\]\]", reason or "", re.S)
+    return m.group(1).strip() if m else None
+
+
+def short_reason(reason: str) -> str:
+    inner = marked_reason(reason)
+    if inner:
+        return inner
+    m = re.search(r"<class '([\w.]+)'>:<'(.*?)'>", reason or "", re.S)
+    text = f"{m.group(1).split('.')[-1]}: {m.group(2)}" if m else (reason or "unknown error")
+    return " ".join(text.split())[:300]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from .common import require_flower
+from fedhead.flower.common import require_flower
 
 require_flower()
 
@@ -94,9 +94,9 @@ def run_in_process(cfg, out: str | Path, *, wire: bool = True, wait_timeout: flo
     """Run ``cfg`` with fedhead's ServerApp strategy and ``cfg.clients`` ClientApp nodes in this process (each
     node reads the server's store and takes its partition, as ``flower simulate`` does); the run directory goes
     to ``out``. Returns the strategy's outcome."""
-    from .client_app import make_client_app
-    from .server_app import run_server
-    from .strategy import ServerSettings
+    from fedhead.flower.client_app import make_client_app
+    from fedhead.flower.server_app import run_server
+    from fedhead.flower.strategy import ServerSettings
 
     with task_identity():
         grid = InProcessGrid(make_client_app(str(cfg.features)), sim_nodes(cfg.clients), wire=wire)

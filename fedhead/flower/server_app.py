@@ -2,12 +2,12 @@
 
 ``app`` (registered in pyproject ``[tool.flwr.app.components]``) reads its configuration from the Flower run
 config (``[tool.flwr.app.config]`` plus ``flwr run -c`` overrides; see :mod:`fedhead.flower.common`).
-:func:`make_server_app` builds one from a :class:`fedhead.config.TrainConfig` (``fedhead flower simulate``).
+:func:`make_server_app` builds one from a :class:`fedhead.federation.config.TrainConfig` (``fedhead flower simulate``).
 """
 
 from __future__ import annotations
 
-from .common import require_flower
+from fedhead.flower.common import require_flower
 
 require_flower()
 
@@ -15,10 +15,9 @@ from flwr.app import Context  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 from extract.store import Features, load_store  # noqa: E402
-
-from ..config import TrainConfig  # noqa: E402
-from .common import config_from_run_config  # noqa: E402
-from .strategy import FedheadStrategy, RunOutcome, ServerSettings, validate_server_config  # noqa: E402
+from fedhead.federation.config import TrainConfig  # noqa: E402
+from fedhead.flower.common import config_from_run_config  # noqa: E402
+from fedhead.flower.strategy import FedheadStrategy, RunOutcome, ServerSettings, validate_server_config  # noqa: E402
 
 
 def settings_from_run_config(rc: dict) -> ServerSettings:

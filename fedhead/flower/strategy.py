@@ -1,27 +1,27 @@
 """FedheadStrategy: a Flower Strategy whose every decision is fedhead's own.
 
-- participation: :func:`fedhead.train.sample_clients` by (seed, round) over partition ids, not Flower's
+- participation: :func:`fedhead.federation.train.sample_clients` by (seed, round) over partition ids, not Flower's
   random node sampling; a partition id is mapped to the node that announced it in the ``query`` exchange;
-- aggregation: :class:`fedhead.aggregate.Accumulator` (``fedavg`` size-weighted, or ``grouped`` by class holds)
+- aggregation: :class:`fedhead.core.aggregate.Accumulator` (``fedavg`` size-weighted, or ``grouped`` by class holds)
   over the replies in partition-id order, exactly as the simulator adds its clients;
 - two-stage heads: every train message carries the round (the head's stage is a function of it) and the stage;
 - feature centring/scaling: one real exchange of per-node feature sums before round 1, combined in partition
-  order in float64 (bit-identical to :func:`fedhead.train.federated_feature_stats`), sent back each round;
+  order in float64 (bit-identical to :func:`fedhead.federation.train.federated_feature_stats`), sent back each round;
 - central evaluation of the global head on the server store's test split every round;
 - the run directory of ``fedhead train`` (config.json, rounds.csv with extra ``failures`` columns,
-  summary.json via :func:`fedhead.train.summarize`, clients.csv, head-seed<S>.pt), a checkpoint after every
+  summary.json via :func:`fedhead.federation.train.summarize`, clients.csv, head-seed<S>.pt), a checkpoint after every
   round and ``resume`` after a server restart;
 - faults: a node that raises or does not answer within ``round_timeout`` is recorded as a failure of that
   round and the round completes with the others; a node without a store or with a store from another
   encoder refuses the run before round 1 and the server stops with that node's one-line error;
-- SCAFFOLD: the server's ``c`` (and ``N``) in the simulator's :class:`fedhead.engine.ScaffoldState`, sent with the
+- SCAFFOLD: the server's ``c`` (and ``N``) in the simulator's :class:`fedhead.core.engine.ScaffoldState`, sent with the
   head; each node keeps its own ``c_k`` in Flower's ``Context.state`` and returns its delta, which the server adds
   and applies with the simulator's rule (:class:`NodeVariates` keeps which version of ``c_k`` each node must
   train from; nodes with a state folder also keep ``c_k`` on disk, so a resumed server continues; a node that lost
   its ``c_k`` restarts SCAFFOLD from zero variates everywhere);
 - CCVR: after the last round one ``query.ccvr`` exchange with every node (the simulator's
-  :func:`fedhead.train.ccvr_client_stats` there), pooled in partition order and calibrated by
-  :func:`fedhead.train.ccvr_calibrate`.
+  :func:`fedhead.federation.train.ccvr_client_stats` there), pooled in partition order and calibrated by
+  :func:`fedhead.federation.train.ccvr_calibrate`.
 
 :meth:`FedheadStrategy.start` replaces :meth:`flwr.serverapp.strategy.Strategy.start` (which always starts
 at round 1) so that the query exchange, checkpoints and resume fit around the same configure/aggregate calls.
@@ -30,9 +30,7 @@ at round 1) so that the query exchange, checkpoints and resume fit around the sa
 from __future__ import annotations
 
 import json
-import logging
 import os
-import re
 import time
 from dataclasses import dataclass, field, replace
 from logging import INFO, WARNING
@@ -41,7 +39,7 @@ from typing import Iterable
 
 import numpy as np
 
-from .common import require_flower
+from fedhead.flower.common import require_flower
 
 require_flower()
 
@@ -51,17 +49,15 @@ from flwr.serverapp import Grid  # noqa: E402
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
 from extract.store import Features  # noqa: E402
-
-from ..aggregate import Accumulator, aggregator_of  # noqa: E402
-from ..ccvr import ClassStats, PooledStats  # noqa: E402
-from ..closedform import StatsAccumulator, is_closed_form  # noqa: E402
-from ..config import TrainConfig  # noqa: E402
-from ..dp import epsilon_schedule, noisy_feature_sums  # noqa: E402
-from ..engine import ScaffoldState, evaluate  # noqa: E402
-from ..errors import FedheadError  # noqa: E402
-from ..heads import create_head, resolve_head_params  # noqa: E402
-from ..partitions import resolve_partition_params  # noqa: E402
-from ..rundir import (
+from fedhead.core.aggregate import Accumulator, aggregator_of  # noqa: E402
+from fedhead.core.ccvr import ClassStats, PooledStats  # noqa: E402
+from fedhead.core.closedform import StatsAccumulator, is_closed_form  # noqa: E402
+from fedhead.core.dp import epsilon_schedule, noisy_feature_sums  # noqa: E402
+from fedhead.core.engine import ScaffoldState, evaluate  # noqa: E402
+from fedhead.core.heads import create_head, resolve_head_params  # noqa: E402
+from fedhead.core.partitions import resolve_partition_params  # noqa: E402
+from fedhead.federation.config import TrainConfig  # noqa: E402
+from fedhead.federation.rundir import (  # noqa: E402
     ROUND_FIELDS,
     default_run_dir,
     read_csv,
@@ -69,8 +65,8 @@ from ..rundir import (
     write_config,
     write_csv,
     write_summary,
-)  # noqa: E402
-from ..train import (  # noqa: E402
+)
+from fedhead.federation.train import (
     CHECKPOINT,
     PAUSE_ENV,
     FeatureStats,
@@ -78,23 +74,27 @@ from ..train import (  # noqa: E402
     ccvr_calibrate,
     prepare,
     sample_clients,
-    solve_statistics,  # noqa: E402
+    solve_statistics,
     statistics_row,
     summarize,
     validate_method,
 )
-from ..util import atomic_torch_save, pause_hook, raise_if_stopped, resolve_device  # noqa: E402
-from .common import (  # noqa: E402
+from fedhead.flower.common import (
+    LOG,
     MESSAGE_PREFIX,
     ServerStopped,
-    client_stats_from_record,  # noqa: E402
+    client_stats_from_record,
     config_to_json,
+    short_reason,
     stop_after,
     store_fingerprint,
 )
-from .secure import SecureRounds  # noqa: E402
+from fedhead.flower.secure import SecureRounds  # noqa: E402
+from fedhead.infra.devices import resolve_device  # noqa: E402
+from fedhead.infra.errors import FedheadError  # noqa: E402
+from fedhead.infra.files import atomic_torch_save
+from fedhead.infra.signals import pause_hook, raise_if_stopped
 
-LOG = logging.getLogger("flwr")
 FLOWER_ROUND_FIELDS = ROUND_FIELDS + [
     "run",
     "partition",
@@ -132,22 +132,8 @@ class _Round:
     failed: dict = field(default_factory=dict)  # partition id -> reason
 
 
-def _marked(reason: str) -> str | None:
-    m = re.search(r"\[\[(.*?)\]\]", reason or "", re.S)
-    return m.group(1).strip() if m else None
-
-
-def _short(reason: str) -> str:
-    inner = _marked(reason)
-    if inner:
-        return inner
-    m = re.search(r"<class '([\w.]+)'>:<'(.*?)'>", reason or "", re.S)
-    text = f"{m.group(1).split('.')[-1]}: {m.group(2)}" if m else (reason or "unknown error")
-    return " ".join(text.split())[:300]
-
-
 def validate_server_config(cfg: TrainConfig, store: Features) -> TrainConfig:
-    """Like :func:`fedhead.train.validate_config`, but the server's store may hold only the test split."""
+    """Like :func:`fedhead.federation.train.validate_config`, but the server's store may hold only the test split."""
     cfg = cfg.resolved()
     resolve_head_params(cfg.head, **cfg.head_params)
     resolve_partition_params(cfg.partition, **cfg.partition_params)
@@ -231,7 +217,7 @@ class FedheadStrategy(Strategy):
         self.secure = SecureRounds(self) if cfg.secure_aggregation else None
 
     def server_update(self) -> ServerUpdate:
-        """The simulator's :class:`fedhead.train.ServerUpdate` for one seed (server optimiser, SCAFFOLD's ``c``).
+        """The simulator's :class:`fedhead.federation.train.ServerUpdate` for one seed (server optimiser, SCAFFOLD's ``c``).
         The clients' variates live on their nodes: the server's SCAFFOLD state holds ``c`` and ``N`` only."""
         shape = (self.store.info.num_classes, self.store.test_x.shape[1] + 1)
         server = ServerUpdate(replace(self.cfg, scaffold=False), shape, self.device)  # no [N, C, D+1] here
@@ -332,7 +318,7 @@ class FedheadStrategy(Strategy):
                 continue
             answered.add(pid)
             if r.has_error():
-                self.last.failed[pid] = _short(r.error.reason)
+                self.last.failed[pid] = short_reason(r.error.reason)
                 continue
             m = r.content["metrics"]
             if int(m.get("scaffold-lost", 0)):
@@ -467,7 +453,7 @@ class FedheadStrategy(Strategy):
         for r in replies:
             node = r.metadata.src_node_id
             if r.has_error():
-                raise FedheadError(f"SuperNode {node} refused the run before round 1: {_short(r.error.reason)}")
+                raise FedheadError(f"SuperNode {node} refused the run before round 1: {short_reason(r.error.reason)}")
             out.append((node, r))
         return out
 
@@ -529,7 +515,7 @@ class FedheadStrategy(Strategy):
             self.lost_variates = f"the rejoined nodes of partitions {lost} no longer hold their control variates"
 
     def combine_stats(self, info: dict) -> FeatureStats:
-        """The server half of :func:`fedhead.train.federated_feature_stats`, in partition order."""
+        """The server half of :func:`fedhead.federation.train.federated_feature_stats`, in partition order."""
         cfg = self.cfg
         if not cfg.center and cfg.scale == "none":
             return FeatureStats(None, 1.0, 0, 0)
@@ -557,7 +543,7 @@ class FedheadStrategy(Strategy):
 
     def statistics(self, info: dict, pids: list[int], grid: Grid | None = None):
         """The server half of the statistics exchange: the sampled clients' messages added in partition order
-        into the accumulator the simulator uses (:class:`fedhead.closedform.StatsAccumulator`); with secure
+        into the accumulator the simulator uses (:class:`fedhead.core.closedform.StatsAccumulator`); with secure
         aggregation their sums, from a SecAgg+ exchange over ``grid``."""
         if self.secure is not None:
             return self.secure.statistics(grid, sorted(pids))
@@ -575,8 +561,8 @@ class FedheadStrategy(Strategy):
 
     def calibrate(self, grid: Grid, rnd: int, xt: torch.Tensor, y_test: torch.Tensor) -> dict:
         """CCVR after the last round: one ``query.ccvr`` to every node for the class statistics of its prepared
-        features (:func:`fedhead.train.ccvr_client_stats`), pooled in partition order and calibrated by
-        :func:`fedhead.train.ccvr_calibrate`, as the simulator does; returns the ``ccvr`` row (with failures)."""
+        features (:func:`fedhead.federation.train.ccvr_client_stats`), pooled in partition order and calibrated by
+        :func:`fedhead.federation.train.ccvr_calibrate`, as the simulator does; returns the ``ccvr`` row (with failures)."""
         cfg = self.cfg
         self.refresh_nodes(grid)
         cr = self._round_config(rnd)
@@ -599,7 +585,7 @@ class FedheadStrategy(Strategy):
                 if pid is None:
                     continue
                 if r.has_error():
-                    failed[pid] = _short(r.error.reason)
+                    failed[pid] = short_reason(r.error.reason)
                 else:
                     got[pid] = r
             for p in range(cfg.clients):

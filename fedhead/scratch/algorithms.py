@@ -14,9 +14,9 @@ communication), ``fedprox``, ``scaffold`` (option II), ``fedper`` (shared body, 
 head, personal linear head), ``lg-fedavg`` (personal body, shared head). The head is the last
 ``--head-layers`` weight layers (default 1, FL-bench's ``classifier``).
 
-Shared with the head trainer (:mod:`fedhead.engine`): SCAFFOLD's control variates are a
-:class:`fedhead.engine.ScaffoldState` over the flattened model (``c [1, P]``, ``c_k [K, 1, P]``: its update
-rules, checkpoint state and byte count) with option II's step size :attr:`fedhead.engine.OptimConfig.step_size`
+Shared with the head trainer (:mod:`fedhead.core.engine`): SCAFFOLD's control variates are a
+:class:`fedhead.core.engine.ScaffoldState` over the flattened model (``c [1, P]``, ``c_k [K, 1, P]``: its update
+rules, checkpoint state and byte count) with option II's step size :attr:`fedhead.core.engine.OptimConfig.step_size`
 (``lr / (1 - momentum)`` for SGD); FedProx adds the same gradient term ``mu (w - w_start)`` before the optimizer
 step (:func:`.engine.train_members`).
 """
@@ -30,8 +30,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..errors import FedheadError, unknown_name
-from . import engine as E
+from fedhead.infra.errors import FedheadError, unknown_name
+from fedhead.scratch import engine as E
 
 
 @dataclass
@@ -321,7 +321,7 @@ class FedProx(FedAvg):
 
 class Scaffold(FedAvg):
     """SCAFFOLD option II (Karimireddy et al. 2020) on the whole network, with the head trainer's
-    :class:`fedhead.engine.ScaffoldState`: every local step uses ``g + c - c_k``; after training
+    :class:`fedhead.core.engine.ScaffoldState`: every local step uses ``g + c - c_k``; after training
     ``c_k+ = c_k - c + (w_global - w_k) / (steps_k * lr / (1 - momentum))``; the server adds
     ``sum_k (c_k+ - c_k) / K`` to ``c`` (K = all clients) and averages the model as FedAvg does (global lr 1).
     Both variates travel: twice FedAvg's bytes each way."""
@@ -329,7 +329,7 @@ class Scaffold(FedAvg):
     name = "scaffold"
 
     def setup(self, ctx):
-        from ..engine import OptimConfig, ScaffoldState
+        from fedhead.core.engine import OptimConfig, ScaffoldState
 
         self.names = [n for n, _ in ctx.model.named_parameters()]
         size = sum(p.numel() for _, p in ctx.model.named_parameters())
@@ -518,7 +518,7 @@ class FedRoD(Personalised):
 
     @staticmethod
     def wrap_model(model):
-        from .models import DualHead
+        from fedhead.scratch.models import DualHead
 
         return DualHead(model)
 

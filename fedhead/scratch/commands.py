@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import cli_errors
+from fedhead.infra.exits import cli_errors
 
 
 @cli_errors
@@ -111,9 +111,9 @@ def scratch_cmd(
 ):
     """Train a model from scratch with FedAvg, FedOVA, FedABC, Divide-and-Conquer or FedABC's baselines (local,
     FedProx, SCAFFOLD, FedPer, FedRep, FedRoD, LG-FedAvg)."""
-    from ..rundir import default_run_dir
-    from ..util import make_progress, stderr_console, stdout_console
-    from .runner import ScratchConfig, run_scratch
+    from fedhead.federation.rundir import default_run_dir
+    from fedhead.infra.console import make_progress, stderr_console, stdout_console
+    from fedhead.scratch.runner import ScratchConfig, run_scratch
 
     pp = {
         "shards_per_client": shards_per_client,
@@ -163,7 +163,7 @@ def scratch_cmd(
         backend=backend,
     )
     if resume and out is None:
-        from ..errors import FedheadError
+        from fedhead.infra.errors import FedheadError
 
         raise FedheadError(
             "The '--resume' option needs the run directory to continue. Got no --out instead. "

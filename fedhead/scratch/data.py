@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..errors import FedheadError, Interval, param_error, unknown_name, validate
+from fedhead.infra.errors import FedheadError, Interval, param_error, unknown_name, validate
 
 
 @dataclass
@@ -185,7 +185,7 @@ def _cifar10(root: Path, cache: Path) -> ScratchData:
     else:
         trx, try_, classes = _image_folder(root / "train")
         tex, tey, _ = _image_folder(root / "test", classes)
-        from ..util import atomic_path
+        from fedhead.infra.files import atomic_path
 
         with atomic_path(path) as tmp:
             with open(tmp, "wb") as f:
@@ -228,7 +228,7 @@ def _extract_loader(name: str, rgb: bool):
         else:
             trx, tex = arr(tr), arr(te)
             if not tr.in_memory:
-                from ..util import atomic_path
+                from fedhead.infra.files import atomic_path
 
                 with atomic_path(path) as tmp:
                     with open(tmp, "wb") as f:
@@ -280,7 +280,7 @@ def _read_wav(path: Path) -> np.ndarray:
     "as 50x16 MFCCs; test = 20% of speakers (hash of the speaker id)",
 )
 def _speech(root: Path, cache: Path) -> ScratchData:
-    from .mfcc import MfccConfig, mfcc
+    from fedhead.scratch.mfcc import MfccConfig, mfcc
 
     missing = [w for w in KWS_WORDS if not (root / w).is_dir()]
     if missing:
@@ -303,7 +303,7 @@ def _speech(root: Path, cache: Path) -> ScratchData:
                 test.append(int(hashlib.sha1(speaker.encode()).hexdigest(), 16) % 5 == 0)
         feats = mfcc(torch.from_numpy(np.stack(clips)), MfccConfig()).numpy().astype(np.float32)
         ys, test = np.array(ys, dtype=np.int64), np.array(test)
-        from ..util import atomic_path
+        from fedhead.infra.files import atomic_path
 
         with atomic_path(path) as tmp:
             with open(tmp, "wb") as f:

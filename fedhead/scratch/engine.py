@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
-from ..errors import FedheadError
-from ..util import flush_denormals
+from fedhead.infra.devices import flush_denormals
+from fedhead.infra.errors import FedheadError
 
 Params = dict[str, torch.Tensor]
 
@@ -419,7 +419,7 @@ class StackedNet:
 
     @classmethod
     def build(cls, model: nn.Module, conv: str = "member") -> "StackedNet | None":
-        from .models import DualHead, _Seq
+        from fedhead.scratch.models import DualHead, _Seq
 
         if type(model) not in (_Seq, DualHead):
             return None
@@ -575,7 +575,7 @@ def train_members(
 
     ``prox_mu`` (FedProx): each member's objective gets ``(mu/2) ||w - w_start||^2`` over its trainable tensors,
     added as ``mu (w - w_start)`` to the gradient before the optimizer step (weight decay is the optimizer's, after
-    it), as the head trainer's vectorized backend does (:mod:`fedhead.engine`); ``mu = 0`` runs no extra operation,
+    it), as the head trainer's vectorized backend does (:mod:`fedhead.core.engine`); ``mu = 0`` runs no extra operation,
     so FedProx at 0 is FedAvg bit for bit. ``grad_offset`` (SCAFFOLD's ``c - c_k``): ``name -> [M, ...]`` added to
     every step's gradient of that trainable tensor, after the FedProx term.
 

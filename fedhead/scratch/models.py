@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..errors import FedheadError, unknown_name
+from fedhead.infra.errors import FedheadError, unknown_name
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The scratch round loop, written once for every algorithm, and its resolved configuration.
 
-A run writes its run directory under an exclusive lock (:func:`fedhead.util.exclusive_writer`). After every
+A run writes its run directory under an exclusive lock (:func:`fedhead.infra.locks.exclusive_writer`). After every
 round the whole state of the run is saved atomically in ``checkpoint.pt`` together with ``rounds.csv`` (one
 critical section: a SIGINT/SIGTERM waits for both): the algorithm's state (every tensor of the global model,
 FedOVA's per-class networks included, and the algorithm's own state, e.g. D&C's split and pre-pass
@@ -26,11 +26,19 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..errors import FedheadError, Interval, OneOf, param_error, validate
-from ..rundir import acc95_round, mean_std, write_clients, write_config, write_csv, write_rounds, write_summary
-from .algorithms import ALGORITHMS, HEAD_SPLIT, create_algorithm
-from .data import ScratchData, color_skew, grayscale_, load_dataset, subsample
-from .models import MODELS, check_model_input, create_model, weight_layers
+from fedhead.federation.rundir import (
+    acc95_round,
+    mean_std,
+    write_clients,
+    write_config,
+    write_csv,
+    write_rounds,
+    write_summary,
+)
+from fedhead.infra.errors import FedheadError, Interval, OneOf, param_error, validate
+from fedhead.scratch.algorithms import ALGORITHMS, HEAD_SPLIT, create_algorithm
+from fedhead.scratch.data import ScratchData, color_skew, grayscale_, load_dataset, subsample
+from fedhead.scratch.models import MODELS, check_model_input, create_model, weight_layers
 
 
 @dataclass
@@ -55,7 +63,7 @@ class ScratchConfig:
     subset: int | None = None  # stratified training subset size (None = all)
     test_subset: int | None = None  # stratified test subset size (None = all)
     max_samples_per_client: int | None = None  # cap each client's local set after partitioning
-    noise: str = "none"  # label noise kind (fedhead.noise)
+    noise: str = "none"  # label noise kind (fedhead.core.noise)
     noise_rate: float = 0.0
     local_test_size: int | None = None  # PFL/drift local test set per client (0 = off)
     fedabc_margins: tuple | None = None  # (m_p, m_n, m_nn, gamma)
@@ -162,13 +170,13 @@ FEDABC_LR = {"cifar10": 0.1, "mnist": 0.01, "fashion-mnist": 0.01}
 def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
     """Fill algorithm defaults for every None and validate every value (one-line errors)."""
     if cfg.algo not in ALGORITHMS:
-        from ..errors import unknown_name
+        from fedhead.infra.errors import unknown_name
 
         raise unknown_name("ALGO", cfg.algo, ALGORITHMS, "algorithm")
-    from .data import DATASETS
+    from fedhead.scratch.data import DATASETS
 
     if cfg.dataset not in DATASETS:
-        from ..errors import unknown_name
+        from fedhead.infra.errors import unknown_name
 
         raise unknown_name("--dataset", cfg.dataset, DATASETS, "dataset")
     d = ALGO_DEFAULTS[cfg.algo]
@@ -190,7 +198,7 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
     if c.model is None:
         c.model = DEFAULT_MODELS.get((c.algo, c.dataset), DEFAULT_MODELS.get(("*", c.dataset), "cnn"))
     if c.model not in MODELS:
-        from ..errors import unknown_name
+        from fedhead.infra.errors import unknown_name
 
         raise unknown_name("--model", c.model, MODELS, "model")
     validate("--clients", c.clients, Interval(1, None, integer=True))
@@ -272,10 +280,10 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
             "The '--split-layer' parameter is needed when --prepass-rounds is 0 (no divergence to "
             "choose from). Got None instead."
         )
-    from ..noise import NOISE_KINDS
+    from fedhead.core.noise import NOISE_KINDS
 
     if c.noise not in NOISE_KINDS:
-        from ..errors import unknown_name
+        from fedhead.infra.errors import unknown_name
 
         raise unknown_name("--noise", c.noise, NOISE_KINDS, "noise kind")
     validate("--noise-rate", c.noise_rate, Interval(0, 1, closed="left"))
@@ -297,7 +305,7 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
             )
         c.partition_params = {"skew": c.skew}
     else:
-        from ..partitions import resolve_partition_params
+        from fedhead.core.partitions import resolve_partition_params
 
         c.partition_params = resolve_partition_params(c.partition, **c.partition_params)
     return c
@@ -343,7 +351,7 @@ def check_data(cfg: ScratchConfig, data: ScratchData) -> None:
             )
         sizes = [len(y) // 2, len(y) - len(y) // 2]
     else:
-        from ..partitions import create_partition
+        from fedhead.core.partitions import create_partition
 
         parts = create_partition(cfg.partition, y, cfg.clients, seed=cfg.seeds[0], **cfg.partition_params)
         sizes = [len(p) for p in parts]
@@ -357,7 +365,7 @@ def check_data(cfg: ScratchConfig, data: ScratchData) -> None:
             "Use a larger --share-fraction, or 0 for no sharing.",
         )
     if cfg.noise != "none":  # a dataset without an asymmetric map
-        from ..noise import apply_noise
+        from fedhead.core.noise import apply_noise
 
         apply_noise(cfg.noise, cfg.noise_rate, [y[:1]], data.num_classes, dataset=cfg.dataset, seed=0)
     if (cfg.algo == "dnc" and cfg.split_layer is not None) or cfg.head_layers is not None:
@@ -443,7 +451,7 @@ def _setup(cfg: ScratchConfig, data: ScratchData, seed: int, device, log) -> Con
         info["gray_fraction_per_client"] = [float(np.isin(p, gray_tr).mean()) for p in parts]
         info["gray_fraction_test"] = float(len(gray_te) / max(len(y_test), 1))
     else:
-        from ..partitions import create_partition
+        from fedhead.core.partitions import create_partition
 
         parts = create_partition(cfg.partition, y_train, cfg.clients, seed=seed, **cfg.partition_params)
     if cfg.max_samples_per_client:
@@ -458,7 +466,7 @@ def _setup(cfg: ScratchConfig, data: ScratchData, seed: int, device, log) -> Con
         shared = draw_shared(len(y_train), [len(p) for p in parts], cfg.share_fraction, seed)
         shared_y = y_train[shared].copy()  # the server's labels: before any client's label noise
     if cfg.noise != "none":
-        from ..noise import apply_noise
+        from fedhead.core.noise import apply_noise
 
         noisy, frac = apply_noise(
             cfg.noise, cfg.noise_rate, [y_train[p] for p in parts], data.num_classes, dataset=cfg.dataset, seed=seed
@@ -537,7 +545,7 @@ def draw_shared(num_train: int, sizes, beta: float, seed: int) -> np.ndarray:
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_FORMAT = 1
 PAUSE_ENV = "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS"  # test hook "k:FILE": after the k-th round row, pid -> FILE, sleep
-from ..errors import SPACE_ERRNOS  # noqa: E402
+from fedhead.infra.errors import SPACE_ERRNOS  # noqa: E402
 
 
 def config_identity(cfg: ScratchConfig) -> str:
@@ -713,7 +721,7 @@ def _writing(path: Path, run_dir: Path):
 
 def save_torch(obj, path: Path) -> None:
     """``torch.save`` atomically; a failed write raises its OSError and leaves nothing behind."""
-    from ..util import atomic_torch_save
+    from fedhead.infra.files import atomic_torch_save
 
     atomic_torch_save(obj, path)
 
@@ -736,7 +744,10 @@ def run_scratch(
 ) -> dict:
     """Resolve, load, run (or, with ``resume``, continue) every seed, write the run directory; returns the
     summary. Everything is validated before anything is written; the run directory has one writer."""
-    from ..util import Interrupted, check_out, exclusive_writer, resolve_device
+    from fedhead.infra.devices import resolve_device
+    from fedhead.infra.files import check_out
+    from fedhead.infra.locks import exclusive_writer
+    from fedhead.infra.signals import Interrupted
 
     cfg, data = check_config(cfg)
     device = resolve_device(cfg.device)
@@ -766,7 +777,8 @@ def _read_json(path: Path) -> dict:
 
 
 def _run_locked(cfg: ScratchConfig, data: ScratchData, device, out_dir: Path, resume: bool, log, progress) -> dict:
-    from ..util import pause_hook, set_cpu_threads, signals_deferred
+    from fedhead.infra.devices import set_cpu_threads
+    from fedhead.infra.signals import pause_hook, signals_deferred
 
     threads = set_cpu_threads() if device.type == "cpu" else None
     identity = config_identity(cfg)
@@ -960,7 +972,7 @@ def _plot_divergence(rows: list[dict], path: Path, split: int | None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..util import atomic_path
+    from fedhead.infra.files import atomic_path
 
     seed = rows[0]["seed"]
     fig, ax = plt.subplots(figsize=(6, 3.5))

@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fedhead.errors import FedheadError, Interval, OneOf, param_error, unknown_name, validate
-from fedhead.registry import Param  # the declared-parameter record shared with the head registry
+from fedhead.infra.errors import FedheadError, Interval, OneOf, param_error, unknown_name, validate
+from fedhead.infra.params import Param  # the declared-parameter record shared with the head registry
 
 __all__ = [
     "PARTITIONS",

@@ -4,9 +4,9 @@ project's one line: ``error: <message> See '<command> --help'.`` on stderr, exit
 Typer prints these as a multi-line rich panel below the usage line (or, with ``rich_markup_mode=None``, click
 prints usage, a hint and the message on three lines); ``pretty_exceptions_enable=False`` only changes how an
 uncaught exception's traceback is shown. The errors arise while click parses a command line, before any
-command code runs (so :func:`fedhead.errors.cli_errors` never sees them): :class:`OneLineGroup` and
+command code runs (so :func:`fedhead.infra.exits.cli_errors` never sees them): :class:`OneLineGroup` and
 :class:`OneLineCommand` catch them there, in ``parse_args`` (and, for a group, ``resolve_command``), and report
-them through :func:`fedhead.errors.report`. Help is untouched: ``--help`` and a group called without a command
+them through :func:`fedhead.infra.exits.report`. Help is untouched: ``--help`` and a group called without a command
 still print the rich help.
 """
 
@@ -17,7 +17,8 @@ import re
 import click
 from typer.core import TyperCommand, TyperGroup
 
-from .errors import FedheadError, report
+from fedhead.infra.errors import FedheadError
+from fedhead.infra.exits import report
 
 
 def _one_line(exc: click.UsageError) -> SystemExit:

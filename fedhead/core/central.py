@@ -3,7 +3,7 @@
 Every federated number is compared to what one party holding all the (possibly noisy) training features
 would reach with the same head, the same feature preparation and the same regularisation:
 
-- an iterative head: its own local loss (:meth:`fedhead.heads.Head.loss`) on one "client" holding everything
+- an iterative head: its own local loss (:meth:`fedhead.core.heads.Head.loss`) on one "client" holding everything
   (so ``present`` = every class, ``counts`` = the pooled class counts; a two-stage head in its last stage;
   every positive term kept), plus ``weight_decay / 2 * ||theta||^2`` (the L2 penalty SGD's weight decay is the
   gradient of; AdamW's decoupled decay has no exact objective, so the same penalty stands in for it), full
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .closedform import is_closed_form
-from .engine import evaluate
-from .heads import Head, LossContext
+from fedhead.core.closedform import is_closed_form
+from fedhead.core.engine import evaluate
+from fedhead.core.heads import Head, LossContext
 
 LAST_ROUND = 10**9  # a round number past any schedule: two-stage heads are in their last stage
 

@@ -36,9 +36,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import FedheadError, Interval
-from .heads import Head, register_head
-from .registry import Param
+from fedhead.core.heads import Head, register_head
+from fedhead.core.linalg import psd_part
+from fedhead.infra.errors import FedheadError, Interval
+from fedhead.infra.params import Param
 
 F64 = torch.float64
 
@@ -73,10 +74,10 @@ def client_stats(
     x: np.ndarray | torch.Tensor, y: np.ndarray, num_classes: int, gram: bool, clip: float | None = None
 ) -> ClientStats:
     """One client's message from its raw features ``x [n, D]`` and labels ``y [n]``; ``clip``: every feature
-    vector first scaled to L2 norm at most ``clip`` (differential privacy, :func:`fedhead.dp.clip_rows`)."""
+    vector first scaled to L2 norm at most ``clip`` (differential privacy, :func:`fedhead.core.dp.clip_rows`)."""
     xt = torch.as_tensor(np.asarray(x), dtype=F64)
     if clip is not None:
-        from .dp import clip_rows
+        from fedhead.core.linalg import clip_rows
 
         xt = clip_rows(xt, clip)
     yt = torch.as_tensor(np.asarray(y), dtype=torch.int64)
@@ -125,7 +126,7 @@ class StatsAccumulator:
             self.set_cof_weights(cc.sum(0), (cc > 0).sum(0))
         self.bytes_up = 0
         self.clients = 0
-        self.noisy = False  # differential privacy added noise to the sums (fedhead.dp.privatize_statistics)
+        self.noisy = False  # differential privacy added noise to the sums (fedhead.core.dp.privatize_statistics)
 
     def set_cof_weights(self, n_c: np.ndarray, k_c: np.ndarray) -> None:
         """FedCOF's class weights ``a_c = (N_c - 1) / max(1, K_c - 1)`` from the class counts ``N_c`` and the numbers
@@ -163,7 +164,7 @@ class StatsAccumulator:
         it = torch.as_tensor(idx, dtype=torch.int64)
         xb = x.index_select(0, it).to(F64)
         if clip is not None:
-            from .dp import clip_rows
+            from fedhead.core.linalg import clip_rows
 
             xb = clip_rows(xb, clip)
         yb = y.index_select(0, it).to(torch.int64)
@@ -243,13 +244,6 @@ def _spd_solve(a: torch.Tensor, b: torch.Tensor, param: str, fix: str) -> torch.
             f"(condition number over 1e14). {fix}"
         )
     return torch.linalg.solve(a, b)
-
-
-def psd_part(a: torch.Tensor) -> torch.Tensor:
-    """The nearest positive semidefinite matrix to the symmetric ``a`` (negative eigenvalues set to 0)."""
-    ev, vec = torch.linalg.eigh((a + a.T) / 2)
-    out = (vec * ev.clamp_min(0.0)) @ vec.T
-    return (out + out.T) / 2
 
 
 def _normalize_rows(t: torch.Tensor) -> torch.Tensor:
@@ -400,12 +394,12 @@ class LDAHead(ClosedFormHead):
 
 
 def is_closed_form(name: str) -> bool:
-    from .heads import HEADS
+    from fedhead.core.heads import HEADS
 
     return name in HEADS and bool(getattr(HEADS[name].cls, "closed_form", False))
 
 
 def closed_form_names() -> list[str]:
-    from .heads import HEADS
+    from fedhead.core.heads import HEADS
 
     return sorted(n for n in HEADS if is_closed_form(n))

@@ -45,7 +45,7 @@ def validate_synthetic(
     *, num_classes: int, train_per_class: int, test_per_class: int, dim: int, spread: float, seed: int
 ) -> None:
     """The options of a synthetic store (``fedhead synth``, ``fedhead bench flower``), checked before writing."""
-    from fedhead.errors import Interval, validate
+    from fedhead.infra.errors import Interval, validate
 
     validate("--num-classes", num_classes, Interval(2, None, integer=True))
     validate("--train-per-class", train_per_class, Interval(1, None, integer=True))

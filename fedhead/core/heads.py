@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .errors import FedheadError, Interval, unknown_name
-from .registry import Param, resolve_params
+from fedhead.infra.errors import FedheadError, Interval, unknown_name
+from fedhead.infra.params import Param, resolve_params
 
 
 @dataclass
@@ -75,7 +75,7 @@ def register_head(name: str, *params: Param):
 
 
 def head_names() -> list[str]:
-    """Every registered head: the iterative ones here, the closed-form ones of :mod:`fedhead.closedform`."""
+    """Every registered head: the iterative ones here, the closed-form ones of :mod:`fedhead.core.closedform`."""
     return sorted(HEADS)
 
 
@@ -86,7 +86,7 @@ def iterative_head_names() -> list[str]:
 
 def resolve_head_params(name: str, **params) -> dict:
     if name not in HEADS:
-        from .plugins import load_plugins
+        from fedhead.core.plugins import load_plugins
 
         load_plugins()  # a user's head registered in FEDHEAD_PLUGINS or a fedhead.methods entry point
     if name not in HEADS:
@@ -315,7 +315,3 @@ class FedLCHead(SoftmaxHead):
     def loss_and_grad(self, logits, y, mask, ctx):
         # the shift is a constant: d loss / d logits = d loss / d calibrated logits (softmax's closed form)
         return super().loss_and_grad(logits - self.shift(ctx).to(logits.dtype), y, mask, ctx)
-
-
-# the closed-form statistics heads (ncm, ridge, cof, lda) register themselves in the same registry
-from . import closedform  # noqa: E402,F401

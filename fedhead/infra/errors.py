@@ -1,21 +1,13 @@
-"""User-facing errors: one line naming the parameter, the value and the fix; non-zero exit.
-
-Every command is wrapped by :func:`cli_errors`, which also turns SIGINT and SIGTERM into
-:class:`fedhead.util.Interrupted` (commands re-raise it with how to resume). A :class:`FedheadError` becomes ``error: <message>`` on
-stderr with exit code 2 (subclasses may set their own ``exit_code`` and ``prefix``, e.g.
-``fedhead.util.Interrupted``: 130/143, no prefix); any other exception becomes one line with exit code 1. With
-``FEDHEAD_DEBUG=1`` the original traceback is shown instead.
-"""
+"""User-facing errors: one line naming the parameter, the value and the fix (scikit-learn's template), and the
+declared constraints (:class:`Interval`, :class:`OneOf`) that produce them. How an error becomes an exit code is
+:mod:`fedhead.infra.exits`."""
 
 from __future__ import annotations
 
 import errno
-import functools
 import math
-import os
-import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 # a write that failed for want of space: no space, file too large (RLIMIT_FSIZE), quota
 SPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
@@ -25,7 +17,7 @@ class FedheadError(Exception):
     """An error caused by the user's input or environment, reported as one line."""
 
     exit_code = 2
-    prefix = "error: "  # printed before the message (fedhead.util.Interrupted prints none)
+    prefix = "error: "  # printed before the message (fedhead.infra.signals.Interrupted prints none)
 
 
 def param_error(param: str, value: Any, constraint: str, fix: str | None = None) -> FedheadError:
@@ -107,56 +99,3 @@ def unknown_name(param: str, value: str, valid: Iterable[str], what: str = "name
     else:
         listing = f" ({len(valid)} known names.)"
     return FedheadError(f"The '{param}' parameter must be a known {what}. Got {value!r} instead.{hint}{listing}")
-
-
-# ---------------------------------------------------------------- command wrapper
-
-
-def debug_enabled() -> bool:
-    return os.environ.get("FEDHEAD_DEBUG", "") not in ("", "0", "false", "no")
-
-
-def report(exc: BaseException) -> int:
-    """Print one line for ``exc`` on stderr and return the exit code to use."""
-    if isinstance(exc, FedheadError):
-        line = str(exc).replace("\n", " ")
-        print(f"{exc.prefix}{line}", file=sys.stderr)
-        return exc.exit_code
-    if isinstance(exc, KeyboardInterrupt):
-        print("interrupted; re-run the same command to resume", file=sys.stderr)
-        return 130
-    if isinstance(exc, OSError) and exc.errno in SPACE_ERRNOS:
-        where = f" {exc.filename!r}" if exc.filename else ""
-        print(
-            f"error: No space left while writing{where} ({exc.strerror}); free space (or raise the file size "
-            "limit) and re-run the same command: finished work is reused",
-            file=sys.stderr,
-        )
-        return 2
-    if isinstance(exc, MemoryError):
-        print("error: out of memory; lower --batch-size or --block-clients, or use a smaller store", file=sys.stderr)
-        return 1
-    line = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-    print(f"internal error: {line} (set FEDHEAD_DEBUG=1 for the traceback)", file=sys.stderr)
-    return 1
-
-
-def cli_errors(fn: Callable) -> Callable:
-    """Decorate a typer command: map exceptions to one line and an exit code."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        from .util import signals_raise
-
-        try:
-            with signals_raise():  # SIGINT/SIGTERM -> Interrupted: exit 130/143 with one line
-                return fn(*args, **kwargs)
-        except SystemExit:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - this is the one place exceptions become exits
-            if debug_enabled():
-                raise
-            code = report(exc)
-            raise SystemExit(code) from None
-
-    return wrapper

@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from fedhead.errors import FedheadError, Interval, unknown_name, validate
+from fedhead.infra.errors import FedheadError, Interval, unknown_name, validate
 
 __all__ = ["NOISE", "NOISE_KINDS", "ASYM_RULES", "register_noise", "asymmetric_map", "apply_noise"]
 

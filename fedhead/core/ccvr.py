@@ -46,8 +46,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import FedheadError, Interval, validate
-from .heads import Head, LossContext
+from fedhead.core.heads import Head, LossContext
+from fedhead.infra.errors import FedheadError, Interval, validate
 
 # a round after every stage of every registered head (two-stage heads are in their last stage)
 CALIBRATION_ROUND = 10**9

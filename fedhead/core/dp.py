@@ -4,7 +4,7 @@ accountant that turns a run's configuration into epsilon at ``--dp-delta``.
 DP is on when ``--dp-noise-multiplier z`` is given (with ``--dp-clip S`` and ``--dp-delta``); every piece is one
 definition run by the simulator (both backends) and by the Flower strategy:
 
-- **Iterative heads: DP-FedAvg, client level.** The aggregation rule :class:`fedhead.aggregate.DPFedAvg`
+- **Iterative heads: DP-FedAvg, client level.** The aggregation rule :class:`fedhead.core.aggregate.DPFedAvg`
   (``aggregate = "dp-fedavg"``, set by :func:`validate_dp`): each client sends its update clipped to ``S``, the
   server adds ``N(0, (z S)^2 I)`` to the sum and divides by the ``m`` clients sampled that round.
 - **Statistics: per-sample clipping, sample level.** A closed-form head's sums (``ncm``, ``ridge``, ``lda``), an
@@ -30,7 +30,7 @@ import math
 import numpy as np
 import torch
 
-from .errors import FedheadError, Interval, validate
+from fedhead.infra.errors import FedheadError, Interval, validate
 
 INSTALL_HINT = "pip install 'fedhead[dp]'"
 # one stream per kind of release, so the noises of a seed never share draws
@@ -47,7 +47,7 @@ def enabled(cfg) -> bool:
 def validate_dp(c) -> None:
     """The DP options of a config being resolved (``TrainConfig.resolved``): values, presence, and what DP can be
     combined with; sets ``c.aggregate = "dp-fedavg"`` for an iterative head."""
-    from .closedform import is_closed_form
+    from fedhead.core.closedform import is_closed_form
 
     z = c.dp_noise_multiplier
     given = [("--dp-clip", c.dp_clip), ("--dp-delta", c.dp_delta), ("--dp-feature-clip", c.dp_feature_clip)]
@@ -152,7 +152,7 @@ def feature_clip(cfg) -> float | None:
     """The per-sample feature-norm bound of the run's statistics (None without DP)."""
     if not enabled(cfg):
         return None
-    from .closedform import is_closed_form
+    from fedhead.core.closedform import is_closed_form
 
     return float(cfg.dp_clip if is_closed_form(cfg.head) else cfg.dp_feature_clip)
 
@@ -164,17 +164,6 @@ def gaussian(shape: tuple, std: float, seed: int, rnd: int, what: str) -> torch.
     """``N(0, std^2)`` of ``shape`` (float64, CPU), drawn from ``default_rng([seed, rnd, tag(what)])``."""
     rng = np.random.default_rng([int(seed), int(rnd), _TAGS[what]])
     return torch.from_numpy(rng.standard_normal(shape) * float(std))
-
-
-def clip_rows(x, bound: float):
-    """A float64 copy of ``x [n, D]`` (numpy or torch) with every row scaled to L2 norm at most ``bound``."""
-    if isinstance(x, torch.Tensor):
-        x64 = x.to(torch.float64)
-        norm = x64.norm(dim=1)
-        return x64 * (bound / norm.clamp_min(1e-300)).clamp(max=1.0)[:, None]
-    x64 = np.asarray(x, dtype=np.float64)
-    norm = np.sqrt(np.square(x64).sum(1))
-    return x64 * np.minimum(1.0, bound / np.maximum(norm, 1e-300))[:, None]
 
 
 # ---------------------------------------------------------------- the statistics: vector, sensitivity, noise
@@ -204,7 +193,7 @@ def _gram_scale(D: int, bound: float) -> torch.Tensor:
 
 
 def statistics_vector(acc, bound: float) -> torch.Tensor:
-    """The released statistics of a :class:`fedhead.closedform.StatsAccumulator` as one float64 vector in units
+    """The released statistics of a :class:`fedhead.core.closedform.StatsAccumulator` as one float64 vector in units
     of the clip ``bound``: class sums / S, counts, and the Gram's upper triangle of ``[x / S, 1]``."""
     parts = [acc.sums.reshape(-1) / bound, acc.counts.reshape(-1)]
     if acc.gram is not None:
@@ -226,7 +215,7 @@ def _set_statistics_vector(acc, v: torch.Tensor, bound: float) -> None:
 
 def privatize_statistics(acc, cfg, seed: int):
     """The Gaussian mechanism on the summed statistics of a closed-form head or ``--init`` start (the server, once
-    per seed, after the sum; both runners call it through :func:`fedhead.train.solve_statistics`). The noisy Gram
+    per seed, after the sum; both runners call it through :func:`fedhead.federation.train.solve_statistics`). The noisy Gram
     is projected onto the positive semidefinite cone (post-processing: no privacy cost) so that ``ridge``'s
     ``G + lambda I`` stays invertible (and ``lda`` projects its covariance estimate). No-op without DP."""
     if not enabled(cfg):
@@ -241,7 +230,7 @@ def privatize_statistics(acc, cfg, seed: int):
     std = cfg.dp_noise_multiplier * statistics_sensitivity(acc.gram is not None)
     _set_statistics_vector(acc, v + gaussian((v.numel(),), std, seed, 1, "statistics"), bound)
     if acc.gram is not None:
-        from .closedform import psd_part
+        from fedhead.core.linalg import psd_part
 
         acc.gram = psd_part(acc.gram)
     acc.noisy = True  # lda projects its covariance estimate too
@@ -250,7 +239,7 @@ def privatize_statistics(acc, cfg, seed: int):
 
 def noisy_feature_sums(total: np.ndarray, sq: float, n, cfg, seed: int):
     """The Gaussian mechanism on the summed feature statistics of ``--center`` / ``--scale rms`` (the server, once
-    per seed, after the sum; :func:`fedhead.train.federated_feature_stats` and the Flower strategy's
+    per seed, after the sum; :func:`fedhead.federation.train.federated_feature_stats` and the Flower strategy's
     ``combine_stats``): returns noisy ``(total [D], sq, n)``; the clients clipped their features to
     ``--dp-feature-clip`` before summing. No-op without DP."""
     if not enabled(cfg):
@@ -341,7 +330,7 @@ def epsilon_schedule(cfg, last_round: int) -> dict[int, dict]:
     round's RDP curve, what ``RdpAccountant.compose(event, t)`` computes."""
     if not enabled(cfg):
         return {}
-    from .closedform import is_closed_form
+    from fedhead.core.closedform import is_closed_form
 
     z, delta, q = float(cfg.dp_noise_multiplier), float(cfg.dp_delta), sampling_rate(cfg)
     closed = is_closed_form(cfg.head)
@@ -371,7 +360,7 @@ def summary_fields(cfg, schedule: dict[int, dict]) -> dict:
         return {}
     from importlib.metadata import version
 
-    from .closedform import is_closed_form
+    from fedhead.core.closedform import is_closed_form
 
     _accounting()
     last = schedule[max(schedule)]

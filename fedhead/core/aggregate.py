@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import FedheadError, unknown_name
+from fedhead.infra.errors import FedheadError, unknown_name
 
 
 @dataclass
@@ -62,7 +62,7 @@ class Aggregator:
 
     @classmethod
     def from_config(cls, cfg) -> "Aggregator":
-        """The rule for a run's :class:`fedhead.config.TrainConfig` (a rule with parameters reads them here)."""
+        """The rule for a run's :class:`fedhead.federation.config.TrainConfig` (a rule with parameters reads them here)."""
         return cls()
 
     def message(self, theta: torch.Tensor, trained: torch.Tensor, sizes: torch.Tensor, holds: torch.Tensor) -> dict:
@@ -112,7 +112,7 @@ class DPFedAvg(Aggregator):
     ``DifferentialPrivacy{Client,Server}SideFixedClipping``): each client's update ``W_k - theta`` clipped to L2
     norm ``clip`` (its message: clipped on the client, so the server never sees more), the unweighted sum plus
     ``N(0, (noise_multiplier * clip)^2 I)``, divided by the number of clients sampled that round. Noise is drawn
-    by :func:`fedhead.dp.gaussian` keyed by (seed, round): the simulator, the loop backend and Flower add the same
+    by :func:`fedhead.core.dp.gaussian` keyed by (seed, round): the simulator, the loop backend and Flower add the same
     noise, and a resumed run the same as an uninterrupted one."""
 
     name = "dp-fedavg"
@@ -148,7 +148,7 @@ class DPFedAvg(Aggregator):
                 "carry none. Build the Accumulator with seed= and rnd= (as the engine and the Flower "
                 "strategy do)."
             )
-        from .dp import gaussian
+        from fedhead.core.dp import gaussian
 
         m = totals.sampled if totals.sampled is not None else totals.clients
         total = totals.sums["clipped"]
@@ -179,7 +179,7 @@ def register_aggregator(name: str):
 
 
 def aggregator_names() -> list[str]:
-    from .plugins import load_plugins
+    from fedhead.core.plugins import load_plugins
 
     load_plugins()
     return list(AGGREGATORS)
@@ -189,7 +189,7 @@ def create_aggregator(name: str, cfg=None) -> Aggregator:
     """The rule ``name``; with a run's ``cfg``, built from it (:meth:`Aggregator.from_config`: ``dp-fedavg``
     reads --dp-clip and --dp-noise-multiplier)."""
     if name not in AGGREGATORS:
-        from .plugins import load_plugins
+        from fedhead.core.plugins import load_plugins
 
         load_plugins()
     if name not in AGGREGATORS:
@@ -199,7 +199,7 @@ def create_aggregator(name: str, cfg=None) -> Aggregator:
 
 
 def aggregator_of(cfg) -> Aggregator:
-    """The rule a resolved :class:`fedhead.config.TrainConfig` runs (clients and server alike)."""
+    """The rule a resolved :class:`fedhead.federation.config.TrainConfig` runs (clients and server alike)."""
     return create_aggregator(cfg.aggregate, cfg)
 
 

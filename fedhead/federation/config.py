@@ -7,10 +7,10 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from .errors import FedheadError, Interval, OneOf, validate
+from fedhead.core.engine import BACKENDS
+from fedhead.infra.errors import FedheadError, Interval, OneOf, validate
 
 PAPER_SEEDS = (0, 42, 777, 1337, 15254)
-BACKENDS = ("vectorized", "loop")  # the engine's local-training backends (fedhead.engine.Engine)
 
 # Recipes fill every field left as None. "paper" is SPEC section 1 to the letter (for reproduction);
 # "default" is the one that measured robust across heads, partitions and class counts (see README,
@@ -92,7 +92,7 @@ class TrainConfig:
     server_tau: float | None = None  # adaptivity tau [Flower's default]
     calibrate: str = "none"  # none | ccvr: calibrate the head on virtual features after the last round
     ccvr_samples: int = 200  # ccvr: virtual features per class
-    # -- differential privacy (README "Differential privacy"; fedhead.dp): on when dp_noise_multiplier is given
+    # -- differential privacy (README "Differential privacy"; fedhead.core.dp): on when dp_noise_multiplier is given
     dp_noise_multiplier: float | None = None  # z: Gaussian noise std = z x the L2 sensitivity (0: clipping only)
     dp_clip: float | None = None  # S: client update L2 clip (iterative head, DP-FedAvg) or per-sample
     # feature-norm clip (closed-form head)
@@ -137,7 +137,7 @@ class TrainConfig:
             "Use a fraction of clients per round in (0, 1], e.g. 0.1.",
         )
         validate("--noise-rate", c.noise_rate, Interval(0, 1, closed="left"))
-        from .aggregate import aggregator_names
+        from fedhead.core.aggregate import aggregator_names
 
         validate("--aggregate", c.aggregate, OneOf(tuple(aggregator_names())))
         validate("--scale", c.scale, OneOf(("none", "rms")))
@@ -163,11 +163,13 @@ class TrainConfig:
             validate("--seed", s, Interval(0, None, integer=True))
         if c.noise != "none" and c.noise_rate == 0:
             raise FedheadError(f"The '--noise-rate' parameter must be > 0 with --noise {c.noise}. Got 0.0 instead.")
-        from .dp import validate_dp
+        from fedhead.core.dp import validate_dp
 
         validate_dp(c)  # DP options, and the rule: DP-FedAvg replaces fedavg (aggregate = dp-fedavg)
         if c.secure_aggregation:
-            m = max(1, int(round(c.participation * c.clients)))  # clients per round (fedhead.train.sample_clients)
+            m = max(
+                1, int(round(c.participation * c.clients))
+            )  # clients per round (fedhead.federation.train.sample_clients)
             if m < SECURE_MIN_CLIENTS:
                 raise FedheadError(
                     f"The '--secure-aggregation' option needs at least {SECURE_MIN_CLIENTS} clients per "

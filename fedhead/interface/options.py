@@ -1,7 +1,7 @@
 """The method options every training command shares (``train``, each grid ``bench`` command, ``flower
 simulate``), declared once: closed-form start, classic baselines, the central ceiling, differential privacy,
 and the closed-form and FedLC heads' parameters. :func:`with_method_options` adds them to a typer command and
-hands the command one dict of :class:`fedhead.config.TrainConfig` fields (``head_params`` holds the head
+hands the command one dict of :class:`fedhead.federation.config.TrainConfig` fields (``head_params`` holds the head
 parameters given)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from .errors import FedheadError
+from fedhead.infra.errors import FedheadError
 
 # name -> (annotation, typer option); head parameters are marked by HEAD_PARAMS
 METHOD_OPTIONS = {

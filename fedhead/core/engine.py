@@ -20,7 +20,7 @@ the state's memory; cache-sized tiles (~16 MB) were measured slower than whole-b
 head may offer ``loss_and_grad(logits, y, mask, ctx) -> (loss [K], dloss/dlogits [K, B, C])`` in closed
 form; the engine uses it when present and autograd on ``loss`` otherwise.
 
-Heads differ only in the loss they hand the engine (:mod:`fedhead.heads`). The ``loop`` backend trains one
+Heads differ only in the loss they hand the engine (:mod:`fedhead.core.heads`). The ``loop`` backend trains one
 client after another with ``torch.optim`` and autograd, as research code does; both backends use the same
 batch plan, so they give the same global head to float tolerance (tested).
 
@@ -46,11 +46,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .aggregate import Accumulator, Aggregator
-from .config import BACKENDS
-from .errors import FedheadError, OneOf, validate
-from .heads import Head, LossContext
-from .util import flush_denormals
+from fedhead.core.aggregate import Accumulator, Aggregator
+from fedhead.core.heads import Head, LossContext
+from fedhead.infra.devices import flush_denormals
+from fedhead.infra.errors import FedheadError, OneOf, validate
+
+BACKENDS = ("vectorized", "loop")  # local-training backends of Engine (loop: per client, for checking)
 
 
 @dataclass

@@ -55,7 +55,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .errors import FedheadError, Interval, OneOf, param_error, validate
+from fedhead.infra.errors import FedheadError, Interval, OneOf, param_error, validate
 
 SERVER_OPTS = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 

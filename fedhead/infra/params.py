@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import Interval, OneOf, validate
+from fedhead.infra.errors import Interval, OneOf, validate
 
 
 @dataclass(frozen=True)

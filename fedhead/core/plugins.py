@@ -1,7 +1,7 @@
 """Users' own heads and methods, without editing fedhead.
 
 - A head: a class with a local loss (``per_sample``, or a closed-form ``solve`` from client statistics when
-  it subclasses :class:`fedhead.closedform.ClosedFormHead`), registered with :func:`fedhead.register_head`.
+  it subclasses :class:`fedhead.core.closedform.ClosedFormHead`), registered with :func:`fedhead.register_head`.
   It then runs in ``fedhead train --head NAME``, every ``fedhead bench`` command, ``fedhead flower`` and
   :func:`fedhead.run`, through the same engine, statistics exchange and Flower strategy as the built-in heads.
 - A method: a named set of training options (a head plus ``--init``, ``--prox-mu``, ``--server-opt``, ...)
@@ -14,11 +14,10 @@ loaded on first use). A Flower SuperNode needs the same plugin installed or name
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import os
 
-from .errors import FedheadError
+from fedhead.infra.errors import FedheadError
 
 PLUGIN_ENV = "FEDHEAD_PLUGINS"
 ENTRY_POINT_GROUP = "fedhead.methods"
@@ -45,21 +44,3 @@ def load_plugins() -> None:
         if key not in _loaded:
             _loaded.add(key)
             ep.load()
-
-
-def register_method(name: str, description: str, **fields) -> None:
-    """A named method for ``fedhead bench baselines --methods NAME``: ``fields`` are TrainConfig fields
-    (``head``, ``init``, ``prox_mu``, ``server_opt``, ``head_params``, ...)."""
-    from .bench.baselines import METHODS
-    from .config import TrainConfig
-
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    bad = sorted(set(fields) - known)
-    if bad:
-        raise FedheadError(
-            f"The method {name!r} sets {bad[0]!r}, which is not a training option. "
-            f"Use TrainConfig field names, e.g. head, init, prox_mu, server_opt."
-        )
-    if "head" not in fields:
-        raise FedheadError(f"The method {name!r} must name its head (head='...'). Got {sorted(fields)} instead.")
-    METHODS[name] = (description, dict(fields))

@@ -19,8 +19,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from . import __version__
-from .util import atomic_write_json, atomic_write_text
+from fedhead import __version__
+from fedhead.infra.files import atomic_write_json, atomic_write_text
 
 ROUND_FIELDS = [
     "seed",

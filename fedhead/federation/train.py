@@ -19,19 +19,17 @@ import numpy as np
 import torch
 
 from extract.store import Features, load_store
-
-from . import __version__
-from .aggregate import aggregator_of
-from .central import central_reference, first_reach
-from .closedform import accumulate, is_closed_form, to_prepared
-from .config import TrainConfig
-from .dp import epsilon_schedule, feature_clip, summary_fields
-from .engine import ClientSet, Engine, LocalConfig, OptimConfig, evaluate
-from .errors import FedheadError, unknown_name
-from .heads import create_head, resolve_head_params
-from .noise import apply_noise
-from .partitions import PARTITIONS, class_counts, create_partition, resolve_partition_params
-from .rundir import (
+from fedhead import __version__
+from fedhead.core.aggregate import aggregator_of
+from fedhead.core.central import central_reference, first_reach
+from fedhead.core.closedform import accumulate, is_closed_form, to_prepared
+from fedhead.core.dp import epsilon_schedule, feature_clip, summary_fields
+from fedhead.core.engine import ClientSet, Engine, LocalConfig, OptimConfig, evaluate
+from fedhead.core.heads import create_head, resolve_head_params
+from fedhead.core.noise import apply_noise
+from fedhead.core.partitions import PARTITIONS, class_counts, create_partition, resolve_partition_params
+from fedhead.federation.config import TrainConfig
+from fedhead.federation.rundir import (
     acc95_round,
     default_run_dir,
     mean_std,
@@ -40,18 +38,12 @@ from .rundir import (
     write_rounds,
     write_summary,
 )
-from .util import (
-    Interrupted,
-    atomic_torch_save,
-    check_out,
-    exclusive_writer,
-    make_progress,
-    pause_hook,
-    resolve_device,
-    set_cpu_threads,
-    signals_deferred,
-    space_error,
-)
+from fedhead.infra.console import make_progress
+from fedhead.infra.devices import resolve_device, set_cpu_threads
+from fedhead.infra.errors import FedheadError, unknown_name
+from fedhead.infra.files import atomic_torch_save, check_out, space_error
+from fedhead.infra.locks import exclusive_writer
+from fedhead.infra.signals import Interrupted, pause_hook, signals_deferred
 
 CHECKPOINT = "checkpoint.pt"
 PAUSE_ENV = "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS"  # test hook "k:FILE": after the k-th round row, pid -> FILE, sleep
@@ -84,8 +76,9 @@ def federated_feature_stats(
 
     Costs one extra exchange of ``D + 2`` floats per client (counted in round 1's bytes). With differential
     privacy (``cfg``), each client clips its features to --dp-feature-clip first and the server adds noise to the
-    sums (:func:`fedhead.dp.noisy_feature_sums`, keyed by ``seed``)."""
-    from .dp import clip_rows, feature_clip, noisy_feature_sums
+    sums (:func:`fedhead.core.dp.noisy_feature_sums`, keyed by ``seed``)."""
+    from fedhead.core.dp import feature_clip, noisy_feature_sums
+    from fedhead.core.linalg import clip_rows
 
     if not center and scale == "none":
         return FeatureStats(None, 1.0, 0, 0)
@@ -242,7 +235,7 @@ def labels_store(train_y: np.ndarray, class_names: list[str], dataset: str = "")
 def validate_method(cfg: TrainConfig) -> None:
     """The method options (closed form, --init, FedProx, SCAFFOLD, server optimiser, CCVR) against the head;
     a closed-form head needs no feature centring (its statistics carry the means), so it is switched off."""
-    from .config import RECIPES
+    from fedhead.federation.config import RECIPES
 
     if is_closed_form(cfg.head) and cfg.init is not None and cfg.init == RECIPES[cfg.recipe].get("init"):
         cfg.init = None  # the recipe's closed-form start does not apply to a closed-form head
@@ -268,7 +261,7 @@ def validate_method(cfg: TrainConfig) -> None:
             "Use --optimizer sgd (the default recipe)."
         )
     if cfg.init is not None and not is_closed_form(cfg.init):
-        from .closedform import closed_form_names
+        from fedhead.core.closedform import closed_form_names
 
         raise unknown_name("--init", cfg.init, closed_form_names(), "closed-form head")
     if cfg.init is not None:
@@ -276,7 +269,7 @@ def validate_method(cfg: TrainConfig) -> None:
     if cfg.server_opt != "fedavg" or any(
         v is not None for v in (cfg.server_lr, cfg.server_momentum, cfg.server_betas, cfg.server_tau)
     ):
-        from .serveropt import ServerOptConfig
+        from fedhead.core.serveropt import ServerOptConfig
 
         ServerOptConfig(
             name=cfg.server_opt,
@@ -355,7 +348,7 @@ def _run_locked(
                 threads = set_cpu_threads(int(prev["cpu_threads"]))  # the bits of a round follow the count
         else:
             summary = json.loads((run_dir / "summary.json").read_text())
-            from .rundir import read_csv
+            from fedhead.federation.rundir import read_csv
 
             return RunResult(run_dir, summary, read_csv(run_dir / "rounds.csv"))
     elif run_dir.exists() and any(run_dir.iterdir()):
@@ -621,8 +614,8 @@ def solve_statistics(
 ) -> torch.Tensor:
     """The server's solve after the statistics exchange: a closed-form head on raw features, or an ``--init``
     head mapped to the run's prepared features and multiplied by the init scale. With differential privacy the
-    summed statistics get their noise here first (:func:`fedhead.dp.privatize_statistics`, keyed by ``seed``)."""
-    from .dp import enabled, privatize_statistics
+    summed statistics get their noise here first (:func:`fedhead.core.dp.privatize_statistics`, keyed by ``seed``)."""
+    from fedhead.core.dp import enabled, privatize_statistics
 
     if enabled(cfg):
         if seed is None:
@@ -660,7 +653,7 @@ class ServerUpdate:
         self.cfg = cfg
         self.opt = None
         if cfg.server_opt != "fedavg":
-            from .serveropt import ServerOptConfig, ServerOptimizer
+            from fedhead.core.serveropt import ServerOptConfig, ServerOptimizer
 
             scfg = ServerOptConfig(
                 name=cfg.server_opt,
@@ -672,7 +665,7 @@ class ServerUpdate:
             self.opt = ServerOptimizer(scfg, shape, device)
         self.scaffold = None
         if cfg.scaffold:
-            from .engine import ScaffoldState
+            from fedhead.core.engine import ScaffoldState
 
             self.scaffold = ScaffoldState.zeros(cfg.clients, shape[0], shape[1], device)
 
@@ -720,7 +713,7 @@ def ccvr_round(
     """CCVR after the last round: every client sends per-class means, covariances and counts of its (prepared)
     features once (:func:`ccvr_client_stats`); the server pools them in client order, samples virtual features
     and retrains the head on them (:func:`ccvr_calibrate`). The Flower strategy runs the same two halves."""
-    from .ccvr import PooledStats
+    from fedhead.core.ccvr import PooledStats
 
     t0 = time.perf_counter()
     pooled = PooledStats(num_classes, x.shape[1] - 1)
@@ -734,9 +727,9 @@ def ccvr_round(
 
 
 def ccvr_client_stats(x: torch.Tensor, labels: np.ndarray, part: np.ndarray, num_classes: int):
-    """CCVR's client half: the :class:`fedhead.ccvr.ClassStats` one client sends, of its samples ``part`` of the
+    """CCVR's client half: the :class:`fedhead.core.ccvr.ClassStats` one client sends, of its samples ``part`` of the
     prepared features ``x [N, D+1]`` (the trailing 1 dropped) with their (possibly noisy) ``labels [N]``."""
-    from .ccvr import client_class_stats
+    from fedhead.core.ccvr import client_class_stats
 
     idx = torch.as_tensor(np.asarray(part, dtype=np.int64), device=x.device)
     return client_class_stats(x.index_select(0, idx)[:, :-1], np.asarray(labels)[part], num_classes)
@@ -755,10 +748,10 @@ def ccvr_calibrate(
     bytes_up: int,
     client_s: float,
 ):
-    """CCVR's server half: ``pooled`` (a :class:`fedhead.ccvr.PooledStats` holding the statistics of all
+    """CCVR's server half: ``pooled`` (a :class:`fedhead.core.ccvr.PooledStats` holding the statistics of all
     ``num_clients`` clients, ``bytes_up`` bytes in all, ``client_s`` seconds to compute them) gives the virtual
     features the head is retrained on; returns the new head and the ``ccvr`` row of rounds.csv (round ``rnd``)."""
-    from .ccvr import retrain_head, sample_virtual
+    from fedhead.core.ccvr import retrain_head, sample_virtual
 
     t1 = time.perf_counter()
     counts, means, covs = pooled.finish()

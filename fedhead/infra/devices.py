@@ -1,0 +1,148 @@
+"""Devices and threads: the device a run uses, the CPU threads it takes, memory it may use, and flush-to-zero for
+subnormal floats."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from fedhead.infra.errors import FedheadError
+
+
+def resolve_device(device: str):
+    """``auto`` picks CUDA when available; ``cuda`` without a GPU is a one-line error."""
+    import torch
+
+    if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+        raise FedheadError(f"The '--device' parameter must be one of 'auto', 'cpu', 'cuda'. Got {device!r} instead.")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise FedheadError(f"The '--device' parameter is {device!r} but no CUDA device is available. Use --device cpu.")
+    return torch.device(device)
+
+
+DENORMALS_ENV = "FEDHEAD_DENORMALS"  # "keep": leave subnormal arithmetic on (bench speed's comparison)
+_FLUSH_STATE: dict = {}  # (thread, torch.get_num_threads()) -> whether every intra-op thread flushes
+
+
+def _pool_flushes() -> bool:
+    """Whether every intra-op thread flushes a subnormal result to zero, probed by values: normal numbers whose
+    product is subnormal, in a tensor large enough to reach every thread, must multiply to exact zeros. (The
+    result is read as integers: a float comparison would itself treat a subnormal as zero on a flushing thread.)"""
+    import torch
+
+    n = 65536 * max(1, torch.get_num_threads()) * 2
+    x = torch.full((n,), 1e-30, dtype=torch.float32)
+    return not bool(torch.mul(x, 1e-9).view(torch.int32).ne(0).any())
+
+
+def _flush_omp_threads() -> None:
+    """Set flush-to-zero on every thread of torch's OpenMP pool: a parallel region of libgomp (the runtime torch
+    loaded) in which each thread sets its own floating-point control word. Threads started later copy the
+    control word of the thread that starts them, so one call covers the pool as it grows."""
+    import ctypes
+
+    import torch
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libgomp" in line and line.rstrip().endswith((".so", ".1"))}
+    except OSError:
+        return
+    for path in sorted(paths):
+        lib = ctypes.CDLL(path)
+        callback_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+        callback = callback_type(lambda _: torch.set_flush_denormal(True))
+        lib.GOMP_parallel.argtypes = [callback_type, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        lib.GOMP_parallel.restype = None
+        lib.GOMP_parallel(callback, None, 0, 0)
+
+
+def flush_denormals() -> bool:
+    """Flush subnormal floats to zero on this thread and on torch's intra-op threads (x86: FTZ and DAZ).
+
+    A decaying optimizer state (squares of tiny gradients, momentum of classes a client never sees) falls into
+    the subnormal range, which x86 CPUs compute about ten times slower: measured at paper scale, 2.9 s a round
+    instead of 0.68 s. Flushed, such a number is 0, which a head's training cannot tell from it (an AdamW step
+    divides by sqrt(v) + 1e-8; 1e-38 is far below both). The engines call this before they train; the setting
+    stays for the process (as TensorFlow sets it on its own threads). Returns whether every thread flushes (False
+    where the CPU has no such mode, or with ``FEDHEAD_DENORMALS=keep``, which leaves subnormals on for
+    ``fedhead bench speed``'s comparison)."""
+    import torch
+
+    if os.environ.get(DENORMALS_ENV, "") == "keep":
+        return False
+    import threading
+
+    key = (threading.get_ident(), torch.get_num_threads())  # each thread starts its own OpenMP pool
+    if _FLUSH_STATE.get(key):
+        return True
+    if not torch.set_flush_denormal(True):
+        _FLUSH_STATE[key] = False
+        return False
+    ok = _pool_flushes()
+    if not ok:  # the pool started before this thread flushed: set it in each of its threads
+        with contextlib.suppress(OSError, AttributeError):
+            _flush_omp_threads()
+        ok = _pool_flushes()
+    _FLUSH_STATE[key] = ok
+    return ok
+
+
+def busy_cores(window: float = 0.1) -> float:
+    """Cores that other processes keep busy right now: ``/proc/stat`` sampled ``window`` seconds apart (this
+    process sleeps meanwhile), else the 1-minute load average. The load average alone lags by a minute, so
+    a job started right after another one of ours took the finished job's core as busy."""
+    import time
+
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v[:8]), v[3] + v[4]  # total and idle+iowait jiffies (user..steal)
+
+    try:
+        t0, i0 = sample()
+        time.sleep(window)
+        t1, i1 = sample()
+        if t1 > t0:
+            return (os.cpu_count() or 1) * (1.0 - (i1 - i0) / (t1 - t0))
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give (``MemAvailable`` on Linux; free pages elsewhere), or None when
+    the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def set_cpu_threads(n: int | None = None) -> int:
+    """Intra-op threads on CPU: ``n``, else ``FEDHEAD_THREADS`` if set, else the cores not already busy.
+
+    OpenMP threads that must share cores with other busy processes wait on each other: measured here, a
+    round took 2-4x longer with 2 threads than with 1 when the 2 cores were already loaded. So the default
+    leaves out the cores that other processes use now (:func:`busy_cores`; at least one thread)."""
+    import torch
+
+    if n is None:
+        n = int(os.environ.get("FEDHEAD_THREADS", "0"))
+    if not n:
+        cores = os.cpu_count() or 1
+        n = max(1, cores - int(busy_cores() + 0.5))
+    torch.set_num_threads(max(1, n))
+    return torch.get_num_threads()

@@ -1,0 +1,1 @@
+"""What the commands share: options derived from the experiment's fields, one-line usage errors, result tables."""

@@ -1,0 +1,40 @@
+"""Result tables on stdout: one row per run summary, mean +- std where several seeds ran."""
+
+from __future__ import annotations
+
+
+def results_table(title: str, rows: list[dict], columns: list[tuple[str, str]]):
+    """A rich table of result rows; ``columns`` are (key, header); ``key_std`` shown as +- when present."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for _, h in columns:
+        t.add_column(h, justify="right" if h not in ("head", "partition", "recipe") else "left")
+    for r in rows:
+        cells = []
+        for k, _ in columns:
+            v = r.get(k)
+            s = r.get(k + "_std")
+            if isinstance(v, float) and "round" in k and v.is_integer() and not s:
+                cells.append(str(int(v)))
+            elif isinstance(v, float):
+                cells.append(f"{v:.4f}" + (f" ± {s:.4f}" if isinstance(s, float) and s > 0 else ""))
+            else:
+                cells.append("" if v is None else str(v))
+        t.add_row(*cells)
+    return t
+
+
+SUMMARY_COLUMNS = [
+    ("head", "head"),
+    ("partition", "partition"),
+    ("final_accuracy", "final acc"),
+    ("best_accuracy", "best acc"),
+    ("acc95_round", "Acc@95 round"),
+    ("central_accuracy", "central acc"),
+    ("final_ratio_to_central", "ratio to central"),
+    ("final_ratio_to_iid", "ratio to IID"),
+    ("client_ms", "client ms"),
+    ("server_ms", "server ms"),
+    ("wall_seconds", "wall s"),
+]
