@@ -10,7 +10,8 @@ Layout (format ``fedhead-features``, version 1)::
     /skipped/<split>     [K]     utf-8 paths of the source images left out as unreadable (usually empty)
     attrs: format, format_version, dataset, encoder, weights_source, weights_sha256, preprocessing (JSON),
            image_size, dtype, feature_dim, num_classes, fedhead_version, created, request (JSON), complete,
-           n_skipped (images left out, all splits)
+           n_skipped (images left out, all splits), content_sha256 (:func:`content_hash`, since 0.1.0's
+           layered release; computed on load for older stores)
     /<split> attrs: n_done (rows written), n_read (source images consumed: rows + left out), n_skipped
 
 S is the number of source images of the split and N = S - K the rows (N = S unless images were left out).
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import errno as errnos
+import hashlib
 import json
 import os
 import re
@@ -244,6 +246,7 @@ class StoreWriter:
         f.attrs["request"] = req
         f.attrs["complete"] = False
         f.attrs["n_skipped"] = 0
+        f.attrs["content_sha256"] = "0" * 64  # its final value has this size: set at finish without growing the file
         f.attrs["dtype"] = dtype
         f.attrs["feature_dim"] = int(feature_dim)
         f.attrs["num_classes"] = len(class_names)
@@ -345,6 +348,7 @@ class StoreWriter:
                     if g[k].shape[0] != n:
                         _shrink(g, k, n)
             self.f.attrs.modify("n_skipped", sum(len(v) for v in left.values()))
+            self.f.attrs.modify("content_sha256", _file_content_hash(self.f))
             self.f.attrs.modify("complete", True)
             self.f.close()
         self.f = None
@@ -361,6 +365,41 @@ class StoreWriter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def content_hash(splits: dict[str, tuple[np.ndarray, np.ndarray]], class_names: Sequence[str]) -> str:
+    """A store's content, independent of its path and file layout: SHA-256 over each split's features as float32
+    and labels as int64 (the arrays :func:`load_store` gives), then the class names. Recorded at extraction as the
+    ``content_sha256`` attribute; a run's identity names its store by it (:func:`store_content_hash`)."""
+    h = hashlib.sha256()
+    for s in (s for s in SPLITS if s in splits):
+        x, y = splits[s]
+        h.update(np.ascontiguousarray(x, dtype="<f4").tobytes())
+        h.update(np.ascontiguousarray(y, dtype="<i8").tobytes())
+    h.update("\n".join(class_names).encode())
+    return h.hexdigest()
+
+
+def _file_content_hash(f: h5py.File, block: int = 1 << 16) -> str:
+    """:func:`content_hash` of an open store, read in blocks of rows (bounded memory)."""
+    h = hashlib.sha256()
+    for s in (s for s in SPLITS if s in f):
+        x, y = f[s]["features"], f[s]["labels"]
+        for i in range(0, x.shape[0], block):
+            h.update(np.ascontiguousarray(x[i : i + block], dtype="<f4").tobytes())
+        h.update(np.ascontiguousarray(y[()], dtype="<i8").tobytes())
+    h.update("\n".join(_strings(f["class_names"])).encode())
+    return h.hexdigest()
+
+
+def store_content_hash(store: Features) -> str:
+    """The store's ``content_sha256`` (recorded at extraction), computed from its arrays for a store written before
+    the attribute existed (and kept on the loaded store)."""
+    got = store.info.attrs.get("content_sha256") or store.extra.get("content_sha256")
+    if not got:
+        splits = {"train": (store.train_x, store.train_y), "test": (store.test_x, store.test_y)}
+        got = store.extra["content_sha256"] = content_hash(splits, store.info.class_names)
+    return str(got)
 
 
 def _shrink(g: h5py.Group, name: str, n: int) -> None:

@@ -82,7 +82,7 @@ def test_central_ceiling_is_the_converged_optimum(tiny_store):
     """The ceiling's L-BFGS reaches a point where the regularised pooled gradient vanishes."""
     from fedhead.core.central import central_head
     from fedhead.core.heads import create_head
-    from fedhead.federation.train import federated_feature_stats, prepare
+    from fedhead.federation.clients import federated_feature_stats, prepare
 
     s = load_store(tiny_store)
     st = federated_feature_stats(s.train_x, [np.arange(len(s.train_y))], True, "none")
@@ -131,7 +131,7 @@ def test_fedprox_zero_is_fedavg_and_baselines_run(tiny_store, tmp_path):
 
 
 def test_resume_keeps_server_optimizer_and_scaffold_state(tiny_store, tmp_path, monkeypatch):
-    import fedhead.federation.train as train
+    import fedhead.federation.job as train  # the round loop evaluates there
 
     kw = dict(head="ova2", rounds=4, scaffold=True, server_opt="fedyogi", participation=0.5)
     full = run_training(cfg(tiny_store, **kw), out=tmp_path / "full", progress=False)

@@ -154,7 +154,7 @@ def test_ablation_report_numbers_come_from_runs(stores, tmp_path):
 
 
 def test_resume_reruns_only_missing_and_continues_checkpoint(stores, tmp_path, monkeypatch):
-    import fedhead.federation.train as T
+    import fedhead.federation.rundir as T  # the round loop writes rounds.csv through it
 
     out = tmp_path / "parts"
     args = [
@@ -194,12 +194,12 @@ def test_resume_reruns_only_missing_and_continues_checkpoint(stores, tmp_path, m
     real = T.write_rounds
     calls = {"n": 0}
 
-    def boom(run_dir, rows):
+    def boom(run_dir, rows, *fields):
         if Path(run_dir).name == "ova2-shard-2-default":
             calls["n"] += 1
             if calls["n"] == 1:
                 raise KeyboardInterrupt
-        return real(run_dir, rows)
+        return real(run_dir, rows, *fields)
 
     monkeypatch.setattr(T, "write_rounds", boom)
     res = bench(*args)

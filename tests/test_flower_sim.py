@@ -21,9 +21,10 @@ flwr = pytest.importorskip("flwr", reason="Flower is not installed (pip install 
 
 from extract.store import load_store, write_store  # noqa: E402
 from fedhead.core.synthetic import write_synthetic  # noqa: E402
+from fedhead.federation.clients import build_federation
 from fedhead.federation.config import TrainConfig  # noqa: E402
 from fedhead.federation.rundir import read_csv  # noqa: E402
-from fedhead.federation.train import build_federation, run_training  # noqa: E402
+from fedhead.federation.train import run_training  # noqa: E402
 from fedhead.flower.client_app import make_client_app  # noqa: E402
 from fedhead.flower.commands import run_config_of, simulate  # noqa: E402
 from fedhead.flower.common import CRASH_ENV, STOP_ENV, ServerStopped, config_from_run_config  # noqa: E402

@@ -1,26 +1,37 @@
-"""The run directory every training command writes (names fixed: later tools read them).
+"""The run directory every training command writes (names fixed: later tools read them), and its life cycle.
 
-``config.json``  the full resolved configuration, the store's metadata, the fedhead version
-``rounds.csv``   one row per (seed, round): ROUND_FIELDS, then any extra columns
-``summary.json`` final/best accuracy, Acc@95, ratio to IID, mean and std over seeds, wall seconds
-``clients.csv``  client id, size, number of classes, per-class counts (compact ``class:count`` form)
+``config.json``     the full resolved configuration, the store's metadata, the fedhead version, the run's identity
+``rounds.csv``      one row per (seed, round): ROUND_FIELDS, then any extra columns
+``summary.json``    final/best accuracy, Acc@95, ratio to IID, mean and std over seeds, wall seconds
+``clients.csv``     client id, size, number of classes, per-class counts (compact ``class:count`` form)
+``checkpoint.pt``   while the run is unfinished: everything needed to continue it (one format for every command)
+``final-state.pt``  once finished: the last state of every seed, so that ``--resume`` with more rounds extends it
 
-All files are written atomically (a temporary file renamed over the final name).
+All files are written atomically (a temporary file renamed over the final name). :class:`RunDir` is the one life
+cycle of such a directory (fresh, resumed, extended, finished and reported again), shared by ``fedhead train``,
+``fedhead flower`` and ``fedhead scratch``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import hashlib
 import io
+import json
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
+import torch
 
 from fedhead import __version__
-from fedhead.infra.files import atomic_write_json, atomic_write_text
+from fedhead.infra.errors import FedheadError
+from fedhead.infra.files import atomic_torch_save, atomic_write_json, atomic_write_text
+from fedhead.infra.signals import Interrupted
 
 ROUND_FIELDS = [
     "seed",
@@ -71,8 +82,8 @@ def _fmt(v: Any) -> Any:
     return v
 
 
-def write_rounds(run_dir: str | Path, rows: Sequence[dict]) -> None:
-    write_csv(Path(run_dir) / "rounds.csv", rows, ROUND_FIELDS)
+def write_rounds(run_dir: str | Path, rows: Sequence[dict], fields: Sequence[str] = ROUND_FIELDS) -> None:
+    write_csv(Path(run_dir) / "rounds.csv", rows, fields)
 
 
 def write_config(run_dir: str | Path, config: dict) -> None:
@@ -142,3 +153,201 @@ def mean_std(values: Iterable[float | None]) -> tuple[float, float]:
     if v.size == 0:
         return float("nan"), float("nan")
     return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0
+
+
+# ---------------------------------------------------------------- the life cycle of a run directory
+
+CHECKPOINT = "checkpoint.pt"
+FINAL_STATE = "final-state.pt"
+CHECKPOINT_FORMAT = 3  # 3: one format for train, Flower and scratch (the loop's); earlier ones are refused
+
+
+def identity_hash(fields: dict) -> str:
+    """The short hash of a run's identity fields (what determines its results)."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _show(v: Any) -> str:
+    text = json.dumps(v, sort_keys=True, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def identity_differences(before: dict, now: dict) -> list[str]:
+    """Each setting that differs between two identities, with both values: ``lr 0.01 (the run) -> 0.1``."""
+    keys = sorted(set(before) | set(now))
+    return [f"{k} {_show(before.get(k))} (the run) -> {_show(now.get(k))}" for k in keys if before.get(k) != now.get(k)]
+
+
+@dataclass
+class Opened:
+    """What :meth:`RunDir.open` found: ``kind`` is ``fresh`` (nothing to continue), ``resume`` (a checkpoint),
+    ``extend`` (a finished run given more rounds: ``checkpoint`` is its final state) or ``finished`` (reported
+    again: ``summary`` and ``rows``). ``previous`` is the config.json found (its ``cpu_threads`` is reused)."""
+
+    kind: str
+    checkpoint: dict | None = None
+    summary: dict | None = None
+    rows: list | None = None
+    previous: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunDir:
+    """One run directory's life cycle: refuse what cannot continue in one line, load what can.
+
+    ``identity``: the settings that determine the results (names -> values; the feature store by its content
+    hash, not its path); a resume with other settings is refused naming each difference. ``legacy``: identity
+    hashes a run written by an earlier fedhead may carry for the same settings. ``extendable``: an identity
+    field (``rounds``) that may grow on a finished run, which then continues from its final state.
+    ``restart_ok``: a resume that finds nothing saved starts afresh (a Flower server restarted before its
+    first checkpoint) instead of being refused. ``out_param`` / ``resume_param``: the names the errors use.
+    ``identity_of``: the identity of the run a config.json describes (to name differences without storing the
+    identity twice)."""
+
+    path: Path
+    identity: dict
+    resume: bool = False
+    out_param: str = "--out"
+    resume_param: str = "--resume"
+    legacy: tuple = ()
+    extendable: str | None = None
+    restart_ok: bool = False
+    identity_of: Callable[[dict], dict] | None = None
+
+    def __post_init__(self):
+        self.path = Path(self.path)
+        self.hash = identity_hash(self.identity)
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.path / CHECKPOINT
+
+    def resume_hint(self) -> str:
+        """How to continue this run after a stop (nothing to continue before config.json exists)."""
+        if not (self.path / "config.json").exists():
+            return "re-run the same command"
+        if self.resume_param.startswith("--"):
+            return f"re-run the same command with {self.resume_param} {self.out_param} {self.path} to continue"
+        return f"start the run again with {self.resume_param}=true and {self.out_param}='{self.path}' to continue"
+
+    @contextlib.contextmanager
+    def interrupted(self) -> Iterator[None]:
+        """An interrupt (SIGINT/SIGTERM) re-raised with how to continue this run."""
+        try:
+            yield
+        except Interrupted as exc:
+            if (self.path / "config.json").exists():
+                msg = f"interrupted; the checkpoint in {str(self.path)!r} is consistent: {self.resume_hint()}"
+            else:
+                msg = f"interrupted before anything was written to {str(self.path)!r}; re-run the same command"
+            raise Interrupted(exc.signum, msg) from None
+
+    def _again(self) -> str:
+        return f"Use the same options as the interrupted run, or a new {self.out_param}."
+
+    def _read(self, name: str, loader, what: str) -> Any:
+        try:
+            return loader(self.path / name)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is the same one-line error
+            raise FedheadError(
+                f"The '{self.resume_param}' option cannot read the {what} {str(self.path / name)!r} "
+                f"({type(exc).__name__}). Choose another {self.out_param}, or run again without {self.resume_param} "
+                "into an empty one."
+            ) from None
+
+    def _same_run(self, previous: dict) -> tuple[bool, list[str]]:
+        """Whether ``previous`` (a config.json) is this run, and the differing settings when it is not."""
+        if previous.get("identity") in {self.hash, *self.legacy}:
+            return True, []
+        return False, identity_differences(self._previous_identity(previous), self.identity)
+
+    def _previous_identity(self, previous: dict) -> dict:
+        try:
+            return self.identity_of(previous) if self.identity_of is not None else {}
+        except (KeyError, TypeError, ValueError, AttributeError):  # a config.json of another shape: no names
+            return {}
+
+    def _refuse(self, differences: list[str], what: str = "run") -> FedheadError:
+        named = f": {'; '.join(differences)}" if differences else ""
+        return FedheadError(
+            f"The '{self.resume_param}' option found a {what} in {str(self.path)!r} with a different configuration"
+            f"{named}. {self._again()}"
+        )
+
+    def open(self) -> Opened:
+        """Check ``path`` against this run (nothing is written) and say how to continue."""
+        if not self.resume:
+            if self.path.exists() and any(self.path.iterdir()):
+                raise FedheadError(
+                    f"The '{self.out_param}' parameter names {str(self.path)!r}, which already holds files. Use "
+                    f"{self.resume_param} to continue that run, or choose another {self.out_param}."
+                )
+            return Opened("fresh")
+        if not (self.path / "config.json").exists():
+            if self.restart_ok and not (self.path.exists() and any(self.path.iterdir())):
+                return Opened("fresh")
+            raise FedheadError(
+                f"The '{self.resume_param}' option needs a run to continue in {str(self.path)!r}, but it holds none "
+                f"(no config.json). Run without {self.resume_param}, or name the interrupted run with "
+                f"{self.out_param}."
+            )
+        previous = self._read("config.json", lambda p: json.loads(p.read_text()), "configuration")
+        same, differences = self._same_run(previous)
+        if self.checkpoint_path.exists():
+            if not same:
+                raise self._refuse(differences)
+            ckpt = self._read(CHECKPOINT, lambda p: torch.load(p, map_location="cpu", weights_only=False), "checkpoint")
+            if (
+                not isinstance(ckpt, dict)
+                or ckpt.get("format") != CHECKPOINT_FORMAT
+                or ckpt.get("identity") not in ({self.hash} | set(self.legacy))
+            ):
+                raise self._refuse([], "checkpoint")
+            return Opened("resume", checkpoint=ckpt, previous=previous)
+        finished = (self.path / "summary.json").exists()
+        if finished and not same:
+            extended = self._extension(previous, differences)
+            if extended is not None:
+                return Opened("extend", checkpoint=extended, previous=previous)
+            raise self._refuse(differences)
+        if not same:
+            raise self._refuse(differences)
+        if finished:
+            summary = self._read("summary.json", lambda p: json.loads(p.read_text()), "summary")
+            rows = read_csv(self.path / "rounds.csv") if (self.path / "rounds.csv").exists() else []
+            return Opened("finished", summary=summary, rows=rows, previous=previous)
+        return Opened("fresh", previous=previous)  # stopped before its first round was saved: start again
+
+    def _extension(self, previous: dict, differences: list[str]) -> dict | None:
+        """A finished run whose identity differs only by more rounds continues from its final state."""
+        key, before = self.extendable, self._previous_identity(previous)
+        if key is None or not before or not (self.path / FINAL_STATE).exists():
+            return None
+        others = {k: v for k, v in before.items() if k != key}
+        if others != {k: v for k, v in self.identity.items() if k != key}:
+            return None
+        if not isinstance(before.get(key), int) or self.identity.get(key, 0) <= before[key]:
+            return None
+        state = self._read(FINAL_STATE, lambda p: torch.load(p, map_location="cpu", weights_only=False), "final state")
+        return state if isinstance(state, dict) and state.get("format") == CHECKPOINT_FORMAT else None
+
+    def prepare(self, config: dict, opened: Opened) -> None:
+        """Create the folder and write config.json with this run's identity (an extended run's is its new one)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.record = {"identity": self.hash}
+        write_config(self.path, {**self.record, **config})
+
+    def rewrite_config(self, config: dict) -> None:
+        """config.json again, with what the run found (the identity written by :meth:`prepare` kept)."""
+        write_config(self.path, {**self.record, **config})
+
+    def save_checkpoint(self, state: dict) -> None:
+        atomic_torch_save({"format": CHECKPOINT_FORMAT, "identity": self.hash, **state}, self.checkpoint_path)
+
+    def finish(self, final_state: dict | None) -> None:
+        """The run is complete (its summary written): keep its final state for an extension, drop the checkpoint."""
+        if final_state is not None:
+            atomic_torch_save(
+                {"format": CHECKPOINT_FORMAT, "identity": self.hash, **final_state}, self.path / FINAL_STATE
+            )
+        self.checkpoint_path.unlink(missing_ok=True)

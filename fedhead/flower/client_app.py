@@ -56,7 +56,7 @@ from fedhead.core.heads import create_head  # noqa: E402
 from fedhead.core.linalg import clip_rows  # noqa: E402
 from fedhead.core.noise import apply_noise  # noqa: E402
 from fedhead.core.partitions import class_counts  # noqa: E402
-from fedhead.federation.train import FeatureStats, build_federation, ccvr_client_stats, noise_dataset_name, prepare  # noqa: E402
+from fedhead.federation.clients import FeatureStats, build_federation, ccvr_client_stats, noise_dataset_name, prepare  # noqa: E402
 from fedhead.flower.common import (
     MESSAGE_PREFIX,
     check_fingerprint,

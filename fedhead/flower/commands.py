@@ -224,39 +224,16 @@ def check_simulation(
     validate_config(cfg, train_store)  # --device included
     resolved = validate_server_config(cfg, store)
     if out is not None:
-        _check_run_dir(check_out(out, kind="dir"), resume, resolved)
+        _check_run_dir(check_out(out, kind="dir"), resume, resolved, store)
     return store
 
 
-def _check_run_dir(out: Path, resume: bool, cfg: TrainConfig) -> None:
+def _check_run_dir(out: Path, resume: bool, cfg: TrainConfig, store) -> None:
     """``--out`` as ``fedhead train`` takes it: without ``--resume`` empty or absent; with it, a run of the
     same configuration (a checkpoint, or a finished run that is reported again)."""
-    import json
+    from fedhead.federation.train import head_run_dir
 
-    from fedhead.federation.train import CHECKPOINT
-
-    if not resume:
-        if out.exists() and any(out.iterdir()):
-            raise FedheadError(
-                f"The '--out' parameter names {str(out)!r}, which already holds files. "
-                "Use --resume to continue that run, or choose another --out."
-            )
-        return
-    finished = (out / "summary.json").exists() and (out / "config.json").exists()
-    if not (out / CHECKPOINT).exists() and not finished:
-        raise FedheadError(
-            f"The '--resume' option needs a checkpoint in {str(out)!r}, but none exists. Run "
-            "without --resume (or name the interrupted run with --out)."
-        )
-    try:
-        prev = json.loads((out / "config.json").read_text())
-    except (OSError, ValueError):
-        prev = {}
-    if prev.get("identity") != cfg.identity():
-        raise FedheadError(
-            f"The '--resume' option found a run in {str(out)!r} with a different configuration. "
-            "Use the same options as the interrupted run, or a new --out."
-        )
+    head_run_dir(cfg, store, out, resume).open()
 
 
 def simulate(

@@ -722,7 +722,7 @@ class SecureRounds:
     def census(self, grid):
         """Before round 1, every node: the class counts, flipped labels and feature sums, summed. Returns the
         :class:`fedhead.federation.train.FeatureStats` and the realised noise rate."""
-        from fedhead.federation.train import FeatureStats
+        from fedhead.federation.clients import FeatureStats
 
         s, (C, D) = self.s, self.dims
         features = bool(s.cfg.center or s.cfg.scale != "none")

@@ -1,30 +1,26 @@
-"""FedheadStrategy: a Flower Strategy whose every decision is fedhead's own.
+"""FedheadStrategy: fedhead's Flower transport. The round loop is the simulator's own
+(:func:`fedhead.federation.loop.run_job` over a :class:`fedhead.federation.job.HeadJob`); :meth:`FedheadStrategy.start`
+lends it this strategy as the transport that reaches the clients through a Flower Grid:
 
-- participation: :func:`fedhead.federation.train.sample_clients` by (seed, round) over partition ids, not Flower's
-  random node sampling; a partition id is mapped to the node that announced it in the ``query`` exchange;
-- aggregation: :class:`fedhead.core.aggregate.Accumulator` (``fedavg`` size-weighted, or ``grouped`` by class holds)
-  over the replies in partition-id order, exactly as the simulator adds its clients;
+- participation: :func:`fedhead.federation.clients.sample_clients` by (seed, round) over partition ids (the loop's),
+  not Flower's random node sampling; a partition id is mapped to the node that announced it in the ``query``
+  exchange;
+- aggregation: :class:`fedhead.core.aggregate.Accumulator` over the replies in partition-id order, exactly as the
+  simulator adds its clients; the server update (optimiser, SCAFFOLD's ``c``) and evaluation are the loop's;
 - two-stage heads: every train message carries the round (the head's stage is a function of it) and the stage;
 - feature centring/scaling: one real exchange of per-node feature sums before round 1, combined in partition
-  order in float64 (bit-identical to :func:`fedhead.federation.train.federated_feature_stats`), sent back each round;
-- central evaluation of the global head on the server store's test split every round;
-- the run directory of ``fedhead train`` (config.json, rounds.csv with extra ``failures`` columns,
-  summary.json via :func:`fedhead.federation.train.summarize`, clients.csv, head-seed<S>.pt), a checkpoint after every
-  round and ``resume`` after a server restart;
+  order in float64 (bit-identical to :func:`fedhead.federation.clients.federated_feature_stats`), sent each round;
 - faults: a node that raises or does not answer within ``round_timeout`` is recorded as a failure of that
-  round and the round completes with the others; a node without a store or with a store from another
-  encoder refuses the run before round 1 and the server stops with that node's one-line error;
-- SCAFFOLD: the server's ``c`` (and ``N``) in the simulator's :class:`fedhead.core.engine.ScaffoldState`, sent with the
-  head; each node keeps its own ``c_k`` in Flower's ``Context.state`` and returns its delta, which the server adds
-  and applies with the simulator's rule (:class:`NodeVariates` keeps which version of ``c_k`` each node must
-  train from; nodes with a state folder also keep ``c_k`` on disk, so a resumed server continues; a node that lost
-  its ``c_k`` restarts SCAFFOLD from zero variates everywhere);
+  round (the ``failures`` columns of rounds.csv) and the round completes with the others; a node without a store
+  or with a store from another encoder refuses the run before round 1 and the server stops with its one line;
+- SCAFFOLD: the server holds ``c`` (and ``N``) in the simulator's :class:`fedhead.core.engine.ScaffoldState`, sent
+  with the head; each node keeps its own ``c_k`` in Flower's ``Context.state`` and returns its delta, which the
+  server adds with the simulator's rule (:class:`NodeVariates` keeps which version of ``c_k`` each node must train
+  from; nodes with a state folder also keep ``c_k`` on disk, so a resumed server continues; a node that lost its
+  ``c_k`` restarts SCAFFOLD from zero variates everywhere);
 - CCVR: after the last round one ``query.ccvr`` exchange with every node (the simulator's
-  :func:`fedhead.federation.train.ccvr_client_stats` there), pooled in partition order and calibrated by
-  :func:`fedhead.federation.train.ccvr_calibrate`.
-
-:meth:`FedheadStrategy.start` replaces :meth:`flwr.serverapp.strategy.Strategy.start` (which always starts
-at round 1) so that the query exchange, checkpoints and resume fit around the same configure/aggregate calls.
+  :func:`fedhead.federation.clients.ccvr_client_stats` there), pooled in partition order;
+- with ``--secure-aggregation`` every sum comes from Flower's SecAgg+ (:mod:`fedhead.flower.secure`).
 """
 
 from __future__ import annotations
@@ -52,34 +48,19 @@ from extract.store import Features  # noqa: E402
 from fedhead.core.aggregate import Accumulator, aggregator_of  # noqa: E402
 from fedhead.core.ccvr import ClassStats, PooledStats  # noqa: E402
 from fedhead.core.closedform import StatsAccumulator, is_closed_form  # noqa: E402
-from fedhead.core.dp import epsilon_schedule, noisy_feature_sums  # noqa: E402
-from fedhead.core.engine import ScaffoldState, evaluate  # noqa: E402
+from fedhead.core.dp import noisy_feature_sums  # noqa: E402
+from fedhead.core.engine import ScaffoldState  # noqa: E402
 from fedhead.core.heads import create_head, resolve_head_params  # noqa: E402
 from fedhead.core.partitions import resolve_partition_params  # noqa: E402
+from fedhead.federation.clients import FeatureStats, sample_clients  # noqa: E402
 from fedhead.federation.config import TrainConfig  # noqa: E402
-from fedhead.federation.rundir import (  # noqa: E402
-    ROUND_FIELDS,
-    default_run_dir,
-    read_csv,
-    write_clients_per_seed,
-    write_config,
-    write_csv,
-    write_summary,
-)
-from fedhead.federation.train import (
-    CHECKPOINT,
-    PAUSE_ENV,
-    FeatureStats,
-    ServerUpdate,
-    ccvr_calibrate,
-    prepare,
-    sample_clients,
-    solve_statistics,
-    statistics_row,
-    summarize,
-    validate_method,
-)
-from fedhead.flower.common import (
+from fedhead.federation.job import HeadJob  # noqa: E402
+from fedhead.federation.loop import run_job  # noqa: E402
+from fedhead.federation.rundir import RunDir, default_run_dir  # noqa: E402
+from fedhead.federation.server import ServerUpdate  # noqa: E402
+from fedhead.federation.train import head_run_dir, run_record, validate_method  # noqa: E402
+from fedhead.federation.transport import Calibration, Census, Exchange, RoundResult, Transport  # noqa: E402
+from fedhead.flower.common import (  # noqa: E402
     LOG,
     MESSAGE_PREFIX,
     ServerStopped,
@@ -92,17 +73,7 @@ from fedhead.flower.common import (
 from fedhead.flower.secure import SecureRounds  # noqa: E402
 from fedhead.infra.devices import resolve_device  # noqa: E402
 from fedhead.infra.errors import FedheadError  # noqa: E402
-from fedhead.infra.files import atomic_torch_save
-from fedhead.infra.signals import pause_hook, raise_if_stopped
-
-FLOWER_ROUND_FIELDS = ROUND_FIELDS + [
-    "run",
-    "partition",
-    "clients_trained",
-    "failures",
-    "failed_clients",
-    "failure_reason",
-]
+from fedhead.infra.signals import raise_if_stopped  # noqa: E402
 
 
 @dataclass
@@ -130,6 +101,12 @@ class _Round:
     client_ms: list = field(default_factory=list)
     server_s: float = 0.0
     failed: dict = field(default_factory=dict)  # partition id -> reason
+    aggregate: torch.Tensor | None = None  # the rule's result over the replies (None: none arrived)
+
+    def failure_fields(self) -> dict:
+        failed = sorted(self.failed)
+        return {"failures": len(failed), "failed_clients": " ".join(map(str, failed)),
+                "failure_reason": self.failed[failed[0]] if failed else ""}  # fmt: skip
 
 
 def validate_server_config(cfg: TrainConfig, store: Features) -> TrainConfig:
@@ -194,8 +171,13 @@ class NodeVariates:
         }
 
 
-class FedheadStrategy(Strategy):
-    """See the module docstring. ``cfg`` is resolved; ``store`` is the server's (test split used)."""
+class FedheadStrategy(Strategy, Transport):
+    """See the module docstring. ``cfg`` is resolved; ``store`` is the server's (test split used). It is the Flower
+    transport of the round loop (:class:`fedhead.federation.transport.Transport`), and :meth:`start` lends it to
+    the loop."""
+
+    name = "flower"
+    extra_fields = ("run", "partition", "clients_trained", "failures", "failed_clients", "failure_reason")
 
     def __init__(self, cfg: TrainConfig, store: Features, settings: ServerSettings):
         self.cfg, self.store, self.settings = cfg, store, settings
@@ -204,28 +186,26 @@ class FedheadStrategy(Strategy):
         self.fingerprint = json.dumps(store_fingerprint(store.info), sort_keys=True)
         self.cfg_json = config_to_json(cfg)
         self.seed = cfg.seeds[0]
+        self.grid: Grid | None = None  # the Grid of the run (start)
         self.node_of: dict[int, int] = {}  # partition id -> node id
+        self.info: dict = {}  # partition id -> its query reply (this seed)
         self.stats = FeatureStats(None, 1.0, 0, 0)
         self.theta: torch.Tensor | None = None
+        self.server: ServerUpdate | None = None  # the loop's server update of the current round
         self.last = _Round()
+        self._first_round: int | None = None  # the first round this process runs for the current seed
         closed = is_closed_form(cfg.head)
         self.solver = create_head(cfg.head if closed else cfg.init, **cfg.head_params) if (closed or cfg.init) else None
-        self.server = self.server_update()
         self.variates: NodeVariates | None = None  # SCAFFOLD: which c_k each node trains from
         self.lost_variates: str | None = None  # SCAFFOLD: why it must restart before the next round
+        self.restarts: list = []  # SCAFFOLD: the (seed, round) where it restarted
+        self.stop = stop_after()
         # --secure-aggregation: every sum below comes from Flower's SecAgg+ (fedhead.flower.secure)
         self.secure = SecureRounds(self) if cfg.secure_aggregation else None
 
-    def server_update(self) -> ServerUpdate:
-        """The simulator's :class:`fedhead.federation.train.ServerUpdate` for one seed (server optimiser, SCAFFOLD's ``c``).
-        The clients' variates live on their nodes: the server's SCAFFOLD state holds ``c`` and ``N`` only."""
-        shape = (self.store.info.num_classes, self.store.test_x.shape[1] + 1)
-        server = ServerUpdate(replace(self.cfg, scaffold=False), shape, self.device)  # no [N, C, D+1] here
-        if self.cfg.scaffold:
-            server.scaffold = ScaffoldState.held_by(
-                [], torch.zeros(shape, device=self.device), num_clients=self.cfg.clients
-            )
-        return server
+    def scaffold_state(self, shape: tuple, device) -> ScaffoldState:
+        """The server's SCAFFOLD state: ``c`` and ``N`` only, the clients' variates live on their nodes."""
+        return ScaffoldState.held_by([], torch.zeros(shape, device=device), num_clients=self.cfg.clients)
 
     def restart_variates(self, rnd: int, why: str) -> None:
         """SCAFFOLD from zero variates everywhere (``c = 0``; every node's next tag names the zero variate): the
@@ -393,14 +373,13 @@ class FedheadStrategy(Strategy):
             self.server.scaffold.server_update()
             for pid in pids:
                 self.variates.accepted[pid] = server_round
-        theta = self.server.step(self.theta, aggregated)
+        self.last.aggregate = aggregated  # the server update (optimiser) is the loop's, as in the simulator
         self.last.server_s = time.perf_counter() - t0
         self.last.trained = clients
         self.last.loss_sum = float(loss_sum)
         self.last.client_ms = list(client_ms)
-        self.theta = theta
         return (
-            ArrayRecord({"head": Array(theta.cpu().numpy())}),
+            ArrayRecord({"head": Array(aggregated.cpu().numpy())}),
             MetricRecord(
                 {
                     "clients-trained": clients,
@@ -541,7 +520,7 @@ class FedheadStrategy(Strategy):
             s = float(np.sqrt(max(var, 1e-12)))
         return FeatureStats(mean if cfg.center else None, s, up, down)
 
-    def statistics(self, info: dict, pids: list[int], grid: Grid | None = None):
+    def summed_statistics(self, info: dict, pids: list[int], grid: Grid | None = None):
         """The server half of the statistics exchange: the sampled clients' messages added in partition order
         into the accumulator the simulator uses (:class:`fedhead.core.closedform.StatsAccumulator`); with secure
         aggregation their sums, from a SecAgg+ exchange over ``grid``."""
@@ -559,11 +538,87 @@ class FedheadStrategy(Strategy):
             acc.add(m)
         return acc
 
-    def calibrate(self, grid: Grid, rnd: int, xt: torch.Tensor, y_test: torch.Tensor) -> dict:
-        """CCVR after the last round: one ``query.ccvr`` to every node for the class statistics of its prepared
-        features (:func:`fedhead.federation.train.ccvr_client_stats`), pooled in partition order and calibrated by
-        :func:`fedhead.federation.train.ccvr_calibrate`, as the simulator does; returns the ``ccvr`` row (with failures)."""
+    # ---------------------------------------------------------------- the transport of the round loop
+
+    def begin(self, seed: int, partition: str, partition_params: dict, saved: FeatureStats | None) -> Census:
+        """Query every node for the seed (partition ids, class counts and, once, the feature statistics); a resumed
+        seed keeps the statistics of its checkpoint (``saved``)."""
         cfg = self.cfg
+        self.seed, self._first_round = seed, None
+        self.info = self.connect(self.grid, need_stats=saved is None)
+        self.variates = (
+            NodeVariates(cfg.identity(), seed, np.zeros(cfg.clients, dtype=np.int64)) if cfg.scaffold else None
+        )
+        self.lost_variates = None
+        if saved is not None:
+            self.stats = saved
+            return Census(saved, None)
+        if self.secure is not None:  # the server never sees a node's counts: no clients.csv rows
+            self.stats, realised = self.secure.census(self.grid)
+            return Census(self.stats, realised)
+        self.stats = self.combine_stats(self.info)
+        counts = [self.info[p].content["arrays"]["class-counts"].numpy().tolist() for p in range(cfg.clients)]
+        flipped = sum(int(self.info[p].content["metrics"].get("noise-flipped", 0)) for p in range(cfg.clients))
+        total = sum(int(self.info[p].content["metrics"]["num-examples"]) for p in range(cfg.clients))
+        return Census(self.stats, flipped / total if total else 0.0, [int(sum(c)) for c in counts], counts)
+
+    def _start_round(self, rnd: int) -> None:
+        """Before each exchange after this process's first of the seed: learn the nodes that (re)joined."""
+        if self._first_round is None:
+            self._first_round = rnd
+        elif rnd > self._first_round:
+            self.refresh_nodes(self.grid)
+
+    def _secure_bytes(self, clients: int, extra_down: int = 0) -> dict:
+        return self.secure.take_bytes(clients, extra_down) if self.secure is not None else {}
+
+    def statistics(self, selected, solver, seed: int) -> Exchange:
+        """The statistics came with the query (or come from one SecAgg+ exchange): sum the sampled clients'."""
+        self._selected = [int(k) for k in selected]
+        self._start_round(1)
+        t0 = time.perf_counter()
+        acc = self.summed_statistics(self.info, self._selected, self.grid)
+        if self.secure is not None:
+            client_ms = self.secure.client_ms
+        else:
+            client_ms = float(
+                np.mean([float(self.info[p].content["metrics"].get("stats-ms", 0.0)) for p in self._selected])
+            )
+        self.last = _Round(trained=acc.clients)
+        head_bytes = self._head_bytes()
+        extra = {
+            **self.last.failure_fields(),
+            **self._secure_bytes(len(selected), len(selected) * head_bytes if is_closed_form(self.cfg.head) else 0),
+        }
+        return Exchange(acc, client_ms, time.perf_counter() - t0, extra)
+
+    def _head_bytes(self) -> int:
+        return self.store.info.num_classes * (self.store.test_x.shape[1] + 1) * 4
+
+    def train_round(self, theta: torch.Tensor, selected, seed: int, rnd: int, server) -> RoundResult:
+        """One round's train messages to the sampled nodes; their replies summed as the simulator adds them."""
+        self.theta, self.server = theta, server
+        self._start_round(rnd)
+        if self.lost_variates:
+            self.restart_variates(rnd, self.lost_variates)
+            self.restarts.append([seed, rnd])
+            self.lost_variates = None
+        msgs = self.configure_train(rnd, ArrayRecord({"head": Array(theta.cpu().numpy())}), ConfigRecord(), self.grid)
+        if self.secure is not None:
+            self.secure.train_round(self.grid, rnd, msgs)
+        else:
+            self.aggregate_train(rnd, self.grid.send_and_receive(msgs, timeout=self.settings.round_timeout))
+        lr = self.last
+        extra = {**lr.failure_fields(), **self._secure_bytes(len(self._selected))}
+        client_ms = float(np.mean(lr.client_ms)) if lr.client_ms else 0.0
+        return RoundResult(lr.aggregate, lr.trained, lr.loss_sum, client_ms, lr.server_s, extra)
+
+    def ccvr(self, theta: torch.Tensor, seed: int, rnd: int) -> Calibration:
+        """CCVR after the last round: one ``query.ccvr`` to every node for the class statistics of its prepared
+        features (:func:`fedhead.federation.clients.ccvr_client_stats`), pooled in partition order as the simulator
+        pools them (the nodes that fail are the row's failures)."""
+        cfg, grid = self.cfg, self.grid
+        self.theta = theta
         self.refresh_nodes(grid)
         cr = self._round_config(rnd)
         mtype = MessageType.TRAIN if self.secure is not None else "query.ccvr"  # SecAgg+ runs on train messages
@@ -599,33 +654,60 @@ class FedheadStrategy(Strategy):
                 if blob:
                     pooled.add(ClassStats.from_bytes(blob, pooled.dim))
                     up += len(blob)
-        self.theta, row = ccvr_calibrate(
-            self.head, self.theta, pooled, cfg, self.seed, xt, y_test, rnd, cfg.clients, up, client_ms / 1000
-        )
-        if self.secure is not None:
-            row.update(
-                self.secure.take_bytes(cfg.clients, cfg.clients * self.theta.numel() * self.theta.element_size())
-            )
-        lost = sorted(failed)
-        LOG.log(
-            INFO,
-            "[fedhead] seed %s CCVR calibration: accuracy %.4f from %s nodes%s",
-            self.seed,
-            row["accuracy"],
-            len(got),
-            f", {len(lost)} failed ({failed[lost[0]]})" if lost else "",
-        )
-        return {
-            "seed": self.seed,
-            **row,
-            "run": "main",
-            "partition": cfg.partition,
-            "failures": len(lost),
-            "failed_clients": " ".join(map(str, lost)),
-            "failure_reason": failed[lost[0]] if lost else "",
-        }
+        failures = _Round(failed=failed).failure_fields()
+        extra = {**failures, **self._secure_bytes(cfg.clients, cfg.clients * self._head_bytes())}
+        self._ccvr_nodes = len(got)
+        return Calibration(pooled, up, client_ms / 1000, extra)
 
-    # ---------------------------------------------------------------- the run
+    def after_round(self, seed: int, rnd: int, last_round: int, row: dict) -> None:
+        """Log the round; a signal (``fedhead flower simulate``) or the test hook stops the server here, after the
+        round's checkpoint."""
+        failed = f", {row['failures']} failed ({row['failure_reason']})" if row.get("failures") else ""
+        if row.get("stage") == "ccvr":
+            LOG.log(INFO, "[fedhead] seed %s CCVR calibration: accuracy %.4f from %s nodes%s", seed,
+                    row["accuracy"], getattr(self, "_ccvr_nodes", 0), failed)  # fmt: skip
+            return
+        LOG.log(INFO, "[fedhead] seed %s round %s/%s: accuracy %.4f, %s clients trained%s", seed, rnd, last_round,
+                row["accuracy"], row.get("clients_trained", 0), failed)  # fmt: skip
+        raise_if_stopped()  # a signal during `flower simulate`: stop at this consistent point
+        if self.stop is not None and rnd == self.stop:
+            raise ServerStopped(f"server stopped after round {rnd} (FEDHEAD_FLOWER_STOP_AFTER)")
+
+    def unit_state(self) -> dict:
+        return {"variates": self.variates.state_dict() if self.variates is not None else None}
+
+    def load_unit_state(self, state: dict) -> None:
+        """A resumed seed: which version of ``c_k`` each node trains from. A resumed server is a new Flower run:
+        its nodes start with an empty Context.state and find their variates only in a state folder."""
+        v = state.get("variates")
+        if self.variates is None or v is None:
+            return
+        self.variates.accepted[:] = v["accepted"]
+        self.variates.generation = int(v["generation"])
+        self.variates.restarts = list(v.get("restarts", []))
+        self.variates.run = str(v.get("run", ""))
+        lost = [p for p in range(self.cfg.clients) if self.variates.lost(p, self.info[p])]
+        if lost:
+            self.lost_variates = (
+                f"the nodes of partitions {lost} no longer hold their control variates (the server resumed in a new "
+                "Flower run)"
+            )
+
+    def run_state(self) -> dict:
+        return {"scaffold_restarts": list(self.restarts)}
+
+    def load_run_state(self, state: dict) -> None:
+        self.restarts = list(state.get("scaffold_restarts", []))
+
+    def summary_fields(self, rows: list[dict]) -> dict:
+        out = {"runtime": "flower", "failures": int(sum(int(r.get("failures") or 0) for r in rows))}
+        if self.cfg.scaffold:
+            out["scaffold_restarts"] = [{"seed": int(s), "round": int(r)} for s, r in self.restarts]
+        if self.secure is not None:
+            out["secure_aggregation"] = self.secure.summary()
+        return out
+
+    # ---------------------------------------------------------------- the run: the one round loop over this transport
 
     def start(
         self,
@@ -637,270 +719,37 @@ class FedheadStrategy(Strategy):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn=None,
     ) -> RunOutcome:
-        cfg, st = self.cfg, self.settings
+        """Run the configuration through :func:`fedhead.federation.loop.run_job` with this strategy as its
+        transport, in the run directory ``settings.out`` (Flower's own ``Strategy.start`` always begins at round
+        1; this one resumes from the checkpoint)."""
+        st = self.settings
+        self.grid = grid
         if timeout is not None:
             st.round_timeout = timeout
-        rounds = 1 if is_closed_form(cfg.head) else (num_rounds or cfg.rounds)
-        privacy = epsilon_schedule(cfg, rounds)  # DP: epsilon per round ({} without DP)
+        if num_rounds:
+            self.cfg = replace(self.cfg, rounds=int(num_rounds))
+        cfg = self.cfg
         run_dir = Path(st.out) if st.out else default_run_dir(st.runs_root, "flower", cfg.head, cfg.partition)
-        ckpt_path = run_dir / CHECKPOINT
-        ckpt = self._load_resume(run_dir, ckpt_path)
-        if isinstance(ckpt, RunOutcome):
-            return ckpt
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_config(
-            run_dir,
-            {
-                "identity": cfg.identity(),
-                "config": cfg.to_dict(),
-                "head_params": resolve_head_params(cfg.head, **cfg.head_params),
-                "partition_params": resolve_partition_params(cfg.partition, **cfg.partition_params),
-                "store": {
-                    "path": str(self.store.info.path),
-                    **self.store.info.attrs,
-                    "shapes": {k: list(v) for k, v in self.store.info.shapes.items()},
-                },
-                "device": str(self.device),
-                "torch_version": torch.__version__,
-                "runtime": "flower",
-                "flower_version": _flwr_version(),
-                "round_timeout_s": st.round_timeout,
-                "randomness": "numpy default_rng keyed by (seed, round[, client, epoch]); no global seeding",
-            },
-        )
+        run = flower_run_dir(cfg, self.store, run_dir, st.resume)
+        opened = run.open()
+        if opened.kind == "finished":
+            return RunOutcome(run_dir, opened.summary, opened.rows)
+        if opened.kind == "resume":
+            ck = opened.checkpoint
+            LOG.log(
+                INFO, "[fedhead] resuming %s after round %s of seed %s", run_dir, ck["current"]["round"], ck["seed"]
+            )
+        run.prepare({**run_record(cfg, self.store, self.device, "flower"), "flower_version": _flwr_version(),
+                     "round_timeout_s": st.round_timeout}, opened)  # fmt: skip
         self.summary()
-
-        rows: list[dict] = list(ckpt["rows"]) if ckpt else []
-        done: set = set(ckpt["done_seeds"]) if ckpt else set()
-        realised: dict = dict(ckpt.get("realised", {})) if ckpt else {}
-        client_rows: list = list(ckpt.get("client_rows", [])) if ckpt else []
-        restarts: list = list(ckpt.get("scaffold_restarts", [])) if ckpt else []  # SCAFFOLD: (seed, round)
-        wall0 = time.perf_counter() - (ckpt["wall_s"] if ckpt else 0.0)
-        C, D = self.store.info.num_classes, self.store.test_x.shape[1]
-        y_test = torch.as_tensor(self.store.test_y, device=self.device)
-        stop = stop_after()
-        for seed in cfg.seeds:
-            if seed in done:
-                continue
-            self.seed = seed
-            resuming = ckpt is not None and ckpt["current"] == seed
-            info = self.connect(grid, need_stats=not resuming)
-            self.server = self.server_update()  # a fresh server optimiser and SCAFFOLD c per seed
-            if cfg.scaffold:
-                self.variates = NodeVariates(cfg.identity(), seed, np.zeros(cfg.clients, dtype=np.int64))
-            self.lost_variates = None
-            if resuming:
-                s = ckpt["stats"]
-                self.stats = FeatureStats(
-                    None if s["mean"] is None else np.asarray(s["mean"]), s["scale"], s["up"], s["down"]
-                )
-                self.theta = ckpt["theta"].to(self.device)
-                start = int(ckpt["round"]) + 1
-                self.server.load_state_dict(ckpt.get("server", {}), self.device)
-                if self.variates is not None:
-                    v = ckpt["variates"]
-                    self.variates.accepted[:] = v["accepted"]
-                    self.variates.generation = int(v["generation"])
-                    self.variates.run = str(v.get("run", ""))
-                    # a resumed server is a new Flower run: its nodes start with an empty Context.state and find
-                    # their variates only if they keep them in a state folder (node config state-dir)
-                    lost = [p for p in range(cfg.clients) if self.variates.lost(p, info[p])]
-                    if lost:
-                        self.lost_variates = (
-                            f"the nodes of partitions {lost} no longer hold their control variates "
-                            "(the server resumed in a new Flower run)"
-                        )
-            else:
-                self.theta = torch.zeros(C, D + 1, device=self.device)
-                start = 1
-                if self.secure is not None:  # the server never sees a node's counts: no clients.csv rows
-                    self.stats, realised[f"{seed}:main"] = self.secure.census(grid)
-                else:
-                    self.stats = self.combine_stats(info)
-                    counts = [info[p].content["arrays"]["class-counts"].numpy().tolist() for p in range(cfg.clients)]
-                    client_rows = [r for r in client_rows if r["seed"] != seed]
-                    client_rows.append({"seed": seed, "sizes": [int(sum(c)) for c in counts], "counts": counts})
-                    flipped = sum(int(info[p].content["metrics"].get("noise-flipped", 0)) for p in range(cfg.clients))
-                    total = sum(int(info[p].content["metrics"]["num-examples"]) for p in range(cfg.clients))
-                    realised[f"{seed}:main"] = flipped / total if total else 0.0
-            xt = prepare(self.store.test_x, self.stats, self.device)
-            head_bytes = self.theta.numel() * self.theta.element_size()
-            msg_bytes = aggregator_of(cfg).nbytes(self.theta)
-            down = self.server.transfer_multiplier() * head_bytes  # SCAFFOLD's c travels too
-            up = down - head_bytes + msg_bytes  # the rule's message (+ the c_k delta)
-            for rnd in range(start, rounds + 1):
-                extra_up = self.stats.bytes_up_per_client if rnd == 1 else 0
-                extra_down = self.stats.bytes_down_per_client if rnd == 1 else 0
-                stats_clients = cfg.clients if rnd == 1 else 0
-                if self.solver is not None and rnd == 1:
-                    # the statistics came with the query: sum the sampled clients' messages, solve
-                    sel = sample_clients(cfg.clients, cfg.participation, seed, 1)
-                    self._selected = [int(k) for k in sel]
-                    t0 = time.perf_counter()
-                    sacc = self.statistics(info, self._selected, grid)
-                    t1 = time.perf_counter()
-                    self.theta = solve_statistics(self.solver, sacc, cfg, self.stats, self.device, seed=seed)
-                    row = statistics_row(
-                        sacc,
-                        0.0,
-                        time.perf_counter() - t1,
-                        cfg,
-                        len(sel),
-                        head_bytes,
-                        extra_up,
-                        stats_clients * (extra_up + extra_down),
-                    )
-                    row["client_ms"] = (
-                        self.secure.client_ms
-                        if self.secure is not None
-                        else float(
-                            np.mean([float(info[p].content["metrics"].get("stats-ms", 0.0)) for p in self._selected])
-                        )
-                    )
-                    row["server_ms"] = 1000 * (time.perf_counter() - t0)
-                    self.last = _Round(trained=sacc.clients)
-                    lr = self.last
-                else:
-                    if rnd > start:
-                        self.refresh_nodes(grid)
-                    if self.lost_variates:
-                        self.restart_variates(rnd, self.lost_variates)
-                        restarts.append([seed, rnd])
-                        self.lost_variates = None
-                    arrays = ArrayRecord({"head": Array(self.theta.cpu().numpy())})
-                    msgs = self.configure_train(rnd, arrays, ConfigRecord(), grid)
-                    if self.secure is not None:
-                        self.secure.train_round(grid, rnd, msgs)
-                    else:
-                        self.aggregate_train(rnd, grid.send_and_receive(msgs, timeout=st.round_timeout))
-                    lr = self.last
-                    row = {
-                        "stage": self.head.stage(rnd),
-                        "train_loss": lr.loss_sum / max(1, lr.trained),
-                        "client_ms": float(np.mean(lr.client_ms)) if lr.client_ms else 0.0,
-                        "server_ms": 1000 * lr.server_s,
-                        "bytes_up_per_client": up + extra_up,
-                        "bytes_total": len(self._selected) * (up + down) + stats_clients * (extra_up + extra_down),
-                        "clients_trained": lr.trained,
-                    }
-                if self.secure is not None:  # every SecAgg+ message of the round (a closed-form head: + its head)
-                    row.update(
-                        self.secure.take_bytes(
-                            len(self._selected), len(self._selected) * head_bytes if is_closed_form(cfg.head) else 0
-                        )
-                    )
-                evaluate_now = rnd % cfg.eval_every == 0 or rnd == rounds
-                acc = evaluate(self.theta, xt, y_test) if evaluate_now else float("nan")
-                failed = sorted(lr.failed)
-                rows.append(
-                    {
-                        "seed": seed,
-                        "round": rnd,
-                        "accuracy": acc,
-                        **row,
-                        "ratio_to_iid": None,
-                        "run": "main",
-                        "partition": cfg.partition,
-                        "failures": len(failed),
-                        "failed_clients": " ".join(map(str, failed)),
-                        "failure_reason": lr.failed[failed[0]] if failed else "",
-                        **privacy.get(rnd, {}),
-                    }
-                )
-                LOG.log(
-                    INFO,
-                    "[fedhead] seed %s round %s/%s: accuracy %.4f, %s clients trained%s",
-                    seed,
-                    rnd,
-                    rounds,
-                    acc,
-                    lr.trained,
-                    f", {len(failed)} failed ({lr.failed[failed[0]]})" if failed else "",
-                )
-                atomic_torch_save(
-                    {
-                        "identity": cfg.identity(),
-                        "current": seed,
-                        "round": rnd,
-                        "theta": self.theta.cpu(),
-                        "rows": rows,
-                        "done_seeds": sorted(done),
-                        "realised": realised,
-                        "client_rows": client_rows,
-                        "stats": {
-                            "mean": self.stats.mean,
-                            "scale": self.stats.scale,
-                            "up": self.stats.bytes_up_per_client,
-                            "down": self.stats.bytes_down_per_client,
-                        },
-                        "server": self.server.state_dict(),
-                        "variates": self.variates.state_dict() if self.variates is not None else None,
-                        "scaffold_restarts": restarts,
-                        "wall_s": time.perf_counter() - wall0,
-                    },
-                    ckpt_path,
-                )
-                write_csv(run_dir / "rounds.csv", rows, FLOWER_ROUND_FIELDS)
-                pause_hook(PAUSE_ENV, len(rows))
-                raise_if_stopped()  # a signal during `flower simulate`: stop at this consistent point
-                if stop is not None and rnd == stop:
-                    raise ServerStopped(f"server stopped after round {rnd} ({'FEDHEAD_FLOWER_STOP_AFTER'})")
-            if cfg.calibrate == "ccvr":
-                rows.append(self.calibrate(grid, rounds + 1, xt, y_test))
-                write_csv(run_dir / "rounds.csv", rows, FLOWER_ROUND_FIELDS)
-            ckpt = None
-            done.add(seed)
-            torch.save(self.theta.cpu(), run_dir / f"head-seed{seed}.pt")
-
-        write_csv(run_dir / "rounds.csv", rows, FLOWER_ROUND_FIELDS)
-        if client_rows:  # none with --secure-aggregation
-            write_clients_per_seed(run_dir, client_rows)
-        summary = summarize(rows, cfg, realised, time.perf_counter() - wall0)
-        summary["runtime"] = "flower"
-        summary["failures"] = int(sum(r["failures"] for r in rows))
-        if cfg.scaffold:
-            summary["scaffold_restarts"] = [{"seed": int(s), "round": int(r)} for s, r in restarts]
-        if self.secure is not None:
-            summary["secure_aggregation"] = self.secure.summary()
-        write_summary(run_dir, summary)
-        if ckpt_path.exists():
-            ckpt_path.unlink()
+        summary, rows = run_job(HeadJob(cfg, self.store, self), run, opened, progress=False)
         return RunOutcome(run_dir, summary, rows)
 
-    def _load_resume(self, run_dir: Path, ckpt_path: Path):
-        cfg = self.cfg
-        if not self.settings.resume:
-            if run_dir.exists() and any(run_dir.iterdir()):
-                raise FedheadError(
-                    f"The 'run-dir' parameter names {str(run_dir)!r}, which already holds files. "
-                    "Use resume=true to continue that run, or choose another run-dir."
-                )
-            return None
-        if not ckpt_path.exists():
-            if (run_dir / "summary.json").exists() and (run_dir / "config.json").exists():
-                prev = json.loads((run_dir / "config.json").read_text())
-                if prev.get("identity") != cfg.identity():
-                    raise FedheadError(
-                        f"The 'resume' option found a run in {str(run_dir)!r} with a different "
-                        "configuration. Use the same options, or a new run-dir."
-                    )
-                return RunOutcome(
-                    run_dir, json.loads((run_dir / "summary.json").read_text()), read_csv(run_dir / "rounds.csv")
-                )
-            if run_dir.exists() and any(run_dir.iterdir()):
-                raise FedheadError(
-                    f"The 'resume' option needs a checkpoint in {str(run_dir)!r}, but none "
-                    "exists. Run without resume, or name the run's directory."
-                )
-            return None  # nothing there yet: a fresh run
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        if ckpt.get("identity") != cfg.identity():
-            raise FedheadError(
-                f"The 'resume' option found a run in {str(run_dir)!r} with a different "
-                "configuration. Use the same options as the interrupted run, or a new run-dir."
-            )
-        LOG.log(INFO, "[fedhead] resuming %s after round %s of seed %s", run_dir, ckpt["round"], ckpt["current"])
-        return ckpt
+
+def flower_run_dir(cfg: TrainConfig, store: Features, run_dir: Path, resume: bool) -> RunDir:
+    """The run directory of a Flower server: resumed with ``resume``; a restarted server that finds nothing saved
+    starts afresh; more rounds for a finished run are refused (its nodes' state is gone)."""
+    return head_run_dir(cfg, store, run_dir, resume, out_param="run-dir", resume_param="resume", restart_ok=True)
 
 
 def _flwr_version() -> str:

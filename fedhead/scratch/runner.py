@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -26,16 +25,21 @@ from typing import Callable
 import numpy as np
 import torch
 
+from fedhead.federation.loop import PAUSE_ENV, Job, run_job, writing
 from fedhead.federation.rundir import (
+    CHECKPOINT,
+    RunDir,
     acc95_round,
+    identity_hash,
     mean_std,
     write_clients,
-    write_config,
     write_csv,
-    write_rounds,
     write_summary,
 )
+from fedhead.infra.devices import resolve_device, set_cpu_threads
 from fedhead.infra.errors import FedheadError, Interval, OneOf, param_error, validate
+from fedhead.infra.files import atomic_path, atomic_torch_save, check_out
+from fedhead.infra.locks import exclusive_writer
 from fedhead.scratch.algorithms import ALGORITHMS, HEAD_SPLIT, create_algorithm
 from fedhead.scratch.data import ScratchData, color_skew, grayscale_, load_dataset, subsample
 from fedhead.scratch.models import MODELS, check_model_input, create_model, weight_layers
@@ -542,22 +546,31 @@ def draw_shared(num_train: int, sizes, beta: float, seed: int) -> np.ndarray:
     return np.sort(rng.choice(num_train, size=min(n, num_train), replace=False))
 
 
-CHECKPOINT = "checkpoint.pt"
-CHECKPOINT_FORMAT = 1
-PAUSE_ENV = "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS"  # test hook "k:FILE": after the k-th round row, pid -> FILE, sleep
-from fedhead.infra.errors import SPACE_ERRNOS  # noqa: E402
+__all__ = ["CHECKPOINT", "PAUSE_ENV", "ScratchConfig", "ScratchJob", "resolve_config", "run_scratch"]
 
 
-def config_identity(cfg: ScratchConfig) -> str:
-    """Hash of everything in the resolved configuration that determines the results (for --resume checks);
-    the device is left out (as ``fedhead train`` does) and the data folder is compared as an absolute path."""
+def identity_fields(cfg: ScratchConfig) -> dict:
+    """Everything in the resolved configuration that determines the results (compared on --resume, each difference
+    named); the device is left out (as ``fedhead train`` does) and the data folder is compared as an absolute
+    path."""
     d = dataclasses.asdict(cfg)
     d.pop("device", None)
     for key, unset in (("share_fraction", 0.0), ("prox_mu", None), ("head_layers", None), ("body_epochs", None)):
         if d.get(key) == unset:  # options added later: at their defaults, a run keeps its earlier identity
             d.pop(key)
     d["data_dir"] = str(Path(cfg.data_dir).resolve())
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return json.loads(json.dumps(d, sort_keys=True, default=str))
+
+
+def _recorded_identity(record: dict) -> dict:
+    """:func:`identity_fields` of the run a config.json describes (its data folder as recorded)."""
+    names = {f.name for f in dataclasses.fields(ScratchConfig)}
+    return identity_fields(ScratchConfig(**{k: v for k, v in record.items() if k in names}))
+
+
+def config_identity(cfg: ScratchConfig) -> str:
+    """The short hash of :func:`identity_fields` (config.json's ``identity``)."""
+    return identity_hash(identity_fields(cfg))
 
 
 @contextlib.contextmanager
@@ -570,72 +583,6 @@ def _keyed_torch_rng(seed: int, rnd: int, device: torch.device):
         key = int(np.random.SeedSequence([seed, rnd, 0x5C2A7C4]).generate_state(1, np.uint64)[0] >> 1)
         torch.manual_seed(key)
         yield
-
-
-def run_seed(
-    cfg: ScratchConfig,
-    data: ScratchData,
-    seed: int,
-    device,
-    log,
-    progress=None,
-    on_round: Callable[[dict], None] | None = None,
-    resume: dict | None = None,
-) -> dict:
-    """One seed's federated run; returns rows, client table, extras and the final global ``state`` (no files
-    written). After every round ``on_round`` gets the seed's snapshot: ``round``, ``rows`` so far, ``state``
-    (the global model, CPU tensors), ``algo`` (the algorithm's own state), ``rng`` and ``gen`` (the random
-    state). ``resume`` is such a snapshot: the run continues after its round exactly as it would have."""
-    ctx = _setup(cfg, data, seed, device, log)
-    algo = create_algorithm(cfg.algo)
-    algo.setup(ctx)
-    if resume is None:
-        state = {n: p.to(device) for n, p in algo.init(ctx).items()}
-        rows, start = [], 1
-    else:
-        state = {n: p.to(device) for n, p in resume["state"].items()}
-        algo.load_state_dict(resume["algo"])
-        ctx.rng.bit_generator.state = resume["rng"]
-        ctx.gen.set_state(resume["gen"])
-        rows, start = [dict(r) for r in resume["rows"]], int(resume["round"]) + 1
-    total_rounds = cfg.rounds + (cfg.prepass_rounds if cfg.algo == "dnc" else 0)
-    per_round = max(1, int(round(cfg.participation * cfg.clients)))
-    task = (
-        progress.add_task(f"{cfg.algo} seed {seed}", total=total_rounds, completed=start - 1, info="")
-        if progress
-        else None
-    )
-    for rnd in range(start, total_rounds + 1):
-        with _keyed_torch_rng(seed, rnd, device):
-            state, row = _round(ctx, algo, state, rnd, per_round)
-        rows.append(row)
-        if on_round:
-            on_round(
-                {
-                    "round": rnd,
-                    "rows": rows,
-                    "state": {n: p.detach().cpu() for n, p in state.items()},
-                    "algo": algo.state_dict(),
-                    "rng": ctx.rng.bit_generator.state,
-                    "gen": ctx.gen.get_state(),
-                }
-            )
-        if progress:
-            extra = "".join(f" {k.split('_')[0]} {row[k]:.3f}" for k in ("pfl_accuracy", "drift_accuracy") if k in row)
-            progress.update(task, advance=1, info=f"acc {row['accuracy']:.3f}{extra} [{row['stage']}]")
-    out = {
-        "rows": rows,
-        "counts": ctx.client_counts,
-        "sizes": np.array([len(p) for p in ctx.parts]),
-        "client_extra": ctx.client_extra,
-        "info": ctx.info,
-        "layers": ctx.layers,
-        "state": {n: p.detach().cpu() for n, p in algo.export(state).items()},
-    }
-    if cfg.algo == "dnc":
-        out["divergence"] = algo.div_rows
-        out["split_layer"] = algo.split
-    return out
 
 
 def _round(ctx: Context, algo, state, rnd: int, per_round: int):
@@ -689,39 +636,11 @@ def _last_mean(values, n=5):
     return float(np.mean(v[-n:])) if v else float("nan")
 
 
-# ---------------------------------------------------------------- writing the run directory
-
-
-def _resume_hint(run_dir: Path) -> str:
-    if (run_dir / "config.json").exists():
-        return f"re-run the same command with --resume --out {run_dir} to continue"
-    return "re-run the same command"
-
-
-def _write_error(path: Path, exc: OSError, run_dir: Path) -> FedheadError:
-    """One line for a failed write in the run directory: what, why, and how to continue."""
-    why = (exc.strerror or str(exc)).replace("\n", " ")
-    if exc.errno in SPACE_ERRNOS:
-        return FedheadError(
-            f"No space left while writing {str(path)!r} ({why}); free space (or raise the file "
-            f"size limit) and {_resume_hint(run_dir)}."
-        )
-    return FedheadError(f"Writing {str(path)!r} failed ({why}); fix the cause and {_resume_hint(run_dir)}.")
-
-
-@contextlib.contextmanager
-def _writing(path: Path, run_dir: Path):
-    """Turn an OSError of the write of ``path`` into the one-line error (the atomic helpers leave no file
-    behind: the temporary file is removed, the final name keeps its previous content)."""
-    try:
-        yield
-    except OSError as exc:
-        raise _write_error(path, exc, run_dir) from None
+# ---------------------------------------------------------------- the run: the one round loop over a ScratchJob
 
 
 def save_torch(obj, path: Path) -> None:
     """``torch.save`` atomically; a failed write raises its OSError and leaves nothing behind."""
-    from fedhead.infra.files import atomic_torch_save
 
     atomic_torch_save(obj, path)
 
@@ -742,162 +661,123 @@ def run_scratch(
     progress=None,
     resume: bool = False,
 ) -> dict:
-    """Resolve, load, run (or, with ``resume``, continue) every seed, write the run directory; returns the
-    summary. Everything is validated before anything is written; the run directory has one writer."""
-    from fedhead.infra.devices import resolve_device
-    from fedhead.infra.files import check_out
-    from fedhead.infra.locks import exclusive_writer
-    from fedhead.infra.signals import Interrupted
-
+    """Resolve, load, run (or, with ``resume``, continue) every seed through the one round loop
+    (:func:`fedhead.federation.loop.run_job`), write the run directory; returns the summary. Everything is validated
+    before anything is written; the run directory has one writer. ``progress``: show progress bars (any truthy
+    value; the loop draws them on stderr)."""
     cfg, data = check_config(cfg)
     device = resolve_device(cfg.device)
     out_dir = check_out(out_dir, kind="dir")
-    with exclusive_writer(out_dir, f"the run directory {str(out_dir)!r}"):
-        try:
-            return _run_locked(cfg, data, device, out_dir, resume, log, progress)
-        except Interrupted as exc:
-            if (out_dir / "config.json").exists():
-                msg = (
-                    f"interrupted; the checkpoint in {str(out_dir)!r} is consistent: re-run the same command "
-                    f"with --resume --out {out_dir} to continue"
-                )
-            else:
-                msg = f"interrupted before anything was written to {str(out_dir)!r}; re-run the same command"
-            raise Interrupted(exc.signum, msg) from None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise FedheadError(
-            f"The '--resume' option cannot read {str(path)!r} ({exc}). Choose another --out, or "
-            "run again without --resume into an empty one."
-        ) from None
-
-
-def _run_locked(cfg: ScratchConfig, data: ScratchData, device, out_dir: Path, resume: bool, log, progress) -> dict:
-    from fedhead.infra.devices import set_cpu_threads
-    from fedhead.infra.signals import pause_hook, signals_deferred
-
-    threads = set_cpu_threads() if device.type == "cpu" else None
-    identity = config_identity(cfg)
-    ckpt_path, config_path, summary_path = out_dir / CHECKPOINT, out_dir / "config.json", out_dir / "summary.json"
-    ckpt = None
-    if out_dir.exists() and not out_dir.is_dir():
-        raise FedheadError(f"The '--out' parameter names {str(out_dir)!r}, which is a file. Choose a directory.")
-    if resume:
-        if not config_path.exists():
-            raise FedheadError(
-                f"The '--resume' option needs a run to continue in {str(out_dir)!r}, but it holds "
-                "none (no config.json). Run without --resume, or name the interrupted run with "
-                "--out."
-            )
-        prev = _read_json(config_path)
-        if prev.get("identity") != identity:
-            raise FedheadError(
-                f"The '--resume' option found a run in {str(out_dir)!r} with a different "
-                "configuration. Use the same options as the interrupted run, or a new --out."
-            )
-        if threads is not None and prev.get("cpu_threads"):
-            threads = set_cpu_threads(int(prev["cpu_threads"]))  # the bits of a round follow the thread count
-        if ckpt_path.exists():
-            try:
-                ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-            except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint is the same one-line error
-                raise FedheadError(
-                    f"The '--resume' option cannot read the checkpoint {str(ckpt_path)!r} "
-                    f"({type(exc).__name__}). Choose another --out, or run again without "
-                    "--resume into an empty one."
-                ) from None
-            if ckpt.get("identity") != identity or ckpt.get("format") != CHECKPOINT_FORMAT:
-                raise FedheadError(
-                    f"The '--resume' option found a checkpoint in {str(out_dir)!r} of a different "
-                    "configuration. Use the same options as the interrupted run, or a new --out."
-                )
-        elif summary_path.exists():
-            return _read_json(summary_path)  # a finished run: reported again
-        # else: stopped before its first round was saved; nothing to keep, it starts over
-    elif out_dir.exists() and any(out_dir.iterdir()):
-        raise FedheadError(
-            f"The '--out' parameter names {str(out_dir)!r}, which already holds files. Use "
-            "--resume to continue that run, or choose another --out."
-        )
-    with _writing(out_dir, out_dir):
-        out_dir.mkdir(parents=True, exist_ok=True)
-    base_config = {
-        "command": "scratch",
-        "identity": identity,
-        **dataclasses.asdict(cfg),
-        "device_resolved": str(device),
-        "cpu_threads": threads,
-        "torch_version": torch.__version__,
-        "num_classes": data.num_classes,
-        "classes": data.classes,
-        "in_shape": list(data.in_shape),
-        "randomness": "numpy default_rng(seed) per seed, its state checkpointed after every round; "
-        "init from torch.Generator(seed); global torch RNG keyed by (seed, round)",
-        "bytes_accounting": "per round, each participating client downloads and uploads exactly the "
-        "tensors it sends (fp32: the trained tensors; personalised algorithms only "
-        "the shared ones, local none; SCAFFOLD also one control variate each way); "
-        "bytes_total = down + up over clients; with --share-fraction, the shared "
-        "set (uint8 pixels or float32 MFCCs, int64 labels) sent to every client "
-        "once, counted in round 1 (bytes_shared_data)",
-        "accuracy_of": ALGORITHMS[cfg.algo].accuracy_of,
-    }
-    with _writing(config_path, out_dir):
-        write_config(out_dir, {**base_config, "data_info": dict(data.info)})
-
-    results: list[dict] = list(ckpt["done"]) if ckpt else []
-    all_rows = [r for res in results for r in res["rows"]]
-    wall0 = time.perf_counter() - (float(ckpt["wall_s"]) if ckpt else 0.0)
-    for i, seed in enumerate(cfg.seeds):
-        if i < len(results):
-            continue
-        current = ckpt["current"] if ckpt is not None and ckpt["index"] == i else None
-
-        def on_round(snap: dict, i=i, seed=seed) -> None:
-            rows = all_rows + snap["rows"]  # noqa: B023 - called within this seed's iteration
-            with signals_deferred():  # the checkpoint and rounds.csv move together
-                with _writing(ckpt_path, out_dir):
-                    save_torch(
-                        {
-                            "format": CHECKPOINT_FORMAT,
-                            "identity": identity,
-                            "index": i,
-                            "seed": seed,
-                            "current": snap,
-                            "done": results,
-                            "wall_s": time.perf_counter() - wall0,
-                        },
-                        ckpt_path,
-                    )
-                with _writing(out_dir / "rounds.csv", out_dir):
-                    write_rounds(out_dir, rows)
-            pause_hook(PAUSE_ENV, len(rows))
-
-        res = run_seed(cfg, data, seed, device, log, progress, on_round=on_round, resume=current)
-        with _writing(out_dir / f"model-seed{seed}.pt", out_dir):
-            save_torch(res.pop("state"), out_dir / f"model-seed{seed}.pt")  # the final global model
-        results.append(res)
-        all_rows += res["rows"]
-    wall = time.perf_counter() - wall0
-    summary = _finish(cfg, data, out_dir, base_config, results, all_rows, wall)
-    ckpt_path.unlink(missing_ok=True)
+    run = RunDir(out_dir, identity_fields(cfg), resume=resume, identity_of=_recorded_identity)
+    with exclusive_writer(out_dir, f"the run directory {str(out_dir)!r}"), run.interrupted():
+        opened = run.open()
+        if opened.kind == "finished":
+            return opened.summary  # a finished run: reported again
+        threads = None
+        if device.type == "cpu":  # the bits of a round follow the thread count: a continued run keeps its own
+            threads = set_cpu_threads(opened.previous.get("cpu_threads") if opened.kind != "fresh" else None)
+        job = ScratchJob(cfg, data, device, log, run, threads)
+        with writing(run, out_dir / "config.json"):
+            run.prepare({**job.base_config, "data_info": dict(data.info)}, opened)
+        summary, _ = run_job(job, run, opened, progress=bool(progress))
     return summary
 
 
+class ScratchJob(Job):
+    """A scratch network trained by one of the registered algorithms (:mod:`fedhead.scratch.algorithms`), one unit
+    per seed: the loop checkpoints the global model, the algorithm's own state (D&C's split, personal tensors,
+    SCAFFOLD's variates) and the random state after every round."""
+
+    def __init__(self, cfg: ScratchConfig, data: ScratchData, device, log, run: RunDir, threads: int | None):
+        self.cfg, self.data, self.device, self.log, self.run = cfg, data, device, log, run
+        self.rounds = cfg.rounds + (cfg.prepass_rounds if cfg.algo == "dnc" else 0)
+        self.per_round = max(1, int(round(cfg.participation * cfg.clients)))
+        self.base_config = {
+            "command": "scratch",
+            **dataclasses.asdict(cfg),
+            "device_resolved": str(device),
+            "cpu_threads": threads,
+            "torch_version": torch.__version__,
+            "num_classes": data.num_classes,
+            "classes": data.classes,
+            "in_shape": list(data.in_shape),
+            "randomness": "numpy default_rng(seed) per seed, its state checkpointed after every round; "
+            "init from torch.Generator(seed); global torch RNG keyed by (seed, round)",
+            "bytes_accounting": "per round, each participating client downloads and uploads exactly the "
+            "tensors it sends (fp32: the trained tensors; personalised algorithms only "
+            "the shared ones, local none; SCAFFOLD also one control variate each way); "
+            "bytes_total = down + up over clients; with --share-fraction, the shared "
+            "set (uint8 pixels or float32 MFCCs, int64 labels) sent to every client "
+            "once, counted in round 1 (bytes_shared_data)",
+            "accuracy_of": ALGORITHMS[cfg.algo].accuracy_of,
+        }
+
+    def units(self) -> list[tuple]:
+        return [(seed,) for seed in self.cfg.seeds]
+
+    def label(self, unit: tuple) -> str:
+        return f"{self.cfg.algo} seed {unit[0]}"
+
+    def last_round(self, unit: tuple) -> int:
+        return self.rounds
+
+    def start(self, unit: tuple, saved: dict | None) -> tuple[int, list]:
+        """The seed's deterministic setup, then its state: fresh, or the checkpoint's (the run continues after its
+        round exactly as it would have)."""
+        seed, device = unit[0], self.device
+        self.ctx = _setup(self.cfg, self.data, seed, device, self.log)
+        self.algo = create_algorithm(self.cfg.algo)
+        self.algo.setup(self.ctx)
+        if saved is None:
+            self.state = {n: p.to(device) for n, p in self.algo.init(self.ctx).items()}
+            return 1, []
+        self.state = {n: p.to(device) for n, p in saved["state"].items()}
+        self.algo.load_state_dict(saved["algo"])
+        self.ctx.rng.bit_generator.state = saved["rng"]
+        self.ctx.gen.set_state(saved["gen"])
+        return int(saved["round"]) + 1, [dict(r) for r in saved["rows"]]
+
+    def round(self, unit: tuple, rnd: int) -> dict:
+        with _keyed_torch_rng(unit[0], rnd, self.device):
+            self.state, row = _round(self.ctx, self.algo, self.state, rnd, self.per_round)
+        return row
+
+    def unit_state(self) -> dict:
+        """The global model (CPU tensors), the algorithm's own state and the random state."""
+        return {
+            "state": {n: p.detach().cpu() for n, p in self.state.items()},
+            "algo": self.algo.state_dict(),
+            "rng": self.ctx.rng.bit_generator.state,
+            "gen": self.ctx.gen.get_state(),
+        }
+
+    def progress_info(self, row: dict) -> str:
+        extra = "".join(f" {k.split('_')[0]} {row[k]:.3f}" for k in ("pfl_accuracy", "drift_accuracy") if k in row)
+        return f"acc {row['accuracy']:.3f}{extra} [{row['stage']}]"
+
+    def finish_unit(self, unit: tuple, rows: list) -> tuple[list, dict]:
+        """The seed's final global model into ``model-seed<S>.pt``; its client table and extras are kept."""
+        ctx, seed = self.ctx, unit[0]
+        path = self.run.path / f"model-seed{seed}.pt"
+        with writing(self.run, path):
+            save_torch({n: p.detach().cpu() for n, p in self.algo.export(self.state).items()}, path)
+        kept = {"counts": ctx.client_counts, "sizes": np.array([len(p) for p in ctx.parts]),
+                "client_extra": ctx.client_extra, "info": ctx.info, "layers": ctx.layers}  # fmt: skip
+        if self.cfg.algo == "dnc":
+            kept["divergence"] = self.algo.div_rows
+            kept["split_layer"] = self.algo.split
+        return [], kept
+
+    def finish(self, run: RunDir, done: list, rows: list, wall_s: float) -> dict:
+        return _finish(self.cfg, self.data, run, self.base_config, done, wall_s)
+
+
 def _finish(
-    cfg: ScratchConfig,
-    data: ScratchData,
-    out_dir: Path,
-    base_config: dict,
-    results: list[dict],
-    all_rows: list[dict],
-    wall: float,
+    cfg: ScratchConfig, data: ScratchData, run: RunDir, base_config: dict, results: list[dict], wall: float
 ) -> dict:
-    """The final files: config.json (with what the runs found), rounds.csv, clients.csv, summary.json and,
-    for D&C, divergence.csv/png."""
+    """The final files: config.json (with what the runs found), clients.csv, summary.json and, for D&C,
+    divergence.csv/png (rounds.csv is the loop's)."""
+    out_dir = run.path
     first = results[0]
     config = {
         **base_config,
@@ -906,64 +786,64 @@ def _finish(
     }
     if cfg.algo == "dnc":
         config["split_layer_used"] = [r["split_layer"] for r in results]
-    with _writing(out_dir / "config.json", out_dir):
-        write_config(out_dir, config)
-    with _writing(out_dir / "rounds.csv", out_dir):
-        write_rounds(out_dir, all_rows)
-    with _writing(out_dir / "clients.csv", out_dir):
+    with writing(run, out_dir / "config.json"):
+        run.rewrite_config(config)
+    with writing(run, out_dir / "clients.csv"):
         write_clients(out_dir, first["sizes"], first["counts"], first["client_extra"] or None)
     summary = {"algo": cfg.algo, "dataset": cfg.dataset, "model": cfg.model, "wall_seconds": wall, "seeds": cfg.seeds}
-    per_seed = []
-    for seed, res in zip(cfg.seeds, results):
-        acc = [r["accuracy"] for r in res["rows"]]
-        s = {
-            "seed": seed,
-            "final_accuracy": acc[-1],
-            "last5_accuracy": _last_mean(acc),
-            "best_accuracy": max(acc),
-            "acc95_round": acc95_round(acc),
-            "bytes_total": int(sum(r["bytes_total"] for r in res["rows"])),
-        }
-        if cfg.share_fraction:
-            s["bytes_shared_data"] = int(sum(r.get("bytes_shared_data", 0) for r in res["rows"]))
-        for key in ("pfl_accuracy", "drift_accuracy", "generic_accuracy"):
-            vals = [r.get(key) for r in res["rows"] if key in r]
-            if vals:
-                s[f"last5_{key}"] = _last_mean(vals)
-        if cfg.algo == "dnc":
-            s["split_layer"] = res["split_layer"]
-            s["bytes_prepass"] = int(sum(r["bytes_total"] for r in res["rows"] if r["stage"] == "prepass"))
-            s["bytes_after_prepass"] = s["bytes_total"] - s["bytes_prepass"]
-        per_seed.append(s)
+    per_seed = [_seed_summary(cfg, seed, res) for seed, res in zip(cfg.seeds, results)]
     summary["per_seed"] = per_seed
-    for key in (
-        "final_accuracy",
-        "last5_accuracy",
-        "last5_pfl_accuracy",
-        "last5_drift_accuracy",
-        "last5_generic_accuracy",
-    ):
+    for key in ("final_accuracy", "last5_accuracy", "last5_pfl_accuracy", "last5_drift_accuracy",
+                "last5_generic_accuracy"):  # fmt: skip
         if key in per_seed[0]:
             m, sd = mean_std([s[key] for s in per_seed])
             summary[key] = m
             summary[f"{key}_std"] = sd
     summary["bytes_total"] = float(np.mean([s["bytes_total"] for s in per_seed]))
     if cfg.algo == "dnc":
-        div = [r for res in results for r in res["divergence"]]
-        with _writing(out_dir / "divergence.csv", out_dir):
-            write_csv(out_dir / "divergence.csv", div, ["seed", "round", "layer", "name", "divergence"])
-        if div:
-            with _writing(out_dir / "divergence.png", out_dir):
-                _plot_divergence(div, out_dir / "divergence.png", [r["split_layer"] for r in results][0])
-        summary["split_layer"] = per_seed[0]["split_layer"]
-        summary["divergence_last_prepass"] = (
-            [r["divergence"] for r in div if r["seed"] == cfg.seeds[0] and r["round"] == max(x["round"] for x in div)]
-            if div
-            else []
-        )
-    with _writing(out_dir / "summary.json", out_dir):
+        summary.update(_divergence_files(cfg, run, results, per_seed))
+    with writing(run, out_dir / "summary.json"):
         write_summary(out_dir, summary)
     return summary
+
+
+def _seed_summary(cfg: ScratchConfig, seed: int, res: dict) -> dict:
+    acc = [r["accuracy"] for r in res["rows"]]
+    s = {
+        "seed": seed,
+        "final_accuracy": acc[-1],
+        "last5_accuracy": _last_mean(acc),
+        "best_accuracy": max(acc),
+        "acc95_round": acc95_round(acc),
+        "bytes_total": int(sum(r["bytes_total"] for r in res["rows"])),
+    }
+    if cfg.share_fraction:
+        s["bytes_shared_data"] = int(sum(r.get("bytes_shared_data", 0) for r in res["rows"]))
+    for key in ("pfl_accuracy", "drift_accuracy", "generic_accuracy"):
+        vals = [r.get(key) for r in res["rows"] if key in r]
+        if vals:
+            s[f"last5_{key}"] = _last_mean(vals)
+    if cfg.algo == "dnc":
+        s["split_layer"] = res["split_layer"]
+        s["bytes_prepass"] = int(sum(r["bytes_total"] for r in res["rows"] if r["stage"] == "prepass"))
+        s["bytes_after_prepass"] = s["bytes_total"] - s["bytes_prepass"]
+    return s
+
+
+def _divergence_files(cfg: ScratchConfig, run: RunDir, results: list[dict], per_seed: list[dict]) -> dict:
+    """D&C's pre-pass divergences: divergence.csv and its plot; the summary's split and last divergences."""
+    out_dir = run.path
+    div = [r for res in results for r in res["divergence"]]
+    with writing(run, out_dir / "divergence.csv"):
+        write_csv(out_dir / "divergence.csv", div, ["seed", "round", "layer", "name", "divergence"])
+    if div:
+        with writing(run, out_dir / "divergence.png"):
+            _plot_divergence(div, out_dir / "divergence.png", [r["split_layer"] for r in results][0])
+    last = max((x["round"] for x in div), default=None)
+    return {
+        "split_layer": per_seed[0]["split_layer"],
+        "divergence_last_prepass": [r["divergence"] for r in div if r["seed"] == cfg.seeds[0] and r["round"] == last],
+    }
 
 
 def _plot_divergence(rows: list[dict], path: Path, split: int | None) -> None:
@@ -971,8 +851,6 @@ def _plot_divergence(rows: list[dict], path: Path, split: int | None) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from fedhead.infra.files import atomic_path
 
     seed = rows[0]["seed"]
     fig, ax = plt.subplots(figsize=(6, 3.5))

@@ -1,0 +1,136 @@
+"""What the clients of a federation hold and send, the same for every transport: the sample of a round, the
+partition and label noise of a seed, the feature statistics of ``--center``/``--scale rms``, the prepared features,
+and CCVR's class statistics. A Flower node runs these on its own data; the in-process transport on all of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from extract.store import Features
+from fedhead.core.ccvr import client_class_stats
+from fedhead.core.dp import feature_clip, noisy_feature_sums
+from fedhead.core.linalg import clip_rows
+from fedhead.core.noise import apply_noise
+from fedhead.core.partitions import PARTITIONS, class_counts, create_partition
+from fedhead.federation.config import TrainConfig
+
+
+def sample_clients(num_clients: int, participation: float, seed: int, rnd: int) -> np.ndarray:
+    """Clients of round ``rnd``: the same for every head and backend given (seed, round)."""
+    m = max(1, int(round(participation * num_clients)))
+    if m >= num_clients:
+        return np.arange(num_clients)
+    rng = np.random.default_rng([seed, rnd, 0x5EED])
+    return np.sort(rng.choice(num_clients, size=m, replace=False))
+
+
+@dataclass
+class FeatureStats:
+    mean: np.ndarray | None
+    scale: float
+    bytes_up_per_client: int  # what each client sends for the statistics (once)
+    bytes_down_per_client: int
+
+
+def federated_feature_stats(
+    x: np.ndarray, parts: list[np.ndarray], center: bool, scale: str, cfg: TrainConfig | None = None, seed: int = 0
+) -> FeatureStats:
+    """Each client sends its feature sum, squared-norm sum and count; the server adds them up.
+
+    Costs one extra exchange of ``D + 2`` floats per client (counted in round 1's bytes). With differential
+    privacy (``cfg``), each client clips its features to --dp-feature-clip first and the server adds noise to the
+    sums (:func:`fedhead.core.dp.noisy_feature_sums`, keyed by ``seed``)."""
+    if not center and scale == "none":
+        return FeatureStats(None, 1.0, 0, 0)
+    d = x.shape[1]
+    total = np.zeros(d, dtype=np.float64)
+    sq, n = 0.0, 0
+    clip = feature_clip(cfg) if cfg is not None else None
+    for p in parts:
+        xp = x[p].astype(np.float64) if clip is None else clip_rows(x[p], clip)
+        total += xp.sum(0)
+        sq += float((xp * xp).sum())
+        n += len(p)
+    if cfg is not None:
+        total, sq, n = noisy_feature_sums(total, sq, n, cfg, seed)
+    mean = total / max(1, n)
+    s = 1.0
+    if scale == "rms":
+        var = sq / max(1, n) - (float(mean @ mean) if center else 0.0)
+        s = float(np.sqrt(max(var, 1e-12)))
+    up = (d + 2) * 4
+    down = (d + 1) * 4
+    return FeatureStats(mean if center else None, s, up, down)
+
+
+def prepare(x: np.ndarray, stats: FeatureStats, device, dtype=torch.float32) -> torch.Tensor:
+    """Apply the federated statistics and append the bias column of ones."""
+    t = torch.as_tensor(x, dtype=torch.float32)
+    if stats.mean is not None:
+        t = t - torch.as_tensor(stats.mean, dtype=torch.float32)
+    if stats.scale != 1.0:
+        t = t / stats.scale
+    t = torch.cat([t, torch.ones(len(t), 1)], 1)
+    return t.to(device=device, dtype=dtype).contiguous()
+
+
+def noise_dataset_name(store: Features, cfg: TrainConfig) -> str:
+    if cfg.noise_dataset:
+        return cfg.noise_dataset
+    name = store.info.dataset
+    if name == "imagefolder":  # the shared CIFAR-10 copy is an image folder: recognise it by its classes
+        names = [c.lower() for c in store.info.class_names]
+        if names == ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]:
+            return "cifar10"
+    return name
+
+
+@dataclass
+class Federation:
+    parts: list[np.ndarray]
+    labels: np.ndarray  # noisy training labels (per client; test labels stay clean)
+    counts: np.ndarray  # [K, C] after noise
+    realised_noise: float
+    stats: FeatureStats
+
+
+def build_federation(store: Features, cfg: TrainConfig, seed: int, partition: str, pparams: dict) -> Federation:
+    C = store.info.num_classes
+    parts = create_partition(
+        partition,
+        store.train_y,
+        cfg.clients,
+        seed=seed,
+        features=store.train_x if PARTITIONS[partition].needs_features else None,
+        **pparams,
+    )
+    client_labels = [store.train_y[p] for p in parts]
+    noisy, realised = apply_noise(
+        cfg.noise,
+        cfg.noise_rate,
+        client_labels,
+        C,
+        dataset=noise_dataset_name(store, cfg),
+        seed=seed,
+        asym_rule=cfg.asym_rule,
+    )
+    labels = store.train_y.copy()
+    for p, yl in zip(parts, noisy):
+        labels[p] = yl
+    counts = class_counts(parts, labels, C)
+    stats = federated_feature_stats(store.train_x, parts, cfg.center, cfg.scale, cfg, seed)
+    return Federation(parts, labels, counts, realised, stats)
+
+
+def ccvr_client_stats(x: torch.Tensor, labels: np.ndarray, part: np.ndarray, num_classes: int):
+    """CCVR's client half: the :class:`fedhead.core.ccvr.ClassStats` one client sends, of its samples ``part`` of the
+    prepared features ``x [N, D+1]`` (the trailing 1 dropped) with their (possibly noisy) ``labels [N]``."""
+    idx = torch.as_tensor(np.asarray(part, dtype=np.int64), device=x.device)
+    return client_class_stats(x.index_select(0, idx)[:, :-1], np.asarray(labels)[part], num_classes)
+
+
+def with_ones(x: torch.Tensor, device) -> torch.Tensor:
+    return torch.cat([x, torch.ones(len(x), 1)], 1).to(device)

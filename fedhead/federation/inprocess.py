@@ -1,0 +1,111 @@
+"""The in-process transport: every client of the federation simulated on this machine, from one feature store.
+
+A seed's clients are the store's training split partitioned and given label noise by
+:func:`fedhead.federation.clients.build_federation`; their local training is the engine's (``vectorized`` over
+client-stacked tensors, or the ``loop`` backend that checks it), their statistics are summed in blocks, and SCAFFOLD's
+client variates are kept here, in memory. It also holds the pooled data the central ceiling is trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+
+import numpy as np
+import torch
+
+from extract.store import Features
+from fedhead.core.aggregate import aggregator_of
+from fedhead.core.ccvr import PooledStats
+from fedhead.core.central import central_reference
+from fedhead.core.closedform import accumulate, is_closed_form
+from fedhead.core.dp import feature_clip
+from fedhead.core.engine import ClientSet, Engine, LocalConfig, OptimConfig, ScaffoldState
+from fedhead.core.heads import create_head, resolve_head_params
+from fedhead.federation.clients import FeatureStats, Federation, build_federation, ccvr_client_stats, prepare
+from fedhead.federation.config import TrainConfig
+from fedhead.federation.transport import Calibration, Census, Exchange, RoundResult, Transport
+
+
+def central_key(store: Features, cfg: TrainConfig, fed: Federation) -> str:
+    """What the centralised ceiling depends on: store, head and its parameters, feature preparation,
+    regularisation and the (possibly noisy) training labels."""
+    h = hashlib.sha256(np.ascontiguousarray(fed.labels).tobytes())
+    key = [str(store.info.path), cfg.head, resolve_head_params(cfg.head, **cfg.head_params), cfg.center, cfg.scale,
+           cfg.weight_decay]  # fmt: skip
+    h.update(json.dumps(key, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+class InProcessTransport(Transport):
+    """See the module docstring. ``central_cache``: a dict shared by several runs (a bench report) that keeps each
+    central ceiling, computed once per head, feature preparation and training labels."""
+
+    name = "simulation"
+
+    def __init__(self, cfg: TrainConfig, store: Features, device, central_cache: dict | None = None):
+        self.cfg, self.store, self.device, self.central_cache = cfg, store, device, central_cache
+        self.head = create_head(cfg.head, **cfg.head_params)
+        self.optim = OptimConfig(name=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum)
+        self.local = LocalConfig(epochs=cfg.local_epochs, batch_size=cfg.batch_size, steps=cfg.local_steps)
+        self.raw_train = torch.as_tensor(store.train_x, dtype=torch.float32)
+        self.num_classes = store.info.num_classes
+
+    def begin(self, seed: int, partition: str, partition_params: dict, saved: FeatureStats | None) -> Census:
+        cfg = self.cfg
+        self.fed = fed = build_federation(self.store, cfg, seed, partition, partition_params)
+        self.x = prepare(self.store.train_x, fed.stats, self.device)
+        self.labels = torch.as_tensor(fed.labels, device=self.device)
+        data = ClientSet(x=self.x, y=self.labels, parts=fed.parts, counts=fed.counts, num_classes=self.num_classes)
+        self.engine = None
+        if not is_closed_form(cfg.head):
+            self.engine = Engine(
+                data, self.head, self.optim, self.local, backend=cfg.backend, block_clients=cfg.block_clients,
+                memory_budget_mb=cfg.memory_budget_mb,
+            )  # fmt: skip
+        return Census(fed.stats, fed.realised_noise, [len(p) for p in fed.parts], fed.counts.tolist())
+
+    def scaffold_state(self, shape: tuple, device) -> ScaffoldState:
+        return ScaffoldState.zeros(self.cfg.clients, shape[0], shape[1], device)
+
+    def statistics(self, selected, solver, seed: int) -> Exchange:
+        t0 = time.perf_counter()
+        acc = accumulate(
+            self.raw_train, torch.as_tensor(self.fed.labels), [self.fed.parts[k] for k in selected], self.num_classes,
+            gram=solver.needs_gram, cof=solver.needs_client_means, per_client=self.cfg.backend == "loop",
+            clip=feature_clip(self.cfg),
+        )  # fmt: skip
+        return Exchange(acc, 1000 * (time.perf_counter() - t0) / max(1, acc.clients))
+
+    def train_round(self, theta: torch.Tensor, selected, seed: int, rnd: int, server) -> RoundResult:
+        out, st = self.engine.run_round(theta, selected, seed, rnd, aggregator_of(self.cfg), **server.engine_kwargs())
+        return RoundResult(out, st.clients, st.loss_sum, 1000 * st.compute_s / max(1, st.clients), st.server_s)
+
+    def ccvr(self, theta: torch.Tensor, seed: int, rnd: int) -> Calibration:
+        """Every client's class statistics of its prepared features, pooled in client order."""
+        t0 = time.perf_counter()
+        pooled = PooledStats(self.num_classes, self.x.shape[1] - 1)
+        up = 0
+        for p in self.fed.parts:
+            if len(p):
+                cs = ccvr_client_stats(self.x, self.fed.labels, p, self.num_classes)
+                up += cs.nbytes()
+                pooled.add(cs)
+        return Calibration(pooled, up, time.perf_counter() - t0)
+
+    def central(self, head, seed: int) -> dict | None:
+        key = central_key(self.store, self.cfg, self.fed)
+        if self.central_cache is not None and key in self.central_cache:
+            return dict(self.central_cache[key])
+        xt = prepare(self.store.test_x, self.fed.stats, self.device)
+        ref = central_reference(
+            head, x_prepared=self.x, x_raw=self.raw_train, y=self.labels, x_test_prepared=xt,
+            x_test_raw=torch.as_tensor(self.store.test_x, dtype=torch.float32),
+            y_test=torch.as_tensor(self.store.test_y), num_classes=self.num_classes,
+            weight_decay=self.cfg.weight_decay,
+        )  # fmt: skip
+        found = {"accuracy": ref.accuracy, "iterations": ref.iterations}
+        if self.central_cache is not None:
+            self.central_cache[key] = found
+        return dict(found)

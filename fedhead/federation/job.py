@@ -1,0 +1,225 @@
+"""A head trained over federated clients: what the round loop (:mod:`fedhead.federation.loop`) runs for
+``fedhead train``, every bench grid and Flower, whatever the transport that reaches the clients.
+
+For every seed (and, with ``iid_reference``, for the IID partition with everything else equal) the transport
+describes the clients (partition, label noise, the federated feature statistics); round 1 of a closed-form head or
+an ``--init`` start is the statistics exchange and the server's solve; every other round samples clients by
+(seed, round), has the transport train them and return the aggregation rule's result, applies the server update
+(server optimiser, SCAFFOLD's ``c``), evaluates the global head on the clean test set and writes the round's row.
+CCVR calibrates the head after the last round. Everything random is keyed by seed, round and client, so the
+checkpoint holds only the head, the server's state, the transport's and the rows.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from extract.store import Features
+from fedhead.core.aggregate import aggregator_of
+from fedhead.core.closedform import is_closed_form
+from fedhead.core.dp import epsilon_schedule
+from fedhead.core.engine import evaluate
+from fedhead.core.heads import create_head
+from fedhead.federation import rundir
+from fedhead.federation.clients import FeatureStats, prepare, sample_clients
+from fedhead.federation.config import TrainConfig
+from fedhead.federation.loop import Job, writing
+from fedhead.federation.rundir import ROUND_FIELDS, RunDir
+from fedhead.federation.server import ServerUpdate, ccvr_calibrate, solve_statistics, statistics_row
+from fedhead.federation.summary import summarize, with_ratios
+from fedhead.federation.transport import Census, Transport
+from fedhead.infra.devices import resolve_device
+from fedhead.infra.files import atomic_torch_save
+
+
+def _stats_state(stats: FeatureStats) -> dict:
+    return {"mean": stats.mean, "scale": stats.scale, "up": stats.bytes_up_per_client,
+            "down": stats.bytes_down_per_client}  # fmt: skip
+
+
+def _stats_of(state: dict) -> FeatureStats:
+    mean = None if state["mean"] is None else np.asarray(state["mean"])
+    return FeatureStats(mean, state["scale"], state["up"], state["down"])
+
+
+class HeadJob(Job):
+    """See the module docstring. ``store`` is the server's store (its test split is evaluated); ``transport``
+    reaches the clients."""
+
+    def __init__(self, cfg: TrainConfig, store: Features, transport: Transport):
+        self.cfg, self.store, self.transport = cfg, store, transport
+        self.device = resolve_device(cfg.device)
+        self.head = create_head(cfg.head, **cfg.head_params)
+        closed = is_closed_form(cfg.head)
+        self.solver = create_head(cfg.head if closed else cfg.init, **cfg.head_params) if closed or cfg.init else None
+        self.rounds = 1 if closed else cfg.rounds
+        self.privacy = epsilon_schedule(cfg, self.rounds)  # DP: epsilon per round ({} without DP)
+        self.fields = ROUND_FIELDS + list(transport.extra_fields)
+        self.extendable = not closed and transport.name == "simulation"
+        self.y_test = torch.as_tensor(store.test_y, device=self.device)
+        variants = [("main", cfg.partition, cfg.partition_params)]
+        if cfg.iid_reference:
+            variants = variants + [("iid", "iid", {})] if cfg.partition != "iid" else [("main", "iid", {})]
+        self.variants = {name: (part, params) for name, part, params in variants}
+        self.realised: dict = {}
+        self.client_rows: list = []
+        self.central: dict = {}
+
+    # ---------------------------------------------------------------- units
+
+    def units(self) -> list[tuple]:
+        return [(seed, name) for seed in self.cfg.seeds for name in self.variants]
+
+    def label(self, unit: tuple) -> str:
+        return f"seed {unit[0]} {unit[1]} {self.variants[unit[1]][0]}"
+
+    def last_round(self, unit: tuple) -> int:
+        return self.rounds
+
+    def start(self, unit: tuple, saved: dict | None) -> tuple[int, list]:
+        cfg, (seed, name) = self.cfg, unit
+        part, params = self.variants[name]
+        census = self.transport.begin(seed, part, params, _stats_of(saved["census"]) if saved else None)
+        self._census(unit, census)
+        self.stats = census.stats
+        self.xt = prepare(self.store.test_x, census.stats, self.device)
+        if cfg.central_reference and name == "main" and str(seed) not in self.central:
+            found = self.transport.central(self.head, seed)
+            if found is not None:
+                self.central[str(seed)] = found
+        C, D1 = self.store.info.num_classes, self.store.test_x.shape[1] + 1
+        scaffold = self.transport.scaffold_state((C, D1), self.device) if cfg.scaffold else None
+        self.server = ServerUpdate(cfg, (C, D1), self.device, scaffold=scaffold)
+        self.theta = torch.zeros(C, D1, device=self.device)
+        self.head_bytes = self.theta.numel() * self.theta.element_size()
+        self.msg_bytes = aggregator_of(cfg).nbytes(self.theta)
+        if saved is None:
+            return 1, []
+        self.theta = saved["theta"].to(self.device)
+        self.server.load_state_dict(saved.get("server", {}), self.device)
+        self.transport.load_unit_state(saved.get("transport", {}))
+        done = int(saved["round"])
+        rows = [dict(r) for r in saved["rows"] if r.get("stage") != "ccvr" and int(r["round"]) <= done]
+        if rows and done % cfg.eval_every != 0:  # an extended run: its old last round is no evaluation round now
+            rows[-1]["accuracy"] = float("nan")
+        return done + 1, rows
+
+    def _census(self, unit: tuple, census: Census) -> None:
+        seed, name = unit
+        if census.realised_noise is not None:
+            self.realised[f"{seed}:{name}"] = census.realised_noise
+        if name == "main" and census.counts is not None:
+            self.client_rows = [r for r in self.client_rows if r["seed"] != seed]
+            self.client_rows.append({"seed": seed, "sizes": list(census.sizes), "counts": list(census.counts)})
+
+    # ---------------------------------------------------------------- rounds
+
+    def round(self, unit: tuple, rnd: int) -> dict:
+        cfg, (seed, name) = self.cfg, unit
+        sel = sample_clients(cfg.clients, cfg.participation, seed, rnd)
+        first = rnd == 1
+        extra_up = self.stats.bytes_up_per_client if first else 0
+        stats_bytes = cfg.clients * (extra_up + self.stats.bytes_down_per_client) if first else 0
+        if self.solver is not None and first:
+            row = self._exchange(sel, seed, extra_up, stats_bytes)
+        else:
+            row = self._train(sel, seed, rnd, extra_up, stats_bytes)
+        evaluated = rnd % cfg.eval_every == 0 or rnd == self.rounds
+        acc = evaluate(self.theta, self.xt, self.y_test) if evaluated else float("nan")
+        part = self.variants[name][0]
+        return {"seed": seed, "round": rnd, "accuracy": acc, **row, "ratio_to_iid": None, "run": name,
+                "partition": part, **self.privacy.get(rnd, {})}  # fmt: skip
+
+    def _exchange(self, sel, seed: int, extra_up: int, stats_bytes: int) -> dict:
+        """Round 1 of a closed-form head or an --init start: the clients' statistics summed, the server's solve."""
+        ex = self.transport.statistics(sel, self.solver, seed)
+        t0 = time.perf_counter()
+        self.theta = solve_statistics(self.solver, ex.acc, self.cfg, self.stats, self.device, seed=seed)
+        server_s = ex.server_s + time.perf_counter() - t0
+        row = statistics_row(ex.acc, ex.client_ms, server_s, self.cfg, len(sel), self.head_bytes, extra_up, stats_bytes)
+        return {**row, **ex.extra}
+
+    def _train(self, sel, seed: int, rnd: int, extra_up: int, stats_bytes: int) -> dict:
+        previous = self.theta
+        res = self.transport.train_round(previous, sel, seed, rnd, self.server)
+        t0 = time.perf_counter()
+        if res.aggregate is not None:
+            self.theta = self.server.step(previous, res.aggregate)
+        server_s = res.server_s + time.perf_counter() - t0
+        down = self.server.transfer_multiplier() * self.head_bytes  # SCAFFOLD's c travels too
+        up = down - self.head_bytes + self.msg_bytes  # the rule's message (+ the c_k delta)
+        return {
+            "stage": self.head.stage(rnd),
+            "train_loss": res.loss_sum / max(1, res.clients),
+            "client_ms": res.client_ms,
+            "server_ms": 1000 * server_s,
+            "bytes_up_per_client": up + extra_up,
+            "bytes_total": len(sel) * (up + down) + stats_bytes,
+            "clients_trained": res.clients,
+            **res.extra,
+        }
+
+    def unit_state(self) -> dict:
+        return {"theta": self.theta.detach().cpu().clone(), "server": self.server.state_dict(),
+                "census": _stats_state(self.stats), "transport": self.transport.unit_state()}  # fmt: skip
+
+    def progress_info(self, row: dict) -> str:
+        return f"acc {row['accuracy']:.4f}" if not math.isnan(row["accuracy"]) else ""
+
+    def after_checkpoint(self, unit: tuple, rnd: int, row: dict) -> None:
+        self.transport.after_round(unit[0], rnd, self.rounds, row)
+
+    def finish_unit(self, unit: tuple, rows: list) -> tuple[list, dict]:
+        """CCVR after the last round (when asked); the unit's head is kept for ``head-seed<S>[-iid].pt``."""
+        cfg, (seed, name) = self.cfg, unit
+        extra = []
+        if cfg.calibrate == "ccvr":
+            rnd = self.rounds + 1
+            cal = self.transport.ccvr(self.theta, seed, rnd)
+            self.theta, row = ccvr_calibrate(
+                self.head, self.theta, cal.pooled, cfg, seed, self.xt, self.y_test, rnd, cfg.clients, cal.bytes_up,
+                cal.client_s,
+            )  # fmt: skip
+            extra.append({"seed": seed, **row, "run": name, "partition": self.variants[name][0], **cal.extra})
+            self.transport.after_round(seed, rnd, self.rounds, extra[-1])
+        return extra, {"head": self.theta.detach().cpu().clone()}
+
+    # ---------------------------------------------------------------- the run
+
+    def run_state(self) -> dict:
+        return {"realised": dict(self.realised), "client_rows": list(self.client_rows), "central": dict(self.central),
+                "transport": self.transport.run_state()}  # fmt: skip
+
+    def load_run_state(self, state: dict) -> None:
+        self.realised = dict(state.get("realised", {}))
+        self.client_rows = list(state.get("client_rows", []))
+        self.central = dict(state.get("central", {}))
+        self.transport.load_run_state(state.get("transport", {}))
+
+    def table(self, rows: list) -> list:
+        return with_ratios(rows, self.central)
+
+    def finish(self, run: RunDir, done: list, rows: list, wall_s: float) -> dict:
+        """The heads of every unit, clients.csv and summary.json."""
+        for d in done:
+            path = head_path(run.path, *d["unit"])
+            with writing(run, path):
+                atomic_torch_save(d["head"], path)
+        if self.client_rows:  # none with secure aggregation: the server never sees a client's counts
+            with writing(run, run.path / "clients.csv"):
+                rundir.write_clients_per_seed(run.path, self.client_rows)
+        summary = summarize(with_ratios(rows, self.central), self.cfg, self.realised, wall_s, self.central)
+        summary.update(self.transport.summary_fields(rows))
+        with writing(run, run.path / "summary.json"):
+            rundir.write_summary(run.path, summary)
+        return summary
+
+
+def head_path(run_dir: Path, seed: int, name: str = "main") -> Path:
+    """The file a unit's final head is written to."""
+    return Path(run_dir) / (f"head-seed{seed}.pt" if name == "main" else f"head-seed{seed}-iid.pt")

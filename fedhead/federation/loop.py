@@ -1,0 +1,158 @@
+"""The one round loop: every federated run of fedhead (``train``, each bench grid, ``flower``, ``scratch``) is a
+:class:`Job` that this loop drives through its units (seeds, and the IID reference of a seed) and rounds.
+
+The loop owns what every run shares: the order of units and rounds, one checkpoint after every round written
+together with ``rounds.csv`` (a SIGINT/SIGTERM waits for both), resume from that checkpoint, extension of a
+finished run by more rounds, progress on stderr and the final files. A job owns what its rounds compute: the
+head federation over a transport (:class:`fedhead.federation.job.HeadJob`) or a scratch network
+(:class:`fedhead.scratch.runner.ScratchJob`).
+
+The checkpoint (``checkpoint.pt``, :data:`fedhead.federation.rundir.CHECKPOINT_FORMAT`): ``index`` and ``unit``
+(the unit being trained) and ``seed``; ``current``: its ``round``, its ``rows`` and the job's
+:meth:`Job.unit_state`; ``done``: each finished unit's ``rows``, its ``final`` state and what
+:meth:`Job.finish_unit` returned; ``pending``: units of an extended run still to continue; ``run``: the job's
+:meth:`Job.run_state`; ``wall_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+from fedhead.federation import rundir
+from fedhead.federation.rundir import Opened, RunDir
+from fedhead.infra.console import make_progress
+from fedhead.infra.errors import FedheadError
+from fedhead.infra.signals import pause_hook, signals_deferred
+
+PAUSE_ENV = "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS"  # test hook "k:FILE": after the k-th round row, pid -> FILE, sleep
+
+
+class Job:
+    """What a run computes (override every method but the optional ones)."""
+
+    fields: list = rundir.ROUND_FIELDS  # the leading columns of rounds.csv
+    extendable = False  # whether a finished run may continue with more rounds (its final states are kept)
+
+    def units(self) -> list[tuple]:
+        raise NotImplementedError
+
+    def label(self, unit: tuple) -> str:
+        return " ".join(str(u) for u in unit)
+
+    def last_round(self, unit: tuple) -> int:
+        raise NotImplementedError
+
+    def start(self, unit: tuple, saved: dict | None) -> tuple[int, list]:
+        """Set ``unit`` up (``saved``: its checkpointed state); returns its first round to run and its rows so far."""
+        raise NotImplementedError
+
+    def round(self, unit: tuple, rnd: int) -> dict:
+        raise NotImplementedError
+
+    def unit_state(self) -> dict:
+        raise NotImplementedError
+
+    def progress_info(self, row: dict) -> str:
+        return f"acc {row['accuracy']:.4f}"
+
+    def after_checkpoint(self, unit: tuple, rnd: int, row: dict) -> None:
+        """Optional: after a round's checkpoint (Flower: log it, honour a stop request)."""
+
+    def finish_unit(self, unit: tuple, rows: list) -> tuple[list, dict]:
+        """After the unit's last round: extra rows and what to keep of the unit (in ``done``)."""
+        return [], {}
+
+    def run_state(self) -> dict:
+        return {}
+
+    def load_run_state(self, state: dict) -> None:
+        pass
+
+    def table(self, rows: list) -> list:
+        """The rows as rounds.csv shows them."""
+        return rows
+
+    def finish(self, run: RunDir, done: list, rows: list, wall_s: float) -> dict:
+        """Write the final files (rounds.csv is written by the loop; wrap writes in :func:`writing`) and return
+        the summary."""
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def writing(run: RunDir, what: Path):
+    """A failed write in the run directory as one line: what, why, and how to continue."""
+    try:
+        yield
+    except OSError as exc:
+        from fedhead.infra.errors import SPACE_ERRNOS
+
+        why = (exc.strerror or str(exc)).replace("\n", " ")
+        if exc.errno in SPACE_ERRNOS:
+            raise FedheadError(
+                f"No space left while writing {str(what)!r} ({why}); free space (or raise the file size limit) and "
+                f"{run.resume_hint()}."
+            ) from None
+        raise FedheadError(f"Writing {str(what)!r} failed ({why}); fix the cause and {run.resume_hint()}.") from None
+
+
+def _save(job: Job, run: RunDir, state: dict, rows: list) -> None:
+    """The checkpoint and rounds.csv, together (a signal waits for both)."""
+    with signals_deferred():
+        with writing(run, run.checkpoint_path):
+            run.save_checkpoint(state)
+        with writing(run, run.path / "rounds.csv"):
+            rundir.write_rounds(run.path, job.table(rows), job.fields)
+
+
+def run_job(job: Job, run: RunDir, opened: Opened, *, progress: bool = True) -> tuple[dict, list]:
+    """Drive ``job`` in ``run`` (opened as ``opened``) to its end; returns the summary and the rows."""
+    ckpt = opened.checkpoint if opened.kind in ("resume", "extend") else None
+    if opened.kind == "extend":  # a finished run given more rounds: each unit continues from its final state
+        done, pending, ckpt = [], [dict(d["final"], rows=d["rows"]) for d in ckpt["done"]], dict(ckpt, index=-1)
+    else:
+        done, pending = (list(ckpt["done"]), list(ckpt.get("pending", []))) if ckpt else ([], [])
+    if ckpt:
+        job.load_run_state(ckpt["run"])
+    wall0 = time.perf_counter() - (float(ckpt["wall_s"]) if ckpt else 0.0)
+    units = job.units()
+    with make_progress() as prog:
+        outer = prog.add_task("runs", total=len(units), info="") if progress and len(units) > 1 else None
+        for i, unit in enumerate(units):
+            if i < len(done):
+                if outer is not None:
+                    prog.advance(outer)
+                continue
+            saved = ckpt["current"] if ckpt is not None and ckpt["index"] == i else None
+            saved = saved or (pending[i] if i < len(pending) else None)
+            first, rows = job.start(unit, saved)
+            last = job.last_round(unit)
+            task = prog.add_task(job.label(unit), total=last, completed=first - 1, info="") if progress else None
+            before = [r for d in done for r in d["rows"]]
+            for rnd in range(first, last + 1):
+                row = job.round(unit, rnd)
+                rows.append(row)
+                state = {"index": i, "unit": list(unit), "seed": unit[0], "done": done, "pending": pending,
+                         "current": {"round": rnd, "rows": rows, **job.unit_state()}, "run": job.run_state(),
+                         "wall_s": time.perf_counter() - wall0}  # fmt: skip
+                _save(job, run, state, before + rows)
+                pause_hook(PAUSE_ENV, len(before) + len(rows))
+                job.after_checkpoint(unit, rnd, row)
+                if task is not None:
+                    prog.update(task, advance=1, info=job.progress_info(row))
+            final = {"round": last, **job.unit_state()} if job.extendable else None
+            extra, kept = job.finish_unit(unit, rows)
+            done.append({"unit": list(unit), "seed": unit[0], "rows": rows + extra, "final": final, **kept})
+            if task is not None:
+                prog.remove_task(task)
+            if outer is not None:
+                prog.advance(outer)
+    rows = [r for d in done for r in d["rows"]]
+    wall = time.perf_counter() - wall0
+    with writing(run, run.path / "rounds.csv"):
+        rundir.write_rounds(run.path, job.table(rows), job.fields)
+    summary = job.finish(run, done, rows, wall)
+    with writing(run, run.path / rundir.FINAL_STATE):
+        run.finish({"done": done, "run": job.run_state(), "wall_s": wall} if job.extendable else None)
+    return summary, job.table(rows)

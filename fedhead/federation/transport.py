@@ -1,0 +1,108 @@
+"""What the round loop asks of the clients, and the answers: a transport runs clients, the loop never does.
+
+The in-process simulator (:mod:`fedhead.federation.inprocess`: the vectorized engine or the loop backend over a
+store on this machine) and Flower (:mod:`fedhead.flower.strategy`: messages over a Grid, plain or SecAgg+) are the
+two transports. Each answers the same questions for a seed: describe the clients (:meth:`Transport.begin`), sum
+the sampled clients' statistics (:meth:`Transport.statistics`), train the sampled clients from a head and return
+the rule's aggregate (:meth:`Transport.train_round`), and give CCVR's class statistics (:meth:`Transport.ccvr`).
+Per-client state that must survive (SCAFFOLD's ``c_k``) lives with the transport, in memory or on the nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fedhead.core.engine import ScaffoldState
+from fedhead.federation.clients import FeatureStats
+
+
+@dataclass
+class Census:
+    """What the server knows of a seed's clients before round 1: the federated feature statistics, the realised
+    label-noise rate and (unless secure aggregation hides them) every client's size and class counts."""
+
+    stats: FeatureStats
+    realised_noise: float = 0.0
+    sizes: list | None = None
+    counts: list | None = None
+
+
+@dataclass
+class Exchange:
+    """A summed statistics exchange: ``acc`` (a :class:`fedhead.core.closedform.StatsAccumulator`), the clients'
+    mean milliseconds, the server's seconds spent on the exchange itself, extra row fields."""
+
+    acc: object
+    client_ms: float
+    server_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class RoundResult:
+    """A training round's aggregate (None: no client's update arrived, the head stays) and what it cost."""
+
+    aggregate: torch.Tensor | None
+    clients: int
+    loss_sum: float
+    client_ms: float
+    server_s: float
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Calibration:
+    """CCVR's pooled class statistics (:class:`fedhead.core.ccvr.PooledStats`), their bytes and client seconds."""
+
+    pooled: object
+    bytes_up: int
+    client_s: float
+    extra: dict = field(default_factory=dict)
+
+
+class Transport:
+    """The interface the loop uses (see the module docstring); the methods below are the defaults."""
+
+    name = ""
+    extra_fields: tuple = ()  # columns of rounds.csv after the common ones
+
+    def begin(self, seed: int, partition: str, partition_params: dict, saved: FeatureStats | None) -> Census:
+        """Set up a seed's clients (``saved``: the statistics of a resumed seed, not exchanged again)."""
+        raise NotImplementedError
+
+    def scaffold_state(self, shape: tuple, device) -> ScaffoldState:
+        """The SCAFFOLD variates the server side holds (``c``, and the clients' ``c_k`` where they live here)."""
+        raise NotImplementedError
+
+    def statistics(self, selected, solver, seed: int) -> Exchange:
+        raise NotImplementedError
+
+    def train_round(self, theta: torch.Tensor, selected, seed: int, rnd: int, server) -> RoundResult:
+        raise NotImplementedError
+
+    def ccvr(self, theta: torch.Tensor, seed: int, rnd: int) -> Calibration:
+        raise NotImplementedError
+
+    def central(self, head, seed: int) -> dict | None:
+        """The central ceiling of this seed's training data, where the transport holds it (else None)."""
+        return None
+
+    def after_round(self, seed: int, rnd: int, last_round: int, row: dict) -> None:
+        """After a round's checkpoint (logging, stop requests)."""
+
+    def unit_state(self) -> dict:
+        return {}
+
+    def load_unit_state(self, state: dict) -> None:
+        pass
+
+    def run_state(self) -> dict:
+        return {}
+
+    def load_run_state(self, state: dict) -> None:
+        pass
+
+    def summary_fields(self, rows: list[dict]) -> dict:
+        return {}
