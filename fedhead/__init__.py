@@ -7,6 +7,8 @@ The Python API (imported on first use, so ``import fedhead`` stays light):
   a head of one's own (a local loss, or a closed-form solve from client statistics);
 - :func:`register_aggregator`, :class:`Aggregator`, :class:`Totals`: an aggregation rule of one's own (what a
   client sends after local training, and what the server makes of the sum), ``--aggregate NAME``;
+- :func:`register_server_optimizer`, :class:`ServerOptimizer`: a server update of one's own that keeps state
+  across rounds (``--server-opt NAME``), checkpointed with the run;
 - :func:`register_method`: a named set of training options for ``fedhead bench baselines``.
 """
 
@@ -24,6 +26,8 @@ _API = {
     "register_aggregator": ("fedhead.core.aggregate", "register_aggregator"),
     "Aggregator": ("fedhead.core.aggregate", "Aggregator"),
     "Totals": ("fedhead.core.aggregate", "Totals"),
+    "ServerOptimizer": ("fedhead.core.serveropt", "ServerOptimizer"),
+    "register_server_optimizer": ("fedhead.core.serveropt", "register_server_optimizer"),
 }
 __all__ = sorted(_API)
 

@@ -360,3 +360,149 @@ def test_unknown_name_lists_choices():
     with pytest.raises(FedheadError) as exc:
         ServerOptConfig("adam").resolved()
     assert all(n in str(exc.value) for n in SERVER_OPTS)
+
+
+# ------------------------------------------------------------------ 6. a user's stateful server update (README)
+
+
+@pytest.fixture
+def fedams():
+    """The README example's server optimiser, registered for one test (the registry is process-wide)."""
+    import importlib
+
+    from fedhead.core.serveropt import SERVER_OPTIMIZERS
+
+    mod = importlib.import_module("fedhead.examples.custom_server")
+    SERVER_OPTIMIZERS["fedams"] = mod.FedAMS
+    yield mod.FedAMS
+    SERVER_OPTIMIZERS.pop("fedams", None)
+
+
+def test_user_server_optimizer_step_by_hand(fedams):
+    # d1 = [2], d2 = [-1] from x = 0; beta (0.5, 0.5), lr 1, tau 1: v_max keeps the first round's larger v
+    opt = ServerOptimizer(ServerOptConfig("fedams", lr=1.0, betas=(0.5, 0.5), tau=1.0), (1, 1), CPU)
+    assert isinstance(opt, fedams)
+    w1 = opt.step(torch.zeros(1, 1), torch.full((1, 1), 2.0))
+    m1, v1 = 1.0, 2.0  # m = 0.5 * 2, v = 0.5 * 4
+    assert float(w1) == pytest.approx(m1 / (math.sqrt(v1) + 1))
+    w2 = opt.step(w1, w1 - 1.0)
+    m2, v2 = 0.5 * m1 - 0.5, 0.5 * v1 + 0.5  # v falls to 1.5; v_max stays 2
+    assert float(w2) == pytest.approx(float(w1) + m2 / (math.sqrt(max(v1, v2)) + 1))
+    sd = opt.state_dict()
+    assert sd["name"] == "fedams" and sd["step"] == 2 and float(sd["v_max"]) == pytest.approx(2.0)
+    with pytest.raises(FedheadError, match="--server-momentum"):
+        ServerOptConfig("fedams", momentum=0.9).resolved()  # a parameter it does not declare
+
+
+def test_user_server_optimizer_resumes_with_its_state(fedams, tiny_store, tmp_path, monkeypatch):
+    """A run with the user's optimiser, cut after round 2 and resumed, equals the uninterrupted one (its v_max is
+    in the checkpoint)."""
+    import fedhead.federation.job as job_module
+    from fedhead.federation.config import TrainConfig
+    from fedhead.federation.train import run_training
+
+    def cfg():
+        return TrainConfig(features=str(tiny_store), clients=8, rounds=4, local_epochs=1, batch_size=16,
+                           server_opt="fedams", server_lr=0.05, device="cpu")  # fmt: skip
+
+    full = run_training(cfg(), out=tmp_path / "full", progress=False)
+    calls, real = {"n": 0}, job_module.evaluate
+
+    def crashing(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(job_module, "evaluate", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(cfg(), out=tmp_path / "cut", progress=False)
+    monkeypatch.setattr(job_module, "evaluate", real)
+    ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
+    assert ck["current"]["server"]["opt"]["name"] == "fedams" and "v_max" in ck["current"]["server"]["opt"]
+    res = run_training(cfg(), out=tmp_path / "cut", resume=True, progress=False)
+    assert [r["accuracy"] for r in res.rows] == [r["accuracy"] for r in full.rows]
+
+
+def test_readme_server_example_runs_as_written(tiny_store, tmp_path):
+    """The README's server-optimiser example, executed as a user would, then through the CLI and bench baselines
+    with FEDHEAD_PLUGINS."""
+    from pathlib import Path
+
+    from conftest import run_example_with_plugin
+
+    repo = Path(__file__).resolve().parents[1]
+    example = "fedhead/examples/custom_server.py"
+    assert (repo / example).read_text().rstrip("\n") in (repo / "README.md").read_text()
+    out = run_example_with_plugin(
+        example, "fedhead.examples.custom_server", tiny_store, tmp_path, ["--server-opt", "fedams"], "ova2-fedams"
+    )
+    assert "ratio to central:" in out
+
+
+def test_user_server_optimizer_on_flower_equals_train(fedams, tmp_path):
+    pytest.importorskip("flwr")
+    from test_flower_sim import accs, cfg_of
+
+    from fedhead.core.synthetic import write_synthetic
+    from fedhead.federation.train import run_training
+    from fedhead.flower.inprocess import run_in_process
+
+    store = write_synthetic(tmp_path / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
+    cfg = cfg_of(store, server_opt="fedams", server_lr=0.05)
+    ref = run_training(cfg, out=tmp_path / "train", progress=False)
+    res = run_in_process(cfg, tmp_path / "flower")
+    np.testing.assert_allclose(accs(res.rows), accs(ref.rows), atol=1e-9)
+
+
+def test_a_stateful_aggregation_rule_is_checkpointed(tiny_store, tmp_path, monkeypatch):
+    """An aggregation rule that keeps server state (here: how many rounds it has aggregated, used in its update)
+    resumes with it."""
+    import fedhead.federation.job as job_module
+    from fedhead.core.aggregate import AGGREGATORS, FedAvg
+    from fedhead.federation.config import TrainConfig
+    from fedhead.federation.train import run_training
+
+    class Counting(FedAvg):
+        """FedAvg whose update damps the step by 1 / (rounds aggregated so far), a state across rounds."""
+
+        def __init__(self):
+            self.seen = 0
+
+        def update(self, previous, totals):
+            self.seen += 1
+            new = super().update(previous, totals)
+            return previous + (new - previous) / self.seen
+
+        def state_dict(self):
+            return {"seen": self.seen}
+
+        def load_state_dict(self, state):
+            self.seen = int(state["seen"])
+
+    AGGREGATORS["counting"] = Counting
+    try:
+
+        def cfg():
+            return TrainConfig(features=str(tiny_store), clients=8, rounds=4, local_epochs=1, batch_size=16,
+                               aggregate="counting", device="cpu")  # fmt: skip
+
+        full = run_training(cfg(), out=tmp_path / "full", progress=False)
+        calls, real = {"n": 0}, job_module.evaluate
+
+        def crashing(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise KeyboardInterrupt
+            return real(*a, **k)
+
+        monkeypatch.setattr(job_module, "evaluate", crashing)
+        with pytest.raises(KeyboardInterrupt):
+            run_training(cfg(), out=tmp_path / "cut", progress=False)
+        monkeypatch.setattr(job_module, "evaluate", real)
+        ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
+        assert ck["current"]["server"]["rule"] == {"seen": 2}
+        res = run_training(cfg(), out=tmp_path / "cut", resume=True, progress=False)
+        assert [r["accuracy"] for r in res.rows] == [r["accuracy"] for r in full.rows]
+    finally:
+        AGGREGATORS.pop("counting", None)

@@ -54,8 +54,9 @@ class Aggregator:
     ``message(theta, trained, sizes, holds)`` gets the global head ``theta [C, D+1]`` the clients started from,
     their trained heads ``trained [K, C, D+1]``, sample counts ``sizes [K]`` and class flags ``holds [K, C]``
     (K = 1 on a Flower node) and returns a dict of tensors, each ``[K, ...]``: per-client numbers the server
-    only ever sees summed. ``update(previous, totals)`` returns the new global head from :class:`Totals`. A rule
-    holds no state across rounds (server-side state is a server optimiser's, ``--server-opt``)."""
+    only ever sees summed (``message`` runs on the clients: it must not depend on the server's state).
+    ``update(previous, totals)`` returns the new global head from :class:`Totals`. A rule may keep state across
+    rounds on the server: the round loop keeps one instance per seed and checkpoints :meth:`state_dict`."""
 
     name = ""
     description = ""
@@ -70,6 +71,13 @@ class Aggregator:
 
     def update(self, previous: torch.Tensor, totals: Totals) -> torch.Tensor:
         raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """The rule's server-side state (tensors, numbers) for the checkpoint; none by default."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (a resumed run)."""
 
     def nbytes(self, theta: torch.Tensor) -> int:
         """Bytes one client uploads: its message's tensors (a dry run on one client)."""

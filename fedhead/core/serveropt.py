@@ -55,45 +55,246 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fedhead.infra.errors import FedheadError, Interval, OneOf, param_error, validate
-
-SERVER_OPTS = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
-
-# Flower 1.41 defaults (flwr/serverapp/strategy/*.py, __init__ signatures).
-# fedavgm.py:95-96; fedadam.py:102-106; fedyogi.py:102-106; fedadagrad.py:98-100 (beta_1 = 0 at :115).
-DEFAULTS: dict[str, dict] = {
-    "fedavg": {},
-    "fedavgm": {"lr": 1.0, "momentum": 0.0},
-    "fedadam": {"lr": 1e-1, "betas": (0.9, 0.99), "tau": 1e-3},
-    "fedyogi": {"lr": 1e-2, "betas": (0.9, 0.99), "tau": 1e-3},
-    "fedadagrad": {"lr": 1e-1, "tau": 1e-3},
-}
+from fedhead.core.plugins import load_plugins
+from fedhead.infra.errors import FedheadError, Interval, param_error, unknown_name, validate
 
 _FLAGS = {"lr": "--server-lr", "momentum": "--server-momentum", "betas": "--server-betas", "tau": "--server-tau"}
 
 
+class ServerOptimizer:
+    """A server optimiser: turns ``(previous global head, aggregate of the client heads)`` into the new global head,
+    one round a step, and owns its state (:meth:`state_dict` / :meth:`load_state_dict`, which the round loop's
+    checkpoint keeps).
+
+    A subclass declares the parameters it takes among ``lr``, ``momentum``, ``betas`` and ``tau`` (the
+    ``--server-*`` options) with their defaults in :attr:`defaults` (a parameter it does not declare is refused),
+    allocates its state in :meth:`setup`, and computes a step in :meth:`update` (float64 ``x`` = previous head,
+    ``a`` = aggregate; ``self.t`` is the step, from 1). Register it with :func:`register_server_optimizer`;
+    ``--server-opt NAME`` then selects it in train, bench and Flower. ``ServerOptimizer(cfg, shape, device)``
+    builds the registered class that ``cfg.name`` names."""
+
+    name = ""
+    defaults: dict = {}
+    state_keys: tuple = ()  # the tensors of its state, by attribute name (None until the first step is fine)
+
+    def __new__(cls, cfg: ServerOptConfig, *args, **kwargs):
+        if cls is ServerOptimizer:
+            cls = server_optimizer_class(cfg.name)
+        return super().__new__(cls)
+
+    def __init__(self, cfg: ServerOptConfig, shape: tuple, device, dtype=torch.float32):
+        self.cfg = cfg.resolved()
+        self.shape = tuple(shape)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.sdtype = _state_dtype(self.device, dtype)
+        self.t = 0  # server steps taken (Flower's server_round after the step)
+        self.setup()
+
+    def setup(self) -> None:
+        """Allocate the state (zeros of ``self.shape`` in ``self.sdtype`` on ``self.device``)."""
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, device=self.device, dtype=self.sdtype)
+
+    @property
+    def active(self) -> bool:
+        """Whether :meth:`step` changes anything (False: the aggregate passes through, bit for bit)."""
+        return True
+
+    def update(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self, previous: torch.Tensor, aggregated: torch.Tensor) -> torch.Tensor:
+        """``previous`` = global head before the round ``[C, D+1]``; ``aggregated`` = the rule's aggregate.
+
+        Returns the new global head (``aggregated`` itself when the optimiser is inactive)."""
+        if tuple(previous.shape) != self.shape or tuple(aggregated.shape) != self.shape:
+            raise ValueError(
+                f"server optimiser built for shape {self.shape}, got previous "
+                f"{tuple(previous.shape)} and aggregated {tuple(aggregated.shape)}"
+            )
+        self.t += 1
+        if not self.active:
+            return aggregated
+        x = previous.detach().to(self.device, self.sdtype)
+        a = aggregated.detach().to(self.device, self.sdtype)
+        return self.update(x, a).to(previous.dtype)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """``{"name", "step", and each state tensor that exists}`` as CPU tensors and ints."""
+        d: dict = {"name": self.name, "step": int(self.t)}
+        for key in self.state_keys:
+            val = getattr(self, key)
+            if val is not None:
+                d[key] = val.detach().to("cpu").clone()
+        return d
+
+    def load_state_dict(self, d: dict) -> None:
+        name = d.get("name", self.name)
+        if name != self.name:
+            raise param_error(
+                "--server-opt",
+                self.name,
+                f"must match the checkpoint's ({name!r})",
+                f"Resume with --server-opt {name} or start a new run.",
+            )
+        for key in self.state_keys:
+            val = d.get(key)
+            if val is None:
+                continue
+            val = torch.as_tensor(val)
+            if tuple(val.shape) != self.shape:
+                raise FedheadError(
+                    f"The server optimiser checkpoint holds '{key}' of shape {tuple(val.shape)}, "
+                    f"but the head has shape {self.shape}. Start a new run for this head."
+                )
+            setattr(self, key, val.to(self.device, self.sdtype).clone())
+        self.t = int(d.get("step", 0))
+
+
+SERVER_OPTIMIZERS: dict[str, type] = {}
+
+
+def register_server_optimizer(name: str):
+    """Class decorator: register a :class:`ServerOptimizer` subclass under ``name`` (``--server-opt NAME``)."""
+
+    def deco(cls):
+        if not (isinstance(cls, type) and issubclass(cls, ServerOptimizer)):
+            raise FedheadError(
+                f"The server optimiser {name!r} must be a subclass of fedhead.ServerOptimizer. Got {cls!r} instead. "
+                "Subclass it and override setup() and update()."
+            )
+        cls.name = name
+        SERVER_OPTIMIZERS[name] = cls
+        return cls
+
+    return deco
+
+
+def server_optimizer_names() -> list[str]:
+    load_plugins()
+    return list(SERVER_OPTIMIZERS)
+
+
+def server_optimizer_class(name: str) -> type:
+    if name not in SERVER_OPTIMIZERS:
+        load_plugins()  # a user's optimiser registered in FEDHEAD_PLUGINS or a fedhead.methods entry point
+    if name not in SERVER_OPTIMIZERS:
+        raise unknown_name("--server-opt", name, SERVER_OPTIMIZERS, "server optimiser")
+    return SERVER_OPTIMIZERS[name]
+
+
+# ------------------------------------------------------------ the built-in optimisers (Flower 1.41's rules)
+# Flower 1.41 defaults (flwr/serverapp/strategy/*.py, __init__ signatures).
+# fedavgm.py:95-96; fedadam.py:102-106; fedyogi.py:102-106; fedadagrad.py:98-100 (beta_1 = 0 at :115).
+
+
+@register_server_optimizer("fedavg")
+class FedAvg(ServerOptimizer):
+    """No server optimiser: the aggregate is the new head (bit for bit)."""
+
+    @property
+    def active(self) -> bool:
+        return False
+
+
+@register_server_optimizer("fedavgm")
+class FedAvgM(ServerOptimizer):
+    defaults = {"lr": 1.0, "momentum": 0.0}
+    state_keys = ("momentum",)
+
+    def setup(self) -> None:
+        self.momentum = None  # the momentum buffer, created on the first step
+
+    @property
+    def active(self) -> bool:
+        return self.cfg.lr != 1.0 or self.cfg.momentum != 0.0  # Flower switches it off at lr 1, momentum 0
+
+    def update(self, x, a):
+        g = x - a
+        if self.cfg.momentum > 0.0:
+            self.momentum = g if self.momentum is None else self.cfg.momentum * self.momentum + g
+            g = self.momentum
+        return x - self.cfg.lr * g
+
+
+class _FedOpt(ServerOptimizer):
+    """FedOpt family: delta with the ascent sign ``d = a - x``; ``m_0 = v_0 = 0``."""
+
+    state_keys = ("m", "v")
+
+    def setup(self) -> None:
+        self.m, self.v = self.zeros(), self.zeros()
+
+
+@register_server_optimizer("fedadam")
+class FedAdam(_FedOpt):
+    defaults = {"lr": 1e-1, "betas": (0.9, 0.99), "tau": 1e-3}
+
+    def update(self, x, a):
+        (b1, b2), d = self.cfg.betas, a - x
+        self.m = b1 * self.m + (1.0 - b1) * d
+        self.v = b2 * self.v + (1.0 - b2) * (d * d)
+        step_size = self.cfg.lr * math.sqrt(1.0 - b2 ** (self.t + 1.0)) / (1.0 - b1 ** (self.t + 1.0))
+        return x + step_size * self.m / (torch.sqrt(self.v) + self.cfg.tau)
+
+
+@register_server_optimizer("fedyogi")
+class FedYogi(_FedOpt):
+    defaults = {"lr": 1e-2, "betas": (0.9, 0.99), "tau": 1e-3}
+
+    def update(self, x, a):
+        (b1, b2), d = self.cfg.betas, a - x
+        self.m = b1 * self.m + (1.0 - b1) * d
+        d2 = d * d
+        self.v = self.v - (1.0 - b2) * d2 * torch.sign(self.v - d2)
+        return x + self.cfg.lr * self.m / (torch.sqrt(self.v) + self.cfg.tau)
+
+
+@register_server_optimizer("fedadagrad")
+class FedAdagrad(_FedOpt):
+    defaults = {"lr": 1e-1, "tau": 1e-3}
+
+    def update(self, x, a):
+        d = a - x
+        self.m = d
+        self.v = self.v + d * d
+        return x + self.cfg.lr * self.m / (torch.sqrt(self.v) + self.cfg.tau)
+
+
+SERVER_OPTS = tuple(SERVER_OPTIMIZERS)  # the built-in ones
+DEFAULTS: dict[str, dict] = {n: dict(SERVER_OPTIMIZERS[n].defaults) for n in SERVER_OPTS}
+
+
 def _applies_to(field: str) -> str:
-    names = [n for n in SERVER_OPTS if field in DEFAULTS[n]]
+    names = [n for n, cls in SERVER_OPTIMIZERS.items() if field in cls.defaults]
     return " or ".join(names)
 
 
 @dataclass
 class ServerOptConfig:
     name: str = "fedavg"
-    lr: float | None = None  # server learning rate (eta / server_learning_rate); None = Flower's default
+    lr: float | None = None  # server learning rate (eta / server_learning_rate); None = the optimiser's default
     momentum: float | None = None  # fedavgm only; None = Flower's default (0.0)
     betas: tuple | None = None  # (beta_1, beta_2), fedadam / fedyogi only; None = (0.9, 0.99)
     tau: float | None = None  # adaptivity, fedadam / fedyogi / fedadagrad; None = 1e-3
 
-    def resolved(self) -> "ServerOptConfig":
-        """A copy with Flower's defaults filled in for the chosen optimiser, validated.
+    def resolved(self) -> ServerOptConfig:
+        """A copy with the chosen optimiser's defaults filled in, validated.
 
         Fields that do not apply to the optimiser stay ``None``; setting one is an error.
         """
-        validate(
-            "--server-opt", self.name, OneOf(SERVER_OPTS), "Pick one of them ('fedavg' means no server optimiser)."
-        )
-        defaults = DEFAULTS[self.name]
+        if not isinstance(self.name, str) or self.name not in server_optimizer_names():
+            raise param_error(
+                "--server-opt",
+                self.name,
+                "must be one of " + ", ".join(repr(n) for n in SERVER_OPTIMIZERS),
+                "Pick one of them ('fedavg' means no server optimiser).",
+            )
+        defaults = SERVER_OPTIMIZERS[self.name].defaults
         out = {}
         for field, flag in _FLAGS.items():
             value = getattr(self, field)
@@ -155,112 +356,3 @@ class ServerOptConfig:
 
 def _state_dtype(device, dtype) -> torch.dtype:
     return dtype if torch.device(device).type == "mps" else torch.float64
-
-
-class ServerOptimizer:
-    """Turns ``(previous global head, aggregate of client heads)`` into the new global head, one round a step."""
-
-    def __init__(self, cfg: ServerOptConfig, shape: tuple, device, dtype=torch.float32):
-        self.cfg = cfg.resolved()
-        self.name = self.cfg.name
-        self.shape = tuple(shape)
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.sdtype = _state_dtype(self.device, dtype)
-        self.t = 0  # server steps taken (Flower's server_round after the step)
-        self.u: torch.Tensor | None = None  # fedavgm momentum buffer, created on the first step
-        self.m: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-        if self.name in ("fedadam", "fedyogi", "fedadagrad"):
-            self.m = torch.zeros(self.shape, device=self.device, dtype=self.sdtype)
-            self.v = torch.zeros(self.shape, device=self.device, dtype=self.sdtype)
-
-    @property
-    def active(self) -> bool:
-        """Whether :meth:`step` changes anything (False for fedavg and for fedavgm at lr 1, momentum 0)."""
-        if self.name == "fedavg":
-            return False
-        if self.name == "fedavgm":
-            return self.cfg.lr != 1.0 or self.cfg.momentum != 0.0
-        return True
-
-    def step(self, previous: torch.Tensor, aggregated: torch.Tensor) -> torch.Tensor:
-        """``previous`` = global head before the round ``[C, D+1]``; ``aggregated`` = FedAvg of client heads.
-
-        Returns the new global head (``aggregated`` itself when the optimiser is inactive).
-        """
-        if tuple(previous.shape) != self.shape or tuple(aggregated.shape) != self.shape:
-            raise ValueError(
-                f"server optimiser built for shape {self.shape}, got previous "
-                f"{tuple(previous.shape)} and aggregated {tuple(aggregated.shape)}"
-            )
-        self.t += 1
-        if not self.active:
-            return aggregated
-        c = self.cfg
-        x = previous.detach().to(self.device, self.sdtype)
-        a = aggregated.detach().to(self.device, self.sdtype)
-
-        if self.name == "fedavgm":
-            g = x - a
-            if c.momentum > 0.0:
-                self.u = g if self.u is None else c.momentum * self.u + g
-                g = self.u
-            new = x - c.lr * g
-            return new.to(previous.dtype)
-
-        d = a - x
-        if self.name == "fedadagrad":
-            self.m = d
-            self.v = self.v + d * d
-            step_size = c.lr
-        else:
-            b1, b2 = c.betas
-            self.m = b1 * self.m + (1.0 - b1) * d
-            if self.name == "fedadam":
-                self.v = b2 * self.v + (1.0 - b2) * (d * d)
-                step_size = c.lr * math.sqrt(1.0 - b2 ** (self.t + 1.0)) / (1.0 - b1 ** (self.t + 1.0))
-            else:  # fedyogi
-                d2 = d * d
-                self.v = self.v - (1.0 - b2) * d2 * torch.sign(self.v - d2)
-                step_size = c.lr
-        new = x + step_size * self.m / (torch.sqrt(self.v) + c.tau)
-        return new.to(previous.dtype)
-
-    # ------------------------------------------------------------ checkpoints
-
-    def state_dict(self) -> dict:
-        """``{"name", "step", and "momentum" / "m" / "v" when they exist}`` as CPU tensors and ints."""
-        d: dict = {"name": self.name, "step": int(self.t)}
-        for key, val in (("momentum", self.u), ("m", self.m), ("v", self.v)):
-            if val is not None:
-                d[key] = val.detach().to("cpu").clone()
-        return d
-
-    def load_state_dict(self, d: dict) -> None:
-        name = d.get("name", self.name)
-        if name != self.name:
-            raise param_error(
-                "--server-opt",
-                self.name,
-                f"must match the checkpoint's ({name!r})",
-                f"Resume with --server-opt {name} or start a new run.",
-            )
-        state = {}
-        for key in ("momentum", "m", "v"):
-            val = d.get(key)
-            if val is None:
-                continue
-            val = torch.as_tensor(val)
-            if tuple(val.shape) != self.shape:
-                raise FedheadError(
-                    f"The server optimiser checkpoint holds '{key}' of shape {tuple(val.shape)}, "
-                    f"but the head has shape {self.shape}. Start a new run for this head."
-                )
-            state[key] = val.to(self.device, self.sdtype).clone()
-        self.t = int(d.get("step", 0))
-        if self.name == "fedavgm":
-            self.u = state.get("momentum")
-        elif self.m is not None:
-            self.m = state.get("m", torch.zeros_like(self.m))
-            self.v = state.get("v", torch.zeros_like(self.v))

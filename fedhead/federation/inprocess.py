@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from extract.store import Features
-from fedhead.core.aggregate import aggregator_of
 from fedhead.core.ccvr import PooledStats
 from fedhead.core.central import central_reference
 from fedhead.core.closedform import accumulate, is_closed_form
@@ -79,7 +78,7 @@ class InProcessTransport(Transport):
         return Exchange(acc, 1000 * (time.perf_counter() - t0) / max(1, acc.clients))
 
     def train_round(self, theta: torch.Tensor, selected, seed: int, rnd: int, server) -> RoundResult:
-        out, st = self.engine.run_round(theta, selected, seed, rnd, aggregator_of(self.cfg), **server.engine_kwargs())
+        out, st = self.engine.run_round(theta, selected, seed, rnd, server.rule, **server.engine_kwargs())
         return RoundResult(out, st.clients, st.loss_sum, 1000 * st.compute_s / max(1, st.clients), st.server_s)
 
     def ccvr(self, theta: torch.Tensor, seed: int, rnd: int) -> Calibration:

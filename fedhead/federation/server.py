@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from fedhead.core.aggregate import aggregator_of
 from fedhead.core.ccvr import retrain_head, sample_virtual
 from fedhead.core.closedform import is_closed_form, to_prepared
 from fedhead.core.dp import enabled, privatize_statistics
@@ -67,6 +68,7 @@ class ServerUpdate:
 
     def __init__(self, cfg: TrainConfig, shape: tuple, device, scaffold: ScaffoldState | None = None):
         self.cfg = cfg
+        self.rule = aggregator_of(cfg)  # the aggregation rule: its state (if any) is the server's, kept per seed
         self.opt = None
         if cfg.server_opt != "fedavg":
             scfg = ServerOptConfig(
@@ -100,6 +102,7 @@ class ServerUpdate:
         return {
             "opt": self.opt.state_dict() if self.opt is not None else None,
             "scaffold": self.scaffold.state_dict() if self.scaffold is not None else None,
+            "rule": self.rule.state_dict(),
         }
 
     def load_state_dict(self, d: dict, device) -> None:
@@ -107,6 +110,8 @@ class ServerUpdate:
             self.opt.load_state_dict(d["opt"])
         if self.scaffold is not None and d.get("scaffold") is not None:
             self.scaffold.load_state_dict(d["scaffold"])
+        if d.get("rule"):
+            self.rule.load_state_dict(d["rule"])
 
 
 def ccvr_calibrate(

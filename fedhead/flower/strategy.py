@@ -45,7 +45,7 @@ from flwr.serverapp import Grid  # noqa: E402
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
 from extract.store import Features  # noqa: E402
-from fedhead.core.aggregate import Accumulator, aggregator_of  # noqa: E402
+from fedhead.core.aggregate import Accumulator  # noqa: E402
 from fedhead.core.ccvr import ClassStats, PooledStats  # noqa: E402
 from fedhead.core.closedform import StatsAccumulator, is_closed_form  # noqa: E402
 from fedhead.core.dp import noisy_feature_sums  # noqa: E402
@@ -363,8 +363,8 @@ class FedheadStrategy(Strategy, Transport):
         """The server's half of a round from ``clients`` clients' messages: stacked per client (a plain round), or
         one secure sum (``[1, ...]`` each, :meth:`fedhead.flower.secure.SecureRounds.train_round`)."""
         acc = Accumulator(
-            aggregator_of(self.cfg), self.theta, seed=self.seed, rnd=server_round, sampled=len(self._selected)
-        )  # the simulator's sums of the same messages
+            self.server.rule, self.theta, seed=self.seed, rnd=server_round, sampled=len(self._selected)
+        )  # the simulator's sums of the same messages, into the loop's rule
         acc.add_message(msg, sizes, holds)
         acc.clients = clients
         aggregated = acc.finish()
