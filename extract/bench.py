@@ -18,8 +18,14 @@ from typing import Optional
 
 import typer
 
+from extract.run import encode, forward, iter_batches, prepare, to_input
+from extract.store import StoreWriter
+from fedhead.federation.train import PAUSE_ENV
+from fedhead.infra.console import stdout_console
 from fedhead.infra.errors import Interval, validate
 from fedhead.infra.exits import cli_errors
+from fedhead.infra.files import atomic_write_json, check_out
+from fedhead.infra.signals import pause_hook
 
 
 def _sync(device) -> None:
@@ -47,9 +53,6 @@ def _measure_once(
     repeats,
 ) -> dict:
     import torch
-
-    from extract.run import encode, forward, iter_batches, prepare, to_input
-    from extract.store import StoreWriter
 
     plan = prepare(
         dataset,
@@ -99,8 +102,6 @@ def _measure_once(
             return time.perf_counter() - t
 
     fwd_t, ext_t = [], []
-    from fedhead.federation.train import PAUSE_ENV
-    from fedhead.infra.signals import pause_hook
 
     for _ in range(repeats):  # alternate, so that drifting machine load hits both sides alike
         fwd_t.append(time_forward())
@@ -207,9 +208,6 @@ def bench_extract_cmd(
 ) -> None:
     """Extraction throughput vs the bare encoder forward on the same batches (images/s)."""
     from rich.table import Table
-
-    from fedhead.infra.console import stdout_console
-    from fedhead.infra.files import atomic_write_json, check_out
 
     if out is not None:
         check_out(out)  # a folder there, or below a file: refused before the measurement

@@ -7,6 +7,9 @@ from typing import Optional
 
 import typer
 
+from extract.run import extract_features
+from extract.store import open_store
+from fedhead.infra.console import stdout_console
 from fedhead.infra.exits import cli_errors
 
 
@@ -51,9 +54,6 @@ def extract_cmd(
     ),
 ) -> None:
     """Encode a dataset with a frozen encoder into an HDF5 feature store (resumable)."""
-    from extract.run import extract_features
-    from fedhead.infra.console import stdout_console
-
     path = extract_features(
         dataset,
         data_dir,
@@ -78,9 +78,6 @@ def extract_cmd(
 @cli_errors
 def info_cmd(store: Path = typer.Argument(..., help="A feature store written by 'fedhead extract'.")) -> None:
     """Print a feature store's metadata and shapes."""
-    from extract.store import open_store
-    from fedhead.infra.console import stdout_console
-
     stdout_console().print(info_table(open_store(store, "STORE", check_values=True)), soft_wrap=True)
 
 

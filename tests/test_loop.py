@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import crash_at
 from typer.testing import CliRunner
 
 import fedhead.federation.job as job_module
@@ -102,18 +103,10 @@ def test_resume_with_the_same_store_under_another_path(tiny_store, tmp_path, mon
     """The identity names the store by its content: the absolute path, a relative one or a copy are the same run."""
     kw = dict(head="ova2", rounds=3)
     full = run_training(cfg_for(tiny_store, **kw), out=tmp_path / "full", progress=False)
-    calls, real = {"n": 0}, job_module.evaluate
-
-    def crashing(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(job_module, "evaluate", crashing)
+    restore = crash_at(monkeypatch, job_module, "evaluate", 2)
     with pytest.raises(KeyboardInterrupt):
         run_training(cfg_for(tiny_store, **kw), out=tmp_path / "cut", progress=False)
-    monkeypatch.setattr(job_module, "evaluate", real)
+    restore()
     copy = tmp_path / "elsewhere" / "copy.h5"
     copy.parent.mkdir()
     shutil.copy(tiny_store, copy)
@@ -190,18 +183,12 @@ def test_an_interrupted_extension_resumes(tiny_store, tmp_path, monkeypatch):
     kw = dict(head="ova2", seeds=[0, 1])
     ref = run_training(cfg_for(tiny_store, rounds=4, **kw), out=tmp_path / "ref", progress=False)
     run_training(cfg_for(tiny_store, rounds=2, **kw), out=tmp_path / "ext", progress=False)
-    calls, real = {"n": 0}, job_module.evaluate
-
-    def crashing(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 3:  # seed 0 extended by rounds 3-4, dies in seed 1's round 3
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(job_module, "evaluate", crashing)
+    restore = crash_at(
+        monkeypatch, job_module, "evaluate", 3
+    )  # seed 0 extended by rounds 3-4, dies in seed 1's round 3
     with pytest.raises(KeyboardInterrupt):
         run_training(cfg_for(tiny_store, rounds=4, **kw), out=tmp_path / "ext", resume=True, progress=False)
-    monkeypatch.setattr(job_module, "evaluate", real)
+    restore()
     assert (tmp_path / "ext" / "checkpoint.pt").exists()
     res = run_training(cfg_for(tiny_store, rounds=4, **kw), out=tmp_path / "ext", resume=True, progress=False)
     assert accs(res.rows) == accs(ref.rows)

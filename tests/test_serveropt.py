@@ -6,6 +6,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import crash_at
 
 from fedhead.core.aggregate import fedavg
 from fedhead.core.serveropt import SERVER_OPTS, ServerOptConfig, ServerOptimizer
@@ -406,18 +407,10 @@ def test_user_server_optimizer_resumes_with_its_state(fedams, tiny_store, tmp_pa
                            server_opt="fedams", server_lr=0.05, device="cpu")  # fmt: skip
 
     full = run_training(cfg(), out=tmp_path / "full", progress=False)
-    calls, real = {"n": 0}, job_module.evaluate
-
-    def crashing(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(job_module, "evaluate", crashing)
+    restore = crash_at(monkeypatch, job_module, "evaluate", 3)
     with pytest.raises(KeyboardInterrupt):
         run_training(cfg(), out=tmp_path / "cut", progress=False)
-    monkeypatch.setattr(job_module, "evaluate", real)
+    restore()
     ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
     assert ck["current"]["server"]["opt"]["name"] == "fedams" and "v_max" in ck["current"]["server"]["opt"]
     res = run_training(cfg(), out=tmp_path / "cut", resume=True, progress=False)
@@ -488,18 +481,10 @@ def test_a_stateful_aggregation_rule_is_checkpointed(tiny_store, tmp_path, monke
                                aggregate="counting", device="cpu")  # fmt: skip
 
         full = run_training(cfg(), out=tmp_path / "full", progress=False)
-        calls, real = {"n": 0}, job_module.evaluate
-
-        def crashing(*a, **k):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise KeyboardInterrupt
-            return real(*a, **k)
-
-        monkeypatch.setattr(job_module, "evaluate", crashing)
+        restore = crash_at(monkeypatch, job_module, "evaluate", 3)
         with pytest.raises(KeyboardInterrupt):
             run_training(cfg(), out=tmp_path / "cut", progress=False)
-        monkeypatch.setattr(job_module, "evaluate", real)
+        restore()
         ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
         assert ck["current"]["server"]["rule"] == {"seen": 2}
         res = run_training(cfg(), out=tmp_path / "cut", resume=True, progress=False)

@@ -31,6 +31,7 @@ from fedhead.bench.report import (
     write_report,
     write_results,
 )
+from fedhead.core.plugins import load_plugins
 from fedhead.federation.methods import METHODS
 from fedhead.infra.errors import FedheadError, unknown_name
 
@@ -85,8 +86,6 @@ def baselines_cmd(
     common: Common,
 ):
     """Closed-form heads, closed-form + fine-tuning and the classic FL baselines against the central ceiling."""
-    from fedhead.core.plugins import load_plugins
-
     load_plugins()  # methods registered by users' modules
     names, plabels, parts = methods_and_partitions(methods, partitions, METHODS)
     cells = []

@@ -16,7 +16,10 @@ from typing import List, Optional
 import numpy as np
 import typer
 
+from extract.store import load_store, open_store
 from fedhead.bench import plots as P
+from fedhead.bench.geometry import COLUMNS, METRICS, store_geometry
+from fedhead.bench.geometry import __doc__ as gdoc
 from fedhead.bench.report import (
     STANDARD_NONIID,
     Cell,
@@ -39,7 +42,9 @@ from fedhead.bench.report import (
     write_results,
 )
 from fedhead.federation.config import PAPER_SEEDS, TrainConfig
+from fedhead.federation.rundir import write_csv
 from fedhead.federation.train import PAUSE_ENV
+from fedhead.infra.console import stdout_console
 from fedhead.infra.errors import FedheadError, Interval, OneOf, validate
 from fedhead.infra.exits import cli_errors
 from fedhead.infra.files import check_out
@@ -305,8 +310,6 @@ def _pct(stat: Stat, digits: int = 2) -> str:
 
 def _print_report(path: Path, sections: list[str]) -> None:
     from rich.markdown import Markdown
-
-    from fedhead.infra.console import stdout_console
 
     con = stdout_console()
     con.print(Markdown("\n\n".join(sections)))
@@ -739,8 +742,6 @@ def partitions_cmd(
 
 def check_same_dataset(stores: list[Path]) -> None:
     """Stores compared by ``encoders`` must hold the same dataset (name and class names)."""
-    from extract.store import open_store
-
     infos = [open_store(p) for p in stores]
     first = infos[0]
     for info in infos[1:]:
@@ -1250,10 +1251,6 @@ def geometry_cmd(
     out: Optional[Path] = OUT_OPT,
 ):
     """Feature geometry (the paper's Fig. 2): alignment, intra, inter and intra/inter ratio. No training."""
-    from extract.store import load_store, open_store
-    from fedhead.bench.geometry import COLUMNS, METRICS, store_geometry
-    from fedhead.federation.rundir import write_csv
-
     validate("--split", split, OneOf(("train", "test")))
     validate("--samples-per-class", samples_per_class, Interval(0, None, integer=True))
     seeds_l = parse_seeds(seeds, quick)
@@ -1340,7 +1337,6 @@ def geometry_cmd(
             f"\nNote: the stores hold different datasets ({', '.join(datasets)}); geometry is comparable only "
             "on the same images."
         )
-    from fedhead.bench.geometry import __doc__ as gdoc
 
     s += ["", "Definitions (features L2-normalised):", "", "```", gdoc.strip(), "```"]
     sections = ["\n".join(s)]

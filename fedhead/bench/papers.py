@@ -27,10 +27,16 @@ import numpy as np
 import typer
 
 from fedhead.bench import plots as P
-from fedhead.bench.commands import _print_report, begin_report, parse_seeds, report_writer
+from fedhead.bench.commands import _print_report, begin_report, parse_rates, parse_seeds, report_writer
 from fedhead.bench.report import Cell, CellResult, Stat, _flatten, _stack, md_table, run_cells, write_report
+from fedhead.federation.rundir import read_csv, write_csv
+from fedhead.infra.console import stderr_console
+from fedhead.infra.devices import resolve_device
 from fedhead.infra.errors import FedheadError, OneOf, param_error, unknown_name, validate
 from fedhead.infra.exits import cli_errors
+from fedhead.infra.files import check_out
+from fedhead.scratch.data import KWS_WORDS
+from fedhead.scratch.runner import ScratchConfig, check_config, config_identity, resolve_config, run_scratch
 
 SEEDS = [0, 42, 777]  # the brief's seeds; none of the three papers states its own
 
@@ -163,8 +169,6 @@ def _holds(name: str, d: Path) -> bool:
     if name == "cifar10":
         return ((d / "train").is_dir() and (d / "test").is_dir()) or (d / "cifar-10-batches-py").is_dir()
     if name == "speech-commands":
-        from fedhead.scratch.data import KWS_WORDS
-
         return all((d / w).is_dir() for w in KWS_WORDS)
     return False
 
@@ -331,8 +335,6 @@ def _cuts(paper: Paper, col: Column, scale: str, quick: bool, alphas) -> list[st
 def build_cells(
     paper: Paper, columns, scale: str, quick: bool, seeds: list[int], alphas, device: str, backend: str
 ) -> list[Cell]:
-    from fedhead.scratch.runner import ScratchConfig
-
     cells = []
     for col, ds, folder in columns:
         for suffix, labels, row in paper.grid(col, alphas):
@@ -349,8 +351,6 @@ def build_cells(
 def check_cells(cells: list[Cell], out: Path, dry: bool) -> list:
     """Resolve and check every run before the first starts (nothing written on bad input); an existing run
     directory of another configuration is refused here too."""
-    from fedhead.scratch.runner import check_config, config_identity, resolve_config
-
     resolved = []
     for c in cells:
         try:
@@ -570,8 +570,6 @@ def _fedabc_sections(by, columns, window, seeds, alphas) -> tuple[list[str], lis
 
 def _divergence(r: CellResult) -> tuple[list[str], np.ndarray, np.ndarray, dict[int, int]]:
     """Layer names, mean and std over seeds of the last pre-pass round's divergence; split per seed."""
-    from fedhead.federation.rundir import read_csv
-
     rows = read_csv(r.run_dir / "divergence.csv") if (r.run_dir / "divergence.csv").exists() else []
     per_seed: dict[int, dict[int, float]] = {}
     names: dict[int, str] = {}
@@ -1034,8 +1032,6 @@ def _key(paper: Paper, r: CellResult):
 
 
 def _result_rows(results: list[CellResult], window: int) -> list[dict]:
-    from fedhead.scratch.runner import ScratchConfig
-
     fields = {f.name for f in dataclasses.fields(ScratchConfig)}
     rows = []
     for r in results:
@@ -1085,7 +1081,6 @@ def _alphas(paper: Paper, text: str | None, scale: str, quick: bool) -> tuple:
         return FEDABC_ALPHAS["quick" if quick else scale] if paper.level == "alpha" else ()
     if paper.level != "alpha":
         raise param_error("--alphas", text, f"does not apply to {paper.name}", "Drop --alphas, or use it with fedabc.")
-    from fedhead.bench.commands import parse_rates
 
     return tuple(parse_rates("--alphas", text, low_closed=False, high=1e6))
 
@@ -1138,9 +1133,6 @@ def papers_cmd(
 ):
     """A seed paper's table on the scratch path (FedOVA Tables I-II, FedABC Tables 1-2, D&C Table 1), next to the
     paper's numbers."""
-    from fedhead.infra.devices import resolve_device
-    from fedhead.infra.files import check_out
-
     if paper not in PAPERS:
         raise unknown_name("PAPER", paper, PAPERS, "paper")
     spec = PAPERS[paper]
@@ -1187,9 +1179,6 @@ def papers_cmd(
         t0, c0 = time.perf_counter(), time.process_time()
 
         def run_one(c: Cell, d: Path, resume: bool, prog) -> None:
-            from fedhead.infra.console import stderr_console
-            from fedhead.scratch.runner import run_scratch
-
             err = stderr_console()
             run_scratch(
                 c.cfg,
@@ -1222,8 +1211,6 @@ def _write(
     quick: bool,
     times: tuple[float, float],
 ) -> None:
-    from fedhead.federation.rundir import write_csv
-
     by = {_key(spec, r): r for r in results}
     secs, verdicts = spec.sections(by, chosen, window, seeds, alphas)
     run_s = sum(float(r.summary.get("wall_seconds", 0.0)) for r in results)

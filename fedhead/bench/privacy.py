@@ -32,7 +32,12 @@ from fedhead.bench.report import (
     write_report,
     write_results,
 )
+from fedhead.core.closedform import is_closed_form
+from fedhead.core.dp import epsilon_schedule
+from fedhead.federation.rundir import read_csv
+from fedhead.flower.common import require_flower
 from fedhead.infra.errors import FedheadError, Interval, validate
+from fedhead.infra.files import atomic_write_json
 
 METHODS = ("ova2", "softmax", "ridge", "ncm")
 NONE = "none"  # the run without DP
@@ -42,9 +47,6 @@ Z_RANGE = (0.05, 500.0)  # noise multipliers the bisection searches
 def noise_for_epsilon(cfg, epsilon: float, tol: float = 1e-3) -> float:
     """The smallest noise multiplier z (to ``tol`` relative) whose final epsilon for ``cfg`` (resolved, DP fields
     set; its z is replaced) is at most ``epsilon``."""
-    from fedhead.core.closedform import is_closed_form
-    from fedhead.core.dp import epsilon_schedule
-
     last = 1 if is_closed_form(cfg.head) else cfg.rounds
 
     def eps(z: float) -> float:
@@ -98,8 +100,6 @@ def privacy_cmd(
 ):
     """Accuracy against epsilon (DP-FedAvg for iterative heads, noisy statistics for closed-form heads) and the
     time and bytes DP adds, against the same runs without DP."""
-    from fedhead.core.closedform import is_closed_form
-
     names, plabels, parts = methods_and_partitions(methods, partitions, METHODS)
     eps = parse_rates("--epsilons", epsilons, low_closed=False, high=None)
     validate("--delta", delta, Interval(0, 1, closed="neither"), "Use e.g. --delta 1e-5 (below 1/N).")
@@ -114,8 +114,6 @@ def privacy_cmd(
             Interval(3, None, integer=True),
             "SecAgg+ needs at least 3 clients; use 0 to skip its measurement.",
         )
-        from fedhead.flower.common import require_flower
-
         require_flower()
     for k in ("dp_noise_multiplier", "dp_clip", "dp_delta", "dp_feature_clip"):
         if common.train.get(k) is not None:
@@ -309,7 +307,6 @@ def _secagg_run(cfg, out: Path) -> tuple[dict, list[dict], float]:
     import shutil
     import time
 
-    from fedhead.federation.rundir import read_csv
     from fedhead.flower.inprocess import run_in_process
 
     done = out / "summary.json"
@@ -320,7 +317,6 @@ def _secagg_run(cfg, out: Path) -> tuple[dict, list[dict], float]:
     t0 = time.perf_counter()
     res = run_in_process(cfg, out)
     wall = time.perf_counter() - t0
-    from fedhead.infra.files import atomic_write_json
 
     atomic_write_json(out / "wall.json", wall)
     return res.summary, res.rows, wall
@@ -328,8 +324,6 @@ def _secagg_run(cfg, out: Path) -> tuple[dict, list[dict], float]:
 
 def _secagg_section(features, names, partition: str, clients: int, rounds: int, common: Common) -> str:
     """SecAgg+'s bytes and seconds against the same Flower run without it (fedhead.flower.secure), per method."""
-    from fedhead.core.closedform import is_closed_form
-
     pname, pparams = _partition(partition)
     rows = []
     for m in names:

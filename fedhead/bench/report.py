@@ -33,8 +33,12 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from extract.store import load_store
+from fedhead.core.heads import HEADS
+from fedhead.core.partitions import PARTITIONS
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.rundir import acc95_round, mean_std, read_csv, write_csv
+from fedhead.federation.train import CHECKPOINT, run_training, validate_config
 from fedhead.infra.console import make_progress
 from fedhead.infra.errors import FedheadError, unknown_name
 from fedhead.infra.files import atomic_write_json, atomic_write_text
@@ -55,8 +59,6 @@ STANDARD_NONIID = ("shard-1", "shard-2", "bernoulli-dirichlet")
 
 def resolve_partition(label: str) -> tuple[str, dict]:
     """A partition label (preset such as ``shard-1``, or any registered partition name) -> (name, params)."""
-    from fedhead.core.partitions import PARTITIONS
-
     if label in PARTITION_PRESETS:
         return PARTITION_PRESETS[label]
     if label in PARTITIONS:
@@ -65,8 +67,6 @@ def resolve_partition(label: str) -> tuple[str, dict]:
 
 
 def check_head(name: str) -> str:
-    from fedhead.core.heads import HEADS
-
     if name not in HEADS:
         raise unknown_name("--head", name, HEADS, "head")
     return name
@@ -129,8 +129,6 @@ def _num(v: Any) -> Any:
 
 def run_status(run_dir: Path) -> str:
     """What re-running ``run_dir`` will do: reused (finished), resumed (checkpoint), stale or new."""
-    from fedhead.federation.train import CHECKPOINT
-
     if (run_dir / CHECKPOINT).exists():
         return "resumed"
     if (run_dir / "summary.json").exists() and (run_dir / "config.json").exists():
@@ -147,8 +145,6 @@ class StoreCache:
         self._stores: dict[str, Any] = {}
 
     def get(self, path: str):
-        from extract.store import load_store
-
         key = str(path)
         if key not in self._stores:
             self._stores[key] = load_store(key)
@@ -157,8 +153,6 @@ class StoreCache:
 
 def validate_cells(cells: Sequence[Cell], stores: StoreCache) -> None:
     """Check every run's configuration before the first one starts (one-line errors)."""
-    from fedhead.federation.train import validate_config
-
     seen = set()
     for c in cells:
         if c.name in seen:
@@ -175,8 +169,6 @@ def run_grid(
 ) -> list[CellResult]:
     """Run (or reuse, or resume) every cell into ``out/runs/<name>``; one outer progress bar over runs."""
     import functools
-
-    from fedhead.federation.train import run_training
 
     # one centralised ceiling per head, preparation and labels for the whole report
     runner = runner or functools.partial(run_training, central_cache={})

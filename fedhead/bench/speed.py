@@ -34,11 +34,21 @@ from typing import Optional
 
 import typer
 
+from extract.bench import measure_extraction
+from fedhead.core.closedform import StatsAccumulator, client_stats
+from fedhead.core.engine import ClientSet, Engine, LocalConfig, OptimConfig, _fused_available
+from fedhead.core.heads import create_head
+from fedhead.core.partitions import class_counts, create_partition
 from fedhead.federation.train import PAUSE_ENV  # test hook: pause after the k-th job
-from fedhead.infra.devices import DENORMALS_ENV
+from fedhead.infra.console import stderr_console, stdout_console
+from fedhead.infra.devices import DENORMALS_ENV, flush_denormals, resolve_device, set_cpu_threads
 from fedhead.infra.errors import FedheadError, Interval, OneOf, validate
 from fedhead.infra.exits import cli_errors
+from fedhead.infra.files import atomic_write_json, atomic_write_text, check_out
 from fedhead.infra.signals import pause_hook
+from fedhead.scratch import engine as E
+from fedhead.scratch.models import create_model
+from fedhead.scratch.runner import ALGO_DEFAULTS, FEDABC_LR
 
 PAPER = dict(samples=50_000, dim=1024, classes=100, epochs=3, batch=50)
 QUICK = dict(samples=4_000, dim=128, classes=20, epochs=3, batch=50)
@@ -114,9 +124,6 @@ def _federation(clients: int, samples: int, dim: int, classes: int, device, seed
     import numpy as np
     import torch
 
-    from fedhead.core.engine import ClientSet
-    from fedhead.core.partitions import class_counts, create_partition
-
     g = torch.Generator().manual_seed(seed)
     x = torch.empty(samples, dim + 1)
     x[:, :dim] = torch.randn(samples, dim, generator=g).abs_()  # non-negative like pooled features
@@ -159,10 +166,6 @@ def run_config(cfg: dict) -> dict:
     """Time one trainer configuration in this process; the record keys are unprefixed."""
     import numpy as np
     import torch
-
-    from fedhead.core.engine import Engine, LocalConfig, OptimConfig, _fused_available
-    from fedhead.core.heads import create_head
-    from fedhead.infra.devices import flush_denormals, resolve_device, set_cpu_threads
 
     dev = resolve_device(cfg["device"])
     threads = set_cpu_threads(cfg.get("threads"))
@@ -245,10 +248,6 @@ def closed_form_speed(cfg: dict) -> dict:
     import numpy as np
     import torch
 
-    from fedhead.core.closedform import StatsAccumulator, client_stats
-    from fedhead.core.heads import create_head
-    from fedhead.infra.devices import set_cpu_threads
-
     threads = set_cpu_threads(cfg.get("threads"))
     D, C, K, n, block = cfg["dim"], cfg["classes"], cfg["clients"], cfg["samples_per_client"], cfg["block"]
     rng = np.random.default_rng(0)
@@ -307,8 +306,6 @@ SCRATCH_QUICK = dict(members=2, batch=8, steps=2)
 
 def scratch_protocol(model: str, quick: bool = False) -> dict:
     """The training configuration ``fedhead bench speed`` times ``model`` at (see :data:`SCRATCH_PROTOCOLS`)."""
-    from fedhead.scratch.runner import ALGO_DEFAULTS, FEDABC_LR
-
     algo, dataset = SCRATCH_PROTOCOLS[model]
     d = ALGO_DEFAULTS[algo]
     lr = d["lr"] if d["lr"] is not None else FEDABC_LR[dataset]
@@ -357,10 +354,6 @@ def scratch_speed(cfg: dict) -> dict:
 
     import numpy as np
     import torch
-
-    from fedhead.infra.devices import set_cpu_threads
-    from fedhead.scratch import engine as E
-    from fedhead.scratch.models import create_model
 
     threads = set_cpu_threads(cfg.get("threads"))
     dev = torch.device("cpu")
@@ -451,8 +444,6 @@ def scratch_speed(cfg: dict) -> dict:
 
 
 def _engine_formulation(model) -> str:
-    from fedhead.scratch import engine as E
-
     net = getattr(E, "StackedNet", None)
     if net is None:
         return "vmap"
@@ -653,10 +644,6 @@ def _measure_heads(*, quick, rounds, device, threads, loop_rounds, extraction, p
 
 
 def _extraction(quick: bool, device: str) -> dict:
-    try:
-        from extract.bench import measure_extraction
-    except ImportError:
-        return {"extract_status": "missing: extract.bench.measure_extraction"}
     try:
         r = measure_extraction(num_images=64 if quick else 256, device=device)
     except Exception as exc:  # a broken extraction must not lose the trainer's numbers
@@ -882,10 +869,6 @@ def speed_cmd(
 ) -> None:
     """Trainer speed vs the machine's matmul/memory limits, vs a per-client loop, and in 100..1000 clients; the
     scratch engine's samples/s and GFLOP/s per model vs its loop backend."""
-    from fedhead.infra.console import stderr_console, stdout_console
-    from fedhead.infra.devices import resolve_device
-    from fedhead.infra.files import atomic_write_json, atomic_write_text, check_out
-
     check_out(out)  # a folder there, or below a file: refused before the measurement
     validate("--rounds", rounds, Interval(1, None, integer=True))
     validate("--loop-rounds", loop_rounds, Interval(0, None, integer=True))

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fedhead.core.dp import gaussian
+from fedhead.core.plugins import load_plugins
 from fedhead.infra.errors import FedheadError, unknown_name
 
 
@@ -156,7 +158,6 @@ class DPFedAvg(Aggregator):
                 "carry none. Build the Accumulator with seed= and rnd= (as the engine and the Flower "
                 "strategy do)."
             )
-        from fedhead.core.dp import gaussian
 
         m = totals.sampled if totals.sampled is not None else totals.clients
         total = totals.sums["clipped"]
@@ -187,8 +188,6 @@ def register_aggregator(name: str):
 
 
 def aggregator_names() -> list[str]:
-    from fedhead.core.plugins import load_plugins
-
     load_plugins()
     return list(AGGREGATORS)
 
@@ -197,8 +196,6 @@ def create_aggregator(name: str, cfg=None) -> Aggregator:
     """The rule ``name``; with a run's ``cfg``, built from it (:meth:`Aggregator.from_config`: ``dp-fedavg``
     reads --dp-clip and --dp-noise-multiplier)."""
     if name not in AGGREGATORS:
-        from fedhead.core.plugins import load_plugins
-
         load_plugins()
     if name not in AGGREGATORS:
         raise unknown_name("--aggregate", name, AGGREGATORS, "aggregator")

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedhead.core.heads import Head, register_head
-from fedhead.core.linalg import psd_part
+from fedhead.core.heads import HEADS, Head, register_head
+from fedhead.core.linalg import clip_rows, psd_part
 from fedhead.infra.errors import FedheadError, Interval
 from fedhead.infra.params import Param
 
@@ -77,8 +77,6 @@ def client_stats(
     vector first scaled to L2 norm at most ``clip`` (differential privacy, :func:`fedhead.core.dp.clip_rows`)."""
     xt = torch.as_tensor(np.asarray(x), dtype=F64)
     if clip is not None:
-        from fedhead.core.linalg import clip_rows
-
         xt = clip_rows(xt, clip)
     yt = torch.as_tensor(np.asarray(y), dtype=torch.int64)
     sums = torch.zeros(num_classes, xt.shape[1], dtype=F64).index_add_(0, yt, xt)
@@ -164,8 +162,6 @@ class StatsAccumulator:
         it = torch.as_tensor(idx, dtype=torch.int64)
         xb = x.index_select(0, it).to(F64)
         if clip is not None:
-            from fedhead.core.linalg import clip_rows
-
             xb = clip_rows(xb, clip)
         yb = y.index_select(0, it).to(torch.int64)
         key = torch.as_tensor(owner, dtype=torch.int64) * C + yb
@@ -394,12 +390,8 @@ class LDAHead(ClosedFormHead):
 
 
 def is_closed_form(name: str) -> bool:
-    from fedhead.core.heads import HEADS
-
     return name in HEADS and bool(getattr(HEADS[name].cls, "closed_form", False))
 
 
 def closed_form_names() -> list[str]:
-    from fedhead.core.heads import HEADS
-
     return sorted(n for n in HEADS if is_closed_form(n))

@@ -30,6 +30,8 @@ import math
 import numpy as np
 import torch
 
+from fedhead.core.closedform import is_closed_form
+from fedhead.core.linalg import psd_part
 from fedhead.infra.errors import FedheadError, Interval, validate
 
 INSTALL_HINT = "pip install 'fedhead[dp]'"
@@ -47,8 +49,6 @@ def enabled(cfg) -> bool:
 def validate_dp(c) -> None:
     """The DP options of a config being resolved (``TrainConfig.resolved``): values, presence, and what DP can be
     combined with; sets ``c.aggregate = "dp-fedavg"`` for an iterative head."""
-    from fedhead.core.closedform import is_closed_form
-
     z = c.dp_noise_multiplier
     given = [("--dp-clip", c.dp_clip), ("--dp-delta", c.dp_delta), ("--dp-feature-clip", c.dp_feature_clip)]
     if z is None:
@@ -152,7 +152,6 @@ def feature_clip(cfg) -> float | None:
     """The per-sample feature-norm bound of the run's statistics (None without DP)."""
     if not enabled(cfg):
         return None
-    from fedhead.core.closedform import is_closed_form
 
     return float(cfg.dp_clip if is_closed_form(cfg.head) else cfg.dp_feature_clip)
 
@@ -230,8 +229,6 @@ def privatize_statistics(acc, cfg, seed: int):
     std = cfg.dp_noise_multiplier * statistics_sensitivity(acc.gram is not None)
     _set_statistics_vector(acc, v + gaussian((v.numel(),), std, seed, 1, "statistics"), bound)
     if acc.gram is not None:
-        from fedhead.core.linalg import psd_part
-
         acc.gram = psd_part(acc.gram)
     acc.noisy = True  # lda projects its covariance estimate too
     return acc
@@ -330,7 +327,6 @@ def epsilon_schedule(cfg, last_round: int) -> dict[int, dict]:
     round's RDP curve, what ``RdpAccountant.compose(event, t)`` computes."""
     if not enabled(cfg):
         return {}
-    from fedhead.core.closedform import is_closed_form
 
     z, delta, q = float(cfg.dp_noise_multiplier), float(cfg.dp_delta), sampling_rate(cfg)
     closed = is_closed_form(cfg.head)
@@ -359,8 +355,6 @@ def summary_fields(cfg, schedule: dict[int, dict]) -> dict:
     if not enabled(cfg) or not schedule:
         return {}
     from importlib.metadata import version
-
-    from fedhead.core.closedform import is_closed_form
 
     _accounting()
     last = schedule[max(schedule)]

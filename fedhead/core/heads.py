@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fedhead.core.plugins import load_plugins
 from fedhead.infra.errors import FedheadError, Interval, unknown_name
 from fedhead.infra.params import Param, resolve_params
 
@@ -86,8 +87,6 @@ def iterative_head_names() -> list[str]:
 
 def resolve_head_params(name: str, **params) -> dict:
     if name not in HEADS:
-        from fedhead.core.plugins import load_plugins
-
         load_plugins()  # a user's head registered in FEDHEAD_PLUGINS or a fedhead.methods entry point
     if name not in HEADS:
         raise unknown_name("--head", name, HEADS, "head")

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from extract.store import write_store
+from fedhead.infra.errors import Interval, validate
 
 LATENT = 64  # latent dimension of the class prototypes (``fedhead synth`` does not expose it)
 
@@ -45,8 +46,6 @@ def validate_synthetic(
     *, num_classes: int, train_per_class: int, test_per_class: int, dim: int, spread: float, seed: int
 ) -> None:
     """The options of a synthetic store (``fedhead synth``, ``fedhead bench flower``), checked before writing."""
-    from fedhead.infra.errors import Interval, validate
-
     validate("--num-classes", num_classes, Interval(2, None, integer=True))
     validate("--train-per-class", train_per_class, Interval(1, None, integer=True))
     validate("--test-per-class", test_per_class, Interval(1, None, integer=True))

@@ -7,6 +7,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from fedhead.core.aggregate import aggregator_names
+from fedhead.core.dp import validate_dp
 from fedhead.core.engine import BACKENDS
 from fedhead.infra.errors import FedheadError, Interval, OneOf, validate
 
@@ -137,7 +139,6 @@ class TrainConfig:
             "Use a fraction of clients per round in (0, 1], e.g. 0.1.",
         )
         validate("--noise-rate", c.noise_rate, Interval(0, 1, closed="left"))
-        from fedhead.core.aggregate import aggregator_names
 
         validate("--aggregate", c.aggregate, OneOf(tuple(aggregator_names())))
         validate("--scale", c.scale, OneOf(("none", "rms")))
@@ -163,7 +164,6 @@ class TrainConfig:
             validate("--seed", s, Interval(0, None, integer=True))
         if c.noise != "none" and c.noise_rate == 0:
             raise FedheadError(f"The '--noise-rate' parameter must be > 0 with --noise {c.noise}. Got 0.0 instead.")
-        from fedhead.core.dp import validate_dp
 
         validate_dp(c)  # DP options, and the rule: DP-FedAvg replaces fedavg (aggregate = dp-fedavg)
         if c.secure_aggregation:

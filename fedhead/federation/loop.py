@@ -23,7 +23,7 @@ from pathlib import Path
 from fedhead.federation import rundir
 from fedhead.federation.rundir import Opened, RunDir
 from fedhead.infra.console import make_progress
-from fedhead.infra.errors import FedheadError
+from fedhead.infra.errors import SPACE_ERRNOS, FedheadError
 from fedhead.infra.signals import pause_hook, signals_deferred
 
 PAUSE_ENV = "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS"  # test hook "k:FILE": after the k-th round row, pid -> FILE, sleep
@@ -86,8 +86,6 @@ def writing(run: RunDir, what: Path):
     try:
         yield
     except OSError as exc:
-        from fedhead.infra.errors import SPACE_ERRNOS
-
         why = (exc.strerror or str(exc)).replace("\n", " ")
         if exc.errno in SPACE_ERRNOS:
             raise FedheadError(

@@ -61,6 +61,13 @@ def statistics_row(
     }
 
 
+def server_opt_config(cfg: TrainConfig) -> ServerOptConfig:
+    """The server optimiser a run's configuration names, its parameters resolved and validated."""
+    return ServerOptConfig(
+        name=cfg.server_opt, lr=cfg.server_lr, momentum=cfg.server_momentum, betas=cfg.server_betas, tau=cfg.server_tau
+    ).resolved()
+
+
 class ServerUpdate:
     """What the server does with a round's aggregate beyond FedAvg: a server optimiser (FedAvgM, FedAdam, ...)
     and SCAFFOLD's control variates; plus what the engine needs from it (FedProx's mu, the variates).
@@ -71,14 +78,7 @@ class ServerUpdate:
         self.rule = aggregator_of(cfg)  # the aggregation rule: its state (if any) is the server's, kept per seed
         self.opt = None
         if cfg.server_opt != "fedavg":
-            scfg = ServerOptConfig(
-                name=cfg.server_opt,
-                lr=cfg.server_lr,
-                momentum=cfg.server_momentum,
-                betas=cfg.server_betas,
-                tau=cfg.server_tau,
-            ).resolved()
-            self.opt = ServerOptimizer(scfg, shape, device)
+            self.opt = ServerOptimizer(server_opt_config(cfg), shape, device)
         self.scaffold = None
         if cfg.scaffold:
             self.scaffold = scaffold if scaffold is not None else ScaffoldState.zeros(cfg.clients, *shape, device)

@@ -16,13 +16,13 @@ from fedhead.core.engine import OptimConfig
 from fedhead.core.heads import resolve_head_params
 from fedhead.core.noise import apply_noise
 from fedhead.core.partitions import PARTITIONS, create_partition, resolve_partition_params
-from fedhead.core.serveropt import ServerOptConfig
 from fedhead.federation.clients import noise_dataset_name
 from fedhead.federation.config import RECIPES, TrainConfig
 from fedhead.federation.inprocess import InProcessTransport
 from fedhead.federation.job import HeadJob
 from fedhead.federation.loop import PAUSE_ENV, run_job, writing
 from fedhead.federation.rundir import CHECKPOINT, RunDir, default_run_dir
+from fedhead.federation.server import server_opt_config
 from fedhead.infra.devices import resolve_device, set_cpu_threads
 from fedhead.infra.errors import FedheadError, unknown_name
 from fedhead.infra.files import check_out
@@ -131,13 +131,7 @@ def validate_method(cfg: TrainConfig) -> None:
     if cfg.server_opt != "fedavg" or any(
         v is not None for v in (cfg.server_lr, cfg.server_momentum, cfg.server_betas, cfg.server_tau)
     ):
-        ServerOptConfig(
-            name=cfg.server_opt,
-            lr=cfg.server_lr,
-            momentum=cfg.server_momentum,
-            betas=cfg.server_betas,
-            tau=cfg.server_tau,
-        ).resolved()
+        server_opt_config(cfg)
 
 
 NOT_IDENTITY = ("features", "device", "block_clients", "memory_budget_mb")  # where a run runs, not what it finds

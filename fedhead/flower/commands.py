@@ -21,13 +21,19 @@ from typing import List, Optional
 
 import typer
 
+from extract.store import load_store, open_store
+from fedhead.core.synthetic import validate_synthetic, write_synthetic
 from fedhead.federation.config import TrainConfig
+from fedhead.federation.train import head_run_dir, labels_store, run_training, validate_config
 from fedhead.flower.common import RUN_CONFIG_FIELDS, require_flower
+from fedhead.infra.console import stdout_console
 from fedhead.infra.errors import FedheadError, Interval, validate
 from fedhead.infra.exits import cli_errors
+from fedhead.infra.files import atomic_write_json, check_out
 from fedhead.infra.locks import exclusive_writer
 from fedhead.infra.signals import Interrupted, signals_flag
 from fedhead.interface.options import METHOD_OPTIONS, method_fields
+from fedhead.interface.tables import SUMMARY_COLUMNS, results_table
 
 # ---------------------------------------------------------------- the options of `fedhead train`
 
@@ -209,10 +215,7 @@ def check_simulation(
     train`` against the store the virtual clients slice (the whole training split is here, unlike on a real
     server), the simulation's own options, and the state of ``out`` (``resume``). Returns the loaded server
     store (handed to the ServerApp, which need not load it again)."""
-    from extract.store import load_store
-    from fedhead.federation.train import validate_config
     from fedhead.flower.strategy import validate_server_config
-    from fedhead.infra.files import check_out
 
     validate("--round-timeout", round_timeout, Interval(0, None, closed="neither"))
     validate("--client-cpus", client_cpus, Interval(0, None, closed="neither"))
@@ -231,8 +234,6 @@ def check_simulation(
 def _check_run_dir(out: Path, resume: bool, cfg: TrainConfig, store) -> None:
     """``--out`` as ``fedhead train`` takes it: without ``--resume`` empty or absent; with it, a run of the
     same configuration (a checkpoint, or a finished run that is reported again)."""
-    from fedhead.federation.train import head_run_dir
-
     head_run_dir(cfg, store, out, resume).open()
 
 
@@ -302,9 +303,6 @@ def simulate(
 
 
 def _print_summary(title: str, summary: dict) -> None:
-    from fedhead.infra.console import stdout_console
-    from fedhead.interface.tables import SUMMARY_COLUMNS, results_table
-
     cols = SUMMARY_COLUMNS + [("failures", "failures")]
     stdout_console().print(results_table(title, [summary], cols))
 
@@ -317,8 +315,6 @@ def simulate_cmd(
     **kw,
 ):
     """Run the same job as 'fedhead train' on Flower's simulation engine (one virtual SuperNode per client)."""
-    from fedhead.infra.files import check_out
-
     cfg = train_config(kw)
     if kw["resume"] and kw["out"] is None:
         raise FedheadError("The '--resume' option needs --out naming the interrupted run's directory. Got none.")
@@ -806,7 +802,6 @@ def superlink_cmd(
     validate("--round-timeout", kw["round_timeout"], Interval(0, None, closed="neither"))
     kw["features"] = features
     cfg = train_config(kw)
-    from extract.store import open_store
 
     open_store(cfg.features, "--features")
     cfg.resolved()
@@ -863,8 +858,6 @@ def supernode_cmd(
 ):
     """Start a Flower SuperNode that trains the head on this machine's own feature store."""
     require_flower()
-    from extract.store import open_store
-    from fedhead.infra.files import check_out
 
     # every file and option before the node starts
     if insecure and root_certificates is not None:
@@ -957,11 +950,6 @@ def bench_cmd(
 
     import numpy as np
 
-    from fedhead.core.synthetic import validate_synthetic, write_synthetic
-    from fedhead.federation.train import labels_store, run_training, validate_config
-    from fedhead.infra.console import stdout_console
-    from fedhead.infra.files import atomic_write_json, check_out
-
     # every option first (nothing is written on bad input): the store's sizes, the run (against the store's
     # labels), Ray's CPUs and --out
     sizes = dict(num_classes=num_classes, train_per_class=train_per_class, test_per_class=20, dim=dim)
@@ -1012,7 +1000,6 @@ def bench_cmd(
         "cpus": os.cpu_count(),
     }
     atomic_write_json(out / "bench.json", result)
-    from fedhead.interface.tables import results_table
 
     stdout_console().print(
         results_table(

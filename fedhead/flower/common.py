@@ -34,6 +34,7 @@ import os
 import re
 from typing import Any
 
+from fedhead.core.closedform import ClientStats, pack_upper, unpack_upper
 from fedhead.federation.config import TrainConfig
 from fedhead.infra.errors import FedheadError
 from fedhead.interface.options import parse_betas
@@ -223,8 +224,6 @@ def client_stats_record(m) -> dict:
     import numpy as np
     from flwr.app import Array
 
-    from fedhead.core.closedform import pack_upper
-
     out = {
         "cf-classes": Array(np.asarray(m.classes, dtype=np.int64)),
         "cf-counts": Array(np.asarray(m.counts, dtype=np.int64)),
@@ -237,8 +236,6 @@ def client_stats_record(m) -> dict:
 
 def client_stats_from_record(arrays, dim: int):
     """The inverse of :func:`client_stats_record`."""
-    from fedhead.core.closedform import ClientStats, unpack_upper
-
     gram = unpack_upper(arrays["cf-gram"].numpy(), dim + 1) if "cf-gram" in arrays else None
     sums = arrays["cf-sums"].numpy().reshape(-1, dim)
     return ClientStats(arrays["cf-classes"].numpy(), arrays["cf-counts"].numpy(), sums, gram)

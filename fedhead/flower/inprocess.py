@@ -19,6 +19,10 @@ from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 
+from fedhead.flower.client_app import make_client_app
+from fedhead.flower.server_app import run_server
+from fedhead.flower.strategy import ServerSettings
+
 
 class InProcessGrid(Grid):
     """Delivers each message to the ClientApp of its node synchronously; an exception becomes an error reply
@@ -94,10 +98,6 @@ def run_in_process(cfg, out: str | Path, *, wire: bool = True, wait_timeout: flo
     """Run ``cfg`` with fedhead's ServerApp strategy and ``cfg.clients`` ClientApp nodes in this process (each
     node reads the server's store and takes its partition, as ``flower simulate`` does); the run directory goes
     to ``out``. Returns the strategy's outcome."""
-    from fedhead.flower.client_app import make_client_app
-    from fedhead.flower.server_app import run_server
-    from fedhead.flower.strategy import ServerSettings
-
     with task_identity():
         grid = InProcessGrid(make_client_app(str(cfg.features)), sim_nodes(cfg.clients), wire=wire)
         return run_server(grid, cfg, ServerSettings(out=str(out), wait_timeout=wait_timeout))

@@ -66,7 +66,13 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.server.workflow.constant import Key as WorkflowKey  # noqa: E402
 from flwr.server.workflow.secure_aggregation.secaggplus_workflow import WorkflowState  # noqa: E402
 
+from fedhead.core.aggregate import aggregator_of
+from fedhead.core.ccvr import ClassStats, PooledStats
+from fedhead.core.closedform import StatsAccumulator, pack_upper, unpack_upper
+from fedhead.federation.clients import FeatureStats
 from fedhead.federation.config import SECURE_MIN_CLIENTS as MIN_CLIENTS  # noqa: E402
+from fedhead.flower.common import LOG, MESSAGE_PREFIX, client_stats_from_record, short_reason
+from fedhead.infra import devices
 from fedhead.infra.errors import FedheadError  # noqa: E402
 
 LIMB_BITS = 30
@@ -288,8 +294,6 @@ def secure_reply(msg: Message, vector: np.ndarray) -> Message:
 
 def _dense_stats(m, C: int, D: int, gram: bool) -> dict:
     """A :class:`fedhead.core.closedform.ClientStats` as dense arrays over all classes."""
-    from fedhead.core.closedform import pack_upper
-
     sums = np.zeros((C, D))
     counts = np.zeros(C)
     sums[m.classes] = np.asarray(m.sums).reshape(len(m.classes), D)
@@ -303,15 +307,11 @@ def _dense_stats(m, C: int, D: int, gram: bool) -> dict:
 def node_values(kind: str, request: RecordDict, reply: Message, C: int, D: int, cfg) -> tuple[Layout, dict]:
     """What a node adds to a secure exchange, read from its plain handler's ``reply`` to ``request`` (the plain
     run's message, so both runs send the same numbers): the layout and its values."""
-    from fedhead.flower.common import MESSAGE_PREFIX, client_stats_from_record
-
     if reply.has_error():
         raise FedheadError(reply.error.reason)
     arrays = reply.content["arrays"] if "arrays" in reply.content else {}
     m = reply.content["metrics"]
     if kind == "train":
-        from fedhead.core.aggregate import aggregator_of
-
         theta = torch.as_tensor(request["arrays"]["head"].numpy(), dtype=torch.float32)
         layout = train_layout(aggregator_of(cfg), theta, cfg.scaffold)
         v = {name: np.zeros(shape) for name, shape in layout.parts}
@@ -347,15 +347,11 @@ def node_values(kind: str, request: RecordDict, reply: Message, C: int, D: int, 
         v["ms"] = float(m.get("stats-ms", 0.0))
         return statistics_layout(C, D, gram), v
     if kind == "cof-spread":
-        from fedhead.core.closedform import StatsAccumulator
-
         acc = StatsAccumulator(C, D)
         acc.set_cof_weights(request["arrays"]["class-n"].numpy(), request["arrays"]["class-k"].numpy())
         acc.add(client_stats_from_record(arrays, D))
         return spread_layout(D), {"spread": acc.spread.numpy()[np.triu_indices(D)]}
     if kind == "ccvr":
-        from fedhead.core.ccvr import ClassStats
-
         blob = arrays["ccvr-stats"].numpy().tobytes()
         counts, sums, second = np.zeros(C), np.zeros((C, D)), np.zeros((C, D * (D + 1) // 2))
         if blob:
@@ -415,7 +411,6 @@ class _Recorder:
         self.wait_s += time.perf_counter() - t0
         self.failed = {}
         seen = set()
-        from fedhead.flower.common import short_reason
 
         for r in replies:
             node = r.metadata.src_node_id
@@ -595,9 +590,6 @@ class SecureRounds:
         """Refuse, before round 1, an exchange whose masked vectors cannot fit in this server's memory: SecAgg+
         sums dense vectors (a closed-form head's Gram, CCVR's second moments of every class, where a plain node
         sends only the classes it holds), and the server receives one from each node of the exchange at once."""
-        from fedhead.flower.common import LOG
-        from fedhead.infra.devices import available_memory
-
         cfg, (C, D) = self.s.cfg, self.dims
         per_round = max(1, int(round(cfg.participation * cfg.clients)))
         needs = [("census", cfg.clients, census_layout(C, D, bool(cfg.center or cfg.scale != "none")), None)]
@@ -629,7 +621,7 @@ class SecureRounds:
                     ),
                 )
             )
-        free = available_memory()
+        free = devices.available_memory()
         for kind, nodes, layout, why in needs:
             per_node = layout.size * layout.fmt.limbs * 8  # int64 digits
             if per_node > 1e6:
@@ -644,8 +636,6 @@ class SecureRounds:
                 )
 
     def _run(self, grid, msgs: list, kind: str, layout: Layout, rnd: int) -> SecureSum:
-        from fedhead.flower.common import LOG
-
         res = secure_sum(grid, msgs, kind, layout, rnd, self.s.settings.round_timeout)
         self.up += res.bytes_up
         self.down += res.bytes_down
@@ -722,8 +712,6 @@ class SecureRounds:
     def census(self, grid):
         """Before round 1, every node: the class counts, flipped labels and feature sums, summed. Returns the
         :class:`fedhead.federation.train.FeatureStats` and the realised noise rate."""
-        from fedhead.federation.clients import FeatureStats
-
         s, (C, D) = self.s, self.dims
         features = bool(s.cfg.center or s.cfg.scale != "none")
         pids = list(range(s.cfg.clients))
@@ -741,8 +729,6 @@ class SecureRounds:
     def statistics(self, grid, pids: list):
         """The statistics exchange of a closed-form head / --init start over the round's clients: the accumulator
         the plain run builds, from the sums (cof: a second exchange for the spread of the class means)."""
-        from fedhead.core.closedform import StatsAccumulator, unpack_upper
-
         s, (C, D) = self.s, self.dims
         solver = s.solver
         res = self._run(
@@ -779,8 +765,6 @@ class SecureRounds:
     def train_round(self, grid, rnd: int, msgs: list) -> None:
         """A training round: the rule's messages (and the rest of :func:`train_layout`) summed; the strategy's
         :meth:`_finish_round` does the rest as for a plain round. A protocol that stops fails the round."""
-        from fedhead.core.aggregate import aggregator_of
-
         s = self.s
         layout = train_layout(aggregator_of(s.cfg), s.theta, s.cfg.scaffold)
         res = self._run(grid, msgs, "train", layout, rnd)
@@ -823,9 +807,6 @@ class SecureRounds:
     def ccvr(self, grid, msgs: list, rnd: int, failed: dict):
         """CCVR's statistics as class moments summed over the nodes that answer (a lost node is a failure of the
         ``ccvr`` row, as in a plain run). Returns ``(pooled, answered pids, failed, bytes up, client ms)``."""
-        from fedhead.core.ccvr import PooledStats
-        from fedhead.core.closedform import unpack_upper
-
         s, (C, D) = self.s, self.dims
         pid_of = {n: p for p, n in s.node_of.items()}
         res = self._run(grid, msgs, "ccvr", ccvr_layout(C, D), rnd)

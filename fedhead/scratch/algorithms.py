@@ -30,8 +30,10 @@ from typing import Callable
 import numpy as np
 import torch
 
+from fedhead.core.engine import OptimConfig, ScaffoldState
 from fedhead.infra.errors import FedheadError, unknown_name
 from fedhead.scratch import engine as E
+from fedhead.scratch.models import DualHead
 
 
 @dataclass
@@ -329,8 +331,6 @@ class Scaffold(FedAvg):
     name = "scaffold"
 
     def setup(self, ctx):
-        from fedhead.core.engine import OptimConfig, ScaffoldState
-
         self.names = [n for n, _ in ctx.model.named_parameters()]
         size = sum(p.numel() for _, p in ctx.model.named_parameters())
         self.var = ScaffoldState.zeros(ctx.cfg.clients, 1, size, device=ctx.device)
@@ -518,8 +518,6 @@ class FedRoD(Personalised):
 
     @staticmethod
     def wrap_model(model):
-        from fedhead.scratch.models import DualHead
-
         return DualHead(model)
 
     def personal_names(self, ctx):

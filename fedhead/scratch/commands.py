@@ -8,7 +8,11 @@ from typing import Optional
 
 import typer
 
+from fedhead.federation.rundir import default_run_dir
+from fedhead.infra.console import make_progress, stderr_console, stdout_console
+from fedhead.infra.errors import FedheadError
 from fedhead.infra.exits import cli_errors
+from fedhead.scratch.runner import ScratchConfig, run_scratch
 
 
 @cli_errors
@@ -111,10 +115,6 @@ def scratch_cmd(
 ):
     """Train a model from scratch with FedAvg, FedOVA, FedABC, Divide-and-Conquer or FedABC's baselines (local,
     FedProx, SCAFFOLD, FedPer, FedRep, FedRoD, LG-FedAvg)."""
-    from fedhead.federation.rundir import default_run_dir
-    from fedhead.infra.console import make_progress, stderr_console, stdout_console
-    from fedhead.scratch.runner import ScratchConfig, run_scratch
-
     pp = {
         "shards_per_client": shards_per_client,
         "distinct_labels": distinct_labels,
@@ -163,8 +163,6 @@ def scratch_cmd(
         backend=backend,
     )
     if resume and out is None:
-        from fedhead.infra.errors import FedheadError
-
         raise FedheadError(
             "The '--resume' option needs the run directory to continue. Got no --out instead. "
             "Name the interrupted run with --out."

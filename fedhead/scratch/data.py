@@ -19,7 +19,10 @@ from typing import Callable
 import numpy as np
 import torch
 
+from extract import datasets as X
 from fedhead.infra.errors import FedheadError, Interval, param_error, unknown_name, validate
+from fedhead.infra.files import atomic_path
+from fedhead.scratch.mfcc import MfccConfig, mfcc
 
 
 @dataclass
@@ -185,7 +188,6 @@ def _cifar10(root: Path, cache: Path) -> ScratchData:
     else:
         trx, try_, classes = _image_folder(root / "train")
         tex, tey, _ = _image_folder(root / "test", classes)
-        from fedhead.infra.files import atomic_path
 
         with atomic_path(path) as tmp:
             with open(tmp, "wb") as f:
@@ -201,8 +203,6 @@ def _extract_loader(name: str, rgb: bool):
     [N, C, H, W]; path-based datasets (imagefolder, tinyimagenet) are cached as .npz."""
 
     def load(root: Path, cache: Path) -> ScratchData:
-        from extract import datasets as X
-
         def arr(split) -> np.ndarray:
             if split.in_memory:
                 imgs = split.images
@@ -228,8 +228,6 @@ def _extract_loader(name: str, rgb: bool):
         else:
             trx, tex = arr(tr), arr(te)
             if not tr.in_memory:
-                from fedhead.infra.files import atomic_path
-
                 with atomic_path(path) as tmp:
                     with open(tmp, "wb") as f:
                         np.savez(f, train_x=trx, test_x=tex)
@@ -280,8 +278,6 @@ def _read_wav(path: Path) -> np.ndarray:
     "as 50x16 MFCCs; test = 20% of speakers (hash of the speaker id)",
 )
 def _speech(root: Path, cache: Path) -> ScratchData:
-    from fedhead.scratch.mfcc import MfccConfig, mfcc
-
     missing = [w for w in KWS_WORDS if not (root / w).is_dir()]
     if missing:
         raise FedheadError(
@@ -303,7 +299,6 @@ def _speech(root: Path, cache: Path) -> ScratchData:
                 test.append(int(hashlib.sha1(speaker.encode()).hexdigest(), 16) % 5 == 0)
         feats = mfcc(torch.from_numpy(np.stack(clips)), MfccConfig()).numpy().astype(np.float32)
         ys, test = np.array(ys, dtype=np.int64), np.array(test)
-        from fedhead.infra.files import atomic_path
 
         with atomic_path(path) as tmp:
             with open(tmp, "wb") as f:

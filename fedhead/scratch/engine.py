@@ -23,6 +23,7 @@ from torch.func import functional_call, vmap
 
 from fedhead.infra.devices import flush_denormals
 from fedhead.infra.errors import FedheadError
+from fedhead.scratch.models import DualHead, _Seq
 
 Params = dict[str, torch.Tensor]
 
@@ -419,8 +420,6 @@ class StackedNet:
 
     @classmethod
     def build(cls, model: nn.Module, conv: str = "member") -> "StackedNet | None":
-        from fedhead.scratch.models import DualHead, _Seq
-
         if type(model) not in (_Seq, DualHead):
             return None
         feats = model.features

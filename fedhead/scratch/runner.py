@@ -25,6 +25,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from fedhead.core.noise import NOISE_KINDS, apply_noise
+from fedhead.core.partitions import create_partition, resolve_partition_params
 from fedhead.federation.loop import PAUSE_ENV, Job, run_job, writing
 from fedhead.federation.rundir import (
     CHECKPOINT,
@@ -37,11 +39,11 @@ from fedhead.federation.rundir import (
     write_summary,
 )
 from fedhead.infra.devices import resolve_device, set_cpu_threads
-from fedhead.infra.errors import FedheadError, Interval, OneOf, param_error, validate
+from fedhead.infra.errors import FedheadError, Interval, OneOf, param_error, unknown_name, validate
 from fedhead.infra.files import atomic_path, atomic_torch_save, check_out
 from fedhead.infra.locks import exclusive_writer
 from fedhead.scratch.algorithms import ALGORITHMS, HEAD_SPLIT, create_algorithm
-from fedhead.scratch.data import ScratchData, color_skew, grayscale_, load_dataset, subsample
+from fedhead.scratch.data import DATASETS, ScratchData, color_skew, grayscale_, load_dataset, subsample
 from fedhead.scratch.models import MODELS, check_model_input, create_model, weight_layers
 
 
@@ -174,14 +176,9 @@ FEDABC_LR = {"cifar10": 0.1, "mnist": 0.01, "fashion-mnist": 0.01}
 def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
     """Fill algorithm defaults for every None and validate every value (one-line errors)."""
     if cfg.algo not in ALGORITHMS:
-        from fedhead.infra.errors import unknown_name
-
         raise unknown_name("ALGO", cfg.algo, ALGORITHMS, "algorithm")
-    from fedhead.scratch.data import DATASETS
 
     if cfg.dataset not in DATASETS:
-        from fedhead.infra.errors import unknown_name
-
         raise unknown_name("--dataset", cfg.dataset, DATASETS, "dataset")
     d = ALGO_DEFAULTS[cfg.algo]
     c = dataclasses.replace(cfg)
@@ -202,8 +199,6 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
     if c.model is None:
         c.model = DEFAULT_MODELS.get((c.algo, c.dataset), DEFAULT_MODELS.get(("*", c.dataset), "cnn"))
     if c.model not in MODELS:
-        from fedhead.infra.errors import unknown_name
-
         raise unknown_name("--model", c.model, MODELS, "model")
     validate("--clients", c.clients, Interval(1, None, integer=True))
     validate("--participation", c.participation, Interval(0, 1, closed="right"))
@@ -284,11 +279,8 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
             "The '--split-layer' parameter is needed when --prepass-rounds is 0 (no divergence to "
             "choose from). Got None instead."
         )
-    from fedhead.core.noise import NOISE_KINDS
 
     if c.noise not in NOISE_KINDS:
-        from fedhead.infra.errors import unknown_name
-
         raise unknown_name("--noise", c.noise, NOISE_KINDS, "noise kind")
     validate("--noise-rate", c.noise_rate, Interval(0, 1, closed="left"))
     if c.noise != "none" and c.noise_rate == 0:
@@ -309,8 +301,6 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
             )
         c.partition_params = {"skew": c.skew}
     else:
-        from fedhead.core.partitions import resolve_partition_params
-
         c.partition_params = resolve_partition_params(c.partition, **c.partition_params)
     return c
 
@@ -355,8 +345,6 @@ def check_data(cfg: ScratchConfig, data: ScratchData) -> None:
             )
         sizes = [len(y) // 2, len(y) - len(y) // 2]
     else:
-        from fedhead.core.partitions import create_partition
-
         parts = create_partition(cfg.partition, y, cfg.clients, seed=cfg.seeds[0], **cfg.partition_params)
         sizes = [len(p) for p in parts]
     if cfg.max_samples_per_client:
@@ -369,8 +357,6 @@ def check_data(cfg: ScratchConfig, data: ScratchData) -> None:
             "Use a larger --share-fraction, or 0 for no sharing.",
         )
     if cfg.noise != "none":  # a dataset without an asymmetric map
-        from fedhead.core.noise import apply_noise
-
         apply_noise(cfg.noise, cfg.noise_rate, [y[:1]], data.num_classes, dataset=cfg.dataset, seed=0)
     if (cfg.algo == "dnc" and cfg.split_layer is not None) or cfg.head_layers is not None:
         n_out = 1 if ALGORITHMS[cfg.algo].out_per_class else data.num_classes
@@ -455,8 +441,6 @@ def _setup(cfg: ScratchConfig, data: ScratchData, seed: int, device, log) -> Con
         info["gray_fraction_per_client"] = [float(np.isin(p, gray_tr).mean()) for p in parts]
         info["gray_fraction_test"] = float(len(gray_te) / max(len(y_test), 1))
     else:
-        from fedhead.core.partitions import create_partition
-
         parts = create_partition(cfg.partition, y_train, cfg.clients, seed=seed, **cfg.partition_params)
     if cfg.max_samples_per_client:
         parts = [
@@ -470,8 +454,6 @@ def _setup(cfg: ScratchConfig, data: ScratchData, seed: int, device, log) -> Con
         shared = draw_shared(len(y_train), [len(p) for p in parts], cfg.share_fraction, seed)
         shared_y = y_train[shared].copy()  # the server's labels: before any client's label noise
     if cfg.noise != "none":
-        from fedhead.core.noise import apply_noise
-
         noisy, frac = apply_noise(
             cfg.noise, cfg.noise_rate, [y_train[p] for p in parts], data.num_classes, dataset=cfg.dataset, seed=seed
         )
