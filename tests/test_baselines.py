@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import cli
 from extract.store import load_store
 from fedhead.core.closedform import accumulate, message_bytes
-from fedhead.federation.config import TrainConfig
+from fedhead.federation.config import TrainConfig, applicable
 from fedhead.federation.train import run_training
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def cfg(store, **kw):
         partition_params={"shards_per_client": 1},
     )
     base.update(kw)
-    return TrainConfig(**base)
+    return TrainConfig(**applicable(base))  # no --rounds etc. for a closed-form head
 
 
 def test_closed_form_head_is_one_exchange_with_exact_bytes(tiny_store, tmp_path):

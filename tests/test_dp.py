@@ -22,7 +22,7 @@ from fedhead.core.dp import (
     statistics_vector,
 )
 from fedhead.core.linalg import clip_rows
-from fedhead.federation.config import TrainConfig
+from fedhead.federation.config import TrainConfig, applicable
 from fedhead.federation.rundir import read_csv
 
 pytest.importorskip("dp_accounting", reason="the accountant needs dp-accounting (pip install 'fedhead[dp]')")
@@ -43,7 +43,7 @@ def _dp_cfg(store, **kw) -> TrainConfig:
         **DP,
     )
     base.update(kw)
-    return TrainConfig(**base).resolved()
+    return TrainConfig(**applicable(base)).resolved()  # no --rounds etc. for a closed-form head
 
 
 # ---------------------------------------------------------------- clipping

@@ -21,7 +21,7 @@ flwr = pytest.importorskip("flwr", reason="Flower is not installed (pip install 
 
 from extract.store import load_store, write_store  # noqa: E402
 from fedhead.core.synthetic import write_synthetic  # noqa: E402
-from fedhead.federation.config import TrainConfig  # noqa: E402
+from fedhead.federation.config import TrainConfig, applicable  # noqa: E402
 from fedhead.federation.rundir import read_csv  # noqa: E402
 from fedhead.federation.train import build_federation, run_training  # noqa: E402
 from fedhead.flower.client_app import make_client_app  # noqa: E402
@@ -65,7 +65,7 @@ def cfg_of(store, **kw) -> TrainConfig:
         device="cpu",
     )
     base.update(kw)
-    return TrainConfig(**base)
+    return TrainConfig(**applicable(base))  # no --rounds etc. for a closed-form head
 
 
 def local_run(cfg, out, store_for_clients=None, nodes=None, resume=False):

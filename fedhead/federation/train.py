@@ -35,6 +35,7 @@ from fedhead.federation.rundir import (
     mean_std,
     write_clients_per_seed,
     write_config,
+    write_experiment,
     write_rounds,
     write_summary,
 )
@@ -152,7 +153,7 @@ def build_federation(store: Features, cfg: TrainConfig, seed: int, partition: st
         C,
         dataset=noise_dataset_name(store, cfg),
         seed=seed,
-        asym_rule=cfg.asym_rule,
+        asym_rule=cfg.asym_map,
     )
     labels = store.train_y.copy()
     for p, yl in zip(parts, noisy):
@@ -210,7 +211,7 @@ def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:
             store.info.num_classes,
             dataset=noise_dataset_name(store, cfg),
             seed=0,
-            asym_rule=cfg.asym_rule,
+            asym_rule=cfg.asym_map,
         )
     return cfg
 
@@ -374,6 +375,7 @@ def _run_locked(
         "randomness": "numpy default_rng keyed by (seed, round[, client, epoch]); no global seeding",
     }
     write_config(run_dir, config_record)
+    write_experiment(run_dir, cfg)
 
     variants = [("main", cfg.partition, cfg.partition_params)]
     if cfg.iid_reference and cfg.partition != "iid":

@@ -221,7 +221,7 @@ def local_data(ns: NodeSettings, cfg, seed: int) -> LocalData:
             C,
             dataset=noise_dataset_name(store, cfg),
             seed=seed,
-            asym_rule=cfg.asym_rule,
+            asym_rule=cfg.asym_map,
         )
         labels = noisy[ns.pid]
         counts = class_counts(parts, labels, C)

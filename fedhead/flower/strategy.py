@@ -64,6 +64,7 @@ from fedhead.federation.rundir import (  # noqa: E402
     write_clients_per_seed,
     write_config,
     write_csv,
+    write_experiment,
     write_summary,
 )
 from fedhead.federation.train import (
@@ -668,6 +669,7 @@ class FedheadStrategy(Strategy):
                 "randomness": "numpy default_rng keyed by (seed, round[, client, epoch]); no global seeding",
             },
         )
+        write_experiment(run_dir, cfg)
         self.summary()
 
         rows: list[dict] = list(ckpt["rows"]) if ckpt else []
