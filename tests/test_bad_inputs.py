@@ -235,6 +235,28 @@ CASES = [
     Case(TRAIN, "--head lda --server-opt fedadam", "'--server-opt'"),
     Case(TRAIN, "--recipe fast --head ridge --init ncm", "'--init'"),
     Case(TRAIN, "--head softmax --server-lr 0.1", "'--server-lr'"),
+    # ---- train: options given that do not apply (the experiment table's one rule; defaults never trip it)
+    Case(TRAIN, "--head ova2 --fedlc-tau 1", "'--fedlc-tau'"),
+    Case(TRAIN, "--head softmax --stage1-rounds 2", "'--stage1-rounds'"),
+    Case(TRAIN, "--head ova2 --ridge-lambda 1", "'--ridge-lambda'"),
+    Case(TRAIN, "--head ridge", "'--rounds'", name="--rounds with a closed-form head"),
+    Case(TRAIN, "--head ridge --local-epochs 2", "'--local-epochs'"),
+    Case(TRAIN, "--head lda --recipe paper --center", "'--center'"),
+    Case(TRAIN, "--partition iid --shards-per-client 2", "'--shards-per-client'"),
+    Case(TRAIN, "--partition shard --min-size 2", "'--min-size'"),
+    Case(TRAIN, "--partition dirichlet --p 0.5", "'--p'"),
+    Case(TRAIN, "--recipe paper --momentum 0.5", "'--momentum'"),
+    Case(TRAIN, "--init-scale 2", "'--init-scale'", name="--init-scale without --init"),
+    Case(TRAIN, "--noise-rate 0.2", "'--noise-rate'", name="--noise-rate without --noise"),
+    Case(TRAIN, "--noise symmetric --noise-rate 0.2 --asym-map cyclic", "'--asym-map'"),
+    Case(TRAIN, "--noise symmetric --noise-rate 0.2 --noise-dataset cifar10", "'--noise-dataset'"),
+    Case(TRAIN, "--ccvr-samples 10", "'--ccvr-samples'", name="--ccvr-samples without --calibrate ccvr"),
+    Case(TRAIN, "--server-opt fedadam --server-momentum 0.9", "'--server-momentum'"),
+    Case(TRAIN, "--server-opt fedadagrad --server-betas 0.9,0.99", "'--server-betas'"),
+    Case(TRAIN, "--secure-aggregation", "'--secure-aggregation'", name="--secure-aggregation (Flower only)"),
+    # ---- train: the experiment file
+    Case(TRAIN, "--config {missing}", "'--config'"),
+    Case(TRAIN, "--config {text}", "'--config'", name="--config <not TOML>"),
     # ---- train: differential privacy (DP = noise, clip and delta, no statistics)
     Case(TRAIN, "--dp-noise-multiplier 1 --dp-delta 1e-5", "'--dp-clip'", name="DP noise without --dp-clip"),
     Case(TRAIN, "--dp-noise-multiplier 1 --dp-clip 0.5", "'--dp-delta'", name="DP noise without --dp-delta"),
@@ -390,6 +412,8 @@ CASES = [
     Case(ABLATION, "--block-clients -1", "'--block-clients'"),
     Case(ABLATION, "--out {file}", "'--out'"),
     Case(ABLATION, "--out {under_file}", "'--out'"),
+    Case(ABLATION.replace(" --head ova2", ""), "--head softmax --stage1-rounds 2", "'--stage1-rounds'"),
+    Case(ABLATION, "--head ''", "'--head'"),
     # ---- bench partitions
     Case(PARTITIONS, "--partition bogus", "'--partition'"),
     Case(PARTITIONS, "--head bogus", "'--head'"),
@@ -491,6 +515,8 @@ CASES = [
     Case(BASELINES, "--clients 0", "'--clients'"),
     Case(BASELINES, "--dp-noise-multiplier 1 --dp-delta 1e-5", "'--dp-clip'", name="DP noise without --dp-clip"),
     Case(BASELINES, "--seeds x", "'--seeds'"),
+    Case(BASELINES, "--ridge-lambda 1", "'--ridge-lambda'", name="--ridge-lambda, no method uses ridge"),
+    Case(BASELINES, "--server-momentum 0.9", "'--server-momentum'", name="--server-momentum, no method's server"),
     Case(BASELINES, "--features {missing}", "does not exist"),
     Case(PRIVACY, "--methods fedlc", "'--methods'"),
     Case(PRIVACY, "--epsilons 0", "'--epsilons'"),
@@ -582,6 +608,11 @@ CASES = [
     Case(SIMULATE, "--out {full}", "already holds files"),
     Case(SIMULATE, "--resume", "resume", name="--resume --out <no run there>"),
     Case(SIMULATE, "--out {under_file}", "'--out'"),
+    Case(SIMULATE, "--iid-reference", "'--iid-reference'", name="--iid-reference (fedhead train only)"),
+    Case(SIMULATE, "--block-clients 2", "'--block-clients'", name="--block-clients (fedhead train only)"),
+    Case(SIMULATE, "--head ova2 --fedlc-tau 1", "'--fedlc-tau'"),
+    Case(SIMULATE, "--head ridge", "'--rounds'", name="--rounds with a closed-form head"),
+    Case(SIMULATE, "--config {missing}", "'--config'"),
 ]
 
 _ids = [c.id for c in CASES]

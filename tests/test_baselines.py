@@ -38,8 +38,8 @@ def cfg(store, **kw):
         partition="shard",
         partition_params={"shards_per_client": 1},
     )
-    base.update(kw)
-    return TrainConfig(**applicable(base))  # no --rounds etc. for a closed-form head
+    # the base's --rounds etc. only where they apply (a closed-form head takes none); the case's own options as given
+    return TrainConfig(**{**applicable({**base, **kw}), **kw})
 
 
 def test_closed_form_head_is_one_exchange_with_exact_bytes(tiny_store, tmp_path):

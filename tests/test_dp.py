@@ -42,8 +42,8 @@ def _dp_cfg(store, **kw) -> TrainConfig:
         center=False,
         **DP,
     )
-    base.update(kw)
-    return TrainConfig(**applicable(base)).resolved()  # no --rounds etc. for a closed-form head
+    # the base's --rounds etc. only where they apply (a closed-form head takes none); the case's own options as given
+    return TrainConfig(**{**applicable({**base, **kw}), **kw}).resolved()
 
 
 # ---------------------------------------------------------------- clipping

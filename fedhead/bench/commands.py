@@ -227,10 +227,10 @@ def grid_command(command: str, clients: int = 100, clients_help: str = "", defau
     def deco(fn):
         own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "common"]
         kw_only = inspect.Parameter.KEYWORD_ONLY
-        params = own + [
+        params = own + [  # the shared options go where "experiment" stands: after --quick, before --out
             inspect.Parameter("quick", kw_only, default=QUICK_OPT, annotation=bool),
-            inspect.Parameter("out", kw_only, default=OUT_OPT, annotation=Optional[Path]),
             inspect.Parameter("experiment", kw_only, annotation=ExperimentArgs),
+            inspect.Parameter("out", kw_only, default=OUT_OPT, annotation=Optional[Path]),
         ]
 
         @functools.wraps(fn)
@@ -241,7 +241,7 @@ def grid_command(command: str, clients: int = 100, clients_help: str = "", defau
 
         run.__signature__ = inspect.Signature(params)
         del run.__wrapped__
-        return cli_errors(with_experiment_options(run, exclude=GRID_EXCLUDE, defaults=own_defaults))
+        return cli_errors(with_experiment_options(run, exclude=GRID_EXCLUDE, defaults=own_defaults, lead=GRID_PROTOCOL))
 
     return deco
 
@@ -975,7 +975,7 @@ def noise_cmd(
                         recipe=rec,
                         noise=kind,
                         noise_rate=r,
-                        asym_map=asym_map,
+                        **({"asym_map": asym_map} if kind == "asymmetric" else {}),  # where it applies
                     ),
                 )
     config = {

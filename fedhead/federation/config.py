@@ -17,6 +17,7 @@ import hashlib
 import json
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from fedhead.core.partitions import PARTITIONS
@@ -32,6 +33,7 @@ from fedhead.federation.experiment import (
     applies,
     check_given,
     check_value,
+    is_given,
     only_applicable,
     parse_pair,
     parse_seeds,
@@ -142,7 +144,7 @@ class _Config:
         if not seeds:
             raise FedheadError("The '--seeds' parameter needs at least one value. Got [] instead.")
         c = dataclasses.replace(self, seeds=[_int(s, "--seeds") for s in seeds], plugin_params=dict(self.plugin_params))
-        if self.local_epochs is not None and self.local_steps is not None:
+        if is_given(FIELDS["local_epochs"], self.local_epochs, self.recipe) and self.local_steps is not None:
             raise FedheadError(
                 f"The '--local-steps' parameter ({self.local_steps}) and '--local-epochs' "
                 f"({self.local_epochs}) both set the local work of a round. Give one of them."
@@ -345,6 +347,10 @@ def load_experiment(path: str | Path) -> dict:
     except tomllib.TOMLDecodeError as exc:
         raise FedheadError(f"The '--config' parameter names {where}, which is not valid TOML ({exc}).") from None
     out: dict = {}
+    # the head / partition the file chooses: a parameter declared differently by several is checked against its own
+    owners = SimpleNamespace(
+        partition=data.get("partition", FIELDS["partition"].default), head=data.get("head"), init=data.get("init")
+    )
     for key, value in data.items():
         new = DEPRECATED_KEYWORDS.get(key)
         if new is not None:
@@ -369,7 +375,7 @@ def load_experiment(path: str | Path) -> dict:
             )
         value = _typed(f, value, where)
         try:
-            check_value(f, value, param=key)
+            check_value(f, value, param=key, cfg=owners)
         except FedheadError as exc:
             raise FedheadError(str(exc).replace(f"The '{key}' parameter", f"The '{key}' key in {where}", 1)) from None
         out[key] = value

@@ -770,9 +770,9 @@ def check_value(f: Field, value: Any, param: str | None = None, cfg=None) -> Non
         return
     constraint = f.constraint
     if f.kind and cfg is not None:
-        owners = (
-            [PARTITIONS.get(cfg.partition)] if f.kind == "partition" else [HEADS.get(cfg.head), HEADS.get(cfg.init)]
-        )
+        chosen = [cfg.partition] if f.kind == "partition" else [cfg.head, cfg.init]
+        registry = PARTITIONS if f.kind == "partition" else HEADS
+        owners = [registry.get(n) for n in chosen if isinstance(n, str)]
         declared = [p for o in owners if o is not None for p in o.params if p.name == f.name]
         if declared:
             constraint = declared[0].constraint

@@ -143,11 +143,13 @@ def with_experiment_options(
     defaults: dict | None = None,
     run_options: tuple = (),
     config: bool = False,
+    lead: tuple = (),
 ):
     """Give the typer command ``fn(<own options>, ..., experiment: ExperimentArgs)`` an option per experiment field
-    (``names``, default all, minus ``exclude``) after its own, then the ``run_options`` (out, resume, ...; passed
-    to ``fn`` by name), and with ``config`` the ``--config`` / ``--print-config`` options. ``defaults``: this
-    command's own defaults, name -> value or (value, shown text)."""
+    (``names``, default all, minus ``exclude``; ``lead`` first), then the ``run_options`` (out, resume, ...; passed
+    to ``fn`` by name), and with ``config`` the ``--config`` / ``--print-config`` options. They stand where
+    ``experiment`` stands in ``fn``'s signature (own options after it follow them). ``defaults``: this command's
+    own defaults, name -> value or (value, shown text)."""
     if fn is None:
         return functools.partial(
             with_experiment_options,
@@ -156,49 +158,27 @@ def with_experiment_options(
             defaults=defaults,
             run_options=run_options,
             config=config,
+            lead=lead,
         )
     chosen = [f for f in FIELD_LIST if (names is None or f.name in names) and f.name not in exclude]
+    chosen.sort(key=lambda f: lead.index(f.name) if f.name in lead else len(lead))
     own_defaults = {k: (v if isinstance(v, tuple) else (v, None)) for k, v in (defaults or {}).items()}
-    params, aliases = [], {}
-    for f in chosen:
-        value, text = own_defaults.get(f.name, (UNSET, None))
-        ann, opt = option(f, default=value, default_text=text)
-        params.append((f.name, ann, opt))
-        for i, old in enumerate(f.old_flags):
-            alias = f"deprecated_{f.name}_{i}"
-            aliases[alias] = (f, old)
-            params.append((alias, *option(f, default=None, hidden=True, flag=old)))
+    params, aliases = _field_params(chosen, own_defaults)
     for name in run_options:
         value, text = own_defaults.get(name, (UNSET, None))
         params.append((name, *option(RUN_OPTIONS[name], default=value, default_text=text)))
     if config:
-        params.append(
-            (
-                "config",
-                Optional[Path],
-                typer.Option(
-                    None,
-                    "--config",
-                    help="experiment file (TOML; keys = the options' names with _ for -); options given on the "
-                    "command line override its values \\[default: none]",
-                ),
-            )
-        )
-        params.append(
-            (
-                "print_config",
-                bool,
-                typer.Option(
-                    False,
-                    "--print-config",
-                    help="print the resolved experiment file on stdout and exit without training \\[default: off]",
-                ),
-            )
-        )
-    skip = ("experiment", *run_options)
-    own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name not in skip]
-    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own if p.kind != inspect.Parameter.VAR_KEYWORD]
-    extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=o, annotation=t) for n, t, o in params]
+        params += CONFIG_PARAMS
+    signature = list(inspect.signature(fn, eval_str=True).parameters.values())
+    at = next((i for i, p in enumerate(signature) if p.name == "experiment"), len(signature))
+    kw_only = inspect.Parameter.KEYWORD_ONLY
+    own = [
+        (i, p.replace(kind=kw_only))
+        for i, p in enumerate(signature)
+        if p.name not in ("experiment", *run_options) and p.kind != inspect.Parameter.VAR_KEYWORD
+    ]
+    extra = [inspect.Parameter(n, kw_only, default=o, annotation=t) for n, t, o in params]
+    ordered = [p for i, p in own if i < at] + extra + [p for i, p in own if i > at]
     names_here = [f.name for f in chosen]
     command_defaults = {n: v for n, (v, _) in own_defaults.items() if n in names_here and v is not UNSET}
 
@@ -218,11 +198,47 @@ def with_experiment_options(
         args = ExperimentArgs(values, given, parsed_defaults, kw.pop("config", None), kw.pop("print_config", False))
         return fn(**kw, experiment=args)
 
-    wrapper.__signature__ = inspect.Signature(own + extra)
-    wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}
+    wrapper.__signature__ = inspect.Signature(ordered)
+    wrapper.__annotations__ = {p.name: p.annotation for p in ordered}
     if hasattr(wrapper, "__wrapped__"):
         del wrapper.__wrapped__
     return wrapper
+
+
+def _field_params(chosen: list[Field], own_defaults: dict) -> tuple[list, dict]:
+    """The (name, annotation, option) of each field, each followed by the hidden aliases of its old flags."""
+    params, aliases = [], {}
+    for f in chosen:
+        value, text = own_defaults.get(f.name, (UNSET, None))
+        params.append((f.name, *option(f, default=value, default_text=text)))
+        for i, old in enumerate(f.old_flags):
+            alias = f"deprecated_{f.name}_{i}"
+            aliases[alias] = (f, old)
+            params.append((alias, *option(f, default=None, hidden=True, flag=old)))
+    return params, aliases
+
+
+CONFIG_PARAMS = [
+    (
+        "config",
+        Optional[Path],
+        typer.Option(
+            None,
+            "--config",
+            help="experiment file (TOML; keys = the options' names with _ for -); options given on the command line "
+            "override its values \\[default: none]",
+        ),
+    ),
+    (
+        "print_config",
+        bool,
+        typer.Option(
+            False,
+            "--print-config",
+            help="print the resolved experiment file on stdout and exit without training \\[default: off]",
+        ),
+    ),
+]
 
 
 def resolved_toml(cfg: TrainConfig) -> str:
