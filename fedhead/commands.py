@@ -18,7 +18,7 @@ from fedhead.interface.tables import SUMMARY_COLUMNS, results_table
 @with_experiment_options(run_options=("out", "resume"), config=True)
 def train_cmd(*, experiment: ExperimentArgs, out: Optional[Path] = None, resume: bool = False):
     """Run federated rounds of a linear head over cached features and print the final numbers."""
-    from fedhead.federation.train import run_training
+    from fedhead.federation.api import run
     from fedhead.infra.console import stdout_console
 
     cfg = experiment.train_config("in-process")
@@ -27,7 +27,7 @@ def train_cmd(*, experiment: ExperimentArgs, out: Optional[Path] = None, resume:
         return
     if resume and out is None:
         raise FedheadError("The '--resume' option needs --out naming the interrupted run's directory. Got none.")
-    res = run_training(cfg, out=out, resume=resume)
+    res = run(cfg, out=out, resume=resume, progress=True)  # also writes the run's config.toml
     con = stdout_console()
     con.print(results_table(f"fedhead train — {res.run_dir}", [res.summary], SUMMARY_COLUMNS))
 

@@ -98,7 +98,7 @@ def test_signal_mid_bench_then_same_command_continues(tiny_store, tmp_path):
         "8",
         "--methods",
         "ova2,ridge+ft",
-        "--partitions",
+        "--partition",
         "iid,shard-1",
     ]
     rc, _, err = _run(args + ["--out", str(tmp_path / "full")])
@@ -268,7 +268,7 @@ def _bench_cases(store, tmp):
             *grid,
             "--methods",
             "ova2",
-            "--partitions",
+            "--partition",
             "iid,shard-1",
         ],
         "geometry": ["bench", "geometry", "--features", str(store), "--features", str(store), "--quick"],

@@ -8,6 +8,8 @@ resume (:func:`fedhead.bench.report.run_grid`), and writes one report folder (se
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,9 +216,6 @@ def grid_command(command: str, clients: int = 100, clients_help: str = "", defau
     """Decorate a grid command ``fn(<own options>, common)``: typer sees its own options, ``--quick``, ``--out``
     and the shared experiment options (every field but :data:`GRID_EXCLUDE`, with the grid's defaults for seeds,
     rounds and clients, and ``defaults``); they reach ``fn`` resolved as one :class:`Common`."""
-    import functools
-    import inspect
-
     own_defaults = {
         "seeds": (None, SEEDS_TEXT),
         "rounds": (None, f"{PAPER_ROUNDS}; --quick: {QUICK_ROUNDS}"),

@@ -33,6 +33,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from fedhead.federation.api import record_experiment
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.rundir import acc95_round, mean_std, read_csv, write_csv
 from fedhead.infra.console import make_progress
@@ -184,6 +185,7 @@ def run_grid(
 
     def run_one(c: Cell, d: Path, resume: bool, prog) -> None:
         runner(c.cfg, out=d, resume=resume, progress=progress, store=stores.get(c.cfg.features))
+        record_experiment(d, c.cfg)  # config.toml: fedhead train --config runs/<name>/config.toml repeats it
 
     return run_cells(cells, out, run_one, progress)
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from extract.store import Features
 from fedhead.federation.config import TrainConfig, load_experiment
 from fedhead.federation.experiment import check_transport
-from fedhead.federation.train import RunResult
+from fedhead.federation.rundir import write_experiment
+from fedhead.federation.train import RunResult, validate_method
 from fedhead.federation.train import run as run_config
 
 
@@ -33,4 +34,21 @@ def run(
     elif fields or config is not None:
         raise TypeError("fedhead.run() takes a TrainConfig or its fields (or config=FILE), not both")
     check_transport(cfg, "in-process")
-    return run_config(cfg, out=out, resume=resume, progress=progress, store=store)
+    res = run_config(cfg, out=out, resume=resume, progress=progress, store=store)
+    record_experiment(res.run_dir, cfg)
+    return res
+
+
+def resolved_run(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` as the trainer runs it (and records it in config.json): the recipe filled in, validated, a
+    closed-form head's switches set (``validate_method``); no store needed."""
+    out = cfg.resolved()
+    validate_method(out)
+    return out
+
+
+def record_experiment(run_dir: str | Path, cfg: TrainConfig) -> Path:
+    """Write the run's ``config.toml`` (:func:`~fedhead.federation.rundir.write_experiment`) once it ran. (Written
+    after the run, not beside config.json at its start: an interrupted run whose directory holds only config.json
+    is started afresh by --resume, which another file there would prevent.)"""
+    return write_experiment(run_dir, resolved_run(cfg))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import hashlib
 import json
 import warnings
@@ -20,6 +21,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
+import tomli_w
+
+from fedhead.core.dp import validate_dp
+from fedhead.core.heads import HEADS
 from fedhead.core.partitions import PARTITIONS
 from fedhead.federation.experiment import (
     DEPRECATED_KEYWORDS,
@@ -39,6 +44,11 @@ from fedhead.federation.experiment import (
     parse_seeds,
 )
 from fedhead.infra.errors import FedheadError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 __all__ = [
     "TrainConfig",
@@ -160,8 +170,6 @@ class _Config:
             c.server_betas = parse_pair(c.server_betas)
         if c.noise != "none" and c.noise_rate == 0:
             raise FedheadError(f"The '--noise-rate' parameter must be > 0 with --noise {c.noise}. Got 0.0 instead.")
-        from fedhead.core.dp import validate_dp
-
         validate_dp(c)  # DP options, and the rule: DP-FedAvg replaces fedavg (aggregate = dp-fedavg)
         if c.secure_aggregation:
             m = max(1, int(round(c.participation * c.clients)))  # clients per round (federation.train.sample_clients)
@@ -326,13 +334,6 @@ _NOT_FIELDS = {
 def load_experiment(path: str | Path) -> dict:
     """The fields of the experiment file ``path`` (TOML, keys = TrainConfig's field names), each checked against
     its type and declared constraint: a bad key or value is one line naming the key."""
-    import difflib
-
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
-
     p = Path(path)
     where = repr(str(path))
     try:
@@ -384,8 +385,6 @@ def load_experiment(path: str | Path) -> dict:
 
 def _toml_value(v: Any) -> str:
     """One TOML value (arrays inline)."""
-    import tomli_w
-
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return tomli_w.dumps({"x": v}).split("=", 1)[1].strip()
@@ -401,8 +400,6 @@ def experiment_toml(cfg, title: str = "fedhead experiment") -> str:
     ]
     local_steps = getattr(cfg, "local_steps", None)
     view = cfg.recipe_view()
-    from fedhead.core.heads import HEADS
-
     for group in GROUPS:
         body = []
         for f in FIELD_LIST:

@@ -29,13 +29,15 @@ defaults and resolved configurations never trip it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import fedhead.core  # noqa: F401  (registers the built-in heads: the table derives their parameters)
+from fedhead.core.aggregate import aggregator_names
 from fedhead.core.engine import BACKENDS
 from fedhead.core.heads import HEADS
 from fedhead.core.noise import ASYM_RULES, NOISE
 from fedhead.core.partitions import PARTITIONS
+from fedhead.core.plugins import load_plugins
 from fedhead.core.serveropt import DEFAULTS as SERVER_OPT_DEFAULTS
 from fedhead.core.serveropt import SERVER_OPTS
 from fedhead.infra.errors import FedheadError, Interval, OneOf, unknown_name, validate
@@ -97,8 +99,6 @@ class Names:
     registry: str  # head | closed-form | partition | aggregate | noise
 
     def names(self) -> list[str]:
-        from fedhead.core.plugins import load_plugins
-
         load_plugins()
         if self.registry == "head":
             return sorted(HEADS)
@@ -107,8 +107,6 @@ class Names:
         if self.registry == "partition":
             return sorted(PARTITIONS)
         if self.registry == "aggregate":
-            from fedhead.core.aggregate import aggregator_names
-
             return aggregator_names()
         return list(NOISE)
 
@@ -214,10 +212,6 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _field(name, type_, default, help_, group, **kw) -> Field:
-    return Field(name, type_, default, help_, group, **kw)
-
-
 # ---------------------------------------------------------------- registry parameters -> fields
 
 
@@ -286,7 +280,7 @@ _COUNT = Interval(1, None, integer=True)
 
 FIELD_LIST: list[Field] = [
     # ---- data and clients
-    _field(
+    Field(
         "features",
         str,
         REQUIRED,
@@ -296,7 +290,7 @@ FIELD_LIST: list[Field] = [
         default_text="required",
         old_keys=("feature-store",),
     ),
-    _field(
+    Field(
         "partition",
         str,
         "iid",
@@ -305,7 +299,7 @@ FIELD_LIST: list[Field] = [
         constraint=Names("partition"),
     ),
     *_registry_fields(PARTITIONS, "partition", DATA),
-    _field(
+    Field(
         "clients",
         int,
         100,
@@ -313,7 +307,7 @@ FIELD_LIST: list[Field] = [
         DATA,
         constraint=_COUNT,
     ),
-    _field(
+    Field(
         "participation",
         float,
         1.0,
@@ -323,9 +317,9 @@ FIELD_LIST: list[Field] = [
         fix="Use a fraction of clients per round in (0, 1], e.g. 0.1.",
     ),
     # ---- the head
-    _field("head", str, None, _HEAD_NAMES, HEAD, constraint=Names("head"), default_text="recipe: ova2; fast: softmax"),
+    Field("head", str, None, _HEAD_NAMES, HEAD, constraint=Names("head"), default_text="recipe: ova2; fast: softmax"),
     *_registry_fields(HEADS, "head", HEAD),
-    _field(
+    Field(
         "init",
         str,
         None,
@@ -335,7 +329,7 @@ FIELD_LIST: list[Field] = [
         applies=_IT,
         default_text="none; fast recipe: ridge",
     ),
-    _field(
+    Field(
         "init_scale",
         float,
         None,
@@ -346,7 +340,7 @@ FIELD_LIST: list[Field] = [
         default_text="measured: ridge 10, others 1",
     ),
     # ---- local training
-    _field(
+    Field(
         "recipe",
         str,
         "default",
@@ -355,8 +349,8 @@ FIELD_LIST: list[Field] = [
         LOCAL,
         constraint=OneOf(tuple(RECIPES)),
     ),
-    _field("rounds", int, 50, "communication rounds", LOCAL, constraint=_COUNT, applies=_IT),
-    _field(
+    Field("rounds", int, 50, "communication rounds", LOCAL, constraint=_COUNT, applies=_IT),
+    Field(
         "local_epochs",
         int,
         None,
@@ -366,7 +360,7 @@ FIELD_LIST: list[Field] = [
         applies=_IT,
         default_text=f"{LOCAL_EPOCHS}; fast recipe: --local-steps 30",
     ),
-    _field(
+    Field(
         "local_steps",
         int,
         None,
@@ -376,8 +370,8 @@ FIELD_LIST: list[Field] = [
         applies=_IT,
         default_text="none; fast recipe: 30",
     ),
-    _field("batch_size", int, 50, "local batch size", LOCAL, constraint=_COUNT, applies=_IT, unit="samples"),
-    _field(
+    Field("batch_size", int, 50, "local batch size", LOCAL, constraint=_COUNT, applies=_IT, unit="samples"),
+    Field(
         "optimizer",
         str,
         None,
@@ -387,8 +381,8 @@ FIELD_LIST: list[Field] = [
         applies=_IT,
         default_text="recipe: sgd; paper: adamw",
     ),
-    _field("lr", float, None, "local learning rate", LOCAL, constraint=_POS, applies=_IT, default_text="recipe: 0.01"),
-    _field(
+    Field("lr", float, None, "local learning rate", LOCAL, constraint=_POS, applies=_IT, default_text="recipe: 0.01"),
+    Field(
         "weight_decay",
         float,
         None,
@@ -398,7 +392,7 @@ FIELD_LIST: list[Field] = [
         applies=_IT,
         default_text="recipe: 0.0001",
     ),
-    _field(
+    Field(
         "momentum",
         float,
         None,
@@ -408,7 +402,7 @@ FIELD_LIST: list[Field] = [
         applies=(When("optimizer", ("sgd",)),),
         default_text="recipe: 0.9",
     ),
-    _field(
+    Field(
         "prox_mu",
         float,
         0.0,
@@ -417,8 +411,8 @@ FIELD_LIST: list[Field] = [
         constraint=Interval(0, None),
         applies=_IT,
     ),
-    _field("scaffold", bool, False, "SCAFFOLD control variates (option II; needs --optimizer sgd)", LOCAL, applies=_IT),
-    _field(
+    Field("scaffold", bool, False, "SCAFFOLD control variates (option II; needs --optimizer sgd)", LOCAL, applies=_IT),
+    Field(
         "backend",
         str,
         "vectorized",
@@ -427,7 +421,7 @@ FIELD_LIST: list[Field] = [
         constraint=OneOf(BACKENDS),
         applies=_IT,
     ),
-    _field(
+    Field(
         "block_clients",
         int,
         None,
@@ -439,7 +433,7 @@ FIELD_LIST: list[Field] = [
         fix="Leave it out to size the blocks from --memory-budget-mb.",
         transports=("in-process",),
     ),
-    _field(
+    Field(
         "memory_budget_mb",
         float,
         1536.0,
@@ -451,7 +445,7 @@ FIELD_LIST: list[Field] = [
         transports=("in-process",),
     ),
     # ---- server and aggregation
-    _field(
+    Field(
         "aggregate",
         str,
         None,
@@ -461,7 +455,7 @@ FIELD_LIST: list[Field] = [
         applies=_IT,
         default_text="recipe: fedavg",
     ),
-    _field(
+    Field(
         "center",
         bool,
         None,
@@ -471,7 +465,7 @@ FIELD_LIST: list[Field] = [
         inert=(False,),
         default_text="recipe: on; paper: off",
     ),
-    _field(
+    Field(
         "scale",
         str,
         None,
@@ -482,7 +476,7 @@ FIELD_LIST: list[Field] = [
         inert=("none",),
         default_text="recipe: none",
     ),
-    _field(
+    Field(
         "server_opt",
         str,
         "fedavg",
@@ -491,7 +485,7 @@ FIELD_LIST: list[Field] = [
         constraint=OneOf(SERVER_OPTS),
         applies=_IT,
     ),
-    _field(
+    Field(
         "server_lr",
         float,
         None,
@@ -502,7 +496,7 @@ FIELD_LIST: list[Field] = [
         default_text="Flower's for --server-opt",
         fix="Use a positive server learning rate, e.g. 0.1.",
     ),
-    _field(
+    Field(
         "server_momentum",
         float,
         None,
@@ -513,7 +507,7 @@ FIELD_LIST: list[Field] = [
         default_text="Flower's: 0",
         fix="Use a momentum in [0, 1), e.g. 0.9; 0 disables it.",
     ),
-    _field(
+    Field(
         "server_betas",
         tuple,
         None,
@@ -524,7 +518,7 @@ FIELD_LIST: list[Field] = [
         default_text="Flower's: 0.9,0.99",
         fix="Example: --server-betas 0.9,0.99",
     ),
-    _field(
+    Field(
         "server_tau",
         float,
         None,
@@ -535,7 +529,7 @@ FIELD_LIST: list[Field] = [
         default_text="Flower's: 0.001",
         fix="Use a small positive value, e.g. 1e-3.",
     ),
-    _field(
+    Field(
         "calibrate",
         str,
         "none",
@@ -544,7 +538,7 @@ FIELD_LIST: list[Field] = [
         constraint=OneOf(("none", "ccvr")),
         applies=_IT,
     ),
-    _field(
+    Field(
         "ccvr_samples",
         int,
         200,
@@ -554,7 +548,7 @@ FIELD_LIST: list[Field] = [
         applies=(When("calibrate", ("ccvr",)),),
     ),
     # ---- label noise
-    _field(
+    Field(
         "noise",
         str,
         "none",
@@ -562,7 +556,7 @@ FIELD_LIST: list[Field] = [
         NOISE_GROUP,
         constraint=Names("noise"),
     ),
-    _field(
+    Field(
         "noise_rate",
         float,
         0.0,
@@ -571,7 +565,7 @@ FIELD_LIST: list[Field] = [
         constraint=Interval(0, 1, closed="left"),
         applies=(When("noise", NOT_NONE),),
     ),
-    _field(
+    Field(
         "asym_map",
         str,
         "auto",
@@ -581,7 +575,7 @@ FIELD_LIST: list[Field] = [
         applies=(When("noise", ("asymmetric",)),),
         deprecated=("asym_rule",),
     ),
-    _field(
+    Field(
         "noise_dataset",
         str,
         None,
@@ -591,7 +585,7 @@ FIELD_LIST: list[Field] = [
         default_text="the store's",
     ),
     # ---- privacy (their combinations are checked by fedhead.core.dp.validate_dp)
-    _field(
+    Field(
         "dp_noise_multiplier",
         float,
         None,
@@ -602,7 +596,7 @@ FIELD_LIST: list[Field] = [
         default_text="off",
         fix="Use 0 for clipping without noise (no privacy), e.g. 1.0 for privacy.",
     ),
-    _field(
+    Field(
         "dp_clip",
         float,
         None,
@@ -611,7 +605,7 @@ FIELD_LIST: list[Field] = [
         constraint=_POS,
         fix="Use a positive norm bound, e.g. 0.5.",
     ),
-    _field(
+    Field(
         "dp_delta",
         float,
         None,
@@ -620,7 +614,7 @@ FIELD_LIST: list[Field] = [
         constraint=Interval(0, 1, closed="neither"),
         fix="Use a delta below 1/(number of clients), e.g. 1e-5.",
     ),
-    _field(
+    Field(
         "dp_feature_clip",
         float,
         None,
@@ -629,7 +623,7 @@ FIELD_LIST: list[Field] = [
         constraint=_POS,
         fix="Use a positive feature-norm bound, e.g. the median feature norm of the store.",
     ),
-    _field(
+    Field(
         "secure_aggregation",
         bool,
         False,
@@ -639,7 +633,7 @@ FIELD_LIST: list[Field] = [
         transports=("flower",),
     ),
     # ---- run and output
-    _field(
+    Field(
         "seeds",
         list,
         [0],
@@ -650,7 +644,7 @@ FIELD_LIST: list[Field] = [
         constraint=Interval(0, None, integer=True),
         old_flags=("--seed",),
     ),
-    _field(
+    Field(
         "iid_reference",
         bool,
         False,
@@ -658,7 +652,7 @@ FIELD_LIST: list[Field] = [
         RUN,
         transports=("in-process",),
     ),
-    _field(
+    Field(
         "central_reference",
         bool,
         False,
@@ -666,8 +660,8 @@ FIELD_LIST: list[Field] = [
         RUN,
         transports=("in-process",),
     ),
-    _field("device", str, "auto", "auto | cpu | cuda (Flower: the server and simulated clients)", RUN),
-    _field(
+    Field("device", str, "auto", "auto | cpu | cuda (Flower: the server and simulated clients)", RUN),
+    Field(
         "eval_every",
         int,
         1,
@@ -851,15 +845,12 @@ def not_applying_message(fields: list[Field], resolved) -> str:
     return f"The {what} {verb} not apply to {' and '.join(got)}: {they} to {wanted} only. Drop {drop} or {fix}."
 
 
-def check_given(raw, resolved, transport: str | None = None, label: Callable[[Field], str] | None = None) -> None:
+def check_given(raw, resolved) -> None:
     """Refuse, in one line, a field given in ``raw`` that does not apply to ``resolved`` (its head, partition,
-    method, recipe), and with ``transport`` a field of another transport; then the parameters of plugins' heads
-    and partitions (``plugin_params``) that no chosen head or partition declares."""
-    recipe = resolved.recipe
+    method, recipe); then the parameters of plugins' heads and partitions (``plugin_params``) that no chosen head
+    or partition declares. (The transport is checked by :func:`check_transport`, where it is known.)"""
     refused: dict[tuple, list[Field]] = {}  # by reason: one line names every option refused for the first one
-    for f in given_fields(raw, recipe):
-        if transport is not None and transport not in f.transports:
-            raise FedheadError(transport_message(f, transport))
+    for f in given_fields(raw, resolved.recipe):
         if f.applies and not applies(f, resolved):
             refused.setdefault(_blocking(f, resolved).applies, []).append(f)
     if refused:

@@ -2,6 +2,7 @@
 
 ``config.json``  the full resolved configuration, the store's metadata, the fedhead version
 ``config.toml``  the resolved experiment as an experiment file: ``fedhead train --config RUN/config.toml`` repeats it
+                 (fedhead train and the bench: written when the run finishes; Flower: at its start)
 ``rounds.csv``   one row per (seed, round): ROUND_FIELDS, then any extra columns
 ``summary.json`` final/best accuracy, Acc@95, ratio to IID, mean and std over seeds, wall seconds
 ``clients.csv``  client id, size, number of classes, per-class counts (compact ``class:count`` form)

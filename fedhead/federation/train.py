@@ -35,7 +35,6 @@ from fedhead.federation.rundir import (
     mean_std,
     write_clients_per_seed,
     write_config,
-    write_experiment,
     write_rounds,
     write_summary,
 )
@@ -375,7 +374,6 @@ def _run_locked(
         "randomness": "numpy default_rng keyed by (seed, round[, client, epoch]); no global seeding",
     }
     write_config(run_dir, config_record)
-    write_experiment(run_dir, cfg)
 
     variants = [("main", cfg.partition, cfg.partition_params)]
     if cfg.iid_reference and cfg.partition != "iid":

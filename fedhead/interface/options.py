@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
+import click
 import typer
+from click.core import ParameterSource
 from rich.markup import escape
 
+from fedhead.federation.api import resolved_run
 from fedhead.federation.config import TrainConfig, load_experiment
 from fedhead.federation.experiment import (
     FIELD_LIST,
@@ -121,9 +124,6 @@ def _parse(name: str, value: Any) -> Any:
 
 def _sources() -> dict | None:
     """name -> whether the option came from the command line (None outside a click invocation)."""
-    import click
-    from click.core import ParameterSource
-
     ctx = click.get_current_context(silent=True)
     if ctx is None:
         return None
@@ -244,8 +244,4 @@ CONFIG_PARAMS = [
 def resolved_toml(cfg: TrainConfig) -> str:
     """``--print-config``: the experiment resolved as the run will be (recipe filled in, a closed-form head's
     switches as the trainer sets them), as an experiment file that runs it again."""
-    from fedhead.federation.train import validate_method
-
-    resolved = cfg.resolved()
-    validate_method(resolved)
-    return resolved.to_toml()
+    return resolved_run(cfg).to_toml()
