@@ -917,7 +917,7 @@ def noise_sections(
     return sections, curves
 
 
-@grid_command("noise", clients=20, clients_help="clients (FedLTF protocol: 20)")
+@grid_command("noise", clients=20, clients_help="20 (the FedLTF protocol)")
 def noise_cmd(
     features: Path = FEATURES_OPT,
     head: List[str] = typer.Option(["softmax", "ova", "ova2"], "--head", help="heads, repeated or comma-separated"),
@@ -925,7 +925,7 @@ def noise_cmd(
         "0.3,0.4,0.5,0.6,0.7", "--sym-rates", help="symmetric flip rates in [0, 1) ('' for none)"
     ),
     asym_rates: str = typer.Option("0.2,0.3,0.4", "--asym-rates", help="asymmetric flip rates in [0, 1) ('' for none)"),
-    asym_map: str = option(FIELDS["asym_map"])[1],
+    asym_map: str = option(FIELDS["asym_map"], panel=None)[1],
     partition: str = typer.Option("iid", "--partition", help="partition (FedLTF protocol: iid)"),
     clean: bool = typer.Option(
         True,

@@ -31,6 +31,7 @@ from fedhead.bench.commands import _print_report, begin_report, grid_seeds, repo
 from fedhead.bench.report import Cell, CellResult, Stat, _flatten, _stack, md_table, run_cells, write_report
 from fedhead.infra.errors import FedheadError, OneOf, param_error, unknown_name, validate
 from fedhead.infra.exits import cli_errors
+from fedhead.scratch.commands import renamed_options
 
 SEEDS = [0, 42, 777]  # the brief's seeds; none of the three papers states its own
 
@@ -1147,11 +1148,7 @@ def papers_cmd(
         raise unknown_name("PAPER", paper, PAPERS, "paper")
     spec = PAPERS[paper]
     validate("--scale", scale, OneOf(("cpu", "paper")))
-    if backend == "vmap":  # the vectorized backend's name before it matched fedhead train's
-        from fedhead.interface.options import deprecated_flag
-
-        deprecated_flag("--backend vmap", "--backend vectorized")
-        backend = "vectorized"
+    _, backend = renamed_options(None, None, backend)
     validate("--backend", backend, OneOf(("vectorized", "loop")))
     resolve_device(device)
     if not data_dir.is_dir():

@@ -105,12 +105,7 @@ def privacy_cmd(
 
     names, plabels, parts = methods_and_partitions(methods, partition, METHODS, old=partitions)
     eps = parse_rates("--epsilons", epsilons, low_closed=False, high=None)
-    if delta is not None:  # the option's name before it joined the other DP options
-        deprecated_flag("--delta", "--dp-delta")
-        common.train["dp_delta"] = delta
-    delta = common.train.pop("dp_delta")  # every run's delta, set per run below
-    common.given.discard("dp_delta")
-    validate("--dp-delta", delta, Interval(0, 1, closed="neither"), "Use e.g. --dp-delta 1e-5 (below 1/N).")
+    delta = _delta(common, delta)
     validate("--update-clip", update_clip, Interval(0, None, closed="neither"))
     validate("--feature-clip", feature_clip, Interval(0, None, closed="neither"))
     validate("--dp-ridge-lambda", dp_ridge_lambda, Interval(0, None, closed="neither"))
@@ -187,6 +182,17 @@ def privacy_cmd(
         plots,
     )
     _print_report(path, sections)
+
+
+def _delta(common: Common, old: float | None) -> float:
+    """Every run's delta: --dp-delta (default 1e-5), or the deprecated --delta (the option's name before it joined
+    the other DP options); set per run, so taken out of the options passed on to the runs."""
+    if old is not None:
+        deprecated_flag("--delta", "--dp-delta")
+        common.train["dp_delta"] = old
+    common.given.discard("dp_delta")
+    delta = common.train.pop("dp_delta")
+    return validate("--dp-delta", delta, Interval(0, 1, closed="neither"), "Use e.g. --dp-delta 1e-5 (below 1/N).")
 
 
 def _key(r: CellResult) -> tuple:

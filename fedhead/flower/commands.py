@@ -670,6 +670,10 @@ def superlink_cmd(
     require_flower()
     if features is None and experiment.config is not None:
         features = experiment.fields().get("features")
+    if experiment.print_config:  # the training run it would submit, resolved; nothing starts
+        extra = {"features": str(features)} if features is not None else {}
+        typer.echo(resolved_toml(experiment.train_config("flower", **extra)), nl=False)
+        return
     # every file and option before any process starts
     client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # where fedhead reaches it
     connects = features is not None or bool(auth_public_keys)  # ... to submit or register
@@ -703,9 +707,6 @@ def superlink_cmd(
 
     open_store(cfg.features, "--features")
     cfg.resolved()
-    if experiment.print_config:
-        typer.echo(resolved_toml(cfg), nl=False)
-        return
     out = out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-flower-{cfg.resolved().head}-{cfg.partition}")
     rc = run_config_of(cfg, Path(out), resume, round_timeout, wait_timeout)
     proc = subprocess.Popen(cmd, env=env)

@@ -50,12 +50,22 @@ def help_text(f: Field, default_text: str | None = None) -> str:
     return f"{text} \\[default: {escape(default_text or f.shown_default())}]"
 
 
-def option(f: Field, *, default: Any = UNSET, default_text: str | None = None, hidden: bool = False, flag: str = ""):
-    """``(annotation, typer.Option)`` of field ``f`` (or a run option), for a command's signature."""
+def option(
+    f: Field,
+    *,
+    default: Any = UNSET,
+    default_text: str | None = None,
+    hidden: bool = False,
+    flag: str = "",
+    panel: str | None | object = UNSET,
+):
+    """``(annotation, typer.Option)`` of field ``f`` (or a run option), for a command's signature; in the field's
+    help panel unless ``panel`` says another (None: the command's own "Options")."""
     default = f.default if default is UNSET else default
     default = None if default is REQUIRED else default
     flag = flag or f.flag
-    kw = dict(help=help_text(f, default_text), show_default=False, rich_help_panel=f.group, hidden=hidden)
+    panel = f.group if panel is UNSET else panel
+    kw = dict(help=help_text(f, default_text), show_default=False, rich_help_panel=panel, hidden=hidden)
     if f.type is bool:
         if default is None:
             return Optional[bool], typer.Option(None, f"{flag}/--no-{flag[2:]}", **kw)
@@ -146,10 +156,10 @@ def with_experiment_options(
     lead: tuple = (),
 ):
     """Give the typer command ``fn(<own options>, ..., experiment: ExperimentArgs)`` an option per experiment field
-    (``names``, default all, minus ``exclude``; ``lead`` first), then the ``run_options`` (out, resume, ...; passed
-    to ``fn`` by name), and with ``config`` the ``--config`` / ``--print-config`` options. They stand where
-    ``experiment`` stands in ``fn``'s signature (own options after it follow them). ``defaults``: this command's
-    own defaults, name -> value or (value, shown text)."""
+    (``names``, default all, minus ``exclude``; ``lead`` first, in the command's own panel), then the
+    ``run_options`` (out, resume, ...; passed to ``fn`` by name), and with ``config`` the ``--config`` /
+    ``--print-config`` options. They stand where ``experiment`` stands in ``fn``'s signature (own options after it
+    follow them). ``defaults``: this command's own defaults, name -> value or (value, shown text)."""
     if fn is None:
         return functools.partial(
             with_experiment_options,
@@ -163,7 +173,7 @@ def with_experiment_options(
     chosen = [f for f in FIELD_LIST if (names is None or f.name in names) and f.name not in exclude]
     chosen.sort(key=lambda f: lead.index(f.name) if f.name in lead else len(lead))
     own_defaults = {k: (v if isinstance(v, tuple) else (v, None)) for k, v in (defaults or {}).items()}
-    params, aliases = _field_params(chosen, own_defaults)
+    params, aliases = _field_params(chosen, own_defaults, lead)
     for name in run_options:
         value, text = own_defaults.get(name, (UNSET, None))
         params.append((name, *option(RUN_OPTIONS[name], default=value, default_text=text)))
@@ -205,12 +215,13 @@ def with_experiment_options(
     return wrapper
 
 
-def _field_params(chosen: list[Field], own_defaults: dict) -> tuple[list, dict]:
+def _field_params(chosen: list[Field], own_defaults: dict, lead: tuple) -> tuple[list, dict]:
     """The (name, annotation, option) of each field, each followed by the hidden aliases of its old flags."""
     params, aliases = [], {}
     for f in chosen:
         value, text = own_defaults.get(f.name, (UNSET, None))
-        params.append((f.name, *option(f, default=value, default_text=text)))
+        panel = None if f.name in lead else UNSET
+        params.append((f.name, *option(f, default=value, default_text=text, panel=panel)))
         for i, old in enumerate(f.old_flags):
             alias = f"deprecated_{f.name}_{i}"
             aliases[alias] = (f, old)

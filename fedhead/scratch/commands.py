@@ -8,7 +8,21 @@ from typing import Optional
 
 import typer
 
+from fedhead.federation.experiment import parse_seeds
 from fedhead.infra.exits import cli_errors
+from fedhead.interface.options import deprecated_flag
+
+
+def renamed_options(seeds: list | None, seed: list | None, backend: str) -> tuple[list[int], str]:
+    """``--seeds`` with the deprecated ``--seed`` (the flag's name before it matched fedhead train's and the
+    bench's), and ``--backend`` with the deprecated ``vmap`` (the vectorized backend's name before it matched
+    fedhead train's); each old name prints one deprecation line."""
+    if seed:
+        deprecated_flag("--seed", "--seeds", " (repeated or comma-separated)")
+    if backend == "vmap":
+        deprecated_flag("--backend vmap", "--backend vectorized")
+        backend = "vectorized"
+    return (parse_seeds([*(seeds or []), *(seed or [])]) if (seeds or seed) else [0]), backend
 
 
 @cli_errors
@@ -121,18 +135,11 @@ def scratch_cmd(
 ):
     """Train a model from scratch with FedAvg, FedOVA, FedABC, Divide-and-Conquer or FedABC's baselines (local,
     FedProx, SCAFFOLD, FedPer, FedRep, FedRoD, LG-FedAvg)."""
-    from fedhead.federation.experiment import parse_seeds
     from fedhead.federation.rundir import default_run_dir
     from fedhead.infra.console import make_progress, stderr_console, stdout_console
-    from fedhead.interface.options import deprecated_flag
     from fedhead.scratch.runner import ScratchConfig, run_scratch
 
-    if seed:  # the flag's name before it matched fedhead train's and the bench's --seeds
-        deprecated_flag("--seed", "--seeds", " (repeated or comma-separated)")
-    seeds_l = parse_seeds([*(seeds or []), *(seed or [])]) if (seeds or seed) else [0]
-    if backend == "vmap":  # the vectorized backend's name before it matched fedhead train's
-        deprecated_flag("--backend vmap", "--backend vectorized")
-        backend = "vectorized"
+    seeds_l, backend = renamed_options(seeds, seed, backend)
 
     pp = {
         "shards_per_client": shards_per_client,
