@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import difflib
 import hashlib
+import inspect
 import json
 import warnings
 from pathlib import Path
@@ -275,6 +276,29 @@ TrainConfig = dataclasses.make_dataclass(
         "TrainConfig(features=..., head=..., ...); resolved() fills the recipe and validates.",
     },
 )
+
+
+def _signature(cls) -> inspect.Signature:
+    """What help() and editors show for ``TrainConfig(...)``: the fields with their defaults, then the dicts of
+    earlier versions."""
+    params = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = inspect.Parameter.empty
+        params.append(
+            inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=f.type)
+        )
+    old = [
+        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in ("partition_params", "head_params")
+    ]
+    return inspect.Signature(params + old)
+
+
+TrainConfig.__signature__ = _signature(TrainConfig)
 
 
 def applicable(kw: dict) -> dict:

@@ -375,7 +375,8 @@ FIELD_LIST: list[Field] = [
         "optimizer",
         str,
         None,
-        "local optimizer: adamw (decoupled weight decay) | sgd (L2 weight decay), fresh state every round",
+        "local optimizer, fresh state every round: adamw (AdamW, decoupled weight decay; not fedhead scratch's "
+        "adam, which is Adam with L2 decay) | sgd (L2 weight decay)",
         LOCAL,
         constraint=OneOf(("adamw", "sgd")),
         applies=_IT,
