@@ -2,7 +2,8 @@
 
 The Python API (imported on first use, so ``import fedhead`` stays light):
 
-- :func:`run` (``fedhead.federation.train.run``): run a :class:`TrainConfig`, get the summary and per-round rows;
+- :func:`run` (``fedhead.federation.api.run``): run a :class:`TrainConfig` (or its fields as keywords, or an
+  experiment file), get the summary and per-round rows;
 - :func:`register_head`, :class:`Head`, :class:`ClosedFormHead`, :class:`Param`, :class:`LossContext`:
   a head of one's own (a local loss, or a closed-form solve from client statistics);
 - :func:`register_aggregator`, :class:`Aggregator`, :class:`Totals`: an aggregation rule of one's own (what a
@@ -15,7 +16,7 @@ The Python API (imported on first use, so ``import fedhead`` stays light):
 __version__ = "0.1.0"
 
 _API = {
-    "run": ("fedhead.federation.train", "run"),
+    "run": ("fedhead.federation.api", "run"),
     "TrainConfig": ("fedhead.federation.config", "TrainConfig"),
     "register_head": ("fedhead.core.heads", "register_head"),
     "Head": ("fedhead.core.heads", "Head"),

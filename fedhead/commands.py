@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
@@ -12,6 +12,7 @@ from extract.datasets import load_dataset
 from extract.encoders import registry_weights
 from extract.store import load_store, open_store
 from fedhead.core.synthetic import LATENT, probe_accuracy, synthetic_request, validate_synthetic, write_synthetic
+from fedhead.federation.api import run
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.train import labels_store, run_training, validate_config
 from fedhead.infra.console import stdout_console
@@ -19,117 +20,21 @@ from fedhead.infra.errors import FedheadError
 from fedhead.infra.exits import cli_errors
 from fedhead.infra.files import check_out
 from fedhead.infra.locks import exclusive_writer
-from fedhead.interface.options import with_method_options
+from fedhead.interface.options import ExperimentArgs, resolved_toml, with_experiment_options
 from fedhead.interface.tables import SUMMARY_COLUMNS, results_table
 
 
 @cli_errors
-@with_method_options
-def train_cmd(
-    features: Path = typer.Option(..., "--features", help="HDF5 feature store written by 'fedhead extract'."),
-    head: Optional[str] = typer.Option(
-        None,
-        help="softmax | ova | ova2 | fedabc | fedrs | fedlc; closed form: ncm | "
-        "ridge | cof | lda [recipe: ova2; fast: softmax]",
-    ),
-    partition: str = typer.Option("iid", help="iid | shard | dirichlet | bernoulli-dirichlet | zipf | kmeans"),
-    shards_per_client: Optional[int] = typer.Option(None, help="shard: shards (labels) per client [2]"),
-    distinct_labels: Optional[bool] = typer.Option(
-        None, "--distinct-labels/--no-distinct-labels", help="shard: force s different labels per client"
-    ),
-    alpha: Optional[float] = typer.Option(None, help="dirichlet [0.5] / bernoulli-dirichlet [10] concentration"),
-    p: Optional[float] = typer.Option(None, "--p", help="bernoulli-dirichlet: class inclusion probability [0.7]"),
-    zipf_s: Optional[float] = typer.Option(None, help="zipf: size exponent [1.0]"),
-    min_size: Optional[int] = typer.Option(None, help="dirichlet [10] / zipf [1]: minimum client size"),
-    clients: int = typer.Option(100, help="number of simulated clients"),
-    rounds: int = typer.Option(50, help="communication rounds"),
-    local_epochs: Optional[int] = typer.Option(None, help="local epochs per round [3; fast recipe: --local-steps 30]"),
-    batch_size: int = typer.Option(50, help="local batch size"),
-    recipe: str = typer.Option(
-        "default", help="default (robust, measured) | paper (SPEC to the letter) | fast (softmax from a Fed3R start)"
-    ),
-    optimizer: Optional[str] = typer.Option(None, help="adamw | sgd [recipe]"),
-    lr: Optional[float] = typer.Option(None, help="local learning rate [recipe]"),
-    weight_decay: Optional[float] = typer.Option(None, help="weight decay [recipe]"),
-    momentum: Optional[float] = typer.Option(None, help="SGD momentum [recipe]"),
-    aggregate: Optional[str] = typer.Option(None, help="fedavg | grouped [recipe]"),
-    center: Optional[bool] = typer.Option(None, "--center/--no-center", help="federated feature centering [recipe]"),
-    scale: Optional[str] = typer.Option(None, help="none | rms feature scaling [recipe]"),
-    stage1_rounds: Optional[int] = typer.Option(None, help="ova2: rounds of positive-only stage 1 [1]"),
-    positive_keep: Optional[float] = typer.Option(None, help="ova2: keep probability of positive terms [1.0]"),
-    fedabc_margins: Optional[str] = typer.Option(None, help="fedabc: mp,mn,mnn [0.85,0.2,0.3]"),
-    focal_gamma: Optional[float] = typer.Option(None, help="fedabc: focal gamma [2]"),
-    fedrs_alpha: Optional[float] = typer.Option(None, help="fedrs: absent-class logit scale [0.5]"),
-    participation: float = typer.Option(1.0, help="fraction of clients per round"),
-    noise: str = typer.Option("none", help="none | symmetric | asymmetric"),
-    noise_rate: float = typer.Option(0.0, help="label flip rate in [0, 1)"),
-    asym_map: str = typer.Option("auto", help="asymmetric map: auto (dataset's) | cyclic (y -> y+1 mod C)"),
-    seed: List[int] = typer.Option([0], "--seed", help="seed; repeat for several (paper: 0 42 777 1337 15254)"),
-    iid_reference: bool = typer.Option(False, "--iid-reference", help="also run IID with everything else equal"),
-    backend: str = typer.Option("vectorized", help="vectorized | loop (per-client, for checking)"),
-    block_clients: Optional[int] = typer.Option(None, help="clients trained at once [from memory budget]"),
-    device: str = typer.Option("auto", help="auto | cpu | cuda"),
-    out: Optional[Path] = typer.Option(None, help="run directory [runs/<timestamp>-<head>-<partition>]"),
-    resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
-    method: dict = None,
-):
+@with_experiment_options(run_options=("out", "resume"), config=True)
+def train_cmd(*, experiment: ExperimentArgs, out: Optional[Path] = None, resume: bool = False):
     """Run federated rounds of a linear head over cached features and print the final numbers."""
-    cfg = TrainConfig(
-        features=str(features),
-        head=head,
-        partition=partition,
-        partition_params={
-            k: v
-            for k, v in dict(
-                shards_per_client=shards_per_client,
-                distinct_labels=distinct_labels,
-                alpha=alpha,
-                p=p,
-                zipf_s=zipf_s,
-                min_size=min_size,
-            ).items()
-            if v is not None
-        },
-        head_params={
-            **{
-                k: v
-                for k, v in dict(
-                    stage1_rounds=stage1_rounds,
-                    positive_keep=positive_keep,
-                    fedabc_margins=fedabc_margins,
-                    focal_gamma=focal_gamma,
-                    fedrs_alpha=fedrs_alpha,
-                ).items()
-                if v is not None
-            },
-            **method["head_params"],
-        },
-        clients=clients,
-        rounds=rounds,
-        local_epochs=local_epochs,
-        batch_size=batch_size,
-        recipe=recipe,
-        optimizer=optimizer,
-        lr=lr,
-        weight_decay=weight_decay,
-        momentum=momentum,
-        aggregate=aggregate,
-        center=center,
-        scale=scale,
-        participation=participation,
-        noise=noise,
-        noise_rate=noise_rate,
-        asym_rule=asym_map,
-        seeds=list(seed),
-        iid_reference=iid_reference,
-        backend=backend,
-        block_clients=block_clients,
-        device=device,
-        **{k: v for k, v in method.items() if k != "head_params"},
-    )
+    cfg = experiment.train_config("in-process")
+    if experiment.print_config:
+        typer.echo(resolved_toml(cfg), nl=False)
+        return
     if resume and out is None:
         raise FedheadError("The '--resume' option needs --out naming the interrupted run's directory. Got none.")
-    res = run_training(cfg, out=out, resume=resume)
+    res = run(cfg, out=out, resume=resume, progress=True)  # also writes the run's config.toml
     con = stdout_console()
     con.print(results_table(f"fedhead train — {res.run_dir}", [res.summary], SUMMARY_COLUMNS))
 

@@ -337,7 +337,10 @@ def test_noise_table_declines_from_runs(stores, tmp_path):
     )
     rows = results(out)
     assert len(rows) == 10 and {r["cfg_clients"] for r in rows} == {"10"}  # 2 heads x (4 rates + clean)
-    assert {r["cfg_asym_rule"] for r in rows} == {"cyclic"}
+    # the map (the field asym_rule renamed asym_map) reaches the asymmetric runs, the only ones it applies to: a
+    # grid passes each run only the options that apply to it
+    assert {r["cfg_asym_map"] for r in rows if r["bench_noise"] == "asymmetric"} == {"cyclic"}
+    assert {r["cfg_asym_map"] for r in rows if r["bench_noise"] != "asymmetric"} == {"auto"}
     acc = {
         (r["bench_head"], r["bench_noise"], float(r["bench_rate"])): summary(r["run_dir"])["final_accuracy"]
         for r in rows

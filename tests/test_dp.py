@@ -22,7 +22,7 @@ from fedhead.core.dp import (
     statistics_vector,
 )
 from fedhead.core.linalg import clip_rows
-from fedhead.federation.config import TrainConfig
+from fedhead.federation.config import TrainConfig, applicable
 from fedhead.federation.rundir import read_csv
 
 pytest.importorskip("dp_accounting", reason="the accountant needs dp-accounting (pip install 'fedhead[dp]')")
@@ -42,8 +42,8 @@ def _dp_cfg(store, **kw) -> TrainConfig:
         center=False,
         **DP,
     )
-    base.update(kw)
-    return TrainConfig(**base).resolved()
+    # the base's --rounds etc. only where they apply (a closed-form head takes none); the case's own options as given
+    return TrainConfig(**{**applicable({**base, **kw}), **kw}).resolved()
 
 
 # ---------------------------------------------------------------- clipping

@@ -70,7 +70,7 @@ def mnist_args(algo: str = "fedavg", rounds: int = 3, seeds=(0, 1)) -> list[str]
         str(rounds),
         "--local-epochs",
         "1",
-        *[a for s in seeds for a in ("--seed", str(s))],
+        *[a for s in seeds for a in ("--seeds", str(s))],
     ]
 
 

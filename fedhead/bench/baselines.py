@@ -12,12 +12,21 @@ accuracy against the cumulative MB each client uploaded (the communication front
 from __future__ import annotations
 
 from pathlib import Path
+from typing import List, Optional
 
 import numpy as np
 import typer
 
 from fedhead.bench import plots as P
-from fedhead.bench.commands import FEATURES_OPT, Common, _print_report, grid_command, pair_with_iid, start_report
+from fedhead.bench.commands import (
+    FEATURES_OPT,
+    Common,
+    _print_report,
+    grid_command,
+    pair_with_iid,
+    parse_names,
+    start_report,
+)
 from fedhead.bench.report import (
     Cell,
     CellResult,
@@ -34,6 +43,7 @@ from fedhead.bench.report import (
 from fedhead.core.plugins import load_plugins
 from fedhead.federation.methods import METHODS
 from fedhead.infra.errors import FedheadError, unknown_name
+from fedhead.interface.options import deprecated_flag
 
 DEFAULT_PARTITIONS = ("iid", "shard-1", "shard-2", "dirichlet-0.1", "bernoulli-dirichlet")
 
@@ -46,28 +56,32 @@ def _partition(label: str) -> tuple[str, dict]:
             pass
     try:
         return resolve_partition(label)
-    except FedheadError as exc:  # the option here is --partitions
-        raise FedheadError(
-            str(exc).replace("'--partition'", "'--partitions'", 1) + " Or dirichlet-ALPHA, e.g. dirichlet-0.1."
-        ) from None
+    except FedheadError as exc:
+        raise FedheadError(str(exc) + " Or dirichlet-ALPHA, e.g. dirichlet-0.1.") from None
 
 
-def methods_and_partitions(methods: str, partitions: str, known) -> tuple[list[str], list[str], dict]:
-    """``--methods`` (each one of ``known``) and ``--partitions`` of a bench command: the method names, the
-    partition labels and label -> (partition, parameters)."""
+def methods_and_partitions(
+    methods: str, partitions, known, old: str | None = None
+) -> tuple[list[str], list[str], dict]:
+    """``--methods`` (each one of ``known``) and ``--partition`` (repeated or comma-separated; ``old``: the value
+    of the deprecated ``--partitions``) of a bench command: the method names, the partition labels and label ->
+    (partition, parameters)."""
     names = _csv("--methods", methods)
     for m in names:
         if m not in known:
             raise unknown_name("--methods", m, known, "method")
-    plabels = _csv("--partitions", partitions)
+    if old is not None:
+        deprecated_flag("--partitions", "--partition", " (repeated or comma-separated)")
+        partitions = [old]
+    plabels = _csv("--partition", partitions)
     return names, plabels, {p: _partition(p) for p in plabels}
 
 
-def _csv(param: str, text: str) -> list[str]:
-    items = [t for t in str(text).replace(",", " ").split() if t]
+def _csv(param: str, text) -> list[str]:
+    items = parse_names(text, param)
     if not items:
         raise FedheadError(f"The '{param}' parameter needs at least one value. Got {text!r} instead.")
-    return list(dict.fromkeys(items))
+    return items
 
 
 @grid_command("baselines")
@@ -76,18 +90,19 @@ def baselines_cmd(
     methods: str = typer.Option(
         ",".join(METHODS), "--methods", help="comma-separated methods (see the report's method table)"
     ),
-    partitions: str = typer.Option(
-        ",".join(DEFAULT_PARTITIONS),
-        "--partitions",
-        help="comma-separated partitions (presets, registry names, dirichlet-ALPHA)",
+    partition: List[str] = typer.Option(
+        [",".join(DEFAULT_PARTITIONS)],
+        "--partition",
+        help="partitions, repeated or comma-separated (presets, registry names, dirichlet-ALPHA)",
     ),
+    partitions: Optional[str] = typer.Option(None, "--partitions", hidden=True),
     recipe: str = typer.Option("default", "--recipe", help="training recipe of the iterative methods"),
     *,
     common: Common,
 ):
     """Closed-form heads, closed-form + fine-tuning and the classic FL baselines against the central ceiling."""
     load_plugins()  # methods registered by users' modules
-    names, plabels, parts = methods_and_partitions(methods, partitions, METHODS)
+    names, plabels, parts = methods_and_partitions(methods, partition, METHODS, old=partitions)
     cells = []
     for m in names:
         for p in plabels:

@@ -8,8 +8,10 @@ resume (:func:`fedhead.bench.report.run_grid`), and writes one report folder (se
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
@@ -42,6 +44,7 @@ from fedhead.bench.report import (
     write_results,
 )
 from fedhead.federation.config import PAPER_SEEDS, TrainConfig
+from fedhead.federation.experiment import FIELDS, PARTITION_PARAMS, only_applicable, parse_seeds
 from fedhead.federation.rundir import write_csv
 from fedhead.federation.train import PAUSE_ENV
 from fedhead.infra.console import stdout_console
@@ -50,7 +53,7 @@ from fedhead.infra.exits import cli_errors
 from fedhead.infra.files import check_out
 from fedhead.infra.locks import exclusive_writer
 from fedhead.infra.signals import Interrupted, pause_hook
-from fedhead.interface.options import METHOD_OPTIONS, method_fields
+from fedhead.interface.options import ExperimentArgs, option, with_experiment_options
 
 # The paper's numbers printed next to ours (SPEC section 1; CIFAR-100, ViT-L/16, round 50).
 PAPER_RATIO = {"softmax": 56.3, "ova": 95.4, "ova2": 95.9}
@@ -78,29 +81,38 @@ PAPER_ROUNDS = 50
 # ---------------------------------------------------------------- shared options
 
 FEATURES_OPT = typer.Option(..., "--features", help="HDF5 feature store written by 'fedhead extract'.")
+SEEDS_TEXT = f"the paper's {','.join(map(str, PAPER_SEEDS))}; --quick: 0"
 SEEDS_OPT = typer.Option(
-    None, "--seeds", help="seeds, repeated or comma-separated [paper's 0,42,777,1337,15254; --quick: 0]"
+    None, "--seeds", help=f"seeds, repeated or comma-separated \\[default: {SEEDS_TEXT}]", metavar="INT[,INT...]"
 )
 QUICK_OPT = typer.Option(False, "--quick", help=f"one seed and {QUICK_ROUNDS} rounds (unless given)")
-ROUNDS_OPT = typer.Option(None, "--rounds", help=f"communication rounds [{PAPER_ROUNDS}; --quick: {QUICK_ROUNDS}]")
 OUT_OPT = typer.Option(
     None,
     "--out",
     help="report folder (default reports/<command>-<timestamp>); re-run with the same "
     "--out to reuse finished runs and resume an interrupted one",
 )
-RECIPE_HELP = "paper (SPEC literal AdamW) | default (the trainer's) | both"
-LE_OPT = typer.Option(None, "--local-epochs", help="local epochs per round [3; fast recipe: --local-steps 30]")
-BS_OPT = typer.Option(50, "--batch-size", help="local batch size")
-DEV_OPT = typer.Option("auto", "--device", help="auto | cpu | cuda")
-OPTIM_OPT = typer.Option(None, "--optimizer", help="adamw | sgd [recipe]")
-LR_OPT = typer.Option(None, "--lr", help="local learning rate [recipe]")
-WD_OPT = typer.Option(None, "--weight-decay", help="weight decay [recipe]")
-MOM_OPT = typer.Option(None, "--momentum", help="SGD momentum [recipe]")
-AGG_OPT = typer.Option(None, "--aggregate", help="fedavg | grouped [recipe]")
-CENTER_OPT = typer.Option(None, "--center/--no-center", help="federated feature centering [recipe]")
-SCALE_OPT = typer.Option(None, "--scale", help="none | rms [recipe]")
-BLOCK_OPT = typer.Option(None, "--block-clients", help="clients trained at once [from memory budget]")
+RECIPE_HELP = "paper (the OvA-LP paper's AdamW) | default (the trainer's) | both"
+
+# The experiment fields a grid command does not take as shared options: the ones its grid sets per run (the
+# store, heads, partitions and their parameters, recipes, noise, participation), the IID reference (the grids run
+# their own IID runs) and Flower's secure aggregation. Every other field is an option of every grid command,
+# derived from the table like fedhead train's, and reaches every run it applies to.
+GRID_EXCLUDE = (
+    "features",
+    "head",
+    "partition",
+    *PARTITION_PARAMS,
+    "recipe",
+    "participation",
+    "noise",
+    "noise_rate",
+    "asym_map",
+    "noise_dataset",
+    "iid_reference",
+    "secure_aggregation",
+)
+GRID_PROTOCOL = ("seeds", "rounds", "clients")  # the report's protocol: every run gets them (rounds if iterative)
 
 
 @dataclass
@@ -110,16 +122,32 @@ class Common:
     rounds: int
     clients: int
     out: Path
-    train: dict  # TrainConfig fields passed through to every run
+    train: dict  # TrainConfig fields passed on to every run they apply to
+    given: set = field(default_factory=set)  # the shared options given on the command line
+    used: set = field(default_factory=set)  # ... that applied to at least one run built so far
 
     def cfg(self, features, **kw) -> TrainConfig:
-        return TrainConfig(
-            features=str(features),
-            clients=self.clients,
-            rounds=self.rounds,
-            seeds=list(self.seeds),
-            **{**self.train, **kw},
-        )
+        """A run of the grid: its own fields ``kw``, and the shared options that apply to it (a closed-form head
+        gets no --rounds or local-training option; a head's parameter reaches that head's runs only)."""
+        shared = {"rounds": self.rounds, **self.train}
+        base = dict(features=str(features), clients=self.clients, seeds=list(self.seeds), **shared)
+        base.update(kw)
+        keep = only_applicable({k: v for k, v in shared.items() if k not in kw}, TrainConfig(**base).recipe_view())
+        for k in shared:
+            if k not in kw and k not in keep:
+                del base[k]
+        self.used.update(k for k in keep if k in self.given)
+        return TrainConfig(**base)
+
+    def check_used(self) -> None:
+        """Refuse a shared option given on the command line that applies to no run of the grid."""
+        for name in sorted(self.given - self.used - set(GRID_PROTOCOL), key=list(FIELDS).index):
+            f = FIELDS[name]
+            wanted = " or ".join(w.wanted() for w in f.applies)
+            raise FedheadError(
+                f"The '{f.flag}' option applies to {wanted} only, and no run of this report is one. "
+                f"Drop {f.flag}, or choose runs it applies to."
+            )
 
     def describe(self) -> dict:
         return {
@@ -130,24 +158,6 @@ class Common:
             "out": str(self.out),
             **self.train,
         }
-
-
-def parse_seeds(seeds: Optional[List[str]], quick: bool) -> list[int]:
-    if not seeds:
-        return [0] if quick else list(PAPER_SEEDS)
-    out = []
-    for item in seeds:
-        for tok in str(item).replace(",", " ").split():
-            try:
-                v = int(tok)
-            except ValueError:
-                raise FedheadError(
-                    f"The '--seeds' parameter must be integers >= 0. Got {tok!r} instead. Use e.g. --seeds 0,42,777."
-                ) from None
-            validate("--seeds", v, Interval(0, None, integer=True))
-            if v not in out:
-                out.append(v)
-    return out
 
 
 def parse_rates(
@@ -170,105 +180,72 @@ def parse_rates(
     return rates
 
 
+def parse_names(items: list[str] | str | None, param: str = "") -> list[str]:
+    """Names given repeated or comma-separated (``--head ova2,softmax --head ova``), each once, in order; with
+    ``param``, a value given empty is an error naming it."""
+    if items is None:
+        return []
+    items = [items] if isinstance(items, str) else items
+    if param and any(not str(item).strip(" ,") for item in items):
+        raise FedheadError(f"The '{param}' parameter needs a value. Got {[str(i) for i in items]!r} instead.")
+    return list(dict.fromkeys(t for item in items for t in str(item).replace(",", " ").split()))
+
+
+def grid_seeds(seeds: list | None, quick: bool) -> list[int]:
+    """``--seeds`` of a bench command: given (repeated or comma-separated), else the paper's (--quick: 0)."""
+    return parse_seeds(seeds) if seeds else ([0] if quick else list(PAPER_SEEDS))
+
+
 def recipes_of(recipe: str) -> list[str]:
     validate("--recipe", recipe, OneOf(("paper", "default", "both")))
     return ["paper", "default"] if recipe == "both" else [recipe]
 
 
-def make_common(
-    command: str,
-    *,
-    seeds,
-    quick,
-    rounds,
-    clients,
-    out,
-    local_epochs,
-    batch_size,
-    device,
-    optimizer,
-    lr,
-    weight_decay,
-    momentum,
-    aggregate,
-    center,
-    scale,
-    block_clients,
-) -> Common:
-    seeds_l = parse_seeds(seeds, quick)
+def make_common(command: str, experiment: ExperimentArgs, quick: bool, out: Path | None) -> Common:
+    """The grid's shared options: its protocol (seeds, rounds, clients; --quick: one seed and fewer rounds),
+    the report folder, and the experiment options passed on to every run they apply to."""
+    values = dict(experiment.values)
+    seeds_l = values.pop("seeds") or ([0] if quick else list(PAPER_SEEDS))
+    rounds = values.pop("rounds")
     if rounds is None:
         rounds = QUICK_ROUNDS if quick else PAPER_ROUNDS
+    clients = values.pop("clients")
     validate("--rounds", rounds, Interval(1, None, integer=True))
     validate("--clients", clients, Interval(1, None, integer=True))
     out = Path(out) if out else Path("reports") / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
     check_out(out, kind="dir")  # a file there, or below a file: refused before any work
-    train = dict(
-        local_epochs=local_epochs,
-        batch_size=batch_size,
-        device=device,
-        optimizer=optimizer,
-        lr=lr,
-        weight_decay=weight_decay,
-        momentum=momentum,
-        aggregate=aggregate,
-        center=center,
-        scale=scale,
-        block_clients=block_clients,
-    )
-    return Common(command, seeds_l, int(rounds), int(clients), out, train)
+    return Common(command, seeds_l, int(rounds), int(clients), out, values, set(experiment.given))
 
 
-# The options every grid command shares (all go to make_common): name -> (annotation, typer option);
-# each command sets its own --clients default (grid_command).
-GRID_OPTIONS = {
-    "seeds": (Optional[List[str]], SEEDS_OPT),
-    "quick": (bool, QUICK_OPT),
-    "rounds": (Optional[int], ROUNDS_OPT),
-    "clients": (int, None),
-    "out": (Optional[Path], OUT_OPT),
-    "local_epochs": (Optional[int], LE_OPT),
-    "batch_size": (int, BS_OPT),
-    "device": (str, DEV_OPT),
-    "optimizer": (Optional[str], OPTIM_OPT),
-    "lr": (Optional[float], LR_OPT),
-    "weight_decay": (Optional[float], WD_OPT),
-    "momentum": (Optional[float], MOM_OPT),
-    "aggregate": (Optional[str], AGG_OPT),
-    "center": (Optional[bool], CENTER_OPT),
-    "scale": (Optional[str], SCALE_OPT),
-    "block_clients": (Optional[int], BLOCK_OPT),
-}
-
-
-def grid_command(command: str, clients: int = 100, clients_help: str = "clients"):
-    """Decorate a grid command ``fn(<own options>, common)``: typer sees its own options followed by
-    ``--clients`` and :data:`GRID_OPTIONS`; they reach ``fn`` resolved as one :class:`Common`."""
-    import functools
-    import inspect
-
-    shared = {**GRID_OPTIONS, "clients": (int, typer.Option(clients, "--clients", help=clients_help))}
-    shared.update(METHOD_OPTIONS)
+def grid_command(command: str, clients: int = 100, clients_help: str = "", defaults: dict | None = None):
+    """Decorate a grid command ``fn(<own options>, common)``: typer sees its own options, ``--quick``, ``--out``
+    and the shared experiment options (every field but :data:`GRID_EXCLUDE`, with the grid's defaults for seeds,
+    rounds and clients, and ``defaults``); they reach ``fn`` resolved as one :class:`Common`."""
+    own_defaults = {
+        "seeds": (None, SEEDS_TEXT),
+        "rounds": (None, f"{PAPER_ROUNDS}; --quick: {QUICK_ROUNDS}"),
+        "clients": (clients, clients_help or str(clients)),
+        **(defaults or {}),
+    }
 
     def deco(fn):
         own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "common"]
-        params = own + [
-            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=t)
-            for n, (t, opt) in shared.items()
+        kw_only = inspect.Parameter.KEYWORD_ONLY
+        params = own + [  # the shared options go where "experiment" stands: after --quick, before --out
+            inspect.Parameter("quick", kw_only, default=QUICK_OPT, annotation=bool),
+            inspect.Parameter("experiment", kw_only, annotation=ExperimentArgs),
+            inspect.Parameter("out", kw_only, default=OUT_OPT, annotation=Optional[Path]),
         ]
 
         @functools.wraps(fn)
-        def wrapper(**kw):
-            method = method_fields({n: kw.pop(n) for n in METHOD_OPTIONS})
-            common = make_common(command, **{n: kw.pop(n) for n in shared if n not in METHOD_OPTIONS})
-            common.train.update({k: v for k, v in method.items() if k != "head_params"})
-            if method["head_params"]:
-                common.train["head_params"] = method["head_params"]
+        def run(**kw):
+            common = make_common(command, kw.pop("experiment"), kw.pop("quick"), kw.pop("out"))
             with report_writer(common.out):
                 return fn(**kw, common=common)
 
-        wrapper.__signature__ = inspect.Signature(params)
-        wrapper.__annotations__ = {p.name: p.annotation for p in params}
-        return cli_errors(wrapper)
+        run.__signature__ = inspect.Signature(params)
+        del run.__wrapped__
+        return cli_errors(with_experiment_options(run, exclude=GRID_EXCLUDE, defaults=own_defaults, lead=GRID_PROTOCOL))
 
     return deco
 
@@ -289,6 +266,7 @@ def report_writer(out: Path):
 
 def start_report(common: Common, cells: list[Cell], cache: StoreCache, config: dict) -> str:
     """Validate every run first (nothing is written on bad input), then create the folder and bench.json."""
+    common.check_used()
     validate_cells(cells, cache)
     return begin_report(common.out, cells, config)
 
@@ -691,9 +669,9 @@ def encoder_comparison(out: Path, results, tags, heads, partitions, recipes) -> 
 @grid_command("ablation")
 def ablation_cmd(
     features: Path = FEATURES_OPT,
-    head: List[str] = typer.Option(["softmax", "ova", "ova2"], "--head", help="heads (repeat)"),
+    head: List[str] = typer.Option(["softmax", "ova", "ova2"], "--head", help="heads, repeated or comma-separated"),
     partition: List[str] = typer.Option(
-        list(STANDARD_NONIID), "--partition", help="non-IID partitions (repeat); IID is always run"
+        list(STANDARD_NONIID), "--partition", help="non-IID partitions, repeated or comma-separated; IID is always run"
     ),
     recipe: str = typer.Option("both", "--recipe", help=RECIPE_HELP),
     *,
@@ -705,8 +683,8 @@ def ablation_cmd(
         "ablation",
         "fedhead bench ablation (OvA-LP Table 1 / Fig. 3)",
         [features],
-        list(head),
-        list(partition),
+        parse_names(head, "--head"),
+        parse_names(partition, "--partition"),
         recipes_of(recipe),
         {},
     )
@@ -716,11 +694,11 @@ def ablation_cmd(
 @grid_command("partitions")
 def partitions_cmd(
     features: Path = FEATURES_OPT,
-    head: List[str] = typer.Option(["ova2"], "--head", help="heads (repeat)"),
+    head: List[str] = typer.Option(["ova2"], "--head", help="heads, repeated or comma-separated"),
     partition: List[str] = typer.Option(
         ["shard-1", "shard-2", "bernoulli-dirichlet", "zipf", "kmeans"],
         "--partition",
-        help="non-IID partitions (repeat); IID is always run",
+        help="non-IID partitions, repeated or comma-separated; IID is always run",
     ),
     recipe: str = typer.Option("default", "--recipe", help=RECIPE_HELP),
     *,
@@ -732,8 +710,8 @@ def partitions_cmd(
         "partitions",
         "fedhead bench partitions (OvA-LP Fig. 5)",
         [features],
-        list(head),
-        list(partition),
+        parse_names(head, "--head"),
+        parse_names(partition, "--partition"),
         recipes_of(recipe),
         {},
     )
@@ -765,9 +743,9 @@ def encoders_cmd(
     features: List[Path] = typer.Option(
         ..., "--features", help="stores of one dataset made by different encoders (repeat)"
     ),
-    head: List[str] = typer.Option(["ova2"], "--head", help="heads (repeat)"),
+    head: List[str] = typer.Option(["ova2"], "--head", help="heads, repeated or comma-separated"),
     partition: List[str] = typer.Option(
-        list(STANDARD_NONIID), "--partition", help="non-IID partitions (repeat); IID is always run"
+        list(STANDARD_NONIID), "--partition", help="non-IID partitions, repeated or comma-separated; IID is always run"
     ),
     recipe: str = typer.Option("default", "--recipe", help=RECIPE_HELP),
     *,
@@ -781,8 +759,8 @@ def encoders_cmd(
         "encoders",
         "fedhead bench encoders (OvA-LP Fig. 6)",
         stores,
-        list(head),
-        list(partition),
+        parse_names(head, "--head"),
+        parse_names(partition, "--partition"),
         recipes_of(recipe),
         {},
     )
@@ -940,15 +918,15 @@ def noise_sections(
     return sections, curves
 
 
-@grid_command("noise", clients=20, clients_help="clients (FedLTF protocol: 20)")
+@grid_command("noise", clients=20, clients_help="20 (the FedLTF protocol)")
 def noise_cmd(
     features: Path = FEATURES_OPT,
-    head: List[str] = typer.Option(["softmax", "ova", "ova2"], "--head", help="heads (repeat)"),
+    head: List[str] = typer.Option(["softmax", "ova", "ova2"], "--head", help="heads, repeated or comma-separated"),
     sym_rates: str = typer.Option(
         "0.3,0.4,0.5,0.6,0.7", "--sym-rates", help="symmetric flip rates in [0, 1) ('' for none)"
     ),
     asym_rates: str = typer.Option("0.2,0.3,0.4", "--asym-rates", help="asymmetric flip rates in [0, 1) ('' for none)"),
-    asym_map: str = typer.Option("auto", "--asym-map", help="asymmetric map: auto (the dataset's) | cyclic"),
+    asym_map: str = option(FIELDS["asym_map"], panel=None)[1],
     partition: str = typer.Option("iid", "--partition", help="partition (FedLTF protocol: iid)"),
     clean: bool = typer.Option(
         True,
@@ -960,7 +938,7 @@ def noise_cmd(
     common: Common,
 ):
     """Label-noise robustness, FedLTF protocol (the paper's Table 2): declines from the lowest rate."""
-    heads = list(dict.fromkeys(check_head(h) for h in head))
+    heads = [check_head(h) for h in parse_names(head, "--head")]
     kinds = {}
     for kind, param, text in (("symmetric", "--sym-rates", sym_rates), ("asymmetric", "--asym-rates", asym_rates)):
         if text.strip():
@@ -997,7 +975,7 @@ def noise_cmd(
                         recipe=rec,
                         noise=kind,
                         noise_rate=r,
-                        asym_rule=asym_map,
+                        **({"asym_map": asym_map} if kind == "asymmetric" else {}),  # where it applies
                     ),
                 )
     config = {
@@ -1111,7 +1089,7 @@ def noise_cmd(
 @grid_command("participation")
 def participation_cmd(
     features: Path = FEATURES_OPT,
-    head: List[str] = typer.Option(["ova2"], "--head", help="heads (repeat)"),
+    head: List[str] = typer.Option(["ova2"], "--head", help="heads, repeated or comma-separated"),
     rates: str = typer.Option("0.1,0.4,0.7,1.0", "--rates", help="participation fractions in (0, 1]"),
     partition: str = typer.Option(
         "bernoulli-dirichlet",
@@ -1123,7 +1101,7 @@ def participation_cmd(
     common: Common,
 ):
     """Client participation sweep under Dirichlet (the paper's Fig. 9); IID at full participation as reference."""
-    heads = list(dict.fromkeys(check_head(h) for h in head))
+    heads = [check_head(h) for h in parse_names(head, "--head")]
     fracs = sorted(parse_rates("--rates", rates, low_closed=False, high_closed=True), reverse=True)
     pname, pparams = resolve_partition(partition)
     recipes = recipes_of(recipe)
@@ -1253,7 +1231,7 @@ def geometry_cmd(
     """Feature geometry (the paper's Fig. 2): alignment, intra, inter and intra/inter ratio. No training."""
     validate("--split", split, OneOf(("train", "test")))
     validate("--samples-per-class", samples_per_class, Interval(0, None, integer=True))
-    seeds_l = parse_seeds(seeds, quick)
+    seeds_l = grid_seeds(seeds, quick)
     out = Path(out) if out else Path("reports") / f"geometry-{time.strftime('%Y%m%d-%H%M%S')}"
     check_out(out, kind="dir")  # a file there, or below a file: refused before any work
     infos = [open_store(p) for p in features]

@@ -27,7 +27,7 @@ import numpy as np
 import typer
 
 from fedhead.bench import plots as P
-from fedhead.bench.commands import _print_report, begin_report, parse_rates, parse_seeds, report_writer
+from fedhead.bench.commands import _print_report, begin_report, grid_seeds, parse_rates, report_writer
 from fedhead.bench.report import Cell, CellResult, Stat, _flatten, _stack, md_table, run_cells, write_report
 from fedhead.federation.rundir import read_csv, write_csv
 from fedhead.infra.console import stderr_console
@@ -35,6 +35,7 @@ from fedhead.infra.devices import resolve_device
 from fedhead.infra.errors import FedheadError, OneOf, param_error, unknown_name, validate
 from fedhead.infra.exits import cli_errors
 from fedhead.infra.files import check_out
+from fedhead.scratch.commands import renamed_options
 from fedhead.scratch.data import KWS_WORDS
 from fedhead.scratch.runner import ScratchConfig, check_config, config_identity, resolve_config, run_scratch
 
@@ -1112,7 +1113,7 @@ def papers_cmd(
         help="fedabc: Dirichlet alphas, comma-separated (default: the paper's 0.1,0.3,0.5,1; --quick 0.1,1)",
     ),
     seeds: Optional[List[str]] = typer.Option(
-        None, "--seeds", help="seeds, repeated or comma-separated [0,42,777; --quick: 0]"
+        None, "--seeds", help="seeds, repeated or comma-separated \\[default: 0,42,777; --quick: 0]"
     ),
     quick: bool = typer.Option(False, "--quick", help="a smoke run: tiny subsets, a few rounds and epochs, one seed"),
     dry_run: bool = typer.Option(
@@ -1122,7 +1123,9 @@ def papers_cmd(
     ),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     backend: str = typer.Option(
-        "vmap", "--backend", help="the scratch engine: vmap | loop (same results; which is faster depends on the model)"
+        "vectorized",
+        "--backend",
+        help="the scratch engine: vectorized | loop (same results; which is faster depends on the model)",
     ),
     out: Optional[Path] = typer.Option(
         None,
@@ -1137,7 +1140,8 @@ def papers_cmd(
         raise unknown_name("PAPER", paper, PAPERS, "paper")
     spec = PAPERS[paper]
     validate("--scale", scale, OneOf(("cpu", "paper")))
-    validate("--backend", backend, OneOf(("vmap", "loop")))
+    _, backend = renamed_options(None, None, backend)
+    validate("--backend", backend, OneOf(("vectorized", "loop")))
     resolve_device(device)
     if not data_dir.is_dir():
         raise param_error(
@@ -1146,7 +1150,7 @@ def papers_cmd(
             "must be an existing folder",
             "Point it at the folder holding the datasets, e.g. ../shared/datasets.",
         )
-    seeds_l = parse_seeds(seeds, quick) if seeds or quick else list(SEEDS)
+    seeds_l = grid_seeds(seeds, quick) if seeds or quick else list(SEEDS)
     alpha_l = _alphas(spec, alphas, scale, quick)
     chosen, notes = resolve_columns(spec, data_dir, scale, _csv_list("--datasets", datasets))
     cells = build_cells(spec, chosen, scale, quick, seeds_l, alpha_l, device, backend)

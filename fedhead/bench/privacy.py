@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
+from typing import List, Optional
 
 import numpy as np
 import typer
@@ -38,6 +39,7 @@ from fedhead.federation.rundir import read_csv
 from fedhead.flower.common import require_flower
 from fedhead.infra.errors import FedheadError, Interval, validate
 from fedhead.infra.files import atomic_write_json
+from fedhead.interface.options import deprecated_flag
 
 METHODS = ("ova2", "softmax", "ridge", "ncm")
 NONE = "none"  # the run without DP
@@ -67,17 +69,18 @@ def noise_for_epsilon(cfg, epsilon: float, tol: float = 1e-3) -> float:
     return hi
 
 
-@grid_command("privacy")
+@grid_command("privacy", defaults={"dp_delta": (1e-5, "1e-05, of every epsilon")})
 def privacy_cmd(
     features: Path = FEATURES_OPT,
     methods: str = typer.Option(
         ",".join(METHODS), "--methods", help="comma-separated: ova2, softmax (DP-FedAvg), ridge, ncm (noisy statistics)"
     ),
-    partitions: str = typer.Option("iid,shard-2", "--partitions", help="comma-separated partitions"),
+    partition: List[str] = typer.Option(["iid,shard-2"], "--partition", help="partitions, repeated or comma-separated"),
+    partitions: Optional[str] = typer.Option(None, "--partitions", hidden=True),
     epsilons: str = typer.Option(
         "1,3,8", "--epsilons", help="target epsilons (each run: the smallest noise multiplier that meets it)"
     ),
-    delta: float = typer.Option(1e-5, "--delta", help="delta of every epsilon"),
+    delta: Optional[float] = typer.Option(None, "--delta", hidden=True),
     update_clip: float = typer.Option(1.0, "--update-clip", help="iterative heads: L2 clip of a client's update"),
     feature_clip: float = typer.Option(
         50.0,
@@ -100,9 +103,9 @@ def privacy_cmd(
 ):
     """Accuracy against epsilon (DP-FedAvg for iterative heads, noisy statistics for closed-form heads) and the
     time and bytes DP adds, against the same runs without DP."""
-    names, plabels, parts = methods_and_partitions(methods, partitions, METHODS)
+    names, plabels, parts = methods_and_partitions(methods, partition, METHODS, old=partitions)
     eps = parse_rates("--epsilons", epsilons, low_closed=False, high=None)
-    validate("--delta", delta, Interval(0, 1, closed="neither"), "Use e.g. --delta 1e-5 (below 1/N).")
+    delta = _delta(common, delta)
     validate("--update-clip", update_clip, Interval(0, None, closed="neither"))
     validate("--feature-clip", feature_clip, Interval(0, None, closed="neither"))
     validate("--dp-ridge-lambda", dp_ridge_lambda, Interval(0, None, closed="neither"))
@@ -115,11 +118,11 @@ def privacy_cmd(
             "SecAgg+ needs at least 3 clients; use 0 to skip its measurement.",
         )
         require_flower()
-    for k in ("dp_noise_multiplier", "dp_clip", "dp_delta", "dp_feature_clip"):
+    for k in ("dp_noise_multiplier", "dp_clip", "dp_feature_clip"):
         if common.train.get(k) is not None:
             raise FedheadError(
                 f"The '--{k.replace('_', '-')}' option is set per run by 'bench privacy'. Got "
-                f"{common.train[k]!r}. Use --epsilons, --delta, --update-clip and --feature-clip."
+                f"{common.train[k]!r}. Use --epsilons, --dp-delta, --update-clip and --feature-clip."
             )
     cells, zs = [], {}
     for m in names:
@@ -136,7 +139,7 @@ def privacy_cmd(
                     dp["dp_feature_clip"] = feature_clip
                 kw = dict(base, **dp, dp_noise_multiplier=1.0)
                 if m == "ridge":
-                    kw["head_params"] = {**common.train.get("head_params", {}), "ridge_lambda": dp_ridge_lambda}
+                    kw["ridge_lambda"] = dp_ridge_lambda
                 cfg = common.cfg(features, **kw)
                 z = zs.setdefault((m, p, e), noise_for_epsilon(cfg.resolved(), e))
                 cells.append(
@@ -177,6 +180,17 @@ def privacy_cmd(
         plots,
     )
     _print_report(path, sections)
+
+
+def _delta(common: Common, old: float | None) -> float:
+    """Every run's delta: --dp-delta (default 1e-5), or the deprecated --delta (the option's name before it joined
+    the other DP options); set per run, so taken out of the options passed on to the runs."""
+    if old is not None:
+        deprecated_flag("--delta", "--dp-delta")
+        common.train["dp_delta"] = old
+    common.given.discard("dp_delta")
+    delta = common.train.pop("dp_delta")
+    return validate("--dp-delta", delta, Interval(0, 1, closed="neither"), "Use e.g. --dp-delta 1e-5 (below 1/N).")
 
 
 def _key(r: CellResult) -> tuple:
@@ -329,11 +343,15 @@ def _secagg_section(features, names, partition: str, clients: int, rounds: int, 
     for m in names:
         res = {}
         for secure in (False, True):
-            cfg = dataclasses.replace(
-                common.cfg(features, head=m, partition=pname, partition_params=pparams, secure_aggregation=secure),
+            cfg = common.cfg(
+                features,
+                head=m,
+                partition=pname,
+                partition_params=pparams,
+                secure_aggregation=secure,
                 clients=clients,
-                rounds=rounds,
                 seeds=[common.seeds[0]],
+                **({} if is_closed_form(m) else {"rounds": rounds}),
             )
             res[secure] = _secagg_run(cfg, common.out / "secagg" / f"{m}-{'secure' if secure else 'plain'}")
         (_, rp, wp), (_, rs, ws) = res[False], res[True]

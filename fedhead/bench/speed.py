@@ -401,8 +401,8 @@ def scratch_speed(cfg: dict) -> dict:
 
         return run
 
-    kinds = {"engine": ("vmap", None), "loop": ("loop", None)}
-    kinds.update({f"net_{net}": ("vmap", net) for net in (cfg.get("nets") or ()) if has_net})
+    kinds = {"engine": ("vectorized", None), "loop": ("loop", None)}
+    kinds.update({f"net_{net}": ("vectorized", net) for net in (cfg.get("nets") or ()) if has_net})
     variants = {k: runner(*v) for k, v in kinds.items()}
     for v in kinds.values():  # warm-up: one step per member
         runner(*v, short=True)()

@@ -115,7 +115,7 @@ def build_federation(store: Features, cfg: TrainConfig, seed: int, partition: st
         C,
         dataset=noise_dataset_name(store, cfg),
         seed=seed,
-        asym_rule=cfg.asym_rule,
+        asym_rule=cfg.asym_map,
     )
     labels = store.train_y.copy()
     for p, yl in zip(parts, noisy):

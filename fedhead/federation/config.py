@@ -1,119 +1,161 @@
-"""The trainer's configuration: one dataclass, a comment per field, recipes resolved once."""
+"""The trainer's configuration, :class:`TrainConfig`: the dataclass of the experiment table
+(:mod:`fedhead.federation.experiment`), its resolution (recipes, declared constraints, the rule for fields that do
+not apply) and the TOML experiment file.
+
+``TrainConfig`` is made from :data:`~fedhead.federation.experiment.FIELDS`: one dataclass field per table field, with
+the table's default, so nothing here restates a field. The parameters of the heads and partitions are flat fields
+(``TrainConfig(partition="dirichlet", alpha=0.1)``); the ``partition_params`` / ``head_params`` dictionaries of
+earlier versions still work as keywords (merged into the flat fields, the dictionary's value winning) and as
+read-only views. Parameters of a plugin's head or partition (not in the table) live in ``plugin_params``.
+"""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import difflib
 import hashlib
+import inspect
 import json
-from dataclasses import dataclass, field
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Optional
 
-from fedhead.core.aggregate import aggregator_names
+import tomli_w
+
 from fedhead.core.dp import validate_dp
-from fedhead.core.engine import BACKENDS
-from fedhead.infra.errors import FedheadError, Interval, OneOf, validate
+from fedhead.core.heads import HEADS
+from fedhead.core.partitions import PARTITIONS
+from fedhead.federation.experiment import (
+    DEPRECATED_KEYWORDS,
+    FIELD_LIST,
+    FIELDS,
+    GROUPS,
+    LOCAL_EPOCHS,
+    PAPER_SEEDS,
+    RECIPES,
+    SECURE_MIN_CLIENTS,
+    applies,
+    check_given,
+    check_value,
+    is_given,
+    only_applicable,
+    parse_pair,
+    parse_seeds,
+)
+from fedhead.infra.errors import FedheadError
 
-PAPER_SEEDS = (0, 42, 777, 1337, 15254)
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
-# Recipes fill every field left as None. "paper" is SPEC section 1 to the letter (for reproduction);
-# "default" is the one that measured robust across heads, partitions and class counts (see README,
-# "Choosing the default recipe", for the ablation behind it).
-RECIPES: dict[str, dict] = {
-    "paper": dict(
-        head="ova2",
-        optimizer="adamw",
-        lr=0.01,
-        weight_decay=1e-4,
-        momentum=0.9,
-        aggregate="fedavg",
-        center=False,
-        scale="none",
-    ),
-    "default": dict(
-        head="ova2",
-        optimizer="sgd",
-        lr=0.01,
-        weight_decay=1e-4,
-        momentum=0.9,
-        aggregate="fedavg",
-        center=True,
-        scale="none",
-    ),
-}
-# "fast": the default recipe from a closed-form start, softmax head, 30 local steps a round whatever a client's
-# size: Fed3R+FT (README "Baselines", measured by `fedhead bench baselines`); an explicit --head keeps the ridge
-# start, a closed-form head ignores it; an explicit --local-epochs replaces the 30 steps.
-RECIPES["fast"] = dict(RECIPES["default"], head="softmax", init="ridge", local_steps=30)
-SECURE_MIN_CLIENTS = 3  # fewest clients per round --secure-aggregation accepts (config check)
-LOCAL_EPOCHS = 3  # when neither --local-epochs nor --local-steps (nor a recipe) says
+__all__ = [
+    "TrainConfig",
+    "RECIPES",
+    "PAPER_SEEDS",
+    "LOCAL_EPOCHS",
+    "SECURE_MIN_CLIENTS",
+    "applicable",
+    "load_experiment",
+    "experiment_toml",
+]
 
 
-@dataclass
-class TrainConfig:
-    features: str  # path of the HDF5 feature store
-    head: str | None = None  # softmax | ova | ova2 | fedabc | fedrs | fedlc | ncm | ridge | cof | lda
-    # [recipe: ova2; fast: softmax]
-    partition: str = "iid"  # iid | shard | dirichlet | bernoulli-dirichlet | zipf | kmeans
-    partition_params: dict = field(default_factory=dict)  # alpha, p, shards_per_client, ... (None = default)
-    head_params: dict = field(default_factory=dict)  # stage1_rounds, positive_keep, fedabc_margins, ...
-    clients: int = 100  # number of simulated clients K
-    rounds: int = 50  # communication rounds
-    local_epochs: int | None = None  # local epochs per round [3]
-    local_steps: int | None = None  # local steps (batches) per round instead of epochs [fast: 30]
-    batch_size: int = 50  # local batch size
-    recipe: str = "default"  # default | paper | fast: fills the None fields (head, optimizer, ...)
-    optimizer: str | None = None  # adamw | sgd (fresh state per client per round)
-    lr: float | None = None  # local learning rate
-    weight_decay: float | None = None  # decoupled (AdamW) or L2 (SGD) weight decay
-    momentum: float | None = None  # SGD momentum
-    aggregate: str | None = None  # fedavg (size-weighted, whole head) | grouped (per-row, FedOVA style)
-    # | a registered fedhead.Aggregator
-    center: bool | None = None  # subtract the federated mean feature (one extra exchange in round 1)
-    scale: str | None = None  # none | rms: divide by the federated RMS feature norm
-    participation: float = 1.0  # fraction of clients per round, sampled by (seed, round)
-    noise: str = "none"  # none | symmetric | asymmetric (per client, test labels clean)
-    noise_rate: float = 0.0  # flip rate r in [0, 1)
-    asym_rule: str = "auto"  # auto (dataset's map) | cyclic (y -> y+1 mod C)
-    noise_dataset: str | None = None  # dataset name for the asymmetric map (default: the store's)
-    seeds: list = field(default_factory=lambda: [0])  # each seed runs separately; mean +- std reported
-    iid_reference: bool = False  # also run IID with everything else equal -> ratio_to_iid
-    backend: str = "vectorized"  # vectorized | loop (per-client torch.optim, for checking)
-    block_clients: int | None = None  # clients trained at once (default: from a memory budget)
-    memory_budget_mb: float = 1536.0  # budget for the client-stacked tensors of one block
-    device: str = "auto"  # auto | cpu | cuda
-    eval_every: int = 1  # evaluate the global head every n rounds (and the last)
-    # -- closed-form start, classic baselines, the ceiling (README "Baselines"; SPEC section 8)
-    init: str | None = None  # ncm | ridge | cof | lda: round 1 exchanges statistics, solves the head
-    init_scale: float | None = None  # temperature the solved head is multiplied by [measured, per head]
-    central_reference: bool = False  # also train the head centrally on the pooled data -> ratio_to_central
-    prox_mu: float = 0.0  # FedProx proximal term mu (0 = FedAvg)
-    scaffold: bool = False  # SCAFFOLD control variates (option II)
-    server_opt: str = "fedavg"  # fedavg | fedavgm | fedadam | fedyogi | fedadagrad
-    server_lr: float | None = None  # server learning rate [Flower's default for server_opt]
-    server_momentum: float | None = None  # fedavgm momentum [Flower's default]
-    server_betas: tuple | None = None  # fedadam / fedyogi (beta1, beta2) [Flower's defaults]
-    server_tau: float | None = None  # adaptivity tau [Flower's default]
-    calibrate: str = "none"  # none | ccvr: calibrate the head on virtual features after the last round
-    ccvr_samples: int = 200  # ccvr: virtual features per class
-    # -- differential privacy (README "Differential privacy"; fedhead.core.dp): on when dp_noise_multiplier is given
-    dp_noise_multiplier: float | None = None  # z: Gaussian noise std = z x the L2 sensitivity (0: clipping only)
-    dp_clip: float | None = None  # S: client update L2 clip (iterative head, DP-FedAvg) or per-sample
-    # feature-norm clip (closed-form head)
-    dp_delta: float | None = None  # delta of the (epsilon, delta) the accountant reports
-    dp_feature_clip: float | None = None  # iterative head: per-sample feature-norm clip of its statistics
-    # (--center / --scale rms sums, --init statistics)
-    # -- secure aggregation (Flower only; README "Secure aggregation"; fedhead.flower.secure)
-    secure_aggregation: bool = False  # the server learns only sums over clients (Flower's SecAgg+)
+def _declared_by_partition(name: str) -> bool:
+    return any(p.name == name for spec in PARTITIONS.values() for p in spec.params)
+
+
+class _Config:
+    """The behaviour of :class:`TrainConfig` (its fields come from the experiment table)."""
+
+    def __init__(self, *args, partition_params: dict | None = None, head_params: dict | None = None, **kw):
+        names = [f.name for f in dataclasses.fields(self)]
+        if len(args) > len(names):
+            raise TypeError(f"TrainConfig() takes at most {len(names)} positional arguments ({len(args)} given)")
+        for name, value in zip(names, args):
+            if name in kw:
+                raise TypeError(f"TrainConfig() got multiple values for argument {name!r}")
+            kw[name] = value
+        for old, new in DEPRECATED_KEYWORDS.items():
+            if old in kw:
+                warnings.warn(f"TrainConfig({old}=...) is deprecated; use {new}=", DeprecationWarning, stacklevel=2)
+                if new in kw:
+                    raise TypeError(f"TrainConfig() got both {old!r} and its new name {new!r}")
+                kw[new] = kw.pop(old)
+        unknown = [k for k in kw if k not in names]
+        if unknown:
+            raise TypeError(f"TrainConfig() got an unexpected keyword argument {unknown[0]!r}")
+        for f in dataclasses.fields(self):
+            if f.name in kw:
+                value = kw[f.name]
+            elif f.default is not dataclasses.MISSING:
+                value = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                value = f.default_factory()
+            else:
+                raise TypeError(f"TrainConfig() missing required argument: {f.name!r}")
+            setattr(self, f.name, value)
+        self.plugin_params = dict(self.plugin_params or {})
+        for group in (partition_params, head_params):
+            self._merge(group or {})
+
+    def _merge(self, params: dict) -> None:
+        """Head or partition parameters by name: a table field, else a plugin's parameter."""
+        for k, v in params.items():
+            if k in FIELDS and FIELDS[k].kind:
+                setattr(self, k, v)
+            else:
+                self.plugin_params[k] = v
+
+    def _group(self, kind: str) -> dict:
+        out = {
+            f.name: getattr(self, f.name) for f in FIELD_LIST if f.kind == kind and getattr(self, f.name) is not None
+        }
+        for k, v in self.plugin_params.items():
+            if (kind == "partition") == _declared_by_partition(k) and v is not None:
+                out[k] = v
+        return out
+
+    def _set_group(self, kind: str, params: dict) -> None:
+        for f in FIELD_LIST:
+            if f.kind == kind:
+                setattr(self, f.name, None)
+        self.plugin_params = {
+            k: v for k, v in self.plugin_params.items() if (kind == "partition") != _declared_by_partition(k)
+        }
+        self._merge(dict(params or {}))
+
+    @property
+    def partition_params(self) -> dict:
+        """The partition parameters given (alpha, p, shards_per_client, ...; None = the partition's default)."""
+        return self._group("partition")
+
+    @partition_params.setter
+    def partition_params(self, params: dict) -> None:
+        self._set_group("partition", params)
+
+    @property
+    def head_params(self) -> dict:
+        """The head parameters given (stage1_rounds, fedlc_tau, ridge_lambda, ...; None = the head's default)."""
+        return self._group("head")
+
+    @head_params.setter
+    def head_params(self, params: dict) -> None:
+        self._set_group("head", params)
+
+    # ------------------------------------------------------------ resolution
 
     def resolved(self) -> "TrainConfig":
-        """A copy with the recipe applied to every field left as None, validated."""
-        validate("--recipe", self.recipe, OneOf(tuple(RECIPES)))
-        c = dataclasses.replace(
-            self,
-            seeds=[int(s) for s in self.seeds],
-            partition_params=dict(self.partition_params),
-            head_params=dict(self.head_params),
-        )
-        if self.local_epochs is not None and self.local_steps is not None:
+        """A copy with the recipe applied to every field left as None, validated against the declared constraints,
+        and checked by the one rule for fields that do not apply (:func:`~fedhead.federation.experiment.check_given`)."""
+        check_value(FIELDS["recipe"], self.recipe)
+        seeds = self.seeds if isinstance(self.seeds, (list, tuple)) else [self.seeds]
+        if not seeds:
+            raise FedheadError("The '--seeds' parameter needs at least one value. Got [] instead.")
+        c = dataclasses.replace(self, seeds=[_int(s, "--seeds") for s in seeds], plugin_params=dict(self.plugin_params))
+        if is_given(FIELDS["local_epochs"], self.local_epochs, self.recipe) and self.local_steps is not None:
             raise FedheadError(
                 f"The '--local-steps' parameter ({self.local_steps}) and '--local-epochs' "
                 f"({self.local_epochs}) both set the local work of a round. Give one of them."
@@ -123,53 +165,15 @@ class TrainConfig:
                 setattr(c, k, v)
         if c.local_epochs is None:
             c.local_epochs = LOCAL_EPOCHS
-        validate("--clients", c.clients, Interval(1, None, integer=True))
-        validate("--rounds", c.rounds, Interval(1, None, integer=True))
-        validate("--local-epochs", c.local_epochs, Interval(1, None, integer=True))
-        if c.local_steps is not None:
-            validate("--local-steps", c.local_steps, Interval(1, None, integer=True))
-        validate("--batch-size", c.batch_size, Interval(1, None, integer=True))
-        validate("--lr", c.lr, Interval(0, None, closed="neither"))
-        validate("--weight-decay", c.weight_decay, Interval(0, None))
-        validate("--momentum", c.momentum, Interval(0, 1, closed="left"))
-        validate(
-            "--participation",
-            c.participation,
-            Interval(0, 1, closed="right"),
-            "Use a fraction of clients per round in (0, 1], e.g. 0.1.",
-        )
-        validate("--noise-rate", c.noise_rate, Interval(0, 1, closed="left"))
-
-        validate("--aggregate", c.aggregate, OneOf(tuple(aggregator_names())))
-        validate("--scale", c.scale, OneOf(("none", "rms")))
-        validate("--eval-every", c.eval_every, Interval(1, None, integer=True))
-        validate("--prox-mu", c.prox_mu, Interval(0, None))
-        validate("--calibrate", c.calibrate, OneOf(("none", "ccvr")))
-        validate("--ccvr-samples", c.ccvr_samples, Interval(1, None, integer=True))
-        validate("--backend", c.backend, OneOf(BACKENDS))
-        if c.block_clients is not None:
-            validate(
-                "--block-clients",
-                c.block_clients,
-                Interval(1, None, integer=True),
-                "Leave it out to size the blocks from --memory-budget-mb.",
-            )
-        if c.init_scale is not None:
-            validate("--init-scale", c.init_scale, Interval(0, None, closed="neither"))
+        for f in FIELD_LIST:
+            check_value(f, getattr(c, f.name), cfg=c)
         if c.server_betas is not None:
-            c.server_betas = tuple(float(b) for b in c.server_betas)
-        if not c.seeds:
-            raise FedheadError("The '--seed' parameter needs at least one value. Got [] instead.")
-        for s in c.seeds:
-            validate("--seed", s, Interval(0, None, integer=True))
+            c.server_betas = parse_pair(c.server_betas)
         if c.noise != "none" and c.noise_rate == 0:
             raise FedheadError(f"The '--noise-rate' parameter must be > 0 with --noise {c.noise}. Got 0.0 instead.")
-
         validate_dp(c)  # DP options, and the rule: DP-FedAvg replaces fedavg (aggregate = dp-fedavg)
         if c.secure_aggregation:
-            m = max(
-                1, int(round(c.participation * c.clients))
-            )  # clients per round (fedhead.federation.train.sample_clients)
+            m = max(1, int(round(c.participation * c.clients)))  # clients per round (federation.train.sample_clients)
             if m < SECURE_MIN_CLIENTS:
                 raise FedheadError(
                     f"The '--secure-aggregation' option needs at least {SECURE_MIN_CLIENTS} clients per "
@@ -178,14 +182,39 @@ class TrainConfig:
                     f"{c.participation:g} ({m} per round) instead. Raise --clients or --participation, "
                     "or drop --secure-aggregation."
                 )
+        check_given(self, c)
         return c
 
+    def recipe_view(self) -> "TrainConfig":
+        """A copy with the recipe's values filled in, nothing validated: what the run is about to be (its head),
+        for deciding which options apply (:func:`applicable`)."""
+        c = copy.copy(self)
+        recipe = RECIPES.get(self.recipe, RECIPES["default"])
+        for k, v in recipe.items():
+            if getattr(c, k) is None:
+                setattr(c, k, v)
+        return c
+
+    # ------------------------------------------------------------ records
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every field, the head and partition parameters grouped as ``head_params`` / ``partition_params``
+        (given ones only): the ``config`` record of config.json and what Flower sends its nodes."""
+        d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in FIELD_LIST if not f.kind}
+        d["partition_params"] = copy.deepcopy(self.partition_params)
+        d["head_params"] = copy.deepcopy(self.head_params)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """The inverse of :meth:`to_dict` (unknown keys, e.g. from a newer fedhead, are left out)."""
+        names = {f.name for f in dataclasses.fields(cls)} | {"partition_params", "head_params"}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
     def identity(self) -> str:
         """Hash of everything that determines the results (for --resume checks)."""
         d = self.to_dict()
+        d["asym_rule"] = d.pop("asym_map")  # the field's name before the rename: earlier runs keep their identity
         for k in ("device", "block_clients", "memory_budget_mb"):
             d.pop(k, None)
         if not d.get("secure_aggregation"):
@@ -194,3 +223,228 @@ class TrainConfig:
             if d.get(k) is None:
                 d.pop(k, None)  # runs without DP keep the identity they had before it
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    # ------------------------------------------------------------ the experiment file
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides) -> "TrainConfig":
+        """The experiment in the TOML file ``path``, with ``overrides`` (field -> value) on top."""
+        return cls(**{**load_experiment(path), **overrides})
+
+    def to_toml(self) -> str:
+        return experiment_toml(self)
+
+
+def _int(v: Any, param: str) -> int:
+    """A seed as an int ("3", 3 and 3.0 are 3), or the one-line error."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if isinstance(v, str):
+        try:
+            return int(v)
+        except ValueError:
+            pass
+    raise FedheadError(f"The '{param}' parameter must be integers >= 0. Got {v!r} instead.")
+
+
+def _annotation(f) -> Any:
+    t = f.type
+    return t if f.required or f.default is not None else Optional[t]
+
+
+def _dataclass_field(f) -> dataclasses.Field:
+    meta = {"experiment": f}
+    if f.required:
+        return dataclasses.field(metadata=meta)
+    if isinstance(f.default, (list, dict)):
+        return dataclasses.field(default_factory=lambda d=f.default: copy.deepcopy(d), metadata=meta)
+    return dataclasses.field(default=f.default, metadata=meta)
+
+
+TrainConfig = dataclasses.make_dataclass(
+    "TrainConfig",
+    [(f.name, _annotation(f), _dataclass_field(f)) for f in FIELD_LIST]
+    + [("plugin_params", dict, dataclasses.field(default_factory=dict))],
+    bases=(_Config,),
+    init=False,
+    namespace={
+        "__module__": __name__,
+        "__doc__": "A training run: one field per entry of fedhead.federation.experiment.FIELDS (name, type, "
+        "default, help), plus plugin_params (parameters of plugins' heads and partitions). "
+        "TrainConfig(features=..., head=..., ...); resolved() fills the recipe and validates.",
+    },
+)
+
+
+def _signature(cls) -> inspect.Signature:
+    """What help() and editors show for ``TrainConfig(...)``: the fields with their defaults, then the dicts of
+    earlier versions."""
+    params = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = inspect.Parameter.empty
+        params.append(
+            inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=f.type)
+        )
+    old = [
+        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in ("partition_params", "head_params")
+    ]
+    return inspect.Signature(params + old)
+
+
+TrainConfig.__signature__ = _signature(TrainConfig)
+
+
+def applicable(kw: dict) -> dict:
+    """The keyword arguments of ``TrainConfig(**kw)`` that apply to the run they describe (e.g. no ``rounds`` for a
+    closed-form head): how a caller that sets the same options for many runs (a bench grid, a test helper) passes
+    each run only what applies to it."""
+    view = TrainConfig(**kw).recipe_view()
+    return only_applicable(kw, view)
+
+
+# ---------------------------------------------------------------- the TOML experiment file
+
+
+def _toml_type_error(key: str, where: str, want: str, value: Any) -> FedheadError:
+    return FedheadError(f"The '{key}' key in {where} must be {want}. Got {value!r} instead.")
+
+
+def _typed(f, value: Any, where: str) -> Any:
+    """A TOML value as the field's type (one line naming the key if it is not)."""
+    key = f.name
+    if f.type is bool:
+        if not isinstance(value, bool):
+            raise _toml_type_error(key, where, "true or false", value)
+        return value
+    if f.type is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _toml_type_error(key, where, "an integer", value)
+        return value
+    if f.type is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _toml_type_error(key, where, "a number", value)
+        return float(value)
+    if f.type is list:  # seeds
+        if isinstance(value, bool) or not isinstance(value, (int, str, list)):
+            raise _toml_type_error(key, where, "a list of integers, e.g. [0, 42]", value)
+        return parse_seeds(value, key)
+    if f.type is tuple:  # server_betas
+        pair = parse_pair(value)
+        if pair is None:
+            raise _toml_type_error(key, where, "two numbers, e.g. [0.9, 0.99]", value)
+        return pair
+    if f.name == "fedabc_margins" and isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    if not isinstance(value, str):
+        raise _toml_type_error(key, where, "a string", value)
+    return value
+
+
+_NOT_FIELDS = {
+    "out": "give --out on the command line (the file describes the experiment, not where it is written)",
+    "resume": "give --resume on the command line",
+    "head_params": "write each parameter as its own key, e.g. stage1_rounds = 2 (a plugin's go in [plugin_params])",
+    "partition_params": "write each parameter as its own key, e.g. alpha = 0.1",
+}
+
+
+def load_experiment(path: str | Path) -> dict:
+    """The fields of the experiment file ``path`` (TOML, keys = TrainConfig's field names), each checked against
+    its type and declared constraint: a bad key or value is one line naming the key."""
+    p = Path(path)
+    where = repr(str(path))
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise FedheadError(
+            f"The '--config' parameter names {where}, which does not exist. Give an experiment file "
+            "(fedhead train --print-config writes one)."
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FedheadError(f"The '--config' parameter names {where}, which cannot be read ({exc}).") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise FedheadError(f"The '--config' parameter names {where}, which is not valid TOML ({exc}).") from None
+    out: dict = {}
+    # the head / partition the file chooses: a parameter declared differently by several is checked against its own
+    owners = SimpleNamespace(
+        partition=data.get("partition", FIELDS["partition"].default), head=data.get("head"), init=data.get("init")
+    )
+    for key, value in data.items():
+        new = DEPRECATED_KEYWORDS.get(key)
+        if new is not None:
+            raise FedheadError(f"The '{key}' key in {where} was renamed. Got {key} = {value!r}. Write {new} instead.")
+        if key == "plugin_params":
+            if not isinstance(value, dict):
+                raise _toml_type_error(key, where, "a table, e.g. [plugin_params] smoothing = 0.1", value)
+            out[key] = dict(value)
+            continue
+        f = FIELDS.get(key)
+        if f is None:
+            if key in _NOT_FIELDS:
+                raise FedheadError(
+                    f"The '{key}' key in {where} is not an experiment field. Got {value!r}. "
+                    f"{_NOT_FIELDS[key][:1].upper()}{_NOT_FIELDS[key][1:]}."
+                )
+            close = difflib.get_close_matches(key, list(FIELDS), n=1)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            raise FedheadError(
+                f"The '{key}' key in {where} is not an experiment field.{hint} "
+                "(fedhead train --print-config shows them all.)"
+            )
+        value = _typed(f, value, where)
+        try:
+            check_value(f, value, param=key, cfg=owners)
+        except FedheadError as exc:
+            raise FedheadError(str(exc).replace(f"The '{key}' parameter", f"The '{key}' key in {where}", 1)) from None
+        out[key] = value
+    return out
+
+
+def _toml_value(v: Any) -> str:
+    """One TOML value (arrays inline)."""
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return tomli_w.dumps({"x": v}).split("=", 1)[1].strip()
+
+
+def experiment_toml(cfg, title: str = "fedhead experiment") -> str:
+    """``cfg`` as an experiment file: every field with a value that applies to the run, by help panel (a field
+    left unset, or that does not apply, is left out; a head's or partition's own defaults are shown as comments).
+    ``fedhead train --config FILE`` runs it again."""
+    lines = [
+        f"# {title}: fedhead train --config FILE runs it (flags given with it override its values).",
+        "# Keys are TrainConfig's fields; the flag of a key is --key with '-' for '_'. Unset keys are left out.",
+    ]
+    local_steps = getattr(cfg, "local_steps", None)
+    view = cfg.recipe_view()
+    for group in GROUPS:
+        body = []
+        for f in FIELD_LIST:
+            if f.group != group or not applies(f, view):
+                continue  # a field that does not apply is left out (resolution gives it the same value again)
+            v = getattr(cfg, f.name)
+            if f.name == "local_epochs" and local_steps is not None:
+                continue  # local steps replace epochs (resolution fills epochs in anyway)
+            if v is None:
+                if f.kind == "head" and cfg.head in HEADS:
+                    spec = {p.name: p for p in HEADS[cfg.head].params}
+                    if f.name in spec:
+                        body.append(f"# {f.name} = {_toml_value(spec[f.name].default)}  ({cfg.head}'s default)")
+                elif f.kind == "partition" and cfg.partition in PARTITIONS:
+                    spec = {p.name: p for p in PARTITIONS[cfg.partition].params}
+                    if f.name in spec:
+                        body.append(f"# {f.name} = {_toml_value(spec[f.name].default)}  ({cfg.partition}'s default)")
+                continue
+            body.append(f"{f.name} = {_toml_value(v)}")
+        if body:
+            lines += ["", f"# -- {group}", *body]
+    if cfg.plugin_params:
+        lines += ["", "[plugin_params]"] + [f"{k} = {_toml_value(v)}" for k, v in cfg.plugin_params.items()]
+    return "\n".join(lines) + "\n"

@@ -1,6 +1,7 @@
 """The run directory every training command writes (names fixed: later tools read them), and its life cycle.
 
 ``config.json``     the full resolved configuration, the store's metadata, the fedhead version, the run's identity
+``config.toml``     the resolved experiment as an experiment file: ``fedhead train --config RUN/config.toml`` repeats it
 ``rounds.csv``      one row per (seed, round): ROUND_FIELDS, then any extra columns
 ``summary.json``    final/best accuracy, Acc@95, ratio to IID, mean and std over seeds, wall seconds
 ``clients.csv``     client id, size, number of classes, per-class counts (compact ``class:count`` form)
@@ -50,6 +51,15 @@ ROUND_FIELDS = [
 def default_run_dir(root: str | Path, *parts: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path(root) / "-".join([stamp, *[p for p in parts if p]])
+
+
+def write_experiment(run_dir: str | Path, cfg) -> Path:
+    """``config.toml``: the run's resolved experiment (a :class:`fedhead.federation.config.TrainConfig`) as an
+    experiment file, so that ``fedhead train --config RUN_DIR/config.toml`` repeats the run (its feature store path
+    as the run was given it, relative to the working directory it ran in)."""
+    path = Path(run_dir) / "config.toml"
+    atomic_write_text(path, cfg.to_toml())
+    return path
 
 
 def write_csv(path: str | Path, rows: Sequence[dict], fields: Sequence[str] | None = None) -> None:

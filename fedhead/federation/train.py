@@ -21,7 +21,7 @@ from fedhead.federation.config import RECIPES, TrainConfig
 from fedhead.federation.inprocess import InProcessTransport
 from fedhead.federation.job import HeadJob
 from fedhead.federation.loop import PAUSE_ENV, run_job, writing
-from fedhead.federation.rundir import CHECKPOINT, RunDir, default_run_dir
+from fedhead.federation.rundir import CHECKPOINT, RunDir, default_run_dir, write_experiment
 from fedhead.federation.server import server_opt_config
 from fedhead.infra.devices import resolve_device, set_cpu_threads
 from fedhead.infra.errors import FedheadError, unknown_name
@@ -78,7 +78,7 @@ def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:
             store.info.num_classes,
             dataset=noise_dataset_name(store, cfg),
             seed=0,
-            asym_rule=cfg.asym_rule,
+            asym_rule=cfg.asym_map,
         )
     return cfg
 
@@ -207,6 +207,7 @@ def run_training(
             threads = set_cpu_threads(opened.previous.get("cpu_threads") if opened.kind != "fresh" else None)
         with writing(run, run_dir / "config.json"):
             run.prepare({**run_record(cfg, store, device), "cpu_threads": threads}, opened)
+            write_experiment(run_dir, cfg)  # config.toml: fedhead train --config RUN/config.toml repeats the run
         job = HeadJob(cfg, store, InProcessTransport(cfg, store, device, central_cache))
         summary, rows = run_job(job, run, opened, progress=progress)
     return RunResult(run_dir, summary, rows)

@@ -59,6 +59,7 @@ from fedhead.core.partitions import class_counts  # noqa: E402
 from fedhead.federation.clients import FeatureStats, build_federation, ccvr_client_stats, noise_dataset_name, prepare  # noqa: E402
 from fedhead.flower.common import (
     MESSAGE_PREFIX,
+    canonical_run_config,
     check_fingerprint,
     client_stats_record,
     config_from_json,
@@ -157,7 +158,8 @@ def node_settings(
     store = nc.get("feature-store") or context.run_config.get("client-feature-store") or default_store
     if not store and nc.get("num-partitions", "") != "":
         # Flower's simulation: every virtual node slices the one shared store the server also uses
-        store = context.run_config.get("feature-store", "")
+        rc = canonical_run_config(dict(context.run_config))
+        store = rc.get("features", "")
     if not store:
         raise FedheadError(
             "This SuperNode has no feature store. Start it with --node-config "
@@ -178,7 +180,7 @@ def node_settings(
         ) from None
     state_dir = nc.get("state-dir") or None
     if state_dir is None and not nc.get("feature-store"):  # simulation: the nodes share the server's machine
-        run_dir = context.run_config.get("run-dir")
+        run_dir = canonical_run_config(dict(context.run_config)).get("out")
         state_dir = str(Path(str(run_dir)) / NODE_STATE) if run_dir else default_state_dir
     return NodeSettings(
         str(store), pid, nparts, str(nc.get("device", "auto")), None if state_dir is None else str(state_dir)
@@ -221,7 +223,7 @@ def local_data(ns: NodeSettings, cfg, seed: int) -> LocalData:
             C,
             dataset=noise_dataset_name(store, cfg),
             seed=seed,
-            asym_rule=cfg.asym_rule,
+            asym_rule=cfg.asym_map,
         )
         labels = noisy[ns.pid]
         counts = class_counts(parts, labels, C)

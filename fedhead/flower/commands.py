@@ -7,8 +7,6 @@ calls :func:`fedhead.flower.common.require_flower` first.
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import os
 import shutil
 import signal
@@ -23,178 +21,35 @@ import typer
 
 from extract.store import load_store, open_store
 from fedhead.core.synthetic import validate_synthetic, write_synthetic
-from fedhead.federation.config import TrainConfig
+from fedhead.federation.config import TrainConfig, applicable
 from fedhead.federation.train import head_run_dir, labels_store, run_training, validate_config
-from fedhead.flower.common import RUN_CONFIG_FIELDS, require_flower
+from fedhead.flower.common import require_flower, run_config_values
 from fedhead.infra.console import stdout_console
 from fedhead.infra.errors import FedheadError, Interval, validate
 from fedhead.infra.exits import cli_errors
 from fedhead.infra.files import atomic_write_json, check_out
 from fedhead.infra.locks import exclusive_writer
 from fedhead.infra.signals import Interrupted, signals_flag
-from fedhead.interface.options import METHOD_OPTIONS, method_fields
+from fedhead.interface.options import ExperimentArgs, resolved_toml, with_experiment_options
 from fedhead.interface.tables import SUMMARY_COLUMNS, results_table
 
 # ---------------------------------------------------------------- the options of `fedhead train`
 
-_O = typer.Option
-TRAIN_OPTIONS = [
-    (
-        "features",
-        Path,
-        _O(
-            ...,
-            "--features",
-            help="HDF5 feature store (the server's: central evaluation; in "
-            "simulation also the store every virtual client slices).",
-        ),
-    ),
-    (
-        "head",
-        Optional[str],
-        _O(
-            None,
-            help="softmax | ova | ova2 | fedabc | fedrs | fedlc; closed form: ncm | ridge | cof | "
-            "lda [recipe: ova2; fast: softmax]",
-        ),
-    ),
-    ("partition", str, _O("iid", help="iid | shard | dirichlet | bernoulli-dirichlet | zipf | kmeans")),
-    ("shards_per_client", Optional[int], _O(None, help="shard: shards (labels) per client [2]")),
-    (
-        "distinct_labels",
-        Optional[bool],
-        _O(None, "--distinct-labels/--no-distinct-labels", help="shard: force s different labels per client"),
-    ),
-    ("alpha", Optional[float], _O(None, help="dirichlet [0.5] / bernoulli-dirichlet [10] concentration")),
-    ("p", Optional[float], _O(None, "--p", help="bernoulli-dirichlet: class inclusion probability [0.7]")),
-    ("zipf_s", Optional[float], _O(None, help="zipf: size exponent [1.0]")),
-    ("min_size", Optional[int], _O(None, help="dirichlet [10] / zipf [1]: minimum client size")),
-    ("clients", int, _O(100, help="number of clients (= virtual or real SuperNodes)")),
-    ("rounds", int, _O(50, help="communication rounds")),
-    ("local_epochs", Optional[int], _O(None, help="local epochs per round [3; fast recipe: --local-steps 30]")),
-    ("batch_size", int, _O(50, help="local batch size")),
-    ("recipe", str, _O("default", help="default (robust, measured) | paper (SPEC to the letter)")),
-    ("optimizer", Optional[str], _O(None, help="adamw | sgd [recipe]")),
-    ("lr", Optional[float], _O(None, help="local learning rate [recipe]")),
-    ("weight_decay", Optional[float], _O(None, help="weight decay [recipe]")),
-    ("momentum", Optional[float], _O(None, help="SGD momentum [recipe]")),
-    ("aggregate", Optional[str], _O(None, help="fedavg | grouped [recipe]")),
-    ("center", Optional[bool], _O(None, "--center/--no-center", help="federated feature centering [recipe]")),
-    ("scale", Optional[str], _O(None, help="none | rms feature scaling [recipe]")),
-    ("stage1_rounds", Optional[int], _O(None, help="ova2: rounds of positive-only stage 1 [1]")),
-    ("positive_keep", Optional[float], _O(None, help="ova2: keep probability of positive terms [1.0]")),
-    ("fedabc_margins", Optional[str], _O(None, help="fedabc: mp,mn,mnn [0.85,0.2,0.3]")),
-    ("focal_gamma", Optional[float], _O(None, help="fedabc: focal gamma [2]")),
-    ("fedrs_alpha", Optional[float], _O(None, help="fedrs: absent-class logit scale [0.5]")),
-    ("participation", float, _O(1.0, help="fraction of clients per round (fedhead's seeded sampling)")),
-    ("noise", str, _O("none", help="none | symmetric | asymmetric")),
-    ("noise_rate", float, _O(0.0, help="label flip rate in [0, 1)")),
-    ("asym_map", str, _O("auto", help="asymmetric map: auto (dataset's) | cyclic (y -> y+1 mod C)")),
-    ("seed", List[int], _O([0], "--seed", help="seed; repeat for several")),
-    ("backend", str, _O("vectorized", help="vectorized | loop (local training backend)")),
-    ("device", str, _O("cpu", help="auto | cpu | cuda (server and simulated clients)")),
-    ("out", Optional[Path], _O(None, help="run directory [runs/<timestamp>-flower-<head>-<partition>]")),
-    ("resume", bool, _O(False, "--resume", help="continue an interrupted run in --out from its checkpoint")),
-    ("round_timeout", float, _O(600.0, help="seconds to wait for a round's replies (late nodes = failures)")),
-    (
-        "secure_aggregation",
-        bool,
-        _O(
-            False,
-            "--secure-aggregation",
-            help="Flower's SecAgg+: the server learns only sums over each round's clients "
-            "(head updates, feature and closed-form statistics; >= 3 clients a round)",
-        ),
-    ),
-]
-# the method options of every training command (closed-form heads, --init, FedProx, server optimisers, ...)
-TRAIN_OPTIONS += [(n, t, o) for n, (t, o) in METHOD_OPTIONS.items()]
-_TRAIN_NAMES = [n for n, _, _ in TRAIN_OPTIONS]
-
-
-def with_train_options(fn=None, *, skip: tuple = ()):
-    """Give a command the options of ``fedhead train`` (plus --out/--resume/--round-timeout) after its own."""
-    if fn is None:
-        return functools.partial(with_train_options, skip=skip)
-    own = [p for p in inspect.signature(fn).parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
-    opts = [(n, t, o) for n, t, o in TRAIN_OPTIONS if n not in skip]
-    extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=o, annotation=t) for n, t, o in opts]
-
-    @functools.wraps(fn)
-    def wrapper(**kw):
-        return fn(**kw)
-
-    wrapper.__signature__ = inspect.Signature([p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + extra)
-    wrapper.__annotations__ = {**{p.name: p.annotation for p in own}, **{n: t for n, t, _ in opts}}
-    del wrapper.__wrapped__
-    return wrapper
-
-
-def train_config(kw: dict) -> TrainConfig:
-    """The TrainConfig of ``fedhead train`` built from the shared options."""
-    if kw.get("features") is None:
-        raise FedheadError("The '--features' parameter is required. Got none. Name the server's feature store.")
-    method = method_fields({n: kw[n] for n in METHOD_OPTIONS if n in kw})
-    return TrainConfig(
-        features=str(kw["features"]),
-        head=kw["head"],
-        partition=kw["partition"],
-        partition_params={
-            k: kw[k]
-            for k in ("shards_per_client", "distinct_labels", "alpha", "p", "zipf_s", "min_size")
-            if kw.get(k) is not None
-        },
-        head_params={
-            **{
-                k: kw[k]
-                for k in ("stage1_rounds", "positive_keep", "fedabc_margins", "focal_gamma", "fedrs_alpha")
-                if kw.get(k) is not None
-            },
-            **method.pop("head_params"),
-        },
-        **method,
-        clients=kw["clients"],
-        rounds=kw["rounds"],
-        local_epochs=kw["local_epochs"],
-        batch_size=kw["batch_size"],
-        recipe=kw["recipe"],
-        optimizer=kw["optimizer"],
-        lr=kw["lr"],
-        weight_decay=kw["weight_decay"],
-        momentum=kw["momentum"],
-        aggregate=kw["aggregate"],
-        center=kw["center"],
-        scale=kw["scale"],
-        participation=kw["participation"],
-        noise=kw["noise"],
-        noise_rate=kw["noise_rate"],
-        asym_rule=kw["asym_map"],
-        seeds=list(kw["seed"]),
-        backend=kw["backend"],
-        device=kw["device"],
-        secure_aggregation=bool(kw.get("secure_aggregation", False)),
-    )
+# The training options of `fedhead flower simulate` and `superlink` are those of `fedhead train`
+# (fedhead.interface.options, from the experiment table); simulated clients run on the CPU unless told.
+FLOWER_DEFAULTS = {"device": ("cpu", "cpu")}
 
 
 def run_config_of(cfg: TrainConfig, out: Path, resume: bool, round_timeout: float, wait_timeout: float) -> dict:
     """The Flower run config (``[tool.flwr.app.config]`` keys) for a TrainConfig: what ``flwr run -c`` gets."""
-    import json
-
-    rc = {
-        "feature-store": str(Path(cfg.features).resolve()),
-        "run-dir": str(out.resolve()),
+    return {
+        **run_config_values(cfg),
+        "features": str(Path(cfg.features).resolve()),
+        "out": str(out.resolve()),
         "resume": resume,
         "round-timeout": float(round_timeout),
         "wait-timeout": float(wait_timeout),
-        "partition-params": json.dumps(cfg.partition_params),
-        "head-params": json.dumps(cfg.head_params),
-        "seeds": " ".join(str(s) for s in cfg.seeds),
     }
-    for key, field in RUN_CONFIG_FIELDS.items():
-        v = getattr(cfg, field)
-        if v is not None:
-            rc[key] = ",".join(str(b) for b in v) if field == "server_betas" else v
-    return rc
 
 
 # ---------------------------------------------------------------- simulation
@@ -308,21 +163,28 @@ def _print_summary(title: str, summary: dict) -> None:
 
 
 @cli_errors
-@with_train_options
+@with_experiment_options(defaults=FLOWER_DEFAULTS, run_options=("out", "resume", "round_timeout"), config=True)
 def simulate_cmd(
-    num_cpus: Optional[int] = typer.Option(None, help="CPUs Ray may use [all]"),
+    num_cpus: Optional[int] = typer.Option(None, help="CPUs Ray may use \\[default: all]"),
     client_cpus: float = typer.Option(1.0, help="CPUs per virtual client (Ray actor)"),
-    **kw,
+    *,
+    experiment: ExperimentArgs,
+    out: Optional[Path] = None,
+    resume: bool = False,
+    round_timeout: float = 600.0,
 ):
     """Run the same job as 'fedhead train' on Flower's simulation engine (one virtual SuperNode per client)."""
-    cfg = train_config(kw)
-    if kw["resume"] and kw["out"] is None:
+    cfg = experiment.train_config("flower")
+    if experiment.print_config:
+        typer.echo(resolved_toml(cfg), nl=False)
+        return
+    if resume and out is None:
         raise FedheadError("The '--resume' option needs --out naming the interrupted run's directory. Got none.")
-    out = Path(kw["out"] or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-flower-{cfg.resolved().head}-{cfg.partition}"))
+    out = Path(out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-flower-{cfg.resolved().head}-{cfg.partition}"))
     check_out(out, kind="dir")  # before the lock beside it (simulate checks everything else)
     with exclusive_writer(out, f"the run directory {str(out)!r}"):
         try:
-            res = simulate(cfg, out, kw["resume"], kw["round_timeout"], num_cpus, client_cpus)
+            res = simulate(cfg, out, resume, round_timeout, num_cpus, client_cpus)
         except Interrupted as exc:
             raise Interrupted(
                 exc.signum,
@@ -741,7 +603,12 @@ def submit_run(home: str, rc: dict, app_dir: Path | None = None, env: dict | Non
 
 
 @cli_errors
-@with_train_options(skip=("features",))
+@with_experiment_options(
+    exclude=("features",),
+    defaults=FLOWER_DEFAULTS,
+    run_options=("out", "resume", "round_timeout", "wait_timeout"),
+    config=True,
+)
 def superlink_cmd(
     host: str = typer.Option("0.0.0.0", help="address the SuperLink listens on (nodes and flwr run connect)"),
     port: int = typer.Option(9093, help="the SuperLink's HTTP port (Fleet, Control and ServerApp APIs)"),
@@ -758,20 +625,28 @@ def superlink_cmd(
         "ssh-keygen -t ecdsa -b 384 writes them; repeat or list several per file). Starts Flower's SuperLink "
         "with --enable-supernode-auth and registers each key with 'flwr supernode register'. Needs TLS",
     ),
-    database: Optional[str] = typer.Option(None, help="SuperLink state file [in memory]"),
+    database: Optional[str] = typer.Option(None, help="SuperLink state file \\[default: in memory]"),
     features: Optional[Path] = typer.Option(
         None,
         "--features",
-        help="the server's store: with it, also submit the training run "
+        help="the server's store: with it (or with features in --config), also submit the training run "
         "(same options as 'fedhead flower simulate') and stop when done",
     ),
-    wait_timeout: float = typer.Option(
-        300.0, help="seconds to wait for --clients SuperNodes to connect (then the run stops, naming how many did)"
-    ),
-    **kw,
+    *,
+    experiment: ExperimentArgs,
+    out: Optional[Path] = None,
+    resume: bool = False,
+    round_timeout: float = 600.0,
+    wait_timeout: float = 300.0,
 ):
     """Start a Flower SuperLink; with --features, also run the training job on the connected SuperNodes."""
     require_flower()
+    if features is None and experiment.config is not None:
+        features = experiment.fields().get("features")
+    if experiment.print_config:  # the training run it would submit, resolved; nothing starts
+        extra = {"features": str(features)} if features is not None else {}
+        typer.echo(resolved_toml(experiment.train_config("flower", **extra)), nl=False)
+        return
     # every file and option before any process starts
     client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # where fedhead reaches it
     connects = features is not None or bool(auth_public_keys)  # ... to submit or register
@@ -799,14 +674,13 @@ def superlink_cmd(
         finally:
             _stop(proc)
         raise SystemExit(code)
-    validate("--round-timeout", kw["round_timeout"], Interval(0, None, closed="neither"))
-    kw["features"] = features
-    cfg = train_config(kw)
+    validate("--round-timeout", round_timeout, Interval(0, None, closed="neither"))
+    cfg = experiment.train_config("flower", features=str(features))
 
     open_store(cfg.features, "--features")
     cfg.resolved()
-    out = kw["out"] or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-flower-{cfg.resolved().head}-{cfg.partition}")
-    rc = run_config_of(cfg, Path(out), kw["resume"], kw["round_timeout"], wait_timeout)
+    out = out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-flower-{cfg.resolved().head}-{cfg.partition}")
+    rc = run_config_of(cfg, Path(out), resume, round_timeout, wait_timeout)
     proc = subprocess.Popen(cmd, env=env)
     prev = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -940,7 +814,7 @@ def bench_cmd(
     partition: str = typer.Option("shard", help="partition"),
     local_epochs: int = typer.Option(1, help="local epochs"),
     batch_size: int = typer.Option(50, help="local batch size"),
-    num_cpus: Optional[int] = typer.Option(None, help="CPUs Ray may use [all]"),
+    num_cpus: Optional[int] = typer.Option(None, help="CPUs Ray may use \\[default: all]"),
     out: Path = typer.Option(Path("reports/bench-flower"), help="directory for the store, both runs and bench.json"),
 ):
     """Time the same job in 'fedhead train' and in Flower's simulation engine; print both wall times."""
@@ -955,14 +829,18 @@ def bench_cmd(
     sizes = dict(num_classes=num_classes, train_per_class=train_per_class, test_per_class=20, dim=dim)
     validate_synthetic(**sizes, spread=2.2, seed=0)
     cfg = TrainConfig(
-        features="",
-        head=head,
-        partition=partition,
-        clients=clients,
-        rounds=rounds,
-        local_epochs=local_epochs,
-        batch_size=batch_size,
-        device="cpu",
+        **applicable(
+            dict(
+                features="",
+                head=head,
+                partition=partition,
+                clients=clients,
+                rounds=rounds,
+                local_epochs=local_epochs,
+                batch_size=batch_size,
+                device="cpu",
+            )
+        )
     )
     validate_config(
         cfg,

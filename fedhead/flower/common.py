@@ -27,7 +27,6 @@ and every exchange whose numbers the server adds up (the statistics before round
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -36,55 +35,63 @@ from typing import Any
 
 from fedhead.core.closedform import ClientStats, pack_upper, unpack_upper
 from fedhead.federation.config import TrainConfig
+from fedhead.federation.experiment import FIELD_LIST, FIELDS, RUN_OPTIONS, parse_pair, parse_seeds
 from fedhead.infra.errors import FedheadError
-from fedhead.interface.options import parse_betas
 
 INSTALL_HINT = "pip install 'fedhead[flower]'"
 MESSAGE_PREFIX = "msg."  # a train reply's arrays: the aggregation rule's message tensors under "msg.<key>"
 
-# run-config keys (pyproject [tool.flwr.app.config]) <-> TrainConfig fields. An empty string means
-# "not given" (the recipe's value, or TrainConfig's default).
-RUN_CONFIG_FIELDS = {
-    "head": "head",
-    "partition": "partition",
-    "clients": "clients",
-    "rounds": "rounds",
-    "local-epochs": "local_epochs",
-    "local-steps": "local_steps",
-    "batch-size": "batch_size",
-    "recipe": "recipe",
-    "optimizer": "optimizer",
-    "lr": "lr",
-    "weight-decay": "weight_decay",
-    "momentum": "momentum",
-    "aggregate": "aggregate",
-    "center": "center",
-    "scale": "scale",
-    "participation": "participation",
-    "noise": "noise",
-    "noise-rate": "noise_rate",
-    "asym-map": "asym_rule",
-    "noise-dataset": "noise_dataset",
-    "backend": "backend",
-    "device": "device",
-    "eval-every": "eval_every",
-    "init": "init",
-    "init-scale": "init_scale",
-    "prox-mu": "prox_mu",
-    "server-opt": "server_opt",
-    "server-lr": "server_lr",
-    "server-momentum": "server_momentum",
-    "server-tau": "server_tau",
-    "server-betas": "server_betas",
-    "scaffold": "scaffold",
-    "calibrate": "calibrate",
-    "ccvr-samples": "ccvr_samples",
-    "dp-noise-multiplier": "dp_noise_multiplier",
-    "dp-clip": "dp_clip",
-    "dp-delta": "dp_delta",
-    "dp-feature-clip": "dp_feature_clip",
-    "secure-aggregation": "secure_aggregation",
-}
+# run-config keys (pyproject [tool.flwr.app.config]) <-> TrainConfig fields, by the table's rule (the field's name
+# with '-' for '_'): every field a Flower run takes. An empty string means "not given" (the recipe's value, or the
+# field's default). block_clients, memory_budget_mb (node-local resources), iid_reference and central_reference
+# (fedhead train only) are not run-config keys.
+RUN_CONFIG_FIELDS = {f.key: f.name for f in FIELD_LIST if "flower" in f.transports}
+RUN_CONFIG_FIELDS["plugin-params"] = "plugin_params"  # JSON: parameters of a plugin's head or partition
+# keys of the run that are not experiment fields (flags --out, --resume, --round-timeout, --wait-timeout)
+RUN_KEYS = {f.key: f for f in RUN_OPTIONS.values()}
+# simulation only: the store every virtual node slices (read by the ClientApp)
+CLIENT_STORE_KEY = "client-feature-store"
+# renamed keys, still accepted (one warning line in the log): old key -> new key
+OLD_KEYS = {old: f.key for f in [*FIELD_LIST, *RUN_OPTIONS.values()] for old in f.old_keys}
+OLD_JSON_KEYS = ("partition-params", "head-params")  # JSON objects of parameters, now flat keys (alpha = 0.1)
+
+
+def app_config_defaults() -> dict:
+    """``[tool.flwr.app.config]`` as the table makes it: every run-config key with its default ('' = not given;
+    the recipe's value or the field's default), the run's own keys, then the renamed keys (kept so that Flower,
+    which drops unknown keys, still passes them on)."""
+    out: dict[str, Any] = {}
+    for key, name in RUN_CONFIG_FIELDS.items():
+        f = FIELDS.get(name)
+        out[key] = "" if f is None or f.default is None or f.required else _rc_value(f, f.default)
+        if name == "features":
+            out[CLIENT_STORE_KEY] = ""
+    for key, f in RUN_KEYS.items():
+        out[key] = "" if f.default is None else f.default
+    for old in [*OLD_KEYS, *OLD_JSON_KEYS]:
+        out[old] = ""
+    return out
+
+
+def _rc_value(f, v: Any) -> Any:
+    """A field's value as a run-config value (Flower's values are scalars: lists as comma-separated text)."""
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v)
+    return v
+
+
+def run_config_values(cfg: TrainConfig) -> dict:
+    """The run-config keys of ``cfg``'s fields that are set (what ``flwr run -c`` gets)."""
+    rc: dict[str, Any] = {}
+    for key, name in RUN_CONFIG_FIELDS.items():
+        v = getattr(cfg, name)
+        if name == "plugin_params":
+            if v:
+                rc[key] = json.dumps(v)
+        elif v is not None:
+            rc[key] = _rc_value(FIELDS[name], v)
+    return rc
+
 
 # The test hooks (documented in DEPLOY.md): make a client raise in a given round, stop the server after a
 # round's checkpoint. Both read the environment of the process that runs the app.
@@ -108,9 +115,7 @@ def config_to_json(cfg: TrainConfig) -> str:
 
 
 def config_from_json(text: str) -> TrainConfig:
-    d = json.loads(text)
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in d.items() if k in names})
+    return TrainConfig.from_dict(json.loads(text))
 
 
 def _parse_json_dict(key: str, value: Any) -> dict:
@@ -130,35 +135,68 @@ def _parse_json_dict(key: str, value: Any) -> dict:
     return out
 
 
+def _coerce(key: str, f, v: Any) -> Any:
+    """A run-config value as the field's type (Flower's values are TOML scalars; numbers may come as text)."""
+    want = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(f.type)
+    if f.type is list:
+        return parse_seeds(v, key)
+    if f.type is tuple:
+        pair = parse_pair(v)
+        if pair is None:
+            raise FedheadError(f"The '{key}' run-config value must be two numbers b1,b2. Got {v!r} instead.")
+        return pair
+    if f.type is bool and isinstance(v, str) and v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    if f.type in (int, float) and isinstance(v, str):
+        try:
+            v = f.type(v)
+        except ValueError:
+            pass
+    if f.type is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    ok = isinstance(v, f.type) and not (f.type is not bool and isinstance(v, bool))
+    if not ok:
+        raise FedheadError(f"The '{key}' run-config value must be {want}. Got {v!r} instead.")
+    return v
+
+
+def canonical_run_config(rc: dict) -> dict:
+    """``rc`` with the renamed keys read as their new names (one warning line each in the log): the run config as
+    this version of fedhead names it (``rc`` is updated in place and returned)."""
+    for old, new in OLD_KEYS.items():
+        if rc.get(old) not in ("", None):
+            LOG.warning("[fedhead] the run-config key '%s' is deprecated; use '%s'", old, new)
+            if rc.get(new) in ("", None):
+                rc[new] = rc[old]
+    return rc
+
+
 def config_from_run_config(rc: dict) -> TrainConfig:
-    """TrainConfig from a Flower run config (``[tool.flwr.app.config]`` plus ``flwr run -c`` overrides)."""
+    """TrainConfig from a Flower run config (``[tool.flwr.app.config]`` plus ``flwr run -c`` overrides). Renamed
+    keys are read as their new names (:func:`canonical_run_config`, which updates ``rc`` in place)."""
+    canonical_run_config(rc)
     kw: dict[str, Any] = {}
-    for key, field in RUN_CONFIG_FIELDS.items():
+    for key, name in RUN_CONFIG_FIELDS.items():
         v = rc.get(key, "")
         if v == "" or v is None:
             continue
-        kw[field] = parse_betas(v) if field == "server_betas" else v
-    seeds = rc.get("seeds", "0")
-    if isinstance(seeds, int):
-        seeds = [seeds]
-    else:
-        try:
-            seeds = [int(s) for s in str(seeds).replace(",", " ").split()]
-        except ValueError:
-            raise FedheadError(
-                f"The 'seeds' run-config value must be integers separated by spaces. Got {seeds!r} instead."
-            ) from None
-    kw["seeds"] = seeds
-    kw["partition_params"] = _parse_json_dict("partition-params", rc.get("partition-params", ""))
-    kw["head_params"] = _parse_json_dict("head-params", rc.get("head-params", ""))
-    store = rc.get("feature-store", "")
-    if not store:
+        if name == "plugin_params":
+            kw[name] = _parse_json_dict(key, v)
+        else:
+            kw[name] = _coerce(key, FIELDS[name], v)
+    for key in OLD_JSON_KEYS:
+        params = _parse_json_dict(key, rc.get(key, ""))
+        if params:
+            LOG.warning("[fedhead] the run-config key '%s' is deprecated; give each parameter as its own key", key)
+            kw.setdefault(key.replace("-", "_"), {}).update(params)
+    if not kw.get("features"):
         raise FedheadError(
-            "The 'feature-store' run-config value must name the server's feature store (its "
+            "The 'features' run-config value must name the server's feature store (its "
             "test split is used for central evaluation). Got '' instead. "
-            "Use flwr run -c \"feature-store='PATH'\"."
+            "Use flwr run -c \"features='PATH'\"."
         )
-    return TrainConfig(features=str(store), **kw)
+    kw["features"] = str(kw["features"])
+    return TrainConfig(**kw)
 
 
 # ---------------------------------------------------------------- store fingerprints

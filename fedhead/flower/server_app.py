@@ -16,22 +16,26 @@ from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 from extract.store import Features, load_store  # noqa: E402
 from fedhead.federation.config import TrainConfig  # noqa: E402
-from fedhead.flower.common import config_from_run_config  # noqa: E402
+from fedhead.federation.experiment import RUN_OPTIONS
+from fedhead.flower.common import canonical_run_config, config_from_run_config  # noqa: E402
 from fedhead.flower.strategy import FedheadStrategy, RunOutcome, ServerSettings, validate_server_config  # noqa: E402
 
 
 def settings_from_run_config(rc: dict) -> ServerSettings:
-    return ServerSettings(
-        out=str(rc.get("run-dir", "")) or None,
-        resume=bool(rc.get("resume", False)),
-        round_timeout=float(rc.get("round-timeout", 600.0)),
-        wait_timeout=float(rc.get("wait-timeout", 120.0)),
-    )
+    """The server's run options from the run config (renamed keys read as their new names; the table's defaults)."""
+    rc = canonical_run_config(rc)
+
+    def value(name: str):
+        given = rc.get(RUN_OPTIONS[name].key, "")
+        return RUN_OPTIONS[name].default if given in ("", None) else given
+
+    return ServerSettings(out=str(value("out") or "") or None, resume=bool(value("resume")),
+                          round_timeout=float(value("round_timeout")), wait_timeout=float(value("wait_timeout")))  # fmt: skip
 
 
 def run_server(grid: Grid, cfg: TrainConfig, settings: ServerSettings, store: Features | None = None) -> RunOutcome:
     """Validate ``cfg`` against the server's store (loaded here unless given) and run the strategy."""
-    store = store if store is not None else load_store(cfg.features, param="feature-store")
+    store = store if store is not None else load_store(cfg.features, param="features")
     cfg = validate_server_config(cfg, store)
     return FedheadStrategy(cfg, store, settings).start(grid)
 

@@ -56,7 +56,7 @@ from fedhead.federation.clients import FeatureStats, sample_clients  # noqa: E40
 from fedhead.federation.config import TrainConfig  # noqa: E402
 from fedhead.federation.job import HeadJob  # noqa: E402
 from fedhead.federation.loop import run_job  # noqa: E402
-from fedhead.federation.rundir import RunDir, default_run_dir  # noqa: E402
+from fedhead.federation.rundir import RunDir, default_run_dir, write_experiment  # noqa: E402
 from fedhead.federation.server import ServerUpdate  # noqa: E402
 from fedhead.federation.train import head_run_dir, run_record, validate_method  # noqa: E402
 from fedhead.federation.transport import Calibration, Census, Exchange, RoundResult, Transport  # noqa: E402
@@ -81,7 +81,7 @@ class ServerSettings:
     out: str | None = None  # run directory [runs/<stamp>-flower-<head>-<partition>]
     resume: bool = False  # continue the run in ``out`` from its checkpoint
     round_timeout: float = 600.0  # seconds to wait for a round's replies (late nodes = failures)
-    wait_timeout: float = 120.0  # seconds to wait for ``clients`` nodes to connect / answer the query
+    wait_timeout: float = 300.0  # seconds to wait for ``clients`` nodes to connect / answer the query
     runs_root: str = "runs"
 
 
@@ -128,7 +128,7 @@ def validate_server_config(cfg: TrainConfig, store: Features) -> TrainConfig:
         )
     if len(store.test_y) == 0:
         raise FedheadError(
-            f"The 'feature-store' of the server ({cfg.features!r}) has an empty test split, "
+            f"The 'features' store of the server ({cfg.features!r}) has an empty test split, "
             "which central evaluation needs. Extract the test images into it."
         )
     return cfg
@@ -741,6 +741,7 @@ class FedheadStrategy(Strategy, Transport):
             )
         run.prepare({**run_record(cfg, self.store, self.device, "flower"), "flower_version": _flwr_version(),
                      "round_timeout_s": st.round_timeout}, opened)  # fmt: skip
+        write_experiment(run_dir, cfg)
         self.summary()
         summary, rows = run_job(HeadJob(cfg, self.store, self), run, opened, progress=False)
         return RunOutcome(run_dir, summary, rows)
@@ -749,7 +750,7 @@ class FedheadStrategy(Strategy, Transport):
 def flower_run_dir(cfg: TrainConfig, store: Features, run_dir: Path, resume: bool) -> RunDir:
     """The run directory of a Flower server: resumed with ``resume``; a restarted server that finds nothing saved
     starts afresh; more rounds for a finished run are refused (its nodes' state is gone)."""
-    return head_run_dir(cfg, store, run_dir, resume, out_param="run-dir", resume_param="resume", restart_ok=True)
+    return head_run_dir(cfg, store, run_dir, resume, out_param="out", resume_param="resume", restart_ok=True)
 
 
 def _flwr_version() -> str:

@@ -8,11 +8,25 @@ from typing import Optional
 
 import typer
 
+from fedhead.federation.experiment import parse_seeds
 from fedhead.federation.rundir import default_run_dir
 from fedhead.infra.console import make_progress, stderr_console, stdout_console
 from fedhead.infra.errors import FedheadError
 from fedhead.infra.exits import cli_errors
+from fedhead.interface.options import deprecated_flag
 from fedhead.scratch.runner import ScratchConfig, run_scratch
+
+
+def renamed_options(seeds: list | None, seed: list | None, backend: str) -> tuple[list[int], str]:
+    """``--seeds`` with the deprecated ``--seed`` (the flag's name before it matched fedhead train's and the
+    bench's), and ``--backend`` with the deprecated ``vmap`` (the vectorized backend's name before it matched
+    fedhead train's); each old name prints one deprecation line."""
+    if seed:
+        deprecated_flag("--seed", "--seeds", " (repeated or comma-separated)")
+    if backend == "vmap":
+        deprecated_flag("--backend vmap", "--backend vectorized")
+        backend = "vectorized"
+    return (parse_seeds([*(seeds or []), *(seed or [])]) if (seeds or seed) else [0]), backend
 
 
 @cli_errors
@@ -52,11 +66,19 @@ def scratch_cmd(
     rounds: Optional[int] = typer.Option(None, "--rounds", help="Rounds (dnc: rounds after the pre-pass)."),
     local_epochs: Optional[int] = typer.Option(None, "--local-epochs", help="Local epochs E."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Local batch size B."),
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="sgd | adam (fresh state every round)."),
+    optimizer: Optional[str] = typer.Option(
+        None,
+        "--optimizer",
+        help="sgd | adam (fresh state every round). This adam is Adam with L2 weight decay (torch.optim.Adam), "
+        "not the head trainer's decoupled adamw.",
+    ),
     lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate."),
     momentum: Optional[float] = typer.Option(None, "--momentum", help="SGD momentum."),
     weight_decay: Optional[float] = typer.Option(None, "--weight-decay", help="L2 weight decay."),
-    seed: list[int] = typer.Option([0], "--seed", help="Seed; repeat for several seeds."),
+    seeds: Optional[list[str]] = typer.Option(
+        None, "--seeds", metavar="INT[,INT...]", help="Seeds, repeated or comma-separated. \\[default: 0]"
+    ),
+    seed: Optional[list[str]] = typer.Option(None, "--seed", hidden=True),
     subset: Optional[int] = typer.Option(None, "--subset", help="Use a stratified training subset of this size."),
     test_subset: Optional[int] = typer.Option(None, "--test-subset", help="Stratified test subset size."),
     max_samples_per_client: Optional[int] = typer.Option(
@@ -104,7 +126,9 @@ def scratch_cmd(
         help="fedrep: the last N of --local-epochs train the body, the others the head (default 1).",
     ),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda (cuda uses autocast)."),
-    backend: str = typer.Option("vmap", "--backend", help="vmap (fast) | loop (reference, one member at a time)."),
+    backend: str = typer.Option(
+        "vectorized", "--backend", help="vectorized (all members at once, fast) | loop (reference, one at a time)."
+    ),
     out: Optional[Path] = typer.Option(None, "--out", help="Run directory (default runs/<time>-scratch-...)."),
     resume: bool = typer.Option(
         False,
@@ -115,6 +139,8 @@ def scratch_cmd(
 ):
     """Train a model from scratch with FedAvg, FedOVA, FedABC, Divide-and-Conquer or FedABC's baselines (local,
     FedProx, SCAFFOLD, FedPer, FedRep, FedRoD, LG-FedAvg)."""
+    seeds_l, backend = renamed_options(seeds, seed, backend)
+
     pp = {
         "shards_per_client": shards_per_client,
         "distinct_labels": distinct_labels,
@@ -139,7 +165,7 @@ def scratch_cmd(
         lr=lr,
         momentum=momentum,
         weight_decay=weight_decay,
-        seeds=list(seed),
+        seeds=seeds_l,
         subset=subset,
         test_subset=test_subset,
         max_samples_per_client=max_samples_per_client,

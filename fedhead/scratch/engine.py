@@ -563,7 +563,7 @@ def train_members(
     optim: OptimSpec,
     rng: np.random.Generator,
     trainable: set[str] | None = None,
-    backend: str = "vmap",
+    backend: str = "vectorized",
     prox_mu: float = 0.0,
     grad_offset: Params | None = None,
     net: str = "auto",

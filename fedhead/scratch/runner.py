@@ -87,7 +87,7 @@ class ScratchConfig:
     head_layers: int | None = None  # fedper / fedrep / lg-fedavg: the head = the last N weight layers (None: 1)
     body_epochs: int | None = None  # fedrep: the last N local epochs train the body, the others the head (None: 1)
     device: str = "auto"
-    backend: str = "vmap"  # vmap (fast) | loop (reference, one member at a time)
+    backend: str = "vectorized"  # vectorized (fast) | loop (reference, one member at a time); "vmap" = vectorized
     eval_batch: int = 1000
 
 
@@ -222,7 +222,8 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
     validate("--divergence", c.divergence, OneOf(("local-vs-global", "local-vs-local")))
     validate("--feature-epochs", c.feature_epochs, Interval(1, None, integer=True))
     validate("--finetune-epochs", c.finetune_epochs, Interval(1, None, integer=True))
-    validate("--backend", c.backend, OneOf(("vmap", "loop")))
+    c.backend = "vectorized" if c.backend == "vmap" else c.backend  # its earlier name, still accepted
+    validate("--backend", c.backend, OneOf(("vectorized", "loop")))
     validate("--lr-decay", c.lr_decay, Interval(0, None, closed="neither"))
     validate("--finetune-lr-factor", c.finetune_lr_factor, Interval(0, None, closed="neither"))
     validate(
@@ -288,7 +289,7 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
     if not c.seeds:
         raise FedheadError("The '--seed' parameter needs at least one value. Got [] instead.")
     for s in c.seeds:
-        validate("--seed", s, Interval(0, None, integer=True))
+        validate("--seeds", s, Interval(0, None, integer=True))
     if c.partition == "color-skew":
         validate("--skew", c.skew, Interval(0, 1))
         if c.clients != 2:
@@ -537,6 +538,7 @@ def identity_fields(cfg: ScratchConfig) -> dict:
     path."""
     d = dataclasses.asdict(cfg)
     d.pop("device", None)
+    d["backend"] = "vmap" if d["backend"] == "vectorized" else d["backend"]  # its earlier name: runs keep identity
     for key, unset in (("share_fraction", 0.0), ("prox_mu", None), ("head_layers", None), ("body_epochs", None)):
         if d.get(key) == unset:  # options added later: at their defaults, a run keeps its earlier identity
             d.pop(key)

@@ -1,0 +1,915 @@
+"""The experiment definition: every field of a training run declared once, in :data:`FIELDS`.
+
+Each :class:`Field` says its name, type, default, unit, help, help panel, declared constraint and where it
+applies (which heads, partitions, methods, transports). Everything else is derived from this table, with one
+spelling per field:
+
+=====================  ================================================  =========================
+surface                spelling of the field ``local_epochs``            derived by
+=====================  ================================================  =========================
+Python                 ``TrainConfig(local_epochs=2)``, ``fedhead.run``  ``fedhead.federation.config``
+TOML experiment file   ``local_epochs = 2``                              ``fedhead.federation.config``
+command-line flag      ``--local-epochs 2``                              ``fedhead.interface.options``
+Flower run config      ``local-epochs = 2``                              ``fedhead.flower.common``
+=====================  ================================================  =========================
+
+The rule: the canonical name is the Python name; a flag is ``--`` + the name with ``-`` for ``_``; a TOML key is
+the name; a Flower run-config key is the name with ``-`` for ``_``.
+
+The parameters of the registered heads and partitions (:class:`fedhead.infra.params.Param`) are fields too,
+derived from their declarations (name, constraint, help; the table's default is None, meaning "the head's /
+partition's own default"), and they apply to the heads / partitions that declare them.
+
+A field the user *gave* that does not apply to the chosen head, partition or method is refused in one line
+(:func:`check_given`). A value counts as given when it differs from the field's default, from what the recipe
+fills in, and from the field's inert values (``center = false`` changes nothing for a closed-form head), so
+defaults and resolved configurations never trip it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import fedhead.core  # noqa: F401  (registers the built-in heads: the table derives their parameters)
+from fedhead.core.aggregate import aggregator_names
+from fedhead.core.engine import BACKENDS
+from fedhead.core.heads import HEADS
+from fedhead.core.noise import ASYM_RULES, NOISE
+from fedhead.core.partitions import PARTITIONS
+from fedhead.core.plugins import load_plugins
+from fedhead.core.serveropt import SERVER_OPTIMIZERS, server_optimizer_names
+from fedhead.infra.errors import FedheadError, Interval, OneOf, unknown_name, validate
+from fedhead.infra.params import Param
+
+PAPER_SEEDS = (0, 42, 777, 1337, 15254)
+LOCAL_EPOCHS = 3  # when neither --local-epochs nor --local-steps (nor a recipe) says
+SECURE_MIN_CLIENTS = 3  # fewest clients per round --secure-aggregation accepts (config check)
+
+# Recipes fill every field left as None. "paper" is the OvA-LP paper's setting to the letter (for reproduction);
+# "default" is the one that measured robust across heads, partitions and class counts (README, "Choosing the
+# default recipe"); "fast": the default recipe from a closed-form start, softmax head, 30 local steps a round
+# whatever a client's size: Fed3R+FT (README "Baselines"); an explicit --head keeps the ridge start, a closed-form
+# head ignores it; an explicit --local-epochs replaces the 30 steps.
+_DEFAULT_RECIPE = dict(
+    head="ova2",
+    optimizer="sgd",
+    lr=0.01,
+    weight_decay=1e-4,
+    momentum=0.9,
+    aggregate="fedavg",
+    center=True,
+    scale="none",
+)
+RECIPES: dict[str, dict] = {
+    "paper": dict(_DEFAULT_RECIPE, optimizer="adamw", center=False),
+    "default": dict(_DEFAULT_RECIPE),
+    "fast": dict(_DEFAULT_RECIPE, head="softmax", init="ridge", local_steps=30),
+}
+
+# the help panels, in the order --help shows them
+DATA, HEAD, LOCAL, SERVER, NOISE_GROUP, PRIVACY, RUN = (
+    "Data and clients",
+    "Head",
+    "Local training",
+    "Server and aggregation",
+    "Label noise",
+    "Privacy",
+    "Run and output",
+)
+GROUPS = (DATA, HEAD, LOCAL, SERVER, NOISE_GROUP, PRIVACY, RUN)
+TRANSPORTS = ("in-process", "flower")  # fedhead train (and the bench grids) | fedhead flower simulate / superlink
+REQUIRED = object()  # the default of a field that has none (features)
+
+# special values of When.values
+ITERATIVE = "iterative"  # a head trained by local steps (not closed form)
+GIVEN = "given"  # any value but None
+NOT_NONE = "not none"  # any value but the string "none"
+
+
+# ---------------------------------------------------------------- declarations
+
+
+@dataclass(frozen=True)
+class Names:
+    """A declared constraint over a registry's names (heads, partitions, ...), read when a value is checked, so
+    the names registered by users' plugins count too."""
+
+    registry: str  # head | closed-form | partition | aggregate | noise
+
+    def names(self) -> list[str]:
+        load_plugins()
+        if self.registry == "head":
+            return sorted(HEADS)
+        if self.registry == "closed-form":
+            return sorted(n for n in HEADS if getattr(HEADS[n].cls, "closed_form", False))
+        if self.registry == "partition":
+            return sorted(PARTITIONS)
+        if self.registry == "aggregate":
+            return aggregator_names()
+        if self.registry == "server-opt":
+            return server_optimizer_names()
+        return list(NOISE)
+
+    def ok(self, v: Any) -> bool:
+        return isinstance(v, str) and v in self.names()
+
+    def describe(self) -> str:
+        return f"must be a known {self.what}"
+
+    @property
+    def what(self) -> str:
+        return {
+            "closed-form": "closed-form head",
+            "aggregate": "aggregator",
+            "noise": "noise kind",
+            "server-opt": "server optimiser",
+        }.get(  # fmt: skip
+            self.registry, self.registry
+        )
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Two numbers in [0, 1) as ``b1,b2`` (the server optimiser's betas)."""
+
+    def ok(self, v: Any) -> bool:
+        b = parse_pair(v)
+        return b is not None and all(Interval(0, 1, closed="left").ok(x) for x in b)
+
+    def describe(self) -> str:
+        return "must be two numbers in [0, 1) as beta1,beta2, e.g. 0.9,0.99"
+
+
+@dataclass(frozen=True)
+class When:
+    """A condition under which a field applies: the resolved value of ``field`` is one of ``values`` (or the
+    special ITERATIVE, GIVEN, NOT_NONE)."""
+
+    field: str
+    values: tuple | str
+
+    @property
+    def choices(self) -> tuple | str:
+        """``values``, or what a registry gives when it is a function (names users register count too)."""
+        return self.values() if callable(self.values) else self.values
+
+    def holds(self, cfg) -> bool:
+        v = getattr(cfg, self.field)
+        if self.values == ITERATIVE:
+            return v in HEADS and not getattr(HEADS[v].cls, "closed_form", False)
+        if self.values == GIVEN:
+            return v is not None
+        if self.values == NOT_NONE:
+            return v not in (None, "none")
+        return v in self.choices
+
+    def wanted(self) -> str:
+        """The condition as the messages say it: "--head fedlc", "runs with --init", "an iterative head"."""
+        flag = flag_of(self.field)
+        if self.values == ITERATIVE:
+            return "an iterative head (softmax, ova, ova2, ...)"
+        if self.values == GIVEN:
+            return f"runs with {flag}"
+        if self.values == NOT_NONE:
+            return f"{flag} {' | '.join(n for n in NOISE if n != 'none')}"
+        return f"{flag} {' | '.join(self.choices)}"
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str  # the Python name; flag, TOML key and run-config key are derived (see the module docstring)
+    type: type  # str | int | float | bool | list (seeds) | tuple (server_betas)
+    default: Any
+    help: str  # what it is, briefly (no default: default_text and default say that)
+    group: str  # help panel
+    constraint: Any = None  # Interval | OneOf | Names | Pair | Param constraint: checked when resolved
+    applies: tuple = ()  # When conditions, any of which makes the field apply; () = always
+    inert: tuple = ()  # values that change nothing where the field does not apply
+    default_text: str = ""  # what the default (None) means, for --help, e.g. "recipe: 0.01"
+    unit: str = ""
+    fix: str = ""  # appended to a constraint error
+    transports: tuple = TRANSPORTS
+    kind: str = ""  # "head" | "partition": a registry parameter (TrainConfig.head_params / partition_params)
+    deprecated: tuple = ()  # old Python keywords (TrainConfig accepts them with a DeprecationWarning)
+    old_flags: tuple = ()  # old command-line flags (hidden aliases that print one deprecation line)
+    old_keys: tuple = ()  # old Flower run-config keys (accepted with one warning line in the log)
+
+    @property
+    def flag(self) -> str:
+        return flag_of(self.name)
+
+    @property
+    def key(self) -> str:
+        """The Flower run-config key."""
+        return self.name.replace("_", "-")
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+    def shown_default(self) -> str:
+        """The default as --help and the experiment file's comments show it."""
+        if self.default_text:
+            return self.default_text
+        if self.type is bool:
+            return "on" if self.default else "off"
+        if isinstance(self.default, (list, tuple)):
+            return ",".join(str(v) for v in self.default)
+        return "none" if self.default is None else f"{self.default:g}" if self.type is float else str(self.default)
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# ---------------------------------------------------------------- registry parameters -> fields
+
+
+def _param_field(name: str, owners: list[tuple[str, Param]], kind: str, group: str) -> Field:
+    """One field for a registry parameter declared by one or more heads / partitions (e.g. ``alpha``)."""
+    p = owners[0][1]
+    names = [o for o, _ in owners]
+    defaults = {o: q.default for o, q in owners}
+    if len(set(map(repr, defaults.values()))) == 1:
+        shown = _show(p.default)
+    else:
+        shown = "; ".join(f"{o}: {_show(d)}" for o, d in defaults.items())
+    prefix = ", ".join(names)
+    text = p.help if p.help.lower().startswith(prefix.split(",")[0]) else f"{prefix}: {p.help[:1].lower()}{p.help[1:]}"
+    applies: tuple = (When(kind, tuple(names)),)
+    if kind == "head":
+        closed = tuple(n for n in names if getattr(HEADS[n].cls, "closed_form", False))
+        if closed:  # a closed-form head's parameters also shape the --init start
+            applies += (When("init", closed),)
+    ptype = type(p.default) if p.default is not None else str
+    same = all(q.constraint == p.constraint for _, q in owners)  # else: each owner's own (check_value with cfg)
+    return Field(
+        name,
+        ptype,
+        None,
+        text.rstrip("."),
+        group,
+        constraint=p.constraint if same else None,
+        applies=applies,
+        default_text=shown,
+        kind=kind,
+    )
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def _registry_fields(registry: dict, kind: str, group: str) -> list[Field]:
+    owners: dict[str, list[tuple[str, Param]]] = {}
+    for name, spec in registry.items():
+        for p in spec.params:
+            owners.setdefault(p.name, []).append((name, p))
+    return [_param_field(n, o, kind, group) for n, o in owners.items()]
+
+
+# ---------------------------------------------------------------- the table
+
+_HEAD_NAMES = (
+    "softmax | ova | ova2 | fedabc | fedrs | fedlc; closed form (one exchange of statistics): ncm | ridge | cof | lda"
+)
+_SERVER_PARAMS = {"lr": "server_lr", "momentum": "server_momentum", "betas": "server_betas", "tau": "server_tau"}
+
+
+def _server_opts_with(param: str):
+    """The server optimisers (built-in and registered) that take ``param``, read when a run is checked."""
+    return lambda: tuple(n for n in server_optimizer_names() if param in SERVER_OPTIMIZERS[n].defaults)
+
+
+_IT = (When("head", ITERATIVE),)
+_POS = Interval(0, None, closed="neither")
+_COUNT = Interval(1, None, integer=True)
+
+FIELD_LIST: list[Field] = [
+    # ---- data and clients
+    Field(
+        "features",
+        str,
+        REQUIRED,
+        "HDF5 feature store written by 'fedhead extract' (Flower: the server's, whose test split is evaluated "
+        "centrally; in simulation also the store every virtual client slices)",
+        DATA,
+        default_text="required",
+        old_keys=("feature-store",),
+    ),
+    Field(
+        "partition",
+        str,
+        "iid",
+        "how the training set is split: iid | shard | dirichlet | bernoulli-dirichlet | zipf | kmeans",
+        DATA,
+        constraint=Names("partition"),
+    ),
+    *_registry_fields(PARTITIONS, "partition", DATA),
+    Field(
+        "clients",
+        int,
+        100,
+        "number of clients K (Flower: the SuperNodes, partition ids 0 .. K-1)",
+        DATA,
+        constraint=_COUNT,
+    ),
+    Field(
+        "participation",
+        float,
+        1.0,
+        "fraction of the clients sampled each round (seeded by seed and round)",
+        DATA,
+        constraint=Interval(0, 1, closed="right"),
+        fix="Use a fraction of clients per round in (0, 1], e.g. 0.1.",
+    ),
+    # ---- the head
+    Field("head", str, None, _HEAD_NAMES, HEAD, constraint=Names("head"), default_text="recipe: ova2; fast: softmax"),
+    *_registry_fields(HEADS, "head", HEAD),
+    Field(
+        "init",
+        str,
+        None,
+        "closed-form start of an iterative head: ncm | ridge | cof | lda (round 1 exchanges statistics)",
+        HEAD,
+        constraint=Names("closed-form"),
+        applies=_IT,
+        default_text="none; fast recipe: ridge",
+    ),
+    Field(
+        "init_scale",
+        float,
+        None,
+        "temperature the --init head is multiplied by",
+        HEAD,
+        constraint=_POS,
+        applies=(When("init", GIVEN),),
+        default_text="measured: ridge 10, others 1",
+    ),
+    # ---- local training
+    Field(
+        "recipe",
+        str,
+        "default",
+        "fills the options left unset: default (robust, measured) | paper (the OvA-LP paper's settings) | fast "
+        "(softmax from a Fed3R start, 30 local steps)",
+        LOCAL,
+        constraint=OneOf(tuple(RECIPES)),
+    ),
+    Field("rounds", int, 50, "communication rounds", LOCAL, constraint=_COUNT, applies=_IT),
+    Field(
+        "local_epochs",
+        int,
+        None,
+        "local epochs per round",
+        LOCAL,
+        constraint=_COUNT,
+        applies=_IT,
+        default_text=f"{LOCAL_EPOCHS}; fast recipe: --local-steps 30",
+    ),
+    Field(
+        "local_steps",
+        int,
+        None,
+        "local steps (batches) per round for every client, instead of epochs",
+        LOCAL,
+        constraint=_COUNT,
+        applies=_IT,
+        default_text="none; fast recipe: 30",
+    ),
+    Field("batch_size", int, 50, "local batch size", LOCAL, constraint=_COUNT, applies=_IT, unit="samples"),
+    Field(
+        "optimizer",
+        str,
+        None,
+        "local optimizer, fresh state every round: adamw (AdamW, decoupled weight decay; not fedhead scratch's "
+        "adam, which is Adam with L2 decay) | sgd (L2 weight decay)",
+        LOCAL,
+        constraint=OneOf(("adamw", "sgd")),
+        applies=_IT,
+        default_text="recipe: sgd; paper: adamw",
+    ),
+    Field("lr", float, None, "local learning rate", LOCAL, constraint=_POS, applies=_IT, default_text="recipe: 0.01"),
+    Field(
+        "weight_decay",
+        float,
+        None,
+        "weight decay: decoupled (adamw) or L2 (sgd)",
+        LOCAL,
+        constraint=Interval(0, None),
+        applies=_IT,
+        default_text="recipe: 0.0001",
+    ),
+    Field(
+        "momentum",
+        float,
+        None,
+        "SGD momentum",
+        LOCAL,
+        constraint=Interval(0, 1, closed="left"),
+        applies=(When("optimizer", ("sgd",)),),
+        default_text="recipe: 0.9",
+    ),
+    Field(
+        "prox_mu",
+        float,
+        0.0,
+        "FedProx proximal term mu (0 = FedAvg)",
+        LOCAL,
+        constraint=Interval(0, None),
+        applies=_IT,
+    ),
+    Field("scaffold", bool, False, "SCAFFOLD control variates (option II; needs --optimizer sgd)", LOCAL, applies=_IT),
+    Field(
+        "backend",
+        str,
+        "vectorized",
+        "local-training engine: vectorized (all clients of a block at once) | loop (per client, for checking)",
+        LOCAL,
+        constraint=OneOf(BACKENDS),
+        applies=_IT,
+    ),
+    Field(
+        "block_clients",
+        int,
+        None,
+        "clients trained at once",
+        LOCAL,
+        constraint=_COUNT,
+        applies=_IT,
+        default_text="from --memory-budget-mb",
+        fix="Leave it out to size the blocks from --memory-budget-mb.",
+        transports=("in-process",),
+    ),
+    Field(
+        "memory_budget_mb",
+        float,
+        1536.0,
+        "budget for the client-stacked tensors of one block",
+        LOCAL,
+        constraint=_POS,
+        applies=_IT,
+        unit="MB",
+        transports=("in-process",),
+    ),
+    # ---- server and aggregation
+    Field(
+        "aggregate",
+        str,
+        None,
+        "aggregation rule: fedavg (size-weighted) | grouped (per row, FedOVA style) | a registered rule",
+        SERVER,
+        constraint=Names("aggregate"),
+        applies=_IT,
+        default_text="recipe: fedavg",
+    ),
+    Field(
+        "center",
+        bool,
+        None,
+        "subtract the federated mean feature (one extra exchange in round 1)",
+        SERVER,
+        applies=_IT,
+        inert=(False,),
+        default_text="recipe: on; paper: off",
+    ),
+    Field(
+        "scale",
+        str,
+        None,
+        "feature scaling: none | rms (divide by the federated RMS feature norm)",
+        SERVER,
+        constraint=OneOf(("none", "rms")),
+        applies=_IT,
+        inert=("none",),
+        default_text="recipe: none",
+    ),
+    Field(
+        "server_opt",
+        str,
+        "fedavg",
+        "server optimiser: fedavg | fedavgm | fedadam | fedyogi | fedadagrad",
+        SERVER,
+        constraint=Names("server-opt"),
+        applies=_IT,
+    ),
+    Field(
+        "server_lr",
+        float,
+        None,
+        "server learning rate",
+        SERVER,
+        constraint=_POS,
+        applies=(When("server_opt", _server_opts_with("lr")),),
+        default_text="Flower's for --server-opt",
+        fix="Use a positive server learning rate, e.g. 0.1.",
+    ),
+    Field(
+        "server_momentum",
+        float,
+        None,
+        "fedavgm: server momentum",
+        SERVER,
+        constraint=Interval(0, 1, closed="left"),
+        applies=(When("server_opt", _server_opts_with("momentum")),),
+        default_text="Flower's: 0",
+        fix="Use a momentum in [0, 1), e.g. 0.9; 0 disables it.",
+    ),
+    Field(
+        "server_betas",
+        tuple,
+        None,
+        "fedadam / fedyogi: beta1,beta2",
+        SERVER,
+        constraint=Pair(),
+        applies=(When("server_opt", _server_opts_with("betas")),),
+        default_text="Flower's: 0.9,0.99",
+        fix="Example: --server-betas 0.9,0.99",
+    ),
+    Field(
+        "server_tau",
+        float,
+        None,
+        "fedadam / fedyogi / fedadagrad: adaptivity tau",
+        SERVER,
+        constraint=_POS,
+        applies=(When("server_opt", _server_opts_with("tau")),),
+        default_text="Flower's: 0.001",
+        fix="Use a small positive value, e.g. 1e-3.",
+    ),
+    Field(
+        "calibrate",
+        str,
+        "none",
+        "after the last round: none | ccvr (calibrate the head on virtual features)",
+        SERVER,
+        constraint=OneOf(("none", "ccvr")),
+        applies=_IT,
+    ),
+    Field(
+        "ccvr_samples",
+        int,
+        200,
+        "ccvr: virtual features per class",
+        SERVER,
+        constraint=_COUNT,
+        applies=(When("calibrate", ("ccvr",)),),
+    ),
+    # ---- label noise
+    Field(
+        "noise",
+        str,
+        "none",
+        "label noise per client (test labels stay clean): none | symmetric | asymmetric",
+        NOISE_GROUP,
+        constraint=Names("noise"),
+    ),
+    Field(
+        "noise_rate",
+        float,
+        0.0,
+        "label flip rate r",
+        NOISE_GROUP,
+        constraint=Interval(0, 1, closed="left"),
+        applies=(When("noise", NOT_NONE),),
+    ),
+    Field(
+        "asym_map",
+        str,
+        "auto",
+        "asymmetric map: auto (the dataset's) | cyclic (y -> y+1 mod C)",
+        NOISE_GROUP,
+        constraint=OneOf(ASYM_RULES),
+        applies=(When("noise", ("asymmetric",)),),
+        deprecated=("asym_rule",),
+    ),
+    Field(
+        "noise_dataset",
+        str,
+        None,
+        "dataset whose asymmetric map applies",
+        NOISE_GROUP,
+        applies=(When("noise", ("asymmetric",)),),
+        default_text="the store's",
+    ),
+    # ---- privacy (their combinations are checked by fedhead.core.dp.validate_dp)
+    Field(
+        "dp_noise_multiplier",
+        float,
+        None,
+        "differential privacy: Gaussian noise std z x the L2 sensitivity (needs --dp-clip and --dp-delta; "
+        "0 = clipping only)",
+        PRIVACY,
+        constraint=Interval(0, None),
+        default_text="off",
+        fix="Use 0 for clipping without noise (no privacy), e.g. 1.0 for privacy.",
+    ),
+    Field(
+        "dp_clip",
+        float,
+        None,
+        "DP: client update L2 clip (iterative head, DP-FedAvg) or per-sample feature-norm clip (closed-form head)",
+        PRIVACY,
+        constraint=_POS,
+        fix="Use a positive norm bound, e.g. 0.5.",
+    ),
+    Field(
+        "dp_delta",
+        float,
+        None,
+        "DP: delta of the (epsilon, delta) the accountant reports",
+        PRIVACY,
+        constraint=Interval(0, 1, closed="neither"),
+        fix="Use a delta below 1/(number of clients), e.g. 1e-5.",
+    ),
+    Field(
+        "dp_feature_clip",
+        float,
+        None,
+        "DP, iterative head: per-sample feature-norm clip of its statistics (--center, --scale rms, --init)",
+        PRIVACY,
+        constraint=_POS,
+        fix="Use a positive feature-norm bound, e.g. the median feature norm of the store.",
+    ),
+    Field(
+        "secure_aggregation",
+        bool,
+        False,
+        "Flower's SecAgg+: the server learns only sums over each round's clients (head updates, feature and "
+        "closed-form statistics; >= 3 clients a round)",
+        PRIVACY,
+        transports=("flower",),
+    ),
+    # ---- run and output
+    Field(
+        "seeds",
+        list,
+        [0],
+        "seeds, repeated or comma-separated; each runs separately, mean +- std reported (the paper's: "
+        + ",".join(map(str, PAPER_SEEDS))
+        + ")",
+        RUN,
+        constraint=Interval(0, None, integer=True),
+        old_flags=("--seed",),
+    ),
+    Field(
+        "iid_reference",
+        bool,
+        False,
+        "also run IID with everything else equal (ratio_to_iid)",
+        RUN,
+        transports=("in-process",),
+    ),
+    Field(
+        "central_reference",
+        bool,
+        False,
+        "also train the head centrally on the pooled data, the ceiling (ratio_to_central)",
+        RUN,
+        transports=("in-process",),
+    ),
+    Field("device", str, "auto", "auto | cpu | cuda (Flower: the server and simulated clients)", RUN),
+    Field(
+        "eval_every",
+        int,
+        1,
+        "evaluate the global head every n rounds (and the last)",
+        RUN,
+        constraint=_COUNT,
+        applies=_IT,
+    ),
+]
+FIELDS: dict[str, Field] = {f.name: f for f in FIELD_LIST}
+assert len(FIELDS) == len(FIELD_LIST), "a field declared twice"
+HEAD_PARAMS = tuple(f.name for f in FIELD_LIST if f.kind == "head")
+PARTITION_PARAMS = tuple(f.name for f in FIELD_LIST if f.kind == "partition")
+DEPRECATED_KEYWORDS = {old: f.name for f in FIELD_LIST for old in f.deprecated}
+
+# Options of a run that are not part of the experiment (where and how to run it): flags and run-config keys by
+# the same rule, never in the experiment file.
+RUN_OPTIONS: dict[str, Field] = {
+    f.name: f
+    for f in (
+        Field(
+            "out",
+            str,
+            None,
+            "run directory",
+            RUN,
+            default_text="runs/<timestamp>-<head>-<partition>",
+            old_keys=("run-dir",),
+        ),
+        Field("resume", bool, False, "continue the interrupted run in --out from its checkpoint", RUN),
+        Field(
+            "round_timeout",
+            float,
+            600.0,
+            "Flower: seconds to wait for a round's replies (late or crashed nodes count as failures)",
+            RUN,
+            constraint=_POS,
+            unit="s",
+        ),
+        Field(
+            "wait_timeout",
+            float,
+            300.0,
+            "Flower: seconds to wait for --clients SuperNodes to connect (then the run stops, naming how many did)",
+            RUN,
+            constraint=_POS,
+            unit="s",
+        ),
+    )
+}
+
+
+# ---------------------------------------------------------------- values
+
+
+def parse_pair(v: Any) -> tuple | None:
+    """``b1,b2`` (text or a sequence) as two floats, else None."""
+    if isinstance(v, str):
+        try:
+            v = tuple(float(t) for t in v.replace(" ", "").split(","))
+        except ValueError:
+            return None
+    if isinstance(v, (list, tuple)) and len(v) == 2 and all(_number(x) for x in v):
+        return tuple(float(x) for x in v)
+    return None
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def parse_seeds(items, param: str = "--seeds") -> list[int]:
+    """Seeds given as integers, or as text repeated or comma-separated ("0,42 777"); each once, in order."""
+    if isinstance(items, (int, str)) and not isinstance(items, bool):
+        items = [items]
+    out: list[int] = []
+    for item in items:
+        toks = [item] if _number(item) else str(item).replace(",", " ").split()
+        for tok in toks:
+            try:
+                v = int(tok) if not isinstance(tok, float) or tok.is_integer() else None
+            except ValueError:
+                v = None
+            if v is None:
+                raise FedheadError(
+                    f"The '{param}' parameter must be integers >= 0. Got {tok!r} instead. Use e.g. {param} 0,42,777."
+                )
+            validate(param, v, Interval(0, None, integer=True))
+            if v not in out:
+                out.append(v)
+    return out
+
+
+def check_value(f: Field, value: Any, param: str | None = None, cfg=None) -> None:
+    """``value`` against ``f``'s declared constraint; the one-line error names ``param`` (default: the flag). With
+    ``cfg``, a head's or partition's parameter is checked against the declaration of the head / partition chosen
+    there (``min_size`` is >= 0 for dirichlet, >= 1 for zipf)."""
+    param = param or f.flag
+    if value is None:
+        return
+    constraint = f.constraint
+    if f.kind and cfg is not None:
+        chosen = [cfg.partition] if f.kind == "partition" else [cfg.head, cfg.init]
+        registry = PARTITIONS if f.kind == "partition" else HEADS
+        owners = [registry.get(n) for n in chosen if isinstance(n, str)]
+        declared = [p for o in owners if o is not None for p in o.params if p.name == f.name]
+        if declared:
+            constraint = declared[0].constraint
+    if constraint is None:
+        return
+    if isinstance(constraint, Names):
+        if not constraint.ok(value):
+            raise unknown_name(param, value, constraint.names(), constraint.what)
+        return
+    if f.name == "seeds":
+        for s in value:
+            validate(param, s, constraint, f.fix or None)
+        return
+    validate(param, value, constraint, f.fix or None)
+
+
+# ---------------------------------------------------------------- where a field applies
+
+
+def recipe_fill(name: str, recipe: str) -> Any:
+    """What resolution fills into ``name`` when it is left unset (None if nothing)."""
+    if name == "local_epochs":
+        return LOCAL_EPOCHS
+    return RECIPES.get(recipe, {}).get(name)
+
+
+def is_given(f: Field, value: Any, recipe: str) -> bool:
+    """Whether ``value`` of ``f`` was set on purpose: not its default, not what the recipe fills in and not
+    inert (so a default, or a resolved configuration, never counts as given)."""
+    if value is None or value == f.default or value in f.inert:
+        return False
+    return value != recipe_fill(f.name, recipe)
+
+
+def applies(f: Field, resolved) -> bool:
+    """Whether ``f`` applies to the run ``resolved``: one of its conditions holds, and the field that condition
+    reads applies itself (``--momentum`` needs ``--optimizer sgd``, which needs an iterative head)."""
+    return not f.applies or any(
+        w.holds(resolved) and (w.field not in FIELDS or applies(FIELDS[w.field], resolved)) for w in f.applies
+    )
+
+
+def _blocking(f: Field, resolved) -> Field:
+    """The field whose own conditions fail for ``f``: ``f``, or the field a condition of ``f`` that holds reads."""
+    for w in f.applies:
+        if w.holds(resolved) and w.field in FIELDS:
+            return _blocking(FIELDS[w.field], resolved)
+    return f
+
+
+def given_fields(raw, recipe: str | None = None) -> list[Field]:
+    recipe = recipe or getattr(raw, "recipe", "default")
+    return [f for f in FIELD_LIST if is_given(f, getattr(raw, f.name), recipe)]
+
+
+def not_applying_message(fields: list[Field], resolved) -> str:
+    """ "The '--fedlc-tau' option does not apply to --head ova2: it applies to --head fedlc only. Drop --fedlc-tau
+    or use --head fedlc." (the parameters, the value they meet, the fix), for options refused for one reason."""
+    conds = _blocking(fields[0], resolved).applies
+    flags = [f.flag for f in fields]
+    what = f"'{flags[0]}' option" if len(flags) == 1 else "'" + "', '".join(flags[:-1]) + f"' and '{flags[-1]}' options"
+    verb, they, drop = ("does", "it applies", flags[0]) if len(flags) == 1 else ("do", "they apply", "them")
+    got = []
+    for w in conds:
+        v = getattr(resolved, w.field)
+        got.append(f"runs without {flag_of(w.field)}" if v is None else f"{flag_of(w.field)} {v}")
+    got = list(dict.fromkeys(got))
+    if conds[0].values == ITERATIVE:
+        return (
+            f"The {what} {verb} not apply to --head {resolved.head}, a closed-form head solved once from "
+            f"statistics: {they} to iterative heads only. Drop {drop}, or use an iterative head (softmax, ova, "
+            "ova2, ...)."
+        )
+    wanted = " or ".join(w.wanted() for w in conds)
+    fix = " or ".join(f"give {flag_of(w.field)}" if w.values == GIVEN else f"use {w.wanted()}" for w in conds)
+    return f"The {what} {verb} not apply to {' and '.join(got)}: {they} to {wanted} only. Drop {drop} or {fix}."
+
+
+def check_given(raw, resolved) -> None:
+    """Refuse, in one line, a field given in ``raw`` that does not apply to ``resolved`` (its head, partition,
+    method, recipe); then the parameters of plugins' heads and partitions (``plugin_params``) that no chosen head
+    or partition declares. (The transport is checked by :func:`check_transport`, where it is known.)"""
+    refused: dict[tuple, list[Field]] = {}  # by reason: one line names every option refused for the first one
+    for f in given_fields(raw, resolved.recipe):
+        if f.applies and not applies(f, resolved):
+            refused.setdefault(_blocking(f, resolved).applies, []).append(f)
+    if refused:
+        raise FedheadError(not_applying_message(next(iter(refused.values())), resolved))
+    for key in getattr(raw, "plugin_params", {}) or {}:
+        owners = [n for n, s in HEADS.items() if any(p.name == key for p in s.params)]
+        powners = [n for n, s in PARTITIONS.items() if any(p.name == key for p in s.params)]
+        if not owners and not powners:
+            raise FedheadError(
+                f"The '{key}' parameter is not declared by any registered head or partition. Got it in "
+                "plugin_params. Drop it, or register the head that takes it (FEDHEAD_PLUGINS)."
+            )
+        if resolved.head not in owners and resolved.init not in owners and resolved.partition not in powners:
+            whom = " | ".join(owners + powners)
+            raise FedheadError(
+                f"The '{key}' parameter applies to {whom} only. Got --head {resolved.head} and --partition "
+                f"{resolved.partition}. Drop it or use {whom}."
+            )
+
+
+def check_transport(raw, transport: str) -> None:
+    """Refuse a field given in ``raw`` that the ``transport`` (in-process | flower) does not run."""
+    for f in given_fields(raw):
+        if transport not in f.transports:
+            raise FedheadError(transport_message(f, transport))
+
+
+def transport_message(f: Field, transport: str) -> str:
+    if f.transports == ("flower",):
+        return (
+            f"The '{f.flag}' option applies to Flower runs only (fedhead flower simulate / superlink). Got it with "
+            f"fedhead train. Drop {f.flag}, or run on Flower."
+        )
+    return (
+        f"The '{f.flag}' option applies to fedhead train only, not to Flower runs (the server holds no training "
+        f"features, and no node-local resources). Got it with a Flower run. Drop {f.flag}, or run it with fedhead "
+        "train."
+    )
+
+
+def only_applicable(values: dict, cell) -> dict:
+    """The subset of ``values`` (field -> value) that applies to the run ``cell`` (a TrainConfig with its recipe
+    filled in): what a bench grid passes on from its shared options to each of its runs."""
+    out = {}
+    for name, v in values.items():
+        f = FIELDS.get(name)
+        if f is None or not is_given(f, v, cell.recipe) or applies(f, cell):
+            out[name] = v
+    return out
