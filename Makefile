@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -n auto --dist loadgroup
 
 clean:
 	rm -rf $(VENV) runs reports

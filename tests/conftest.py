@@ -5,6 +5,10 @@ import os
 import pytest
 
 os.environ.setdefault("FEDHEAD_NO_PROGRESS", "1")
+# One intra-op thread unless a test says otherwise: a run's last bits follow the thread count, and fedhead's default
+# (the cores other processes leave free) would make a test's result depend on the machine's load and on the other
+# test worker (pytest-xdist runs the suite in one process per core).
+os.environ.setdefault("FEDHEAD_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

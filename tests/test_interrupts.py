@@ -155,6 +155,7 @@ def test_second_writer_is_refused_and_a_killed_holder_does_not_block(tiny_store,
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")
 def test_signal_mid_flower_simulate_then_resume(tmp_path):
     """Ray's driver aborts on SIGTERM; fedhead's handler stops the strategy after a round's checkpoint. With
     SCAFFOLD: the resumed run is a new Flower run, whose virtual nodes find their variates in the run folder."""
