@@ -817,105 +817,143 @@ def noise_sections(
     sections, curves = [], {}
     for kind, rates in kinds.items():
         rates = sorted(r for r in rates if r > 0)
-        base, higher = rates[0], rates[1:]
-        pbase, pacc, pdec = PAPER_NOISE[kind]
-        acc_rows, pts_rows, rel_rows, share_rows, realised_rows, kept_rows = [], [], [], [], [], []
+        tables = ([], [], [], [], [], [])  # rows: accuracy, declines (points, %), share, realised, share of clean
         share_seeds: dict[str, dict[float, dict]] = {}
         kept_seeds: dict[str, dict[float, dict]] = {}
         for head in heads:
-            per = {r: _final_by_seed(results[(head, kind, r)]) for r in rates}
-            seeds = [s for s in per[base] if all(s in per[r] for r in rates)]
-            c_acc = None
-            if head in clean:
-                c = _final_by_seed(clean[head])
-                c_seeds = [s for s in seeds if s in c]
-                c_acc = Stat.of(c[s] for s in c_seeds)
-                kept_seeds[head] = {r: {k: per[r][k] / c[k] for k in c_seeds} for r in rates}
-                kept = {r: Stat.of(kept_seeds[head][r].values()) for r in rates}
-                curves[(kind, head, "clean")] = (
-                    [0.0] + rates,
-                    [1.0] + [kept[r].mean for r in rates],
-                    [0.0] + [kept[r].std for r in rates],
-                    c_acc,
-                )
-                kept_rows.append([head, _pct(c_acc)] + [_pct(kept[r], 1) for r in rates])
-            a0 = Stat.of(per[base][s] for s in seeds)
-            accs = {r: Stat.of(per[r][s] for s in seeds) for r in rates}
-            pts = {r: Stat.of(100 * (per[base][s] - per[r][s]) for s in seeds) for r in higher}
-            rel = {r: Stat.of(100 * (per[base][s] - per[r][s]) / per[base][s] for s in seeds) for r in higher}
-            share_seeds[head] = {r: {k: per[r][k] / per[base][k] for k in seeds} for r in higher}
-            share = {r: Stat.of(share_seeds[head][r].values()) for r in higher}
-            curves[(kind, head)] = (
-                [r for r in rates],
-                [accs[r].mean for r in rates],
-                [accs[r].std for r in rates],
-                [1.0] + [share[r].mean for r in higher],
-                [0.0] + [share[r].std for r in higher],
-            )
-            acc_rows.append(
-                [head] + ([_pct(c_acc) if c_acc else "–"] if clean else []) + [_pct(accs[r]) for r in rates]
-            )
-            pts_rows.append([head, _pct(a0)] + [pts[r].fmt(1, 2) for r in higher])
-            rel_rows.append([head, _pct(a0)] + [rel[r].fmt(1, 2) for r in higher])
-            share_rows.append([head] + [_pct(share[r], 1) for r in higher])
-            realised_rows.append(
-                [head] + [Stat.of(results[(head, kind, r)].per_seed("realised_noise_rate")).fmt(1, 3) for r in rates]
-            )
-
-        # the paper's OvA-LP row, only at the rates it reports
-        def paper_cell(r, how, base=base, pbase=pbase, pdec=pdec, pacc=pacc):
-            if base != pbase or r not in pdec:
-                return "–"
-            d = pdec[r]
-            return {"pts": f"{d:.2f}", "rel": f"{100 * d / pacc:.2f}", "share": f"{100 * (1 - d / pacc):.1f}"}[how]
-
-        prow_base = f"{pacc:.2f}" if base == pbase else "–"
-        pts_rows.append(["OvA-LP (paper, CIFAR-100)", prow_base] + [paper_cell(r, "pts") for r in higher])
-        rel_rows.append(["OvA-LP (paper, CIFAR-100)", prow_base] + [paper_cell(r, "rel") for r in higher])
-        share_rows.append(["OvA-LP (paper, from its declines)"] + [paper_cell(r, "share") for r in higher])
-        hdr = ["head", f"acc @ {base:g} (%)"] + [f"decline @ {r:g}" for r in higher]
-        s = [
-            f"## {kind} noise, recipe {recipe}: {common.clients} clients IID, round {common.rounds}, "
-            f"seeds {', '.join(map(str, common.seeds))}",
-            "",
-            "### Accuracy (%)",
-            "",
-            md_table(["head"] + (["no noise"] if clean else []) + [f"{r:g}" for r in rates], acc_rows),
-            "",
-            "### Decline from the lowest rate, absolute (percentage points)",
-            "",
-            md_table(hdr, pts_rows),
-            "",
-            "### Decline from the lowest rate, relative (% of the lowest-rate accuracy)",
-            "",
-            md_table(hdr, rel_rows),
-            "",
-            f"### Share of accuracy retained relative to rate {base:g} (%)",
-            "",
-            md_table(["head"] + [f"{r:g}" for r in higher], share_rows),
-            "",
-        ]
-        s += _verdict(f"relative to rate {base:g}", share_seeds, higher)
-        if kept_rows:
-            s += [
-                "### Share of the noise-free accuracy retained (%)",
-                "",
-                "Per seed: accuracy at the rate / accuracy of the same head trained on clean labels.",
-                "",
-                md_table(["head", "no-noise acc (%)"] + [f"{r:g}" for r in rates], kept_rows),
-                "",
-            ]
-            s += _verdict("relative to no noise", kept_seeds, rates)
-        s += [
-            "Realised flip fraction (measured over all clients):",
-            "",
-            md_table(["head"] + [f"{r:g}" for r in rates], realised_rows),
-            "",
-        ]
-        if base != pbase:
-            s += [f"(The paper's row is printed only when the lowest rate is {pbase:g}, as in its table.)", ""]
-        sections.append("\n".join(s))
+            _noise_head_rows(results, head, kind, rates, clean, curves, tables, share_seeds, kept_seeds)
+        _noise_paper_rows(kind, rates, tables)
+        sections.append(_noise_kind_text(kind, rates, recipe, common, clean, tables, share_seeds, kept_seeds))
     return sections, curves
+
+
+def _noise_head_rows(
+    results: dict[tuple, CellResult],
+    head: str,
+    kind: str,
+    rates: list[float],
+    clean: dict[str, CellResult],
+    curves: dict,
+    tables: tuple[list, ...],
+    share_seeds: dict[str, dict[float, dict]],
+    kept_seeds: dict[str, dict[float, dict]],
+) -> None:
+    """One head's rows of a noise kind's tables (appended to ``tables``), its per-seed shares and its curves."""
+    base, higher = rates[0], rates[1:]
+    acc_rows, pts_rows, rel_rows, share_rows, realised_rows, kept_rows = tables
+    per = {r: _final_by_seed(results[(head, kind, r)]) for r in rates}
+    seeds = [s for s in per[base] if all(s in per[r] for r in rates)]
+    c_acc = None
+    if head in clean:
+        c = _final_by_seed(clean[head])
+        c_seeds = [s for s in seeds if s in c]
+        c_acc = Stat.of(c[s] for s in c_seeds)
+        kept_seeds[head] = {r: {k: per[r][k] / c[k] for k in c_seeds} for r in rates}
+        kept = {r: Stat.of(kept_seeds[head][r].values()) for r in rates}
+        curves[(kind, head, "clean")] = (
+            [0.0] + rates,
+            [1.0] + [kept[r].mean for r in rates],
+            [0.0] + [kept[r].std for r in rates],
+            c_acc,
+        )
+        kept_rows.append([head, _pct(c_acc)] + [_pct(kept[r], 1) for r in rates])
+    a0 = Stat.of(per[base][s] for s in seeds)
+    accs = {r: Stat.of(per[r][s] for s in seeds) for r in rates}
+    pts = {r: Stat.of(100 * (per[base][s] - per[r][s]) for s in seeds) for r in higher}
+    rel = {r: Stat.of(100 * (per[base][s] - per[r][s]) / per[base][s] for s in seeds) for r in higher}
+    share_seeds[head] = {r: {k: per[r][k] / per[base][k] for k in seeds} for r in higher}
+    share = {r: Stat.of(share_seeds[head][r].values()) for r in higher}
+    curves[(kind, head)] = (
+        [r for r in rates],
+        [accs[r].mean for r in rates],
+        [accs[r].std for r in rates],
+        [1.0] + [share[r].mean for r in higher],
+        [0.0] + [share[r].std for r in higher],
+    )
+    acc_rows.append([head] + ([_pct(c_acc) if c_acc else "–"] if clean else []) + [_pct(accs[r]) for r in rates])
+    pts_rows.append([head, _pct(a0)] + [pts[r].fmt(1, 2) for r in higher])
+    rel_rows.append([head, _pct(a0)] + [rel[r].fmt(1, 2) for r in higher])
+    share_rows.append([head] + [_pct(share[r], 1) for r in higher])
+    realised_rows.append(
+        [head] + [Stat.of(results[(head, kind, r)].per_seed("realised_noise_rate")).fmt(1, 3) for r in rates]
+    )
+
+
+def _noise_paper_rows(kind: str, rates: list[float], tables: tuple[list, ...]) -> None:
+    """The paper's OvA-LP rows of a noise kind's decline and share tables, at the rates it reports."""
+    base, higher = rates[0], rates[1:]
+    pbase, pacc, pdec = PAPER_NOISE[kind]
+    _, pts_rows, rel_rows, share_rows, _, _ = tables
+
+    # the paper's OvA-LP row, only at the rates it reports
+    def paper_cell(r, how, base=base, pbase=pbase, pdec=pdec, pacc=pacc):
+        if base != pbase or r not in pdec:
+            return "–"
+        d = pdec[r]
+        return {"pts": f"{d:.2f}", "rel": f"{100 * d / pacc:.2f}", "share": f"{100 * (1 - d / pacc):.1f}"}[how]
+
+    prow_base = f"{pacc:.2f}" if base == pbase else "–"
+    pts_rows.append(["OvA-LP (paper, CIFAR-100)", prow_base] + [paper_cell(r, "pts") for r in higher])
+    rel_rows.append(["OvA-LP (paper, CIFAR-100)", prow_base] + [paper_cell(r, "rel") for r in higher])
+    share_rows.append(["OvA-LP (paper, from its declines)"] + [paper_cell(r, "share") for r in higher])
+
+
+def _noise_kind_text(
+    kind: str,
+    rates: list[float],
+    recipe: str,
+    common: Common,
+    clean: dict[str, CellResult],
+    tables: tuple[list, ...],
+    share_seeds: dict[str, dict[float, dict]],
+    kept_seeds: dict[str, dict[float, dict]],
+) -> str:
+    """A noise kind's report section: its tables, the verdicts, the realised flip fractions."""
+    base, higher = rates[0], rates[1:]
+    pbase = PAPER_NOISE[kind][0]
+    acc_rows, pts_rows, rel_rows, share_rows, realised_rows, kept_rows = tables
+    hdr = ["head", f"acc @ {base:g} (%)"] + [f"decline @ {r:g}" for r in higher]
+    s = [
+        f"## {kind} noise, recipe {recipe}: {common.clients} clients IID, round {common.rounds}, "
+        f"seeds {', '.join(map(str, common.seeds))}",
+        "",
+        "### Accuracy (%)",
+        "",
+        md_table(["head"] + (["no noise"] if clean else []) + [f"{r:g}" for r in rates], acc_rows),
+        "",
+        "### Decline from the lowest rate, absolute (percentage points)",
+        "",
+        md_table(hdr, pts_rows),
+        "",
+        "### Decline from the lowest rate, relative (% of the lowest-rate accuracy)",
+        "",
+        md_table(hdr, rel_rows),
+        "",
+        f"### Share of accuracy retained relative to rate {base:g} (%)",
+        "",
+        md_table(["head"] + [f"{r:g}" for r in higher], share_rows),
+        "",
+    ]
+    s += _verdict(f"relative to rate {base:g}", share_seeds, higher)
+    if kept_rows:
+        s += [
+            "### Share of the noise-free accuracy retained (%)",
+            "",
+            "Per seed: accuracy at the rate / accuracy of the same head trained on clean labels.",
+            "",
+            md_table(["head", "no-noise acc (%)"] + [f"{r:g}" for r in rates], kept_rows),
+            "",
+        ]
+        s += _verdict("relative to no noise", kept_seeds, rates)
+    s += [
+        "Realised flip fraction (measured over all clients):",
+        "",
+        md_table(["head"] + [f"{r:g}" for r in rates], realised_rows),
+        "",
+    ]
+    if base != pbase:
+        s += [f"(The paper's row is printed only when the lowest rate is {pbase:g}, as in its table.)", ""]
+    return "\n".join(s)
 
 
 @grid_command("noise", clients=20, clients_help="20 (the FedLTF protocol)")
@@ -939,6 +977,53 @@ def noise_cmd(
 ):
     """Label-noise robustness, FedLTF protocol (the paper's Table 2): declines from the lowest rate."""
     heads = [check_head(h) for h in parse_names(head, "--head")]
+    kinds, clean = _noise_kinds(sym_rates, asym_rates, clean)
+    pname, pparams = resolve_partition(partition)
+    recipes = recipes_of(recipe)
+    cells, key_of = _noise_cells(common, features, heads, kinds, clean, recipes, pname, pparams, asym_map)
+    config = {
+        **common.describe(),
+        "heads": heads,
+        "rates": kinds,
+        "clean": clean,
+        "asym_map": asym_map,
+        "partition": partition,
+        "recipes": recipes,
+        "features": str(features),
+    }
+    cache = StoreCache()
+    cmd = start_report(common, list(cells.values()), cache, config)
+    results = run_grid(list(cells.values()), common.out, cache)
+    by_name = {r.cell.name: r for r in results}
+    sections, plots = [], []
+    for rec in recipes:
+        res = {(h, k, r): by_name[key_of[(rec, h, k, r)]] for h in heads for k, rs in kinds.items() for r in rs}
+        clean_of = {h: by_name[key_of[(rec, h, "none", 0.0)]] for h in heads} if clean else {}
+        secs, curves = noise_sections(res, heads, kinds, rec, common, clean_of)
+        sections += secs
+        plots += _noise_plots(common.out, rec, heads, kinds, curves, clean)
+    write_results(common.out, results, "noise")
+    write_curves(common.out, results, {})
+    note = (
+        "Declines are per seed (accuracy at the lowest rate minus accuracy at the rate; relative = that over "
+        "the lowest-rate accuracy), then mean ± std over seeds. The paper's row is OvA-LP on (probably) "
+        "CIFAR-100 with ViT-L/16, declines as printed (read as percentage points; relative and share derived "
+        "from them)."
+    )
+    path = write_report(
+        common.out,
+        "fedhead bench noise (OvA-LP Table 2, FedLTF protocol)",
+        cmd,
+        config,
+        sections + [note],
+        results,
+        plots,
+    )
+    _print_report(path, sections)
+
+
+def _noise_kinds(sym_rates: str, asym_rates: str, clean: bool) -> tuple[dict[str, list[float]], bool]:
+    """The noise kinds asked for and their rates > 0; ``clean`` is also on when a rate of 0 is given."""
     kinds = {}
     for kind, param, text in (("symmetric", "--sym-rates", sym_rates), ("asymmetric", "--asym-rates", asym_rates)):
         if text.strip():
@@ -954,8 +1039,21 @@ def noise_cmd(
         raise FedheadError(
             "The '--sym-rates' and '--asym-rates' parameters are both empty. Got '' instead. Give at least one rate."
         )
-    pname, pparams = resolve_partition(partition)
-    recipes = recipes_of(recipe)
+    return kinds, clean
+
+
+def _noise_cells(
+    common: Common,
+    features: Path,
+    heads: list[str],
+    kinds: dict[str, list[float]],
+    clean: bool,
+    recipes: list[str],
+    pname: str,
+    pparams: dict,
+    asym_map: str,
+) -> tuple[dict[str, Cell], dict[tuple, str]]:
+    """The noise grid's runs by name, and each run's name by (recipe, head, kind, rate)."""
     cells: dict[str, Cell] = {}
     key_of: dict[tuple, str] = {}
     for rec in recipes:
@@ -978,109 +1076,81 @@ def noise_cmd(
                         **({"asym_map": asym_map} if kind == "asymmetric" else {}),  # where it applies
                     ),
                 )
-    config = {
-        **common.describe(),
-        "heads": heads,
-        "rates": kinds,
-        "clean": clean,
-        "asym_map": asym_map,
-        "partition": partition,
-        "recipes": recipes,
-        "features": str(features),
-    }
-    cache = StoreCache()
-    cmd = start_report(common, list(cells.values()), cache, config)
-    results = run_grid(list(cells.values()), common.out, cache)
-    by_name = {r.cell.name: r for r in results}
-    sections, plots = [], []
-    for rec in recipes:
-        res = {(h, k, r): by_name[key_of[(rec, h, k, r)]] for h in heads for k, rs in kinds.items() for r in rs}
-        clean_of = {h: by_name[key_of[(rec, h, "none", 0.0)]] for h in heads} if clean else {}
-        secs, curves = noise_sections(res, heads, kinds, rec, common, clean_of)
-        sections += secs
-        acc_panels, share_panels, kept_panels = [], [], []
-        for kind in kinds:
-            ap, sp = P.Panel(kind), P.Panel(kind, hline=(1.0, "lowest rate"))
-            kp = P.Panel(kind, hline=(1.0, "no noise"))
-            for h in heads:
-                x, m, s, sh, shs = curves[(kind, h)]
-                sp.lines.append(P.Line(h, x, sh, shs, marker="o"))
-                if clean:  # the noise-free accuracy drawn at rate 0
-                    kx, km, ks, c = curves[(kind, h, "clean")]
-                    x, m, s = [0.0] + x, [c.mean] + m, [c.std] + s
-                    kp.lines.append(P.Line(h, kx, km, ks, marker="o"))
-                ap.lines.append(P.Line(h, x, m, s, marker="o"))
-            pbase, pacc, pdec = PAPER_NOISE[kind]
-            px = [pbase] + sorted(pdec)
-            ap.lines.append(
-                P.Line(
-                    "OvA-LP (paper, CIFAR-100)",
-                    px,
-                    [pacc / 100] + [(pacc - pdec[r]) / 100 for r in sorted(pdec)],
-                    style=":",
-                    color="gray",
-                    marker="x",
-                )
-            )
-            sp.lines.append(
-                P.Line(
-                    "OvA-LP (paper)",
-                    px,
-                    [1.0] + [1 - pdec[r] / pacc for r in sorted(pdec)],
-                    style=":",
-                    color="gray",
-                    marker="x",
-                )
-            )
-            acc_panels.append(ap)
-            share_panels.append(sp)
-            kept_panels.append(kp)
-        plots.append(
-            P.write_curves(
-                common.out / f"noise-accuracy-{rec}.png",
-                acc_panels,
-                "flip rate",
-                "final test accuracy",
-                f"accuracy under label noise ({rec})",
+    return cells, key_of
+
+
+def _noise_plots(
+    out: Path, rec: str, heads: list[str], kinds: dict[str, list[float]], curves: dict, clean: bool
+) -> list[Path]:
+    """One recipe's noise plots: accuracy and share retained against the flip rate (and the share of the clean
+    accuracy kept), a panel per kind, with the paper's OvA-LP."""
+    plots = []
+    acc_panels, share_panels, kept_panels = [], [], []
+    for kind in kinds:
+        ap, sp = P.Panel(kind), P.Panel(kind, hline=(1.0, "lowest rate"))
+        kp = P.Panel(kind, hline=(1.0, "no noise"))
+        for h in heads:
+            x, m, s, sh, shs = curves[(kind, h)]
+            sp.lines.append(P.Line(h, x, sh, shs, marker="o"))
+            if clean:  # the noise-free accuracy drawn at rate 0
+                kx, km, ks, c = curves[(kind, h, "clean")]
+                x, m, s = [0.0] + x, [c.mean] + m, [c.std] + s
+                kp.lines.append(P.Line(h, kx, km, ks, marker="o"))
+            ap.lines.append(P.Line(h, x, m, s, marker="o"))
+        pbase, pacc, pdec = PAPER_NOISE[kind]
+        px = [pbase] + sorted(pdec)
+        ap.lines.append(
+            P.Line(
+                "OvA-LP (paper, CIFAR-100)",
+                px,
+                [pacc / 100] + [(pacc - pdec[r]) / 100 for r in sorted(pdec)],
+                style=":",
+                color="gray",
+                marker="x",
             )
         )
-        plots.append(
-            P.write_curves(
-                common.out / f"noise-retained-{rec}.png",
-                share_panels,
-                "flip rate",
-                "accuracy / accuracy at the lowest rate",
-                f"share retained ({rec})",
+        sp.lines.append(
+            P.Line(
+                "OvA-LP (paper)",
+                px,
+                [1.0] + [1 - pdec[r] / pacc for r in sorted(pdec)],
+                style=":",
+                color="gray",
+                marker="x",
             )
         )
-        if clean:
-            plots.append(
-                P.write_curves(
-                    common.out / f"noise-retained-vs-clean-{rec}.png",
-                    kept_panels,
-                    "flip rate",
-                    "accuracy / noise-free accuracy",
-                    f"share of clean accuracy kept ({rec})",
-                )
+        acc_panels.append(ap)
+        share_panels.append(sp)
+        kept_panels.append(kp)
+    plots.append(
+        P.write_curves(
+            out / f"noise-accuracy-{rec}.png",
+            acc_panels,
+            "flip rate",
+            "final test accuracy",
+            f"accuracy under label noise ({rec})",
+        )
+    )
+    plots.append(
+        P.write_curves(
+            out / f"noise-retained-{rec}.png",
+            share_panels,
+            "flip rate",
+            "accuracy / accuracy at the lowest rate",
+            f"share retained ({rec})",
+        )
+    )
+    if clean:
+        plots.append(
+            P.write_curves(
+                out / f"noise-retained-vs-clean-{rec}.png",
+                kept_panels,
+                "flip rate",
+                "accuracy / noise-free accuracy",
+                f"share of clean accuracy kept ({rec})",
             )
-    write_results(common.out, results, "noise")
-    write_curves(common.out, results, {})
-    note = (
-        "Declines are per seed (accuracy at the lowest rate minus accuracy at the rate; relative = that over "
-        "the lowest-rate accuracy), then mean ± std over seeds. The paper's row is OvA-LP on (probably) "
-        "CIFAR-100 with ViT-L/16, declines as printed (read as percentage points; relative and share derived "
-        "from them)."
-    )
-    path = write_report(
-        common.out,
-        "fedhead bench noise (OvA-LP Table 2, FedLTF protocol)",
-        cmd,
-        config,
-        sections + [note],
-        results,
-        plots,
-    )
-    _print_report(path, sections)
+        )
+    return plots
 
 
 # ---------------------------------------------------------------- participation
