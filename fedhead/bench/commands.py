@@ -1175,6 +1175,43 @@ def participation_cmd(
     fracs = sorted(parse_rates("--rates", rates, low_closed=False, high_closed=True), reverse=True)
     pname, pparams = resolve_partition(partition)
     recipes = recipes_of(recipe)
+    cells = _participation_cells(common, features, heads, fracs, partition, pname, pparams, recipes)
+    config = {
+        **common.describe(),
+        "heads": heads,
+        "participation": fracs,
+        "partition": partition,
+        "recipes": recipes,
+        "features": str(features),
+    }
+    cache = StoreCache()
+    cmd = start_report(common, cells, cache, config)
+    results = run_grid(cells, common.out, cache)
+    iid_of = pair_with_iid(results, drop=("partition", "participation"))
+    sections, plots = [], []
+    for rec in recipes:
+        rs = [r for r in results if r.cell.labels["recipe"] == rec]
+        sections.append(_participation_text(rs, iid_of, partition, rec, common))
+        plots += _participation_plots(common.out, rs, iid_of, heads, partition, rec)
+    write_results(common.out, results, "participation")
+    write_curves(common.out, results, iid_of)
+    path = write_report(
+        common.out, "fedhead bench participation (OvA-LP Fig. 9)", cmd, config, sections, results, plots
+    )
+    _print_report(path, sections)
+
+
+def _participation_cells(
+    common: Common,
+    features: Path,
+    heads: list[str],
+    fracs: list[float],
+    partition: str,
+    pname: str,
+    pparams: dict,
+    recipes: list[str],
+) -> list[Cell]:
+    """For each recipe and head: the IID run at full participation and one non-IID run per fraction."""
     cells = []
     for rec in recipes:
         for h in heads:
@@ -1195,81 +1232,73 @@ def participation_cmd(
                         ),
                     )
                 )
-    config = {
-        **common.describe(),
-        "heads": heads,
-        "participation": fracs,
-        "partition": partition,
-        "recipes": recipes,
-        "features": str(features),
-    }
-    cache = StoreCache()
-    cmd = start_report(common, cells, cache, config)
-    results = run_grid(cells, common.out, cache)
-    iid_of = pair_with_iid(results, drop=("partition", "participation"))
-    sections, plots = [], []
-    for rec in recipes:
-        rs = [r for r in results if r.cell.labels["recipe"] == rec]
-        lead = ["head", "partition", "participation"]
-        s = [
-            f"## recipe {rec}: {partition}, {common.clients} clients, round {common.rounds}, "
-            f"seeds {', '.join(map(str, common.seeds))}",
-            "",
-            "Ratio and Acc@95 vs IID refer to the IID run at full participation.",
-            "",
-            final_table(rs, lead),
-            "",
-            "### Ratio to IID (full participation) per round (%)",
-            "",
-            ratio_round_table(rs, iid_of, lead, common.rounds),
-            "",
-        ]
-        sections.append("\n".join(s))
-        acc_panels, ratio_panels = [], []
-        for h in heads:
-            ap, rp = P.Panel(h), P.Panel(h, hline=(1.0, "IID (p=1)"))
-            for r in [x for x in rs if x.cell.labels["head"] == h]:
-                x, m, sd = mean_curve(r)
-                iid = r.cell.labels["partition"] == "iid"
-                ap.lines.append(
-                    P.Line(
-                        "IID, p=1" if iid else f"p={r.cell.labels['participation']:g}",
-                        x,
-                        m,
-                        sd,
-                        style="--" if iid else "-",
-                        color="black" if iid else None,
-                    )
+    return cells
+
+
+def _participation_text(rs: list[CellResult], iid_of: dict, partition: str, rec: str, common: Common) -> str:
+    """One recipe's participation section: the final table and the ratio to IID per round."""
+    lead = ["head", "partition", "participation"]
+    s = [
+        f"## recipe {rec}: {partition}, {common.clients} clients, round {common.rounds}, "
+        f"seeds {', '.join(map(str, common.seeds))}",
+        "",
+        "Ratio and Acc@95 vs IID refer to the IID run at full participation.",
+        "",
+        final_table(rs, lead),
+        "",
+        "### Ratio to IID (full participation) per round (%)",
+        "",
+        ratio_round_table(rs, iid_of, lead, common.rounds),
+        "",
+    ]
+    return "\n".join(s)
+
+
+def _participation_plots(
+    out: Path, rs: list[CellResult], iid_of: dict, heads: list[str], partition: str, rec: str
+) -> list[Path]:
+    """One recipe's participation plots: accuracy and ratio to IID per round, a panel per head."""
+    plots = []
+    acc_panels, ratio_panels = [], []
+    for h in heads:
+        ap, rp = P.Panel(h), P.Panel(h, hline=(1.0, "IID (p=1)"))
+        for r in [x for x in rs if x.cell.labels["head"] == h]:
+            x, m, sd = mean_curve(r)
+            iid = r.cell.labels["partition"] == "iid"
+            ap.lines.append(
+                P.Line(
+                    "IID, p=1" if iid else f"p={r.cell.labels['participation']:g}",
+                    x,
+                    m,
+                    sd,
+                    style="--" if iid else "-",
+                    color="black" if iid else None,
                 )
-                if not iid and iid_of.get(r.cell.name) is not None:
-                    x, m, sd = ratio_curve(r, iid_of[r.cell.name])
-                    rp.lines.append(P.Line(f"p={r.cell.labels['participation']:g}", x, m, sd))
-            acc_panels.append(ap)
-            ratio_panels.append(rp)
-        plots.append(
-            P.write_curves(
-                common.out / f"participation-accuracy-{rec}.png",
-                acc_panels,
-                "round",
-                "test accuracy",
-                f"participation sweep, {partition} ({rec})",
             )
+            if not iid and iid_of.get(r.cell.name) is not None:
+                x, m, sd = ratio_curve(r, iid_of[r.cell.name])
+                rp.lines.append(P.Line(f"p={r.cell.labels['participation']:g}", x, m, sd))
+        acc_panels.append(ap)
+        ratio_panels.append(rp)
+    plots.append(
+        P.write_curves(
+            out / f"participation-accuracy-{rec}.png",
+            acc_panels,
+            "round",
+            "test accuracy",
+            f"participation sweep, {partition} ({rec})",
         )
-        plots.append(
-            P.write_curves(
-                common.out / f"participation-ratio-{rec}.png",
-                ratio_panels,
-                "round",
-                "accuracy / IID accuracy",
-                f"ratio to IID ({rec})",
-            )
-        )
-    write_results(common.out, results, "participation")
-    write_curves(common.out, results, iid_of)
-    path = write_report(
-        common.out, "fedhead bench participation (OvA-LP Fig. 9)", cmd, config, sections, results, plots
     )
-    _print_report(path, sections)
+    plots.append(
+        P.write_curves(
+            out / f"participation-ratio-{rec}.png",
+            ratio_panels,
+            "round",
+            "accuracy / IID accuracy",
+            f"ratio to IID ({rec})",
+        )
+    )
+    return plots
 
 
 # ---------------------------------------------------------------- geometry
