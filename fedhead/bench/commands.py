@@ -1335,8 +1335,47 @@ def geometry_cmd(
     check_out(out, kind="dir")  # a file there, or below a file: refused before any work
     infos = [open_store(p) for p in features]
     tags = _store_tags(list(features))
-    rows, table, series = [], [], {}
     per_class = samples_per_class or None
+    rows, table, series, stats_of, max_class = _geometry_stores(
+        tags, infos, split, samples_per_class, per_class, seeds_l
+    )
+    for kind, vals in PAPER_GEOMETRY.items():
+        table.append(
+            [f"paper ({kind})", "ViT (paper)", kind, "not stated"]
+            + [f"{vals[m][0]:.3f} ± {vals[m][1]:.3f}" if m in vals else "–" for m in COLUMNS]
+        )
+    datasets = sorted({i.dataset for i in infos})
+    s = [
+        f"## Feature geometry ({split} split, up to {samples_per_class or 'all'} samples per class, seeds "
+        f"{', '.join(map(str, seeds_l))})",
+        "",
+        md_table(["store", "encoder", "weights", "dataset"] + list(COLUMNS), table),
+        "",
+    ]
+    s += _geometry_comparisons(stats_of)
+    if per_class is None or max(max_class) <= per_class:
+        s.append(
+            f"\nNote: every class has at most {samples_per_class or 'all'} samples, so every seed uses the "
+            "same samples and the ± over seeds is 0; lower --samples-per-class to see sampling variation."
+        )
+    if len(datasets) > 1:
+        s.append(
+            f"\nNote: the stores hold different datasets ({', '.join(datasets)}); geometry is comparable only "
+            "on the same images."
+        )
+
+    s += ["", "Definitions (features L2-normalised):", "", "```", gdoc.strip(), "```"]
+    sections = ["\n".join(s)]
+    path = _write_geometry(out, features, split, samples_per_class, seeds_l, sections, series, rows)
+    _print_report(path, sections[:1])
+
+
+def _geometry_stores(
+    tags: list[str], infos: list, split: str, samples_per_class: int, per_class: int | None, seeds_l: list[int]
+) -> tuple[list[dict], list[list], dict, dict, list[int]]:
+    """Each store's geometry over the seeds: its results.csv row, its table row, its bars, its stats by tag and its
+    largest class size."""
+    rows, table, series = [], [], {}
     stats_of, max_class = {}, []
     for tag, info in zip(tags, infos):
         f = load_store(info.path)
@@ -1365,19 +1404,12 @@ def geometry_cmd(
         for m in COLUMNS:
             row[f"res_{m}"], row[f"res_{m}_std"] = stats[m].mean, stats[m].std
         rows.append(row)
-    for kind, vals in PAPER_GEOMETRY.items():
-        table.append(
-            [f"paper ({kind})", "ViT (paper)", kind, "not stated"]
-            + [f"{vals[m][0]:.3f} ± {vals[m][1]:.3f}" if m in vals else "–" for m in COLUMNS]
-        )
-    datasets = sorted({i.dataset for i in infos})
-    s = [
-        f"## Feature geometry ({split} split, up to {samples_per_class or 'all'} samples per class, seeds "
-        f"{', '.join(map(str, seeds_l))})",
-        "",
-        md_table(["store", "encoder", "weights", "dataset"] + list(COLUMNS), table),
-        "",
-    ]
+    return rows, table, series, stats_of, max_class
+
+
+def _geometry_comparisons(stats_of: dict) -> list[str]:
+    """Every pretrained store against every random-init one: the ratio, and the paper's directions."""
+    lines = []
     pre = [t for t, (i, _) in stats_of.items() if _weights_kind(i) == "pretrained"]
     rnd = [t for t, (i, _) in stats_of.items() if _weights_kind(i) == "random-init"]
     for a in pre:
@@ -1385,7 +1417,7 @@ def geometry_cmd(
             sa, sb = stats_of[a][1], stats_of[b][1]
             ra, rb = sa["ratio"].mean, sb["ratio"].mean
             same = stats_of[a][0].dataset == stats_of[b][0].dataset and stats_of[a][0].encoder == stats_of[b][0].encoder
-            s.append(
+            lines.append(
                 f"- {a} (pretrained) vs {b} (random-init){'' if same else ' [different encoder or dataset]'}: "
                 f"intra/inter {ra:.3f} vs {rb:.3f} → pretrained lower: **{'yes' if ra < rb else 'no'}**"
             )
@@ -1394,7 +1426,7 @@ def geometry_cmd(
                 f" ({sa[m].mean:.3f} vs {sb[m].mean:.3f})"
                 for m in ("alignment", "intra", "inter")
             ]
-            s.append(
+            lines.append(
                 f"  - the paper's direction (pretrained smaller alignment and intra, larger inter): "
                 f"{'; '.join(as_paper)}; spread {sa['spread'].mean:.3f} vs {sb['spread'].mean:.3f}"
                 + (
@@ -1404,19 +1436,20 @@ def geometry_cmd(
                     else ""
                 )
             )
-    if per_class is None or max(max_class) <= per_class:
-        s.append(
-            f"\nNote: every class has at most {samples_per_class or 'all'} samples, so every seed uses the "
-            "same samples and the ± over seeds is 0; lower --samples-per-class to see sampling variation."
-        )
-    if len(datasets) > 1:
-        s.append(
-            f"\nNote: the stores hold different datasets ({', '.join(datasets)}); geometry is comparable only "
-            "on the same images."
-        )
+    return lines
 
-    s += ["", "Definitions (features L2-normalised):", "", "```", gdoc.strip(), "```"]
-    sections = ["\n".join(s)]
+
+def _write_geometry(
+    out: Path,
+    features: list[Path],
+    split: str,
+    samples_per_class: int,
+    seeds_l: list[int],
+    sections: list[str],
+    series: dict,
+    rows: list[dict],
+) -> Path:
+    """Write the geometry report folder (its one writer): the bars, results.csv and the report; returns its path."""
     with exclusive_writer(out, f"the report folder {str(out)!r}"):
         out.mkdir(parents=True, exist_ok=True)
         plots = [
@@ -1439,4 +1472,4 @@ def geometry_cmd(
             "out": str(out),
         }
         path = write_report(out, "fedhead bench geometry (OvA-LP Fig. 2)", cmd, config, sections, (), plots)
-    _print_report(path, sections[:1])
+    return path
