@@ -1100,47 +1100,56 @@ def _alphas(paper: Paper, text: str | None, scale: str, quick: bool) -> tuple:
     return tuple(parse_rates("--alphas", text, low_closed=False, high=1e6))
 
 
+# The command's options declared over several lines (its signature lists them by these names).
+DATA_DIR_OPT = typer.Option(
+    ...,
+    "--data-dir",
+    help="Folder holding the paper's datasets, one folder each "
+    "(mnist/, fashion-mnist/, cifar10/, speech_commands/; the layout of "
+    "../shared/datasets).",
+)
+SCALE_OPT = typer.Option(
+    "cpu",
+    "--scale",
+    help="paper (the paper's protocol, a GPU job) | cpu (cut to about "
+    "30 minutes per table on 2 CPU cores; every cut listed in the report)",
+)
+DATASETS_OPT = typer.Option(
+    None,
+    "--datasets",
+    help="comma-separated datasets to run (default: every column found; --scale cpu: the columns that fit on CPU)",
+)
+ALPHAS_OPT = typer.Option(
+    None,
+    "--alphas",
+    help="fedabc: Dirichlet alphas, comma-separated (default: the paper's 0.1,0.3,0.5,1; --quick 0.1,1)",
+)
+DRY_RUN_OPT = typer.Option(
+    False,
+    "--dry-run",
+    help="print every run's resolved configuration (JSON lines) and stop: no data loaded, nothing written",
+)
+BACKEND_OPT = typer.Option(
+    "vectorized",
+    "--backend",
+    help="the scratch engine: vectorized | loop (same results; which is faster depends on the model)",
+)
+
+
 @cli_errors
 def papers_cmd(
     paper: str = typer.Argument(..., help="fedova | fedabc | dnc"),
-    data_dir: Path = typer.Option(
-        ...,
-        "--data-dir",
-        help="Folder holding the paper's datasets, one folder each "
-        "(mnist/, fashion-mnist/, cifar10/, speech_commands/; the layout of "
-        "../shared/datasets).",
-    ),
-    scale: str = typer.Option(
-        "cpu",
-        "--scale",
-        help="paper (the paper's protocol, a GPU job) | cpu (cut to about "
-        "30 minutes per table on 2 CPU cores; every cut listed in the report)",
-    ),
-    datasets: Optional[str] = typer.Option(
-        None,
-        "--datasets",
-        help="comma-separated datasets to run (default: every column found; --scale cpu: the columns that fit on CPU)",
-    ),
-    alphas: Optional[str] = typer.Option(
-        None,
-        "--alphas",
-        help="fedabc: Dirichlet alphas, comma-separated (default: the paper's 0.1,0.3,0.5,1; --quick 0.1,1)",
-    ),
+    data_dir: Path = DATA_DIR_OPT,
+    scale: str = SCALE_OPT,
+    datasets: Optional[str] = DATASETS_OPT,
+    alphas: Optional[str] = ALPHAS_OPT,
     seeds: Optional[List[str]] = typer.Option(
         None, "--seeds", help="seeds, repeated or comma-separated \\[default: 0,42,777; --quick: 0]"
     ),
     quick: bool = typer.Option(False, "--quick", help="a smoke run: tiny subsets, a few rounds and epochs, one seed"),
-    dry_run: bool = typer.Option(
-        False,
-        "--dry-run",
-        help="print every run's resolved configuration (JSON lines) and stop: no data loaded, nothing written",
-    ),
+    dry_run: bool = DRY_RUN_OPT,
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
-    backend: str = typer.Option(
-        "vectorized",
-        "--backend",
-        help="the scratch engine: vectorized | loop (same results; which is faster depends on the model)",
-    ),
+    backend: str = BACKEND_OPT,
     out: Optional[Path] = typer.Option(
         None,
         "--out",
@@ -1195,22 +1204,23 @@ def papers_cmd(
         }
         cmd = begin_report(out, cells, config)
         t0, c0 = time.perf_counter(), time.process_time()
-
-        def run_one(c: Cell, d: Path, resume: bool, prog) -> None:
-            err = stderr_console()
-            run_scratch(
-                c.cfg,
-                d,
-                log=lambda m: err.print(f"{c.name}: {m}", markup=False, highlight=False),
-                progress=prog,
-                resume=resume,
-            )
-
-        results = run_cells(cells, out, run_one)
+        results = run_cells(cells, out, _run_cell)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         _write(
             spec, out, cmd, config, results, chosen, notes, cuts, seeds_l, alpha_l, window, scale, quick, (wall, cpu)
         )
+
+
+def _run_cell(c: Cell, d: Path, resume: bool, prog) -> None:
+    """Run (or resume) one cell of the grid in its run directory ``d``, its log lines on stderr named by the cell."""
+    err = stderr_console()
+    run_scratch(
+        c.cfg,
+        d,
+        log=lambda m: err.print(f"{c.name}: {m}", markup=False, highlight=False),
+        progress=prog,
+        resume=resume,
+    )
 
 
 def _write(
