@@ -157,27 +157,38 @@ def _reached(r: CellResult, key: str, digits: int) -> str:
 
 def _sections(results: list[CellResult], names: list[str], plabels: list[str], common: Common) -> list[str]:
     by = {(r.cell.labels["method"], r.cell.labels["partition"]): r for r in results}
+    return [
+        _central_ratio_table(by, names, plabels, common),
+        _best_ceiling_table(by, names, plabels),
+        _accuracy_table(by, names, plabels),
+        _to_99_table(by, names, plabels),
+        _iid_cost_table(by, names, plabels),
+        "\n".join(["## Methods", "", md_table(["method", "what"], [[m, METHODS[m][0]] for m in names]), ""]),
+    ]
+
+
+def _central_ratio_table(by: dict[tuple, CellResult], names: list[str], plabels: list[str], common: Common) -> str:
+    """The ratio of each method's final accuracy to its own central ceiling, method x partition."""
     seeds = ", ".join(map(str, common.seeds))
-    out = []
-    # 1. ratio to the central ceiling, method x partition
     rows = []
     for m in names:
         rows.append([m] + [_stat(by[(m, p)], "final_ratio_to_central").fmt(100, 1) for p in plabels])
-    out.append(
-        "\n".join(
-            [
-                f"## Ratio to the central ceiling (%), final round ({common.clients} clients, up to {common.rounds} rounds, "
-                f"seeds {seeds})",
-                "",
-                "The ceiling is the same head trained centrally on the pooled training features to convergence (closed-form "
-                "heads: the same solve on pooled data). A closed-form head runs one round.",
-                "",
-                md_table(["method"] + plabels, rows),
-                "",
-            ]
-        )
+    return "\n".join(
+        [
+            f"## Ratio to the central ceiling (%), final round ({common.clients} clients, up to {common.rounds} rounds, "
+            f"seeds {seeds})",
+            "",
+            "The ceiling is the same head trained centrally on the pooled training features to convergence (closed-form "
+            "heads: the same solve on pooled data). A closed-form head runs one round.",
+            "",
+            md_table(["method"] + plabels, rows),
+            "",
+        ]
     )
-    # 1b. against the best ceiling of any head: one yardstick for all methods
+
+
+def _best_ceiling_table(by: dict[tuple, CellResult], names: list[str], plabels: list[str]) -> str:
+    """The ratio of each method's final accuracy to the best central ceiling of any method here: one yardstick."""
     ceilings = {m: _stat(by[(m, plabels[0])], "central_accuracy").mean for m in names}
     best_m = max(ceilings, key=lambda m: ceilings[m] if ceilings[m] == ceilings[m] else -1.0)
     best = ceilings[best_m]
@@ -185,37 +196,39 @@ def _sections(results: list[CellResult], names: list[str], plabels: list[str], c
         [m] + [Stat.of([v / best for v in by[(m, p)].per_seed("final_accuracy")]).fmt(100, 1) for p in plabels]
         for m in names
     ]
-    out.append(
-        "\n".join(
-            [
-                f"## Ratio to the best ceiling of any method here (%): {best_m}'s central {100 * best:.2f}%",
-                "",
-                "Each head's own ceiling is the optimum of its own regularised objective; this table puts every method on "
-                "one yardstick.",
-                "",
-                md_table(["method"] + plabels, rows),
-                "",
-            ]
-        )
+    return "\n".join(
+        [
+            f"## Ratio to the best ceiling of any method here (%): {best_m}'s central {100 * best:.2f}%",
+            "",
+            "Each head's own ceiling is the optimum of its own regularised objective; this table puts every method on "
+            "one yardstick.",
+            "",
+            md_table(["method"] + plabels, rows),
+            "",
+        ]
     )
-    # 2. final accuracy and the ceilings
+
+
+def _accuracy_table(by: dict[tuple, CellResult], names: list[str], plabels: list[str]) -> str:
+    """Each method's final accuracy per partition, and its central ceiling."""
     rows = [
         [m]
         + [_stat(by[(m, p)], "final_accuracy").fmt(100, 2) for p in plabels]
         + [_stat(by[(m, plabels[0])], "central_accuracy").fmt(100, 2)]
         for m in names
     ]
-    out.append(
-        "\n".join(
-            [
-                "## Final test accuracy (%) and the method's central ceiling",
-                "",
-                md_table(["method"] + plabels + ["central"], rows),
-                "",
-            ]
-        )
+    return "\n".join(
+        [
+            "## Final test accuracy (%) and the method's central ceiling",
+            "",
+            md_table(["method"] + plabels + ["central"], rows),
+            "",
+        ]
     )
-    # 3. rounds and MB per client to 99% of the ceiling
+
+
+def _to_99_table(by: dict[tuple, CellResult], names: list[str], plabels: list[str]) -> str:
+    """The rounds and MB uploaded per client each method needs to reach 99% of its central ceiling."""
     rows = [
         [m]
         + [
@@ -225,17 +238,18 @@ def _sections(results: list[CellResult], names: list[str], plabels: list[str], c
         ]
         for m in names
     ]
-    out.append(
-        "\n".join(
-            [
-                "## Rounds / MB uploaded per client to reach 99% of the central ceiling",
-                "",
-                md_table(["method"] + plabels, rows),
-                "",
-            ]
-        )
+    return "\n".join(
+        [
+            "## Rounds / MB uploaded per client to reach 99% of the central ceiling",
+            "",
+            md_table(["method"] + plabels, rows),
+            "",
+        ]
     )
-    # 4. ratio to IID, cost
+
+
+def _iid_cost_table(by: dict[tuple, CellResult], names: list[str], plabels: list[str]) -> str:
+    """Each method's ratio to its IID run per partition, and its cost in time and bytes."""
     rows = []
     for m in names:
         cells = [by[(m, p)] for p in plabels]
@@ -248,21 +262,17 @@ def _sections(results: list[CellResult], names: list[str], plabels: list[str], c
                 f"{np.nanmean([_stat(r, 'mb_per_client').mean for r in cells]):.3f}",
             ]
         )
-    out.append(
-        "\n".join(
-            [
-                "## Ratio to the IID run of the same method (%), and cost",
-                "",
-                "client ms: per client and round (closed form: computing the statistics); server ms: per "
-                "round; MB: uploaded per client over the whole run (mean over partitions).",
-                "",
-                md_table(["method"] + plabels + ["client ms", "server ms", "MB up/client"], rows),
-                "",
-            ]
-        )
+    return "\n".join(
+        [
+            "## Ratio to the IID run of the same method (%), and cost",
+            "",
+            "client ms: per client and round (closed form: computing the statistics); server ms: per "
+            "round; MB: uploaded per client over the whole run (mean over partitions).",
+            "",
+            md_table(["method"] + plabels + ["client ms", "server ms", "MB up/client"], rows),
+            "",
+        ]
     )
-    out.append("\n".join(["## Methods", "", md_table(["method", "what"], [[m, METHODS[m][0]] for m in names]), ""]))
-    return out
 
 
 def _plots(results: list[CellResult], names: list[str], plabels: list[str], common: Common) -> list[Path]:

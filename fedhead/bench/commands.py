@@ -817,105 +817,143 @@ def noise_sections(
     sections, curves = [], {}
     for kind, rates in kinds.items():
         rates = sorted(r for r in rates if r > 0)
-        base, higher = rates[0], rates[1:]
-        pbase, pacc, pdec = PAPER_NOISE[kind]
-        acc_rows, pts_rows, rel_rows, share_rows, realised_rows, kept_rows = [], [], [], [], [], []
+        tables = ([], [], [], [], [], [])  # rows: accuracy, declines (points, %), share, realised, share of clean
         share_seeds: dict[str, dict[float, dict]] = {}
         kept_seeds: dict[str, dict[float, dict]] = {}
         for head in heads:
-            per = {r: _final_by_seed(results[(head, kind, r)]) for r in rates}
-            seeds = [s for s in per[base] if all(s in per[r] for r in rates)]
-            c_acc = None
-            if head in clean:
-                c = _final_by_seed(clean[head])
-                c_seeds = [s for s in seeds if s in c]
-                c_acc = Stat.of(c[s] for s in c_seeds)
-                kept_seeds[head] = {r: {k: per[r][k] / c[k] for k in c_seeds} for r in rates}
-                kept = {r: Stat.of(kept_seeds[head][r].values()) for r in rates}
-                curves[(kind, head, "clean")] = (
-                    [0.0] + rates,
-                    [1.0] + [kept[r].mean for r in rates],
-                    [0.0] + [kept[r].std for r in rates],
-                    c_acc,
-                )
-                kept_rows.append([head, _pct(c_acc)] + [_pct(kept[r], 1) for r in rates])
-            a0 = Stat.of(per[base][s] for s in seeds)
-            accs = {r: Stat.of(per[r][s] for s in seeds) for r in rates}
-            pts = {r: Stat.of(100 * (per[base][s] - per[r][s]) for s in seeds) for r in higher}
-            rel = {r: Stat.of(100 * (per[base][s] - per[r][s]) / per[base][s] for s in seeds) for r in higher}
-            share_seeds[head] = {r: {k: per[r][k] / per[base][k] for k in seeds} for r in higher}
-            share = {r: Stat.of(share_seeds[head][r].values()) for r in higher}
-            curves[(kind, head)] = (
-                [r for r in rates],
-                [accs[r].mean for r in rates],
-                [accs[r].std for r in rates],
-                [1.0] + [share[r].mean for r in higher],
-                [0.0] + [share[r].std for r in higher],
-            )
-            acc_rows.append(
-                [head] + ([_pct(c_acc) if c_acc else "–"] if clean else []) + [_pct(accs[r]) for r in rates]
-            )
-            pts_rows.append([head, _pct(a0)] + [pts[r].fmt(1, 2) for r in higher])
-            rel_rows.append([head, _pct(a0)] + [rel[r].fmt(1, 2) for r in higher])
-            share_rows.append([head] + [_pct(share[r], 1) for r in higher])
-            realised_rows.append(
-                [head] + [Stat.of(results[(head, kind, r)].per_seed("realised_noise_rate")).fmt(1, 3) for r in rates]
-            )
-
-        # the paper's OvA-LP row, only at the rates it reports
-        def paper_cell(r, how, base=base, pbase=pbase, pdec=pdec, pacc=pacc):
-            if base != pbase or r not in pdec:
-                return "–"
-            d = pdec[r]
-            return {"pts": f"{d:.2f}", "rel": f"{100 * d / pacc:.2f}", "share": f"{100 * (1 - d / pacc):.1f}"}[how]
-
-        prow_base = f"{pacc:.2f}" if base == pbase else "–"
-        pts_rows.append(["OvA-LP (paper, CIFAR-100)", prow_base] + [paper_cell(r, "pts") for r in higher])
-        rel_rows.append(["OvA-LP (paper, CIFAR-100)", prow_base] + [paper_cell(r, "rel") for r in higher])
-        share_rows.append(["OvA-LP (paper, from its declines)"] + [paper_cell(r, "share") for r in higher])
-        hdr = ["head", f"acc @ {base:g} (%)"] + [f"decline @ {r:g}" for r in higher]
-        s = [
-            f"## {kind} noise, recipe {recipe}: {common.clients} clients IID, round {common.rounds}, "
-            f"seeds {', '.join(map(str, common.seeds))}",
-            "",
-            "### Accuracy (%)",
-            "",
-            md_table(["head"] + (["no noise"] if clean else []) + [f"{r:g}" for r in rates], acc_rows),
-            "",
-            "### Decline from the lowest rate, absolute (percentage points)",
-            "",
-            md_table(hdr, pts_rows),
-            "",
-            "### Decline from the lowest rate, relative (% of the lowest-rate accuracy)",
-            "",
-            md_table(hdr, rel_rows),
-            "",
-            f"### Share of accuracy retained relative to rate {base:g} (%)",
-            "",
-            md_table(["head"] + [f"{r:g}" for r in higher], share_rows),
-            "",
-        ]
-        s += _verdict(f"relative to rate {base:g}", share_seeds, higher)
-        if kept_rows:
-            s += [
-                "### Share of the noise-free accuracy retained (%)",
-                "",
-                "Per seed: accuracy at the rate / accuracy of the same head trained on clean labels.",
-                "",
-                md_table(["head", "no-noise acc (%)"] + [f"{r:g}" for r in rates], kept_rows),
-                "",
-            ]
-            s += _verdict("relative to no noise", kept_seeds, rates)
-        s += [
-            "Realised flip fraction (measured over all clients):",
-            "",
-            md_table(["head"] + [f"{r:g}" for r in rates], realised_rows),
-            "",
-        ]
-        if base != pbase:
-            s += [f"(The paper's row is printed only when the lowest rate is {pbase:g}, as in its table.)", ""]
-        sections.append("\n".join(s))
+            _noise_head_rows(results, head, kind, rates, clean, curves, tables, share_seeds, kept_seeds)
+        _noise_paper_rows(kind, rates, tables)
+        sections.append(_noise_kind_text(kind, rates, recipe, common, clean, tables, share_seeds, kept_seeds))
     return sections, curves
+
+
+def _noise_head_rows(
+    results: dict[tuple, CellResult],
+    head: str,
+    kind: str,
+    rates: list[float],
+    clean: dict[str, CellResult],
+    curves: dict,
+    tables: tuple[list, ...],
+    share_seeds: dict[str, dict[float, dict]],
+    kept_seeds: dict[str, dict[float, dict]],
+) -> None:
+    """One head's rows of a noise kind's tables (appended to ``tables``), its per-seed shares and its curves."""
+    base, higher = rates[0], rates[1:]
+    acc_rows, pts_rows, rel_rows, share_rows, realised_rows, kept_rows = tables
+    per = {r: _final_by_seed(results[(head, kind, r)]) for r in rates}
+    seeds = [s for s in per[base] if all(s in per[r] for r in rates)]
+    c_acc = None
+    if head in clean:
+        c = _final_by_seed(clean[head])
+        c_seeds = [s for s in seeds if s in c]
+        c_acc = Stat.of(c[s] for s in c_seeds)
+        kept_seeds[head] = {r: {k: per[r][k] / c[k] for k in c_seeds} for r in rates}
+        kept = {r: Stat.of(kept_seeds[head][r].values()) for r in rates}
+        curves[(kind, head, "clean")] = (
+            [0.0] + rates,
+            [1.0] + [kept[r].mean for r in rates],
+            [0.0] + [kept[r].std for r in rates],
+            c_acc,
+        )
+        kept_rows.append([head, _pct(c_acc)] + [_pct(kept[r], 1) for r in rates])
+    a0 = Stat.of(per[base][s] for s in seeds)
+    accs = {r: Stat.of(per[r][s] for s in seeds) for r in rates}
+    pts = {r: Stat.of(100 * (per[base][s] - per[r][s]) for s in seeds) for r in higher}
+    rel = {r: Stat.of(100 * (per[base][s] - per[r][s]) / per[base][s] for s in seeds) for r in higher}
+    share_seeds[head] = {r: {k: per[r][k] / per[base][k] for k in seeds} for r in higher}
+    share = {r: Stat.of(share_seeds[head][r].values()) for r in higher}
+    curves[(kind, head)] = (
+        [r for r in rates],
+        [accs[r].mean for r in rates],
+        [accs[r].std for r in rates],
+        [1.0] + [share[r].mean for r in higher],
+        [0.0] + [share[r].std for r in higher],
+    )
+    acc_rows.append([head] + ([_pct(c_acc) if c_acc else "–"] if clean else []) + [_pct(accs[r]) for r in rates])
+    pts_rows.append([head, _pct(a0)] + [pts[r].fmt(1, 2) for r in higher])
+    rel_rows.append([head, _pct(a0)] + [rel[r].fmt(1, 2) for r in higher])
+    share_rows.append([head] + [_pct(share[r], 1) for r in higher])
+    realised_rows.append(
+        [head] + [Stat.of(results[(head, kind, r)].per_seed("realised_noise_rate")).fmt(1, 3) for r in rates]
+    )
+
+
+def _noise_paper_rows(kind: str, rates: list[float], tables: tuple[list, ...]) -> None:
+    """The paper's OvA-LP rows of a noise kind's decline and share tables, at the rates it reports."""
+    base, higher = rates[0], rates[1:]
+    pbase, pacc, pdec = PAPER_NOISE[kind]
+    _, pts_rows, rel_rows, share_rows, _, _ = tables
+
+    # the paper's OvA-LP row, only at the rates it reports
+    def paper_cell(r, how, base=base, pbase=pbase, pdec=pdec, pacc=pacc):
+        if base != pbase or r not in pdec:
+            return "–"
+        d = pdec[r]
+        return {"pts": f"{d:.2f}", "rel": f"{100 * d / pacc:.2f}", "share": f"{100 * (1 - d / pacc):.1f}"}[how]
+
+    prow_base = f"{pacc:.2f}" if base == pbase else "–"
+    pts_rows.append(["OvA-LP (paper, CIFAR-100)", prow_base] + [paper_cell(r, "pts") for r in higher])
+    rel_rows.append(["OvA-LP (paper, CIFAR-100)", prow_base] + [paper_cell(r, "rel") for r in higher])
+    share_rows.append(["OvA-LP (paper, from its declines)"] + [paper_cell(r, "share") for r in higher])
+
+
+def _noise_kind_text(
+    kind: str,
+    rates: list[float],
+    recipe: str,
+    common: Common,
+    clean: dict[str, CellResult],
+    tables: tuple[list, ...],
+    share_seeds: dict[str, dict[float, dict]],
+    kept_seeds: dict[str, dict[float, dict]],
+) -> str:
+    """A noise kind's report section: its tables, the verdicts, the realised flip fractions."""
+    base, higher = rates[0], rates[1:]
+    pbase = PAPER_NOISE[kind][0]
+    acc_rows, pts_rows, rel_rows, share_rows, realised_rows, kept_rows = tables
+    hdr = ["head", f"acc @ {base:g} (%)"] + [f"decline @ {r:g}" for r in higher]
+    s = [
+        f"## {kind} noise, recipe {recipe}: {common.clients} clients IID, round {common.rounds}, "
+        f"seeds {', '.join(map(str, common.seeds))}",
+        "",
+        "### Accuracy (%)",
+        "",
+        md_table(["head"] + (["no noise"] if clean else []) + [f"{r:g}" for r in rates], acc_rows),
+        "",
+        "### Decline from the lowest rate, absolute (percentage points)",
+        "",
+        md_table(hdr, pts_rows),
+        "",
+        "### Decline from the lowest rate, relative (% of the lowest-rate accuracy)",
+        "",
+        md_table(hdr, rel_rows),
+        "",
+        f"### Share of accuracy retained relative to rate {base:g} (%)",
+        "",
+        md_table(["head"] + [f"{r:g}" for r in higher], share_rows),
+        "",
+    ]
+    s += _verdict(f"relative to rate {base:g}", share_seeds, higher)
+    if kept_rows:
+        s += [
+            "### Share of the noise-free accuracy retained (%)",
+            "",
+            "Per seed: accuracy at the rate / accuracy of the same head trained on clean labels.",
+            "",
+            md_table(["head", "no-noise acc (%)"] + [f"{r:g}" for r in rates], kept_rows),
+            "",
+        ]
+        s += _verdict("relative to no noise", kept_seeds, rates)
+    s += [
+        "Realised flip fraction (measured over all clients):",
+        "",
+        md_table(["head"] + [f"{r:g}" for r in rates], realised_rows),
+        "",
+    ]
+    if base != pbase:
+        s += [f"(The paper's row is printed only when the lowest rate is {pbase:g}, as in its table.)", ""]
+    return "\n".join(s)
 
 
 @grid_command("noise", clients=20, clients_help="20 (the FedLTF protocol)")
@@ -939,6 +977,53 @@ def noise_cmd(
 ):
     """Label-noise robustness, FedLTF protocol (the paper's Table 2): declines from the lowest rate."""
     heads = [check_head(h) for h in parse_names(head, "--head")]
+    kinds, clean = _noise_kinds(sym_rates, asym_rates, clean)
+    pname, pparams = resolve_partition(partition)
+    recipes = recipes_of(recipe)
+    cells, key_of = _noise_cells(common, features, heads, kinds, clean, recipes, pname, pparams, asym_map)
+    config = {
+        **common.describe(),
+        "heads": heads,
+        "rates": kinds,
+        "clean": clean,
+        "asym_map": asym_map,
+        "partition": partition,
+        "recipes": recipes,
+        "features": str(features),
+    }
+    cache = StoreCache()
+    cmd = start_report(common, list(cells.values()), cache, config)
+    results = run_grid(list(cells.values()), common.out, cache)
+    by_name = {r.cell.name: r for r in results}
+    sections, plots = [], []
+    for rec in recipes:
+        res = {(h, k, r): by_name[key_of[(rec, h, k, r)]] for h in heads for k, rs in kinds.items() for r in rs}
+        clean_of = {h: by_name[key_of[(rec, h, "none", 0.0)]] for h in heads} if clean else {}
+        secs, curves = noise_sections(res, heads, kinds, rec, common, clean_of)
+        sections += secs
+        plots += _noise_plots(common.out, rec, heads, kinds, curves, clean)
+    write_results(common.out, results, "noise")
+    write_curves(common.out, results, {})
+    note = (
+        "Declines are per seed (accuracy at the lowest rate minus accuracy at the rate; relative = that over "
+        "the lowest-rate accuracy), then mean ± std over seeds. The paper's row is OvA-LP on (probably) "
+        "CIFAR-100 with ViT-L/16, declines as printed (read as percentage points; relative and share derived "
+        "from them)."
+    )
+    path = write_report(
+        common.out,
+        "fedhead bench noise (OvA-LP Table 2, FedLTF protocol)",
+        cmd,
+        config,
+        sections + [note],
+        results,
+        plots,
+    )
+    _print_report(path, sections)
+
+
+def _noise_kinds(sym_rates: str, asym_rates: str, clean: bool) -> tuple[dict[str, list[float]], bool]:
+    """The noise kinds asked for and their rates > 0; ``clean`` is also on when a rate of 0 is given."""
     kinds = {}
     for kind, param, text in (("symmetric", "--sym-rates", sym_rates), ("asymmetric", "--asym-rates", asym_rates)):
         if text.strip():
@@ -954,8 +1039,21 @@ def noise_cmd(
         raise FedheadError(
             "The '--sym-rates' and '--asym-rates' parameters are both empty. Got '' instead. Give at least one rate."
         )
-    pname, pparams = resolve_partition(partition)
-    recipes = recipes_of(recipe)
+    return kinds, clean
+
+
+def _noise_cells(
+    common: Common,
+    features: Path,
+    heads: list[str],
+    kinds: dict[str, list[float]],
+    clean: bool,
+    recipes: list[str],
+    pname: str,
+    pparams: dict,
+    asym_map: str,
+) -> tuple[dict[str, Cell], dict[tuple, str]]:
+    """The noise grid's runs by name, and each run's name by (recipe, head, kind, rate)."""
     cells: dict[str, Cell] = {}
     key_of: dict[tuple, str] = {}
     for rec in recipes:
@@ -978,109 +1076,81 @@ def noise_cmd(
                         **({"asym_map": asym_map} if kind == "asymmetric" else {}),  # where it applies
                     ),
                 )
-    config = {
-        **common.describe(),
-        "heads": heads,
-        "rates": kinds,
-        "clean": clean,
-        "asym_map": asym_map,
-        "partition": partition,
-        "recipes": recipes,
-        "features": str(features),
-    }
-    cache = StoreCache()
-    cmd = start_report(common, list(cells.values()), cache, config)
-    results = run_grid(list(cells.values()), common.out, cache)
-    by_name = {r.cell.name: r for r in results}
-    sections, plots = [], []
-    for rec in recipes:
-        res = {(h, k, r): by_name[key_of[(rec, h, k, r)]] for h in heads for k, rs in kinds.items() for r in rs}
-        clean_of = {h: by_name[key_of[(rec, h, "none", 0.0)]] for h in heads} if clean else {}
-        secs, curves = noise_sections(res, heads, kinds, rec, common, clean_of)
-        sections += secs
-        acc_panels, share_panels, kept_panels = [], [], []
-        for kind in kinds:
-            ap, sp = P.Panel(kind), P.Panel(kind, hline=(1.0, "lowest rate"))
-            kp = P.Panel(kind, hline=(1.0, "no noise"))
-            for h in heads:
-                x, m, s, sh, shs = curves[(kind, h)]
-                sp.lines.append(P.Line(h, x, sh, shs, marker="o"))
-                if clean:  # the noise-free accuracy drawn at rate 0
-                    kx, km, ks, c = curves[(kind, h, "clean")]
-                    x, m, s = [0.0] + x, [c.mean] + m, [c.std] + s
-                    kp.lines.append(P.Line(h, kx, km, ks, marker="o"))
-                ap.lines.append(P.Line(h, x, m, s, marker="o"))
-            pbase, pacc, pdec = PAPER_NOISE[kind]
-            px = [pbase] + sorted(pdec)
-            ap.lines.append(
-                P.Line(
-                    "OvA-LP (paper, CIFAR-100)",
-                    px,
-                    [pacc / 100] + [(pacc - pdec[r]) / 100 for r in sorted(pdec)],
-                    style=":",
-                    color="gray",
-                    marker="x",
-                )
-            )
-            sp.lines.append(
-                P.Line(
-                    "OvA-LP (paper)",
-                    px,
-                    [1.0] + [1 - pdec[r] / pacc for r in sorted(pdec)],
-                    style=":",
-                    color="gray",
-                    marker="x",
-                )
-            )
-            acc_panels.append(ap)
-            share_panels.append(sp)
-            kept_panels.append(kp)
-        plots.append(
-            P.write_curves(
-                common.out / f"noise-accuracy-{rec}.png",
-                acc_panels,
-                "flip rate",
-                "final test accuracy",
-                f"accuracy under label noise ({rec})",
+    return cells, key_of
+
+
+def _noise_plots(
+    out: Path, rec: str, heads: list[str], kinds: dict[str, list[float]], curves: dict, clean: bool
+) -> list[Path]:
+    """One recipe's noise plots: accuracy and share retained against the flip rate (and the share of the clean
+    accuracy kept), a panel per kind, with the paper's OvA-LP."""
+    plots = []
+    acc_panels, share_panels, kept_panels = [], [], []
+    for kind in kinds:
+        ap, sp = P.Panel(kind), P.Panel(kind, hline=(1.0, "lowest rate"))
+        kp = P.Panel(kind, hline=(1.0, "no noise"))
+        for h in heads:
+            x, m, s, sh, shs = curves[(kind, h)]
+            sp.lines.append(P.Line(h, x, sh, shs, marker="o"))
+            if clean:  # the noise-free accuracy drawn at rate 0
+                kx, km, ks, c = curves[(kind, h, "clean")]
+                x, m, s = [0.0] + x, [c.mean] + m, [c.std] + s
+                kp.lines.append(P.Line(h, kx, km, ks, marker="o"))
+            ap.lines.append(P.Line(h, x, m, s, marker="o"))
+        pbase, pacc, pdec = PAPER_NOISE[kind]
+        px = [pbase] + sorted(pdec)
+        ap.lines.append(
+            P.Line(
+                "OvA-LP (paper, CIFAR-100)",
+                px,
+                [pacc / 100] + [(pacc - pdec[r]) / 100 for r in sorted(pdec)],
+                style=":",
+                color="gray",
+                marker="x",
             )
         )
-        plots.append(
-            P.write_curves(
-                common.out / f"noise-retained-{rec}.png",
-                share_panels,
-                "flip rate",
-                "accuracy / accuracy at the lowest rate",
-                f"share retained ({rec})",
+        sp.lines.append(
+            P.Line(
+                "OvA-LP (paper)",
+                px,
+                [1.0] + [1 - pdec[r] / pacc for r in sorted(pdec)],
+                style=":",
+                color="gray",
+                marker="x",
             )
         )
-        if clean:
-            plots.append(
-                P.write_curves(
-                    common.out / f"noise-retained-vs-clean-{rec}.png",
-                    kept_panels,
-                    "flip rate",
-                    "accuracy / noise-free accuracy",
-                    f"share of clean accuracy kept ({rec})",
-                )
+        acc_panels.append(ap)
+        share_panels.append(sp)
+        kept_panels.append(kp)
+    plots.append(
+        P.write_curves(
+            out / f"noise-accuracy-{rec}.png",
+            acc_panels,
+            "flip rate",
+            "final test accuracy",
+            f"accuracy under label noise ({rec})",
+        )
+    )
+    plots.append(
+        P.write_curves(
+            out / f"noise-retained-{rec}.png",
+            share_panels,
+            "flip rate",
+            "accuracy / accuracy at the lowest rate",
+            f"share retained ({rec})",
+        )
+    )
+    if clean:
+        plots.append(
+            P.write_curves(
+                out / f"noise-retained-vs-clean-{rec}.png",
+                kept_panels,
+                "flip rate",
+                "accuracy / noise-free accuracy",
+                f"share of clean accuracy kept ({rec})",
             )
-    write_results(common.out, results, "noise")
-    write_curves(common.out, results, {})
-    note = (
-        "Declines are per seed (accuracy at the lowest rate minus accuracy at the rate; relative = that over "
-        "the lowest-rate accuracy), then mean ± std over seeds. The paper's row is OvA-LP on (probably) "
-        "CIFAR-100 with ViT-L/16, declines as printed (read as percentage points; relative and share derived "
-        "from them)."
-    )
-    path = write_report(
-        common.out,
-        "fedhead bench noise (OvA-LP Table 2, FedLTF protocol)",
-        cmd,
-        config,
-        sections + [note],
-        results,
-        plots,
-    )
-    _print_report(path, sections)
+        )
+    return plots
 
 
 # ---------------------------------------------------------------- participation
@@ -1105,6 +1175,43 @@ def participation_cmd(
     fracs = sorted(parse_rates("--rates", rates, low_closed=False, high_closed=True), reverse=True)
     pname, pparams = resolve_partition(partition)
     recipes = recipes_of(recipe)
+    cells = _participation_cells(common, features, heads, fracs, partition, pname, pparams, recipes)
+    config = {
+        **common.describe(),
+        "heads": heads,
+        "participation": fracs,
+        "partition": partition,
+        "recipes": recipes,
+        "features": str(features),
+    }
+    cache = StoreCache()
+    cmd = start_report(common, cells, cache, config)
+    results = run_grid(cells, common.out, cache)
+    iid_of = pair_with_iid(results, drop=("partition", "participation"))
+    sections, plots = [], []
+    for rec in recipes:
+        rs = [r for r in results if r.cell.labels["recipe"] == rec]
+        sections.append(_participation_text(rs, iid_of, partition, rec, common))
+        plots += _participation_plots(common.out, rs, iid_of, heads, partition, rec)
+    write_results(common.out, results, "participation")
+    write_curves(common.out, results, iid_of)
+    path = write_report(
+        common.out, "fedhead bench participation (OvA-LP Fig. 9)", cmd, config, sections, results, plots
+    )
+    _print_report(path, sections)
+
+
+def _participation_cells(
+    common: Common,
+    features: Path,
+    heads: list[str],
+    fracs: list[float],
+    partition: str,
+    pname: str,
+    pparams: dict,
+    recipes: list[str],
+) -> list[Cell]:
+    """For each recipe and head: the IID run at full participation and one non-IID run per fraction."""
     cells = []
     for rec in recipes:
         for h in heads:
@@ -1125,81 +1232,73 @@ def participation_cmd(
                         ),
                     )
                 )
-    config = {
-        **common.describe(),
-        "heads": heads,
-        "participation": fracs,
-        "partition": partition,
-        "recipes": recipes,
-        "features": str(features),
-    }
-    cache = StoreCache()
-    cmd = start_report(common, cells, cache, config)
-    results = run_grid(cells, common.out, cache)
-    iid_of = pair_with_iid(results, drop=("partition", "participation"))
-    sections, plots = [], []
-    for rec in recipes:
-        rs = [r for r in results if r.cell.labels["recipe"] == rec]
-        lead = ["head", "partition", "participation"]
-        s = [
-            f"## recipe {rec}: {partition}, {common.clients} clients, round {common.rounds}, "
-            f"seeds {', '.join(map(str, common.seeds))}",
-            "",
-            "Ratio and Acc@95 vs IID refer to the IID run at full participation.",
-            "",
-            final_table(rs, lead),
-            "",
-            "### Ratio to IID (full participation) per round (%)",
-            "",
-            ratio_round_table(rs, iid_of, lead, common.rounds),
-            "",
-        ]
-        sections.append("\n".join(s))
-        acc_panels, ratio_panels = [], []
-        for h in heads:
-            ap, rp = P.Panel(h), P.Panel(h, hline=(1.0, "IID (p=1)"))
-            for r in [x for x in rs if x.cell.labels["head"] == h]:
-                x, m, sd = mean_curve(r)
-                iid = r.cell.labels["partition"] == "iid"
-                ap.lines.append(
-                    P.Line(
-                        "IID, p=1" if iid else f"p={r.cell.labels['participation']:g}",
-                        x,
-                        m,
-                        sd,
-                        style="--" if iid else "-",
-                        color="black" if iid else None,
-                    )
+    return cells
+
+
+def _participation_text(rs: list[CellResult], iid_of: dict, partition: str, rec: str, common: Common) -> str:
+    """One recipe's participation section: the final table and the ratio to IID per round."""
+    lead = ["head", "partition", "participation"]
+    s = [
+        f"## recipe {rec}: {partition}, {common.clients} clients, round {common.rounds}, "
+        f"seeds {', '.join(map(str, common.seeds))}",
+        "",
+        "Ratio and Acc@95 vs IID refer to the IID run at full participation.",
+        "",
+        final_table(rs, lead),
+        "",
+        "### Ratio to IID (full participation) per round (%)",
+        "",
+        ratio_round_table(rs, iid_of, lead, common.rounds),
+        "",
+    ]
+    return "\n".join(s)
+
+
+def _participation_plots(
+    out: Path, rs: list[CellResult], iid_of: dict, heads: list[str], partition: str, rec: str
+) -> list[Path]:
+    """One recipe's participation plots: accuracy and ratio to IID per round, a panel per head."""
+    plots = []
+    acc_panels, ratio_panels = [], []
+    for h in heads:
+        ap, rp = P.Panel(h), P.Panel(h, hline=(1.0, "IID (p=1)"))
+        for r in [x for x in rs if x.cell.labels["head"] == h]:
+            x, m, sd = mean_curve(r)
+            iid = r.cell.labels["partition"] == "iid"
+            ap.lines.append(
+                P.Line(
+                    "IID, p=1" if iid else f"p={r.cell.labels['participation']:g}",
+                    x,
+                    m,
+                    sd,
+                    style="--" if iid else "-",
+                    color="black" if iid else None,
                 )
-                if not iid and iid_of.get(r.cell.name) is not None:
-                    x, m, sd = ratio_curve(r, iid_of[r.cell.name])
-                    rp.lines.append(P.Line(f"p={r.cell.labels['participation']:g}", x, m, sd))
-            acc_panels.append(ap)
-            ratio_panels.append(rp)
-        plots.append(
-            P.write_curves(
-                common.out / f"participation-accuracy-{rec}.png",
-                acc_panels,
-                "round",
-                "test accuracy",
-                f"participation sweep, {partition} ({rec})",
             )
+            if not iid and iid_of.get(r.cell.name) is not None:
+                x, m, sd = ratio_curve(r, iid_of[r.cell.name])
+                rp.lines.append(P.Line(f"p={r.cell.labels['participation']:g}", x, m, sd))
+        acc_panels.append(ap)
+        ratio_panels.append(rp)
+    plots.append(
+        P.write_curves(
+            out / f"participation-accuracy-{rec}.png",
+            acc_panels,
+            "round",
+            "test accuracy",
+            f"participation sweep, {partition} ({rec})",
         )
-        plots.append(
-            P.write_curves(
-                common.out / f"participation-ratio-{rec}.png",
-                ratio_panels,
-                "round",
-                "accuracy / IID accuracy",
-                f"ratio to IID ({rec})",
-            )
-        )
-    write_results(common.out, results, "participation")
-    write_curves(common.out, results, iid_of)
-    path = write_report(
-        common.out, "fedhead bench participation (OvA-LP Fig. 9)", cmd, config, sections, results, plots
     )
-    _print_report(path, sections)
+    plots.append(
+        P.write_curves(
+            out / f"participation-ratio-{rec}.png",
+            ratio_panels,
+            "round",
+            "accuracy / IID accuracy",
+            f"ratio to IID ({rec})",
+        )
+    )
+    return plots
 
 
 # ---------------------------------------------------------------- geometry
@@ -1236,8 +1335,47 @@ def geometry_cmd(
     check_out(out, kind="dir")  # a file there, or below a file: refused before any work
     infos = [open_store(p) for p in features]
     tags = _store_tags(list(features))
-    rows, table, series = [], [], {}
     per_class = samples_per_class or None
+    rows, table, series, stats_of, max_class = _geometry_stores(
+        tags, infos, split, samples_per_class, per_class, seeds_l
+    )
+    for kind, vals in PAPER_GEOMETRY.items():
+        table.append(
+            [f"paper ({kind})", "ViT (paper)", kind, "not stated"]
+            + [f"{vals[m][0]:.3f} ± {vals[m][1]:.3f}" if m in vals else "–" for m in COLUMNS]
+        )
+    datasets = sorted({i.dataset for i in infos})
+    s = [
+        f"## Feature geometry ({split} split, up to {samples_per_class or 'all'} samples per class, seeds "
+        f"{', '.join(map(str, seeds_l))})",
+        "",
+        md_table(["store", "encoder", "weights", "dataset"] + list(COLUMNS), table),
+        "",
+    ]
+    s += _geometry_comparisons(stats_of)
+    if per_class is None or max(max_class) <= per_class:
+        s.append(
+            f"\nNote: every class has at most {samples_per_class or 'all'} samples, so every seed uses the "
+            "same samples and the ± over seeds is 0; lower --samples-per-class to see sampling variation."
+        )
+    if len(datasets) > 1:
+        s.append(
+            f"\nNote: the stores hold different datasets ({', '.join(datasets)}); geometry is comparable only "
+            "on the same images."
+        )
+
+    s += ["", "Definitions (features L2-normalised):", "", "```", gdoc.strip(), "```"]
+    sections = ["\n".join(s)]
+    path = _write_geometry(out, features, split, samples_per_class, seeds_l, sections, series, rows)
+    _print_report(path, sections[:1])
+
+
+def _geometry_stores(
+    tags: list[str], infos: list, split: str, samples_per_class: int, per_class: int | None, seeds_l: list[int]
+) -> tuple[list[dict], list[list], dict, dict, list[int]]:
+    """Each store's geometry over the seeds: its results.csv row, its table row, its bars, its stats by tag and its
+    largest class size."""
+    rows, table, series = [], [], {}
     stats_of, max_class = {}, []
     for tag, info in zip(tags, infos):
         f = load_store(info.path)
@@ -1266,19 +1404,12 @@ def geometry_cmd(
         for m in COLUMNS:
             row[f"res_{m}"], row[f"res_{m}_std"] = stats[m].mean, stats[m].std
         rows.append(row)
-    for kind, vals in PAPER_GEOMETRY.items():
-        table.append(
-            [f"paper ({kind})", "ViT (paper)", kind, "not stated"]
-            + [f"{vals[m][0]:.3f} ± {vals[m][1]:.3f}" if m in vals else "–" for m in COLUMNS]
-        )
-    datasets = sorted({i.dataset for i in infos})
-    s = [
-        f"## Feature geometry ({split} split, up to {samples_per_class or 'all'} samples per class, seeds "
-        f"{', '.join(map(str, seeds_l))})",
-        "",
-        md_table(["store", "encoder", "weights", "dataset"] + list(COLUMNS), table),
-        "",
-    ]
+    return rows, table, series, stats_of, max_class
+
+
+def _geometry_comparisons(stats_of: dict) -> list[str]:
+    """Every pretrained store against every random-init one: the ratio, and the paper's directions."""
+    lines = []
     pre = [t for t, (i, _) in stats_of.items() if _weights_kind(i) == "pretrained"]
     rnd = [t for t, (i, _) in stats_of.items() if _weights_kind(i) == "random-init"]
     for a in pre:
@@ -1286,7 +1417,7 @@ def geometry_cmd(
             sa, sb = stats_of[a][1], stats_of[b][1]
             ra, rb = sa["ratio"].mean, sb["ratio"].mean
             same = stats_of[a][0].dataset == stats_of[b][0].dataset and stats_of[a][0].encoder == stats_of[b][0].encoder
-            s.append(
+            lines.append(
                 f"- {a} (pretrained) vs {b} (random-init){'' if same else ' [different encoder or dataset]'}: "
                 f"intra/inter {ra:.3f} vs {rb:.3f} → pretrained lower: **{'yes' if ra < rb else 'no'}**"
             )
@@ -1295,7 +1426,7 @@ def geometry_cmd(
                 f" ({sa[m].mean:.3f} vs {sb[m].mean:.3f})"
                 for m in ("alignment", "intra", "inter")
             ]
-            s.append(
+            lines.append(
                 f"  - the paper's direction (pretrained smaller alignment and intra, larger inter): "
                 f"{'; '.join(as_paper)}; spread {sa['spread'].mean:.3f} vs {sb['spread'].mean:.3f}"
                 + (
@@ -1305,19 +1436,20 @@ def geometry_cmd(
                     else ""
                 )
             )
-    if per_class is None or max(max_class) <= per_class:
-        s.append(
-            f"\nNote: every class has at most {samples_per_class or 'all'} samples, so every seed uses the "
-            "same samples and the ± over seeds is 0; lower --samples-per-class to see sampling variation."
-        )
-    if len(datasets) > 1:
-        s.append(
-            f"\nNote: the stores hold different datasets ({', '.join(datasets)}); geometry is comparable only "
-            "on the same images."
-        )
+    return lines
 
-    s += ["", "Definitions (features L2-normalised):", "", "```", gdoc.strip(), "```"]
-    sections = ["\n".join(s)]
+
+def _write_geometry(
+    out: Path,
+    features: list[Path],
+    split: str,
+    samples_per_class: int,
+    seeds_l: list[int],
+    sections: list[str],
+    series: dict,
+    rows: list[dict],
+) -> Path:
+    """Write the geometry report folder (its one writer): the bars, results.csv and the report; returns its path."""
     with exclusive_writer(out, f"the report folder {str(out)!r}"):
         out.mkdir(parents=True, exist_ok=True)
         plots = [
@@ -1340,4 +1472,4 @@ def geometry_cmd(
             "out": str(out),
         }
         path = write_report(out, "fedhead bench geometry (OvA-LP Fig. 2)", cmd, config, sections, (), plots)
-    _print_report(path, sections[:1])
+    return path

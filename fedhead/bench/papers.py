@@ -595,131 +595,12 @@ def _dnc_sections(by, columns, window, seeds, alphas) -> tuple[list[str], list[s
     for col, ds, _ in columns:
         runs = {m: by[(ds, "95-5", m)] for m in ("fedavg", "fedprox", "dnc")}
         fa_rounds = max(int(r["round"]) for r in runs["fedavg"].rows)
-        rows = []
-        for m, name in (("fedavg", "FedAvg"), ("fedprox", "FedProx"), ("fedma", "FedMA"), ("dnc", "D&C")):
-            p = PAPER_DNC_T1["95-5"][m]
-            if m == "fedma":
-                rows.append(["95-5", name, f"{p:.1f}", "not implemented", "–", "–", "–", "–"])
-                continue
-            r = runs[m]
-            acc = final(r, "accuracy", window)
-            rounds = max(int(x["round"]) for x in r.rows)
-            rows.append(
-                [
-                    "95-5",
-                    name,
-                    f"{p:.1f}",
-                    _pct(acc),
-                    _delta(acc, p),
-                    _pct(final(r, "accuracy", 2)),
-                    str(rounds),
-                    _mb(r).fmt(1, 2),
-                ]
-            )
-        secs.append(
-            "\n".join(
-                [
-                    "## D&C Table 1, colour skew 95-5, 2 collaborators: accuracy (%) and bytes",
-                    "",
-                    f"Ours: test accuracy after the last round (50% grayscale test set), mean ± std over seeds "
-                    f"{', '.join(map(str, seeds))}; last 2 rounds: each seed's mean over the last two rounds (D&C "
-                    "alternates feature and fine-tuning rounds); MB: bytes sent over the run (both directions). The "
-                    "paper's FedMA number is shown for reference (FedMA is not implemented here).",
-                    "",
-                    md_table(
-                        [
-                            "skew",
-                            "method",
-                            "paper",
-                            "ours",
-                            "ours − paper",
-                            "ours, last 2 rounds",
-                            "rounds",
-                            "MB total",
-                        ],
-                        rows,
-                    ),
-                    "",
-                ]
-            )
-        )
-        # bytes at equal rounds: D&C's rounds after the pre-pass against FedAvg's rounds with the same numbers
-        dnc, fa = runs["dnc"], runs["fedavg"]
-        prepass = int(dnc.config.get("prepass_rounds", 0))
-        after, fa_after, pairs, fa_pairs = [], [], [], []
-        for s in seeds:
-            fr = {int(x["round"]): x["bytes_total"] for x in fa.rows if int(x["seed"]) == s}
-            dr = {int(x["round"]): x["bytes_total"] for x in dnc.rows if int(x["seed"]) == s}
-            rest = sorted(r for r in dr if r > prepass)
-            whole = rest[: len(rest) // 2 * 2]  # whole (feature, fine-tuning) pairs
-            after.append(sum(dr[r] for r in rest))
-            fa_after.append(sum(fr.get(r, 0) for r in rest))
-            pairs.append(sum(dr[r] for r in whole))
-            fa_pairs.append(sum(fr.get(r, 0) for r in whole))
-        n_pairs = (max(int(x["round"]) for x in dnc.rows) - prepass) // 2
-
-        def ratio(a, b):
-            return Stat.of(x / y for x, y in zip(a, b) if y)
-
-        ratio_all = ratio(dnc.per_seed("bytes_total"), fa.per_seed("bytes_total"))
-        ratio_pairs = ratio(pairs, fa_pairs)
-        secs.append(
-            "\n".join(
-                [
-                    "### Bytes at equal rounds",
-                    "",
-                    md_table(
-                        ["rounds", "D&C MB", "FedAvg MB", "D&C / FedAvg"],
-                        [
-                            [
-                                f"all {fa_rounds} (D&C: its {prepass} full-model pre-pass rounds included)",
-                                _mb(dnc).fmt(1, 2),
-                                _mb(fa).fmt(1, 2),
-                                ratio_all.fmt(1, 3),
-                            ],
-                            [
-                                f"{prepass + 1}-{fa_rounds} (after the pre-pass)",
-                                Stat.of(after).fmt(1e-6, 2),
-                                Stat.of(fa_after).fmt(1e-6, 2),
-                                ratio(after, fa_after).fmt(1, 3),
-                            ],
-                            [
-                                f"{prepass + 1}-{prepass + 2 * n_pairs} ({n_pairs} feature + fine-tuning pairs)",
-                                Stat.of(pairs).fmt(1e-6, 2),
-                                Stat.of(fa_pairs).fmt(1e-6, 2),
-                                ratio_pairs.fmt(1, 3),
-                            ],
-                        ],
-                    ),
-                    "",
-                    "The paper: D&C sends half of FedAvg's bytes (the full model once every two rounds).",
-                    "",
-                ]
-            )
-        )
-        names, mean, std, splits = _divergence(dnc)
-        if names:
-            rows = [
-                [f"L{i + 1}", n, f"{m:.3g}" + (f" ± {s:.2g}" if len(seeds) > 1 else "")]
-                for i, (n, m, s) in enumerate(zip(names, mean, std))
-            ]
-            split_txt = ", ".join(f"seed {s}: L{v}" for s, v in sorted(splits.items()))
-            secs.append(
-                "\n".join(
-                    [
-                        "### Layer-wise weight divergence after the pre-pass, and the split",
-                        "",
-                        "1 − cos(local, global) per weight layer at the last pre-pass round, averaged over the two "
-                        "collaborators, mean ± std over seeds; the paper (Fig. 5): low for the first layers, rising around "
-                        f"layer {PAPER_DNC_SPLIT}, split after layer {PAPER_DNC_SPLIT} (Divide5).",
-                        "",
-                        md_table(["layer", "name", "divergence"], rows),
-                        "",
-                        f"Split chosen (layers 1..s learn features): {split_txt}; the paper: {PAPER_DNC_SPLIT}.",
-                        "",
-                    ]
-                )
-            )
+        secs.append(_dnc_accuracy_table(runs, window, seeds))
+        section, ratio_all, ratio_pairs = _dnc_bytes_table(runs, seeds, fa_rounds)
+        secs.append(section)
+        section = _dnc_divergence_table(runs["dnc"], seeds)
+        if section is not None:
+            secs.append(section)
         acc = {m: final(runs[m], "accuracy", window) for m in runs}
         verdicts.append(
             f"- {col.key} 95-5: D&C's bytes are {ratio_pairs.fmt(1, 3)} of FedAvg's over the whole feature + fine-tuning "
@@ -729,6 +610,139 @@ def _dnc_sections(by, columns, window, seeds, alphas) -> tuple[list[str], list[s
             f"{_wins(runs['dnc'], runs['fedprox'], 'accuracy', window)}); chance is 10.0."
         )
     return secs, verdicts
+
+
+def _dnc_accuracy_table(runs: dict[str, CellResult], window: int, seeds: list[int]) -> str:
+    """D&C Table 1: each method's accuracy next to the paper's, and its bytes."""
+    rows = []
+    for m, name in (("fedavg", "FedAvg"), ("fedprox", "FedProx"), ("fedma", "FedMA"), ("dnc", "D&C")):
+        p = PAPER_DNC_T1["95-5"][m]
+        if m == "fedma":
+            rows.append(["95-5", name, f"{p:.1f}", "not implemented", "–", "–", "–", "–"])
+            continue
+        r = runs[m]
+        acc = final(r, "accuracy", window)
+        rounds = max(int(x["round"]) for x in r.rows)
+        rows.append(
+            [
+                "95-5",
+                name,
+                f"{p:.1f}",
+                _pct(acc),
+                _delta(acc, p),
+                _pct(final(r, "accuracy", 2)),
+                str(rounds),
+                _mb(r).fmt(1, 2),
+            ]
+        )
+    return "\n".join(
+        [
+            "## D&C Table 1, colour skew 95-5, 2 collaborators: accuracy (%) and bytes",
+            "",
+            f"Ours: test accuracy after the last round (50% grayscale test set), mean ± std over seeds "
+            f"{', '.join(map(str, seeds))}; last 2 rounds: each seed's mean over the last two rounds (D&C "
+            "alternates feature and fine-tuning rounds); MB: bytes sent over the run (both directions). The "
+            "paper's FedMA number is shown for reference (FedMA is not implemented here).",
+            "",
+            md_table(
+                [
+                    "skew",
+                    "method",
+                    "paper",
+                    "ours",
+                    "ours − paper",
+                    "ours, last 2 rounds",
+                    "rounds",
+                    "MB total",
+                ],
+                rows,
+            ),
+            "",
+        ]
+    )
+
+
+def _dnc_bytes_table(runs: dict[str, CellResult], seeds: list[int], fa_rounds: int) -> tuple[str, Stat, Stat]:
+    """D&C's bytes against FedAvg's at equal rounds; also the ratios over all rounds and over the whole pairs."""
+    # bytes at equal rounds: D&C's rounds after the pre-pass against FedAvg's rounds with the same numbers
+    dnc, fa = runs["dnc"], runs["fedavg"]
+    prepass = int(dnc.config.get("prepass_rounds", 0))
+    after, fa_after, pairs, fa_pairs = [], [], [], []
+    for s in seeds:
+        fr = {int(x["round"]): x["bytes_total"] for x in fa.rows if int(x["seed"]) == s}
+        dr = {int(x["round"]): x["bytes_total"] for x in dnc.rows if int(x["seed"]) == s}
+        rest = sorted(r for r in dr if r > prepass)
+        whole = rest[: len(rest) // 2 * 2]  # whole (feature, fine-tuning) pairs
+        after.append(sum(dr[r] for r in rest))
+        fa_after.append(sum(fr.get(r, 0) for r in rest))
+        pairs.append(sum(dr[r] for r in whole))
+        fa_pairs.append(sum(fr.get(r, 0) for r in whole))
+    n_pairs = (max(int(x["round"]) for x in dnc.rows) - prepass) // 2
+
+    def ratio(a, b):
+        return Stat.of(x / y for x, y in zip(a, b) if y)
+
+    ratio_all = ratio(dnc.per_seed("bytes_total"), fa.per_seed("bytes_total"))
+    ratio_pairs = ratio(pairs, fa_pairs)
+    section = "\n".join(
+        [
+            "### Bytes at equal rounds",
+            "",
+            md_table(
+                ["rounds", "D&C MB", "FedAvg MB", "D&C / FedAvg"],
+                [
+                    [
+                        f"all {fa_rounds} (D&C: its {prepass} full-model pre-pass rounds included)",
+                        _mb(dnc).fmt(1, 2),
+                        _mb(fa).fmt(1, 2),
+                        ratio_all.fmt(1, 3),
+                    ],
+                    [
+                        f"{prepass + 1}-{fa_rounds} (after the pre-pass)",
+                        Stat.of(after).fmt(1e-6, 2),
+                        Stat.of(fa_after).fmt(1e-6, 2),
+                        ratio(after, fa_after).fmt(1, 3),
+                    ],
+                    [
+                        f"{prepass + 1}-{prepass + 2 * n_pairs} ({n_pairs} feature + fine-tuning pairs)",
+                        Stat.of(pairs).fmt(1e-6, 2),
+                        Stat.of(fa_pairs).fmt(1e-6, 2),
+                        ratio_pairs.fmt(1, 3),
+                    ],
+                ],
+            ),
+            "",
+            "The paper: D&C sends half of FedAvg's bytes (the full model once every two rounds).",
+            "",
+        ]
+    )
+    return section, ratio_all, ratio_pairs
+
+
+def _dnc_divergence_table(dnc: CellResult, seeds: list[int]) -> str | None:
+    """The layer-wise divergence after D&C's pre-pass and the split chosen (None without divergence.csv rows)."""
+    names, mean, std, splits = _divergence(dnc)
+    if not names:
+        return None
+    rows = [
+        [f"L{i + 1}", n, f"{m:.3g}" + (f" ± {s:.2g}" if len(seeds) > 1 else "")]
+        for i, (n, m, s) in enumerate(zip(names, mean, std))
+    ]
+    split_txt = ", ".join(f"seed {s}: L{v}" for s, v in sorted(splits.items()))
+    return "\n".join(
+        [
+            "### Layer-wise weight divergence after the pre-pass, and the split",
+            "",
+            "1 − cos(local, global) per weight layer at the last pre-pass round, averaged over the two "
+            "collaborators, mean ± std over seeds; the paper (Fig. 5): low for the first layers, rising around "
+            f"layer {PAPER_DNC_SPLIT}, split after layer {PAPER_DNC_SPLIT} (Divide5).",
+            "",
+            md_table(["layer", "name", "divergence"], rows),
+            "",
+            f"Split chosen (layers 1..s learn features): {split_txt}; the paper: {PAPER_DNC_SPLIT}.",
+            "",
+        ]
+    )
 
 
 # ---------------------------------------------------------------- plots
@@ -1086,47 +1100,56 @@ def _alphas(paper: Paper, text: str | None, scale: str, quick: bool) -> tuple:
     return tuple(parse_rates("--alphas", text, low_closed=False, high=1e6))
 
 
+# The command's options declared over several lines (its signature lists them by these names).
+DATA_DIR_OPT = typer.Option(
+    ...,
+    "--data-dir",
+    help="Folder holding the paper's datasets, one folder each "
+    "(mnist/, fashion-mnist/, cifar10/, speech_commands/; the layout of "
+    "../shared/datasets).",
+)
+SCALE_OPT = typer.Option(
+    "cpu",
+    "--scale",
+    help="paper (the paper's protocol, a GPU job) | cpu (cut to about "
+    "30 minutes per table on 2 CPU cores; every cut listed in the report)",
+)
+DATASETS_OPT = typer.Option(
+    None,
+    "--datasets",
+    help="comma-separated datasets to run (default: every column found; --scale cpu: the columns that fit on CPU)",
+)
+ALPHAS_OPT = typer.Option(
+    None,
+    "--alphas",
+    help="fedabc: Dirichlet alphas, comma-separated (default: the paper's 0.1,0.3,0.5,1; --quick 0.1,1)",
+)
+DRY_RUN_OPT = typer.Option(
+    False,
+    "--dry-run",
+    help="print every run's resolved configuration (JSON lines) and stop: no data loaded, nothing written",
+)
+BACKEND_OPT = typer.Option(
+    "vectorized",
+    "--backend",
+    help="the scratch engine: vectorized | loop (same results; which is faster depends on the model)",
+)
+
+
 @cli_errors
 def papers_cmd(
     paper: str = typer.Argument(..., help="fedova | fedabc | dnc"),
-    data_dir: Path = typer.Option(
-        ...,
-        "--data-dir",
-        help="Folder holding the paper's datasets, one folder each "
-        "(mnist/, fashion-mnist/, cifar10/, speech_commands/; the layout of "
-        "../shared/datasets).",
-    ),
-    scale: str = typer.Option(
-        "cpu",
-        "--scale",
-        help="paper (the paper's protocol, a GPU job) | cpu (cut to about "
-        "30 minutes per table on 2 CPU cores; every cut listed in the report)",
-    ),
-    datasets: Optional[str] = typer.Option(
-        None,
-        "--datasets",
-        help="comma-separated datasets to run (default: every column found; --scale cpu: the columns that fit on CPU)",
-    ),
-    alphas: Optional[str] = typer.Option(
-        None,
-        "--alphas",
-        help="fedabc: Dirichlet alphas, comma-separated (default: the paper's 0.1,0.3,0.5,1; --quick 0.1,1)",
-    ),
+    data_dir: Path = DATA_DIR_OPT,
+    scale: str = SCALE_OPT,
+    datasets: Optional[str] = DATASETS_OPT,
+    alphas: Optional[str] = ALPHAS_OPT,
     seeds: Optional[List[str]] = typer.Option(
         None, "--seeds", help="seeds, repeated or comma-separated \\[default: 0,42,777; --quick: 0]"
     ),
     quick: bool = typer.Option(False, "--quick", help="a smoke run: tiny subsets, a few rounds and epochs, one seed"),
-    dry_run: bool = typer.Option(
-        False,
-        "--dry-run",
-        help="print every run's resolved configuration (JSON lines) and stop: no data loaded, nothing written",
-    ),
+    dry_run: bool = DRY_RUN_OPT,
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
-    backend: str = typer.Option(
-        "vectorized",
-        "--backend",
-        help="the scratch engine: vectorized | loop (same results; which is faster depends on the model)",
-    ),
+    backend: str = BACKEND_OPT,
     out: Optional[Path] = typer.Option(
         None,
         "--out",
@@ -1181,22 +1204,23 @@ def papers_cmd(
         }
         cmd = begin_report(out, cells, config)
         t0, c0 = time.perf_counter(), time.process_time()
-
-        def run_one(c: Cell, d: Path, resume: bool, prog) -> None:
-            err = stderr_console()
-            run_scratch(
-                c.cfg,
-                d,
-                log=lambda m: err.print(f"{c.name}: {m}", markup=False, highlight=False),
-                progress=prog,
-                resume=resume,
-            )
-
-        results = run_cells(cells, out, run_one)
+        results = run_cells(cells, out, _run_cell)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         _write(
             spec, out, cmd, config, results, chosen, notes, cuts, seeds_l, alpha_l, window, scale, quick, (wall, cpu)
         )
+
+
+def _run_cell(c: Cell, d: Path, resume: bool, prog) -> None:
+    """Run (or resume) one cell of the grid in its run directory ``d``, its log lines on stderr named by the cell."""
+    err = stderr_console()
+    run_scratch(
+        c.cfg,
+        d,
+        log=lambda m: err.print(f"{c.name}: {m}", markup=False, highlight=False),
+        progress=prog,
+        resume=resume,
+    )
 
 
 def _write(

@@ -106,49 +106,10 @@ def privacy_cmd(
     names, plabels, parts = methods_and_partitions(methods, partition, METHODS, old=partitions)
     eps = parse_rates("--epsilons", epsilons, low_closed=False, high=None)
     delta = _delta(common, delta)
-    validate("--update-clip", update_clip, Interval(0, None, closed="neither"))
-    validate("--feature-clip", feature_clip, Interval(0, None, closed="neither"))
-    validate("--dp-ridge-lambda", dp_ridge_lambda, Interval(0, None, closed="neither"))
-    validate("--secagg-rounds", secagg_rounds, Interval(1, None, integer=True))
-    if secagg_clients:
-        validate(
-            "--secagg-clients",
-            secagg_clients,
-            Interval(3, None, integer=True),
-            "SecAgg+ needs at least 3 clients; use 0 to skip its measurement.",
-        )
-        require_flower()
-    for k in ("dp_noise_multiplier", "dp_clip", "dp_feature_clip"):
-        if common.train.get(k) is not None:
-            raise FedheadError(
-                f"The '--{k.replace('_', '-')}' option is set per run by 'bench privacy'. Got "
-                f"{common.train[k]!r}. Use --epsilons, --dp-delta, --update-clip and --feature-clip."
-            )
-    cells, zs = [], {}
-    for m in names:
-        closed = is_closed_form(m)
-        for p in plabels:
-            pname, pparams = parts[p]
-            base = {"head": m, "partition": pname, "partition_params": pparams}
-            cells.append(
-                Cell(f"{m}--{p}--{NONE}", {"method": m, "partition": p, "epsilon": NONE}, common.cfg(features, **base))
-            )
-            for e in eps:
-                dp = {"dp_delta": delta, "dp_clip": feature_clip if closed else update_clip}
-                if not closed:
-                    dp["dp_feature_clip"] = feature_clip
-                kw = dict(base, **dp, dp_noise_multiplier=1.0)
-                if m == "ridge":
-                    kw["ridge_lambda"] = dp_ridge_lambda
-                cfg = common.cfg(features, **kw)
-                z = zs.setdefault((m, p, e), noise_for_epsilon(cfg.resolved(), e))
-                cells.append(
-                    Cell(
-                        f"{m}--{p}--eps{e:g}",
-                        {"method": m, "partition": p, "epsilon": f"{e:g}"},
-                        dataclasses.replace(cfg, dp_noise_multiplier=z),
-                    )
-                )
+    _check_privacy_options(common, update_clip, feature_clip, dp_ridge_lambda, secagg_clients, secagg_rounds)
+    cells = _privacy_cells(
+        common, features, names, plabels, parts, eps, delta, update_clip, feature_clip, dp_ridge_lambda
+    )
     elabels = [f"{e:g}" for e in eps] + [NONE]
     config = {
         **common.describe(),
@@ -180,6 +141,77 @@ def privacy_cmd(
         plots,
     )
     _print_report(path, sections)
+
+
+def _check_privacy_options(
+    common: Common,
+    update_clip: float,
+    feature_clip: float,
+    dp_ridge_lambda: float,
+    secagg_clients: int,
+    secagg_rounds: int,
+) -> None:
+    """Validate the command's own DP and SecAgg+ options, and refuse the DP options it sets per run."""
+    validate("--update-clip", update_clip, Interval(0, None, closed="neither"))
+    validate("--feature-clip", feature_clip, Interval(0, None, closed="neither"))
+    validate("--dp-ridge-lambda", dp_ridge_lambda, Interval(0, None, closed="neither"))
+    validate("--secagg-rounds", secagg_rounds, Interval(1, None, integer=True))
+    if secagg_clients:
+        validate(
+            "--secagg-clients",
+            secagg_clients,
+            Interval(3, None, integer=True),
+            "SecAgg+ needs at least 3 clients; use 0 to skip its measurement.",
+        )
+        require_flower()
+    for k in ("dp_noise_multiplier", "dp_clip", "dp_feature_clip"):
+        if common.train.get(k) is not None:
+            raise FedheadError(
+                f"The '--{k.replace('_', '-')}' option is set per run by 'bench privacy'. Got "
+                f"{common.train[k]!r}. Use --epsilons, --dp-delta, --update-clip and --feature-clip."
+            )
+
+
+def _privacy_cells(
+    common: Common,
+    features: Path,
+    names: list[str],
+    plabels: list[str],
+    parts: dict,
+    eps: list[float],
+    delta: float,
+    update_clip: float,
+    feature_clip: float,
+    dp_ridge_lambda: float,
+) -> list[Cell]:
+    """For each method and partition: the run without DP and one run per target epsilon, each with the smallest
+    noise multiplier that meets it."""
+    cells, zs = [], {}
+    for m in names:
+        closed = is_closed_form(m)
+        for p in plabels:
+            pname, pparams = parts[p]
+            base = {"head": m, "partition": pname, "partition_params": pparams}
+            cells.append(
+                Cell(f"{m}--{p}--{NONE}", {"method": m, "partition": p, "epsilon": NONE}, common.cfg(features, **base))
+            )
+            for e in eps:
+                dp = {"dp_delta": delta, "dp_clip": feature_clip if closed else update_clip}
+                if not closed:
+                    dp["dp_feature_clip"] = feature_clip
+                kw = dict(base, **dp, dp_noise_multiplier=1.0)
+                if m == "ridge":
+                    kw["ridge_lambda"] = dp_ridge_lambda
+                cfg = common.cfg(features, **kw)
+                z = zs.setdefault((m, p, e), noise_for_epsilon(cfg.resolved(), e))
+                cells.append(
+                    Cell(
+                        f"{m}--{p}--eps{e:g}",
+                        {"method": m, "partition": p, "epsilon": f"{e:g}"},
+                        dataclasses.replace(cfg, dp_noise_multiplier=z),
+                    )
+                )
+    return cells
 
 
 def _delta(common: Common, old: float | None) -> float:

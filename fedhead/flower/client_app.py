@@ -254,71 +254,15 @@ def make_client_app(default_store: str | None = None, default_state_dir: str | N
     (simulation; the run config's ``run-dir`` names the state folder first)."""
     app = ClientApp()
 
-    def settings(context: Context) -> NodeSettings:
-        return node_settings(context, default_store, default_state_dir)
-
     @app.query()
     @_fedhead_errors
     def hello(msg: Message, context: Context) -> Message:
-        c = msg.content["config"]
-        cfg = config_from_json(str(c["train-config"]))
-        ns = settings(context)
-        store = open_node_store(ns.store)
-        check_fingerprint(
-            store_fingerprint(store.info),
-            _json(c["server-store"]),
-            f"The feature store {ns.store!r} of node partition {ns.pid}",
-        )
-        ld = local_data(ns, cfg, int(c["seed"]))
-        if cfg.secure_aggregation and not str(c.get(SECURE_KIND, "")):
-            # secure aggregation: sizes, class counts and statistics reach the server only summed (SecAgg+)
-            content = {"metrics": MetricRecord({"partition-id": ns.pid})}
-            if cfg.scaffold:
-                held = held_variates(context, ns, cfg, int(c["seed"]))
-                content["config"] = ConfigRecord({"scaffold-tags": " ".join(held.keys() if held is not None else [])})
-            return Message(RecordDict(content), reply_to=msg)
-        flipped = int((ld.labels[ld.mine] != store.train_y[ld.mine]).sum())
-        metrics = {"partition-id": ns.pid, "num-examples": int(len(ld.mine)), "noise-flipped": flipped}
-        arrays = {"class-counts": Array(np.asarray(ld.counts[ns.pid], dtype=np.int64))}
-        if bool(c["want-stats"]):
-            s, sq, n = ld.stats_message(feature_clip(cfg))
-            arrays["feature-sum"] = Array(s)
-            metrics["feature-sq"] = sq
-            metrics["feature-count"] = n
-        if str(c.get("closed-form", "")):
-            # the statistics exchange of a closed-form head / --init start: the simulator's client_stats
-            solver = create_head(str(c["closed-form"]), **cfg.head_params)
-            t0 = time.perf_counter()
-            m = client_stats(
-                store.train_x[ld.mine], ld.labels[ld.mine], store.info.num_classes, solver.needs_gram, feature_clip(cfg)
-            )
-            metrics["stats-ms"] = 1000 * (time.perf_counter() - t0)
-            arrays.update(client_stats_record(m))
-        content = {"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics)}
-        if cfg.scaffold:  # the server checks, on (re)connecting, that the node still holds its c_k
-            held = held_variates(context, ns, cfg, int(c["seed"]))
-            content["config"] = ConfigRecord({"scaffold-tags": " ".join(held.keys() if held is not None else [])})
-        return Message(RecordDict(content), reply_to=msg)
+        return _hello(msg, context, default_store, default_state_dir)
 
     @app.query("ccvr")
     @_fedhead_errors
     def ccvr(msg: Message, context: Context) -> Message:
-        c = msg.content["config"]
-        cfg = config_from_json(str(c["train-config"]))
-        ns = settings(context)
-        ld = local_data(ns, cfg, int(c["seed"]))
-        if int(c["round"]) in crash_rounds(ns.pid):
-            raise RuntimeError(f"injected crash of partition {ns.pid} in round {c['round']} (FEDHEAD_FLOWER_CRASH)")
-        t0 = time.perf_counter()
-        blob = b""
-        if len(ld.mine):
-            x = ld.engine(cfg, _feature_stats(c)).data.x
-            blob = ccvr_client_stats(x, ld.labels, ld.mine, ld.store.info.num_classes).to_bytes()
-        arrays = ArrayRecord({"ccvr-stats": Array(np.frombuffer(blob, dtype=np.uint8).copy())})
-        metrics = MetricRecord(
-            {"partition-id": ns.pid, "num-examples": int(len(ld.mine)), "client-ms": 1000 * (time.perf_counter() - t0)}
-        )
-        return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+        return _ccvr(msg, context, default_store, default_state_dir)
 
     @app.train(mods=[secure_mod])
     @_fedhead_errors
@@ -333,62 +277,132 @@ def make_client_app(default_store: str | None = None, default_state_dir: str | N
         return plain_train(msg, context)
 
     def plain_train(msg: Message, context: Context) -> Message:
-        c = msg.content["config"]
-        cfg = config_from_json(str(c["train-config"]))
-        seed, rnd = int(c["seed"]), int(c["round"])
-        ns = settings(context)
-        ld = local_data(ns, cfg, seed)
-        if rnd in crash_rounds(ns.pid):
-            raise RuntimeError(f"injected crash of partition {ns.pid} in round {rnd} (FEDHEAD_FLOWER_CRASH)")
-        stats = _feature_stats(c)
-        theta = torch.as_tensor(msg.content["arrays"]["head"].numpy(), dtype=torch.float32, device=ld.device)
-        n = len(ld.mine)
-        scaffold = None
-        if cfg.scaffold and n > 0:
-            scaffold = _node_variate(msg, held_variates(context, ns, cfg, seed), ns.pid, theta)
-            if scaffold is None:  # the server names a c_k this node no longer holds (it restarted)
-                return Message(
-                    RecordDict(
-                        {"metrics": MetricRecord({"partition-id": ns.pid, "num-examples": int(n), "scaffold-lost": 1})}
-                    ),
-                    reply_to=msg,
-                )
-            start = scaffold.ck[0].clone()
-        if n == 0:
-            w, holds, loss, ms = theta, torch.zeros(theta.shape[0], dtype=torch.bool), 0.0, 0.0
-        else:
-            eng = ld.engine(cfg, stats)
-            t0 = time.perf_counter()
-            ws, sizes, hs, losses = eng.train_block(theta, [ns.pid], seed, rnd, prox_mu=cfg.prox_mu, scaffold=scaffold)
-            if ld.device.type == "cuda":
-                torch.cuda.synchronize()
-            ms = 1000 * (time.perf_counter() - t0)
-            w, holds, loss = ws[0], hs[0], float(losses[0])
-        # the aggregation rule's message (fedavg: n_k W_k), the simulator's Accumulator.message for one client
-        sent = Accumulator(aggregator_of(cfg), theta).message(
-            w[None], torch.tensor([float(n)], device=w.device), holds[None].to(w.device)
-        )
-        arrays = ArrayRecord(
-            {
-                **{MESSAGE_PREFIX + k: Array(v[0].detach().cpu().numpy()) for k, v in sent.items()},
-                "holds": Array(holds.cpu().numpy().astype(np.uint8)),
-            }
-        )
-        if scaffold is not None:
-            # one client's pending sum is its delta c_k+ - c_k (float32 values, exact in float32)
-            arrays["scaffold-delta"] = Array(scaffold.pending.to(torch.float32).cpu().numpy())
-            _keep_variates(
-                context,
-                variates_file(ns, cfg, seed),
-                str(c["scaffold-in"]),
-                start,
-                str(c["scaffold-out"]),
-                scaffold.ck[0],
-            )
-        metrics = MetricRecord({"partition-id": ns.pid, "num-examples": int(n), "train-loss": loss, "client-ms": ms})
-        return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+        return _plain_train(msg, context, default_store, default_state_dir)
 
     return app
+
+
+def _hello(msg: Message, context: Context, default_store: str | None, default_state_dir: str | None) -> Message:
+    """The ``query`` handler: the node's size, class counts and flipped labels, the statistics the server asks for
+    and the SCAFFOLD variates it holds (under secure aggregation: its id and variates only; the rest goes summed)."""
+    c = msg.content["config"]
+    cfg = config_from_json(str(c["train-config"]))
+    ns = node_settings(context, default_store, default_state_dir)
+    store = open_node_store(ns.store)
+    check_fingerprint(
+        store_fingerprint(store.info),
+        _json(c["server-store"]),
+        f"The feature store {ns.store!r} of node partition {ns.pid}",
+    )
+    ld = local_data(ns, cfg, int(c["seed"]))
+    if cfg.secure_aggregation and not str(c.get(SECURE_KIND, "")):
+        # secure aggregation: sizes, class counts and statistics reach the server only summed (SecAgg+)
+        content = {"metrics": MetricRecord({"partition-id": ns.pid})}
+        if cfg.scaffold:
+            held = held_variates(context, ns, cfg, int(c["seed"]))
+            content["config"] = ConfigRecord({"scaffold-tags": " ".join(held.keys() if held is not None else [])})
+        return Message(RecordDict(content), reply_to=msg)
+    flipped = int((ld.labels[ld.mine] != store.train_y[ld.mine]).sum())
+    metrics = {"partition-id": ns.pid, "num-examples": int(len(ld.mine)), "noise-flipped": flipped}
+    arrays = {"class-counts": Array(np.asarray(ld.counts[ns.pid], dtype=np.int64))}
+    if bool(c["want-stats"]):
+        s, sq, n = ld.stats_message(feature_clip(cfg))
+        arrays["feature-sum"] = Array(s)
+        metrics["feature-sq"] = sq
+        metrics["feature-count"] = n
+    if str(c.get("closed-form", "")):
+        # the statistics exchange of a closed-form head / --init start: the simulator's client_stats
+        solver = create_head(str(c["closed-form"]), **cfg.head_params)
+        t0 = time.perf_counter()
+        m = client_stats(
+            store.train_x[ld.mine], ld.labels[ld.mine], store.info.num_classes, solver.needs_gram, feature_clip(cfg)
+        )
+        metrics["stats-ms"] = 1000 * (time.perf_counter() - t0)
+        arrays.update(client_stats_record(m))
+    content = {"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics)}
+    if cfg.scaffold:  # the server checks, on (re)connecting, that the node still holds its c_k
+        held = held_variates(context, ns, cfg, int(c["seed"]))
+        content["config"] = ConfigRecord({"scaffold-tags": " ".join(held.keys() if held is not None else [])})
+    return Message(RecordDict(content), reply_to=msg)
+
+
+def _ccvr(msg: Message, context: Context, default_store: str | None, default_state_dir: str | None) -> Message:
+    """The ``query.ccvr`` handler: CCVR's class statistics of the node's prepared features."""
+    c = msg.content["config"]
+    cfg = config_from_json(str(c["train-config"]))
+    ns = node_settings(context, default_store, default_state_dir)
+    ld = local_data(ns, cfg, int(c["seed"]))
+    if int(c["round"]) in crash_rounds(ns.pid):
+        raise RuntimeError(f"injected crash of partition {ns.pid} in round {c['round']} (FEDHEAD_FLOWER_CRASH)")
+    t0 = time.perf_counter()
+    blob = b""
+    if len(ld.mine):
+        x = ld.engine(cfg, _feature_stats(c)).data.x
+        blob = ccvr_client_stats(x, ld.labels, ld.mine, ld.store.info.num_classes).to_bytes()
+    arrays = ArrayRecord({"ccvr-stats": Array(np.frombuffer(blob, dtype=np.uint8).copy())})
+    metrics = MetricRecord(
+        {"partition-id": ns.pid, "num-examples": int(len(ld.mine)), "client-ms": 1000 * (time.perf_counter() - t0)}
+    )
+    return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+
+
+def _plain_train(msg: Message, context: Context, default_store: str | None, default_state_dir: str | None) -> Message:
+    """The ``train`` handler of a plain (not secure) exchange: the node's local training from the server's head, and
+    the aggregation rule's message of its update (SCAFFOLD: with its variate's delta, kept on the node)."""
+    c = msg.content["config"]
+    cfg = config_from_json(str(c["train-config"]))
+    seed, rnd = int(c["seed"]), int(c["round"])
+    ns = node_settings(context, default_store, default_state_dir)
+    ld = local_data(ns, cfg, seed)
+    if rnd in crash_rounds(ns.pid):
+        raise RuntimeError(f"injected crash of partition {ns.pid} in round {rnd} (FEDHEAD_FLOWER_CRASH)")
+    stats = _feature_stats(c)
+    theta = torch.as_tensor(msg.content["arrays"]["head"].numpy(), dtype=torch.float32, device=ld.device)
+    n = len(ld.mine)
+    scaffold = None
+    if cfg.scaffold and n > 0:
+        scaffold = _node_variate(msg, held_variates(context, ns, cfg, seed), ns.pid, theta)
+        if scaffold is None:  # the server names a c_k this node no longer holds (it restarted)
+            return Message(
+                RecordDict(
+                    {"metrics": MetricRecord({"partition-id": ns.pid, "num-examples": int(n), "scaffold-lost": 1})}
+                ),
+                reply_to=msg,
+            )
+        start = scaffold.ck[0].clone()
+    if n == 0:
+        w, holds, loss, ms = theta, torch.zeros(theta.shape[0], dtype=torch.bool), 0.0, 0.0
+    else:
+        eng = ld.engine(cfg, stats)
+        t0 = time.perf_counter()
+        ws, sizes, hs, losses = eng.train_block(theta, [ns.pid], seed, rnd, prox_mu=cfg.prox_mu, scaffold=scaffold)
+        if ld.device.type == "cuda":
+            torch.cuda.synchronize()
+        ms = 1000 * (time.perf_counter() - t0)
+        w, holds, loss = ws[0], hs[0], float(losses[0])
+    # the aggregation rule's message (fedavg: n_k W_k), the simulator's Accumulator.message for one client
+    sent = Accumulator(aggregator_of(cfg), theta).message(
+        w[None], torch.tensor([float(n)], device=w.device), holds[None].to(w.device)
+    )
+    arrays = ArrayRecord(
+        {
+            **{MESSAGE_PREFIX + k: Array(v[0].detach().cpu().numpy()) for k, v in sent.items()},
+            "holds": Array(holds.cpu().numpy().astype(np.uint8)),
+        }
+    )
+    if scaffold is not None:
+        # one client's pending sum is its delta c_k+ - c_k (float32 values, exact in float32)
+        arrays["scaffold-delta"] = Array(scaffold.pending.to(torch.float32).cpu().numpy())
+        _keep_variates(
+            context,
+            variates_file(ns, cfg, seed),
+            str(c["scaffold-in"]),
+            start,
+            str(c["scaffold-out"]),
+            scaffold.ck[0],
+        )
+    metrics = MetricRecord({"partition-id": ns.pid, "num-examples": int(n), "train-loss": loss, "client-ms": ms})
+    return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
 
 
 def _secure(msg: Message, context: Context, handlers: dict, default_store: str | None) -> Message:

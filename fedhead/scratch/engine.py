@@ -624,17 +624,66 @@ def train_members(
     offset_o = None if grad_offset is None else {n: _take(v, order_t) for n, v in grad_offset.items()}
     opt = StackedOptimizer(train_p, optim)
     mods = _GradMods(train_p, prox_mu, offset_o, device)
-    m_count = len(member_idx)
-    loss_sum = torch.zeros(m_count, device=device)
+    stacked, batched = _member_forward(model, net, device)
+    loss_sum = _step_loop(
+        stacked,
+        batched,
+        loss_fn,
+        x_all=x_all,
+        y_all=y_all,
+        to_float=to_float,
+        batch_size=batch_size,
+        sched_t=sched_t,
+        n_active=n_active,
+        names=names,
+        train_p=train_p,
+        fixed_p=fixed_p,
+        aux_o=aux_o,
+        mods=mods,
+        opt=opt,
+    )
+    mean_loss = loss_sum / torch.from_numpy(np.maximum(steps[order], 1)).to(device)
+    inv = None if same else torch.from_numpy(np.argsort(order)).to(device)
+    return TrainResult({n: _take(p, inv) for n, p in train_p.items()}, _take(mean_loss, inv).cpu(), steps)
 
+
+def _member_forward(model: nn.Module, net: str, device: torch.device) -> tuple[StackedNet | None, Callable]:
+    """The members' forward of :func:`train_members`: its :class:`StackedNet` (None: use vmap) and the vmap one."""
     stacked = None
     if net in ("member", "grouped") or (net == "auto" and device.type == "cpu"):
         stacked = StackedNet.build(model, conv="member" if net == "auto" else net)
         if stacked is None and net != "auto":
             raise FedheadError(f"train_members: net={net!r} does not support {type(model).__name__}; use 'vmap'.")
     batched = vmap(lambda p, x: functional_call(model, p, (x,)), in_dims=(0, 0), randomness="different")
+    return stacked, batched
+
+
+def _step_loop(
+    stacked: StackedNet | None,
+    batched: Callable,
+    loss_fn: Callable,
+    *,
+    x_all: torch.Tensor,
+    y_all: torch.Tensor,
+    to_float: Callable,
+    batch_size: int,
+    sched_t: torch.Tensor,
+    n_active: np.ndarray,
+    names: list[str],
+    train_p: Params,
+    fixed_p: Params,
+    aux_o: dict,
+    mods: _GradMods,
+    opt: StackedOptimizer,
+) -> torch.Tensor:
+    """The steps of :func:`train_members` on its members in training order (``sched_t``: ``[S, M, B]``): step t
+    trains the active prefix ``0..n_active[t]-1`` (``train_p`` and the optimizer state in place); returns each
+    member's loss summed over its steps."""
+    device = x_all.device
+    m_count = sched_t.shape[1]
+    loss_sum = torch.zeros(m_count, device=device)
     b = batch_size
-    for t in range(sched.shape[0]):
+    for t in range(sched_t.shape[0]):
         a = int(n_active[t])
         full = a == m_count
         idx = sched_t[t] if full else sched_t[t, :a]  # [A, B]
@@ -654,9 +703,7 @@ def train_members(
         opt.step_prefix(train_p, grads, a)
         with torch.no_grad():
             loss_sum[:a] += losses.detach()
-    mean_loss = loss_sum / torch.from_numpy(np.maximum(steps[order], 1)).to(device)
-    inv = None if same else torch.from_numpy(np.argsort(order)).to(device)
-    return TrainResult({n: _take(p, inv) for n, p in train_p.items()}, _take(mean_loss, inv).cpu(), steps)
+    return loss_sum
 
 
 def _train_loop(

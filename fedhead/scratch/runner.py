@@ -180,6 +180,15 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
 
     if cfg.dataset not in DATASETS:
         raise unknown_name("--dataset", cfg.dataset, DATASETS, "dataset")
+    c = _with_defaults(cfg)
+    _check_training(c)
+    _check_algo_options(c)
+    _check_noise_seeds_partition(c)
+    return c
+
+
+def _with_defaults(cfg: ScratchConfig) -> ScratchConfig:
+    """A copy of ``cfg`` with the algorithm's and dataset's defaults for every None, its model checked."""
     d = ALGO_DEFAULTS[cfg.algo]
     c = dataclasses.replace(cfg)
     for key, val in d.items():
@@ -200,6 +209,11 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
         c.model = DEFAULT_MODELS.get((c.algo, c.dataset), DEFAULT_MODELS.get(("*", c.dataset), "cnn"))
     if c.model not in MODELS:
         raise unknown_name("--model", c.model, MODELS, "model")
+    return c
+
+
+def _check_training(c: ScratchConfig) -> None:
+    """Validate the training and D&C options shared by every algorithm (``--backend vmap`` renamed in place)."""
     validate("--clients", c.clients, Interval(1, None, integer=True))
     validate("--participation", c.participation, Interval(0, 1, closed="right"))
     validate("--rounds", c.rounds, Interval(1, None, integer=True))
@@ -232,6 +246,10 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
         Interval(0, 1),
         "Use a fraction of the mean client size in [0, 1], e.g. 0.05 (0 = no shared data).",
     )
+
+
+def _check_algo_options(c: ScratchConfig) -> None:
+    """Fill and validate the options of some algorithms only (FedProx, FedPer/FedRep/LG-FedAvg, SCAFFOLD, D&C)."""
     _algo_option(
         c,
         "--prox-mu",
@@ -281,6 +299,9 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
             "choose from). Got None instead."
         )
 
+
+def _check_noise_seeds_partition(c: ScratchConfig) -> None:
+    """Validate the label noise and the seeds; resolve the partition's parameters into ``c.partition_params``."""
     if c.noise not in NOISE_KINDS:
         raise unknown_name("--noise", c.noise, NOISE_KINDS, "noise kind")
     validate("--noise-rate", c.noise_rate, Interval(0, 1, closed="left"))
@@ -303,7 +324,6 @@ def resolve_config(cfg: ScratchConfig) -> ScratchConfig:
         c.partition_params = {"skew": c.skew}
     else:
         c.partition_params = resolve_partition_params(c.partition, **c.partition_params)
-    return c
 
 
 def _algo_option(c: ScratchConfig, flag: str, field: str, algos: tuple, default, constraint, fix: str) -> None:
