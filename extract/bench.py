@@ -20,12 +20,11 @@ import typer
 
 from extract.run import encode, forward, iter_batches, prepare, to_input
 from extract.store import StoreWriter
-from fedhead.federation.train import PAUSE_ENV
 from fedhead.infra.console import stdout_console
 from fedhead.infra.errors import Interval, validate
 from fedhead.infra.exits import cli_errors
 from fedhead.infra.files import atomic_write_json, check_out
-from fedhead.infra.signals import pause_hook
+from fedhead.infra.signals import ROUNDS_PAUSE_ENV, pause_hook
 
 
 def _sync(device) -> None:
@@ -106,7 +105,7 @@ def _measure_once(
     for _ in range(repeats):  # alternate, so that drifting machine load hits both sides alike
         fwd_t.append(time_forward())
         ext_t.append(time_pipeline())
-        pause_hook(PAUSE_ENV, len(ext_t))  # test hook: after the k-th repeat
+        pause_hook(ROUNDS_PAUSE_ENV, len(ext_t))  # test hook: after the k-th repeat
     fwd_t.append(time_forward())
     fwd, ext = min(fwd_t), min(ext_t)
     return {

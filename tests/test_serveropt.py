@@ -395,16 +395,14 @@ def test_user_server_optimizer_step_by_hand(fedams):
         ServerOptConfig("fedams", momentum=0.9).resolved()  # a parameter it does not declare
 
 
-def test_user_server_optimizer_resumes_with_its_state(fedams, tiny_store, tmp_path, monkeypatch):
-    """A run with the user's optimiser, cut after round 2 and resumed, equals the uninterrupted one (its v_max is
-    in the checkpoint)."""
+def _cut_and_resume(store, tmp_path, monkeypatch, **kw):
+    """A 4-round run, the same run cut at its 3rd evaluation and resumed: (uninterrupted, checkpoint, resumed)."""
     import fedhead.federation.job as job_module
     from fedhead.federation.config import TrainConfig
     from fedhead.federation.train import run_training
 
     def cfg():
-        return TrainConfig(features=str(tiny_store), clients=8, rounds=4, local_epochs=1, batch_size=16,
-                           server_opt="fedams", server_lr=0.05, device="cpu")  # fmt: skip
+        return TrainConfig(features=str(store), clients=8, rounds=4, local_epochs=1, batch_size=16, device="cpu", **kw)
 
     full = run_training(cfg(), out=tmp_path / "full", progress=False)
     restore = crash_at(monkeypatch, job_module, "evaluate", 3)
@@ -412,8 +410,14 @@ def test_user_server_optimizer_resumes_with_its_state(fedams, tiny_store, tmp_pa
         run_training(cfg(), out=tmp_path / "cut", progress=False)
     restore()
     ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
+    return full, ck, run_training(cfg(), out=tmp_path / "cut", resume=True, progress=False)
+
+
+def test_user_server_optimizer_resumes_with_its_state(fedams, tiny_store, tmp_path, monkeypatch):
+    """A run with the user's optimiser, cut after round 2 and resumed, equals the uninterrupted one (its v_max is
+    in the checkpoint)."""
+    full, ck, res = _cut_and_resume(tiny_store, tmp_path, monkeypatch, server_opt="fedams", server_lr=0.05)
     assert ck["current"]["server"]["opt"]["name"] == "fedams" and "v_max" in ck["current"]["server"]["opt"]
-    res = run_training(cfg(), out=tmp_path / "cut", resume=True, progress=False)
     assert [r["accuracy"] for r in res.rows] == [r["accuracy"] for r in full.rows]
 
 
@@ -451,10 +455,7 @@ def test_user_server_optimizer_on_flower_equals_train(fedams, tmp_path):
 def test_a_stateful_aggregation_rule_is_checkpointed(tiny_store, tmp_path, monkeypatch):
     """An aggregation rule that keeps server state (here: how many rounds it has aggregated, used in its update)
     resumes with it."""
-    import fedhead.federation.job as job_module
     from fedhead.core.aggregate import AGGREGATORS, FedAvg
-    from fedhead.federation.config import TrainConfig
-    from fedhead.federation.train import run_training
 
     class Counting(FedAvg):
         """FedAvg whose update damps the step by 1 / (rounds aggregated so far), a state across rounds."""
@@ -475,19 +476,8 @@ def test_a_stateful_aggregation_rule_is_checkpointed(tiny_store, tmp_path, monke
 
     AGGREGATORS["counting"] = Counting
     try:
-
-        def cfg():
-            return TrainConfig(features=str(tiny_store), clients=8, rounds=4, local_epochs=1, batch_size=16,
-                               aggregate="counting", device="cpu")  # fmt: skip
-
-        full = run_training(cfg(), out=tmp_path / "full", progress=False)
-        restore = crash_at(monkeypatch, job_module, "evaluate", 3)
-        with pytest.raises(KeyboardInterrupt):
-            run_training(cfg(), out=tmp_path / "cut", progress=False)
-        restore()
-        ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
+        full, ck, res = _cut_and_resume(tiny_store, tmp_path, monkeypatch, aggregate="counting")
         assert ck["current"]["server"]["rule"] == {"seen": 2}
-        res = run_training(cfg(), out=tmp_path / "cut", resume=True, progress=False)
         assert [r["accuracy"] for r in res.rows] == [r["accuracy"] for r in full.rows]
     finally:
         AGGREGATORS.pop("counting", None)

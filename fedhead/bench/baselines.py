@@ -21,10 +21,10 @@ from fedhead.bench import plots as P
 from fedhead.bench.commands import (
     FEATURES_OPT,
     Common,
-    _print_report,
     grid_command,
     pair_with_iid,
     parse_names,
+    publish_report,
     start_report,
 )
 from fedhead.bench.report import (
@@ -36,9 +36,6 @@ from fedhead.bench.report import (
     mean_curve,
     resolve_partition,
     run_grid,
-    write_curves,
-    write_report,
-    write_results,
 )
 from fedhead.core.plugins import load_plugins
 from fedhead.federation.methods import METHODS
@@ -128,18 +125,16 @@ def baselines_cmd(
     pair_with_iid(results)
     sections = _sections(results, names, plabels, common)
     plots = _plots(results, names, plabels, common)
-    write_results(common.out, results, "baselines")
-    write_curves(common.out, results, {})
-    path = write_report(
-        common.out,
+    publish_report(
+        common,
+        "baselines",
         "fedhead bench baselines: every method against the centralised ceiling",
         cmd,
         config,
-        sections,
         results,
+        sections,
         plots,
     )
-    _print_report(path, sections)
 
 
 def _stat(r: CellResult, key: str) -> Stat:
@@ -173,18 +168,19 @@ def _central_ratio_table(by: dict[tuple, CellResult], names: list[str], plabels:
     rows = []
     for m in names:
         rows.append([m] + [_stat(by[(m, p)], "final_ratio_to_central").fmt(100, 1) for p in plabels])
-    return "\n".join(
-        [
-            f"## Ratio to the central ceiling (%), final round ({common.clients} clients, up to {common.rounds} rounds, "
-            f"seeds {seeds})",
-            "",
-            "The ceiling is the same head trained centrally on the pooled training features to convergence (closed-form "
-            "heads: the same solve on pooled data). A closed-form head runs one round.",
-            "",
-            md_table(["method"] + plabels, rows),
-            "",
-        ]
+    return _section(
+        f"## Ratio to the central ceiling (%), final round ({common.clients} clients, up to {common.rounds} rounds, "
+        f"seeds {seeds})",
+        "The ceiling is the same head trained centrally on the pooled training features to convergence (closed-form "
+        "heads: the same solve on pooled data). A closed-form head runs one round.",
+        ["method"] + plabels,
+        rows,
     )
+
+
+def _section(title: str, text: str, header: list[str], rows: list) -> str:
+    """One section of the report: its heading, what it shows, its table."""
+    return "\n".join([title, "", text, "", md_table(header, rows), ""])
 
 
 def _best_ceiling_table(by: dict[tuple, CellResult], names: list[str], plabels: list[str]) -> str:
@@ -196,16 +192,12 @@ def _best_ceiling_table(by: dict[tuple, CellResult], names: list[str], plabels: 
         [m] + [Stat.of([v / best for v in by[(m, p)].per_seed("final_accuracy")]).fmt(100, 1) for p in plabels]
         for m in names
     ]
-    return "\n".join(
-        [
-            f"## Ratio to the best ceiling of any method here (%): {best_m}'s central {100 * best:.2f}%",
-            "",
-            "Each head's own ceiling is the optimum of its own regularised objective; this table puts every method on "
-            "one yardstick.",
-            "",
-            md_table(["method"] + plabels, rows),
-            "",
-        ]
+    return _section(
+        f"## Ratio to the best ceiling of any method here (%): {best_m}'s central {100 * best:.2f}%",
+        "Each head's own ceiling is the optimum of its own regularised objective; this table puts every method on "
+        "one yardstick.",
+        ["method"] + plabels,
+        rows,
     )
 
 
@@ -262,16 +254,12 @@ def _iid_cost_table(by: dict[tuple, CellResult], names: list[str], plabels: list
                 f"{np.nanmean([_stat(r, 'mb_per_client').mean for r in cells]):.3f}",
             ]
         )
-    return "\n".join(
-        [
-            "## Ratio to the IID run of the same method (%), and cost",
-            "",
-            "client ms: per client and round (closed form: computing the statistics); server ms: per "
-            "round; MB: uploaded per client over the whole run (mean over partitions).",
-            "",
-            md_table(["method"] + plabels + ["client ms", "server ms", "MB up/client"], rows),
-            "",
-        ]
+    return _section(
+        "## Ratio to the IID run of the same method (%), and cost",
+        "client ms: per client and round (closed form: computing the statistics); server ms: per "
+        "round; MB: uploaded per client over the whole run (mean over partitions).",
+        ["method"] + plabels + ["client ms", "server ms", "MB up/client"],
+        rows,
     )
 
 

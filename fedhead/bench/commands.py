@@ -17,6 +17,7 @@ from typing import List, Optional
 
 import numpy as np
 import typer
+from rich.markdown import Markdown
 
 from extract.store import load_store, open_store
 from fedhead.bench import plots as P
@@ -287,11 +288,22 @@ def _pct(stat: Stat, digits: int = 2) -> str:
 
 
 def _print_report(path: Path, sections: list[str]) -> None:
-    from rich.markdown import Markdown
-
     con = stdout_console()
     con.print(Markdown("\n\n".join(sections)))
     con.print(f"report: {path}")
+
+
+def publish_report(
+    common: Common, command: str, title: str, cmd: str, config: dict, results: list, sections: list[str],
+    plots: list, iid_of: dict | None = None, notes: tuple = (),
+) -> Path:  # fmt: skip
+    """A grid command's end: results.csv, curves.csv, report.md (its sections, then ``notes``), and the sections
+    on stdout."""
+    write_results(common.out, results, command)
+    write_curves(common.out, results, iid_of or {})
+    path = write_report(common.out, title, cmd, config, [*sections, *notes], results, plots)
+    _print_report(path, sections)
+    return path
 
 
 # ---------------------------------------------------------------- heterogeneity (ablation, partitions, encoders)
@@ -1002,24 +1014,16 @@ def noise_cmd(
         secs, curves = noise_sections(res, heads, kinds, rec, common, clean_of)
         sections += secs
         plots += _noise_plots(common.out, rec, heads, kinds, curves, clean)
-    write_results(common.out, results, "noise")
-    write_curves(common.out, results, {})
     note = (
         "Declines are per seed (accuracy at the lowest rate minus accuracy at the rate; relative = that over "
         "the lowest-rate accuracy), then mean ± std over seeds. The paper's row is OvA-LP on (probably) "
         "CIFAR-100 with ViT-L/16, declines as printed (read as percentage points; relative and share derived "
         "from them)."
     )
-    path = write_report(
-        common.out,
-        "fedhead bench noise (OvA-LP Table 2, FedLTF protocol)",
-        cmd,
-        config,
-        sections + [note],
-        results,
-        plots,
-    )
-    _print_report(path, sections)
+    publish_report(
+        common, "noise", "fedhead bench noise (OvA-LP Table 2, FedLTF protocol)", cmd, config, results, sections,
+        plots, notes=(note,),
+    )  # fmt: skip
 
 
 def _noise_kinds(sym_rates: str, asym_rates: str, clean: bool) -> tuple[dict[str, list[float]], bool]:
@@ -1193,12 +1197,10 @@ def participation_cmd(
         rs = [r for r in results if r.cell.labels["recipe"] == rec]
         sections.append(_participation_text(rs, iid_of, partition, rec, common))
         plots += _participation_plots(common.out, rs, iid_of, heads, partition, rec)
-    write_results(common.out, results, "participation")
-    write_curves(common.out, results, iid_of)
-    path = write_report(
-        common.out, "fedhead bench participation (OvA-LP Fig. 9)", cmd, config, sections, results, plots
-    )
-    _print_report(path, sections)
+    publish_report(
+        common, "participation", "fedhead bench participation (OvA-LP Fig. 9)", cmd, config, results, sections, plots,
+        iid_of,
+    )  # fmt: skip
 
 
 def _participation_cells(

@@ -21,7 +21,14 @@ import typer
 
 from fedhead.bench import plots as P
 from fedhead.bench.baselines import _partition, methods_and_partitions
-from fedhead.bench.commands import FEATURES_OPT, Common, _print_report, grid_command, parse_rates, start_report
+from fedhead.bench.commands import (
+    FEATURES_OPT,
+    Common,
+    grid_command,
+    parse_rates,
+    publish_report,
+    start_report,
+)
 from fedhead.bench.report import (
     Cell,
     CellResult,
@@ -29,9 +36,6 @@ from fedhead.bench.report import (
     StoreCache,
     md_table,
     run_grid,
-    write_curves,
-    write_report,
-    write_results,
 )
 from fedhead.core.closedform import is_closed_form
 from fedhead.core.dp import epsilon_schedule
@@ -129,18 +133,16 @@ def privacy_cmd(
     if secagg_clients:
         sections.append(_secagg_section(features, names, plabels[0], secagg_clients, secagg_rounds, common))
     plots = [_plot(results, names, plabels, eps, common)]
-    write_results(common.out, results, "privacy")
-    write_curves(common.out, results, {})
-    path = write_report(
-        common.out,
+    publish_report(
+        common,
+        "privacy",
         "fedhead bench privacy: accuracy against epsilon, and the cost of DP",
         cmd,
         config,
-        sections,
         results,
+        sections,
         plots,
     )
-    _print_report(path, sections)
 
 
 def _check_privacy_options(

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from fedhead.core.dp import gaussian
-from fedhead.core.plugins import load_plugins
+from fedhead.core.plugins import class_registrar, load_plugins
 from fedhead.infra.errors import FedheadError, unknown_name
 
 
@@ -171,20 +171,8 @@ class DPFedAvg(Aggregator):
 AGGREGATORS: dict[str, type] = {"fedavg": FedAvg, "grouped": Grouped, "dp-fedavg": DPFedAvg}
 
 
-def register_aggregator(name: str):
-    """Class decorator: register an :class:`Aggregator` subclass under ``name`` (``--aggregate NAME``)."""
-
-    def deco(cls):
-        if not (isinstance(cls, type) and issubclass(cls, Aggregator)):
-            raise FedheadError(
-                f"The aggregator {name!r} must be a subclass of fedhead.Aggregator. Got {cls!r} "
-                "instead. Subclass it and override message() and update()."
-            )
-        cls.name = name
-        AGGREGATORS[name] = cls
-        return cls
-
-    return deco
+# class decorator: register an Aggregator subclass under a name (--aggregate NAME)
+register_aggregator = class_registrar(AGGREGATORS, Aggregator, "aggregator", "message() and update()")
 
 
 def aggregator_names() -> list[str]:

@@ -44,3 +44,24 @@ def load_plugins() -> None:
         if key not in _loaded:
             _loaded.add(key)
             ep.load()
+
+
+def class_registrar(registry: dict, base: type, kind: str, override: str):
+    """A class decorator factory ``register(name)`` for one of fedhead's registries of classes (aggregation rules,
+    server optimisers): the class must subclass ``base`` (else one line saying which methods to ``override``); it
+    is named ``name`` and stored in ``registry``."""
+
+    def register(name: str):
+        def deco(cls):
+            if not (isinstance(cls, type) and issubclass(cls, base)):
+                raise FedheadError(
+                    f"The {kind} {name!r} must be a subclass of fedhead.{base.__name__}. Got {cls!r} instead. "
+                    f"Subclass it and override {override}."
+                )
+            cls.name = name
+            registry[name] = cls
+            return cls
+
+        return deco
+
+    return register

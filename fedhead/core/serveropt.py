@@ -55,7 +55,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fedhead.core.plugins import load_plugins
+from fedhead.core.plugins import class_registrar, load_plugins
 from fedhead.infra.errors import FedheadError, Interval, param_error, unknown_name, validate
 
 _FLAGS = {"lr": "--server-lr", "momentum": "--server-momentum", "betas": "--server-betas", "tau": "--server-tau"}
@@ -158,20 +158,10 @@ class ServerOptimizer:
 SERVER_OPTIMIZERS: dict[str, type] = {}
 
 
-def register_server_optimizer(name: str):
-    """Class decorator: register a :class:`ServerOptimizer` subclass under ``name`` (``--server-opt NAME``)."""
-
-    def deco(cls):
-        if not (isinstance(cls, type) and issubclass(cls, ServerOptimizer)):
-            raise FedheadError(
-                f"The server optimiser {name!r} must be a subclass of fedhead.ServerOptimizer. Got {cls!r} instead. "
-                "Subclass it and override setup() and update()."
-            )
-        cls.name = name
-        SERVER_OPTIMIZERS[name] = cls
-        return cls
-
-    return deco
+# class decorator: register a ServerOptimizer subclass under a name (--server-opt NAME)
+register_server_optimizer = class_registrar(
+    SERVER_OPTIMIZERS, ServerOptimizer, "server optimiser", "setup() and update()"
+)
 
 
 def server_optimizer_names() -> list[str]:

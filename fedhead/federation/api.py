@@ -8,8 +8,7 @@ from pathlib import Path
 from extract.store import Features
 from fedhead.federation.config import TrainConfig, load_experiment
 from fedhead.federation.experiment import check_transport
-from fedhead.federation.train import RunResult, validate_method
-from fedhead.federation.train import run as run_config
+from fedhead.federation.train import RunResult, run_training, validate_method
 
 
 def run(
@@ -33,7 +32,7 @@ def run(
     elif fields or config is not None:
         raise TypeError("fedhead.run() takes a TrainConfig or its fields (or config=FILE), not both")
     check_transport(cfg, "in-process")
-    return run_config(cfg, out=out, resume=resume, progress=progress, store=store)
+    return run_training(cfg, out=out, resume=resume, progress=progress, store=store)
 
 
 def resolved_run(cfg: TrainConfig) -> TrainConfig:

@@ -24,9 +24,9 @@ from fedhead.federation import rundir
 from fedhead.federation.rundir import Opened, RunDir
 from fedhead.infra.console import make_progress
 from fedhead.infra.errors import SPACE_ERRNOS, FedheadError
-from fedhead.infra.signals import pause_hook, signals_deferred
+from fedhead.infra.signals import ROUNDS_PAUSE_ENV, pause_hook, signals_deferred
 
-PAUSE_ENV = "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS"  # test hook "k:FILE": after the k-th round row, pid -> FILE, sleep
+PAUSE_ENV = ROUNDS_PAUSE_ENV  # test hook "k:FILE": after the k-th round row, pid -> FILE, sleep (pause_hook)
 
 
 class Job:

@@ -28,7 +28,7 @@ from fedhead.infra.errors import FedheadError, unknown_name
 from fedhead.infra.files import check_out
 from fedhead.infra.locks import exclusive_writer
 
-__all__ = ["CHECKPOINT", "PAUSE_ENV", "RunResult", "run", "run_training", "validate_config"]
+__all__ = ["CHECKPOINT", "PAUSE_ENV", "RunResult", "run_training", "validate_config"]
 
 RANDOMNESS = "numpy default_rng keyed by (seed, round[, client, epoch]); no global seeding"
 
@@ -38,20 +38,6 @@ class RunResult:
     run_dir: Path
     summary: dict
     rows: list[dict]
-
-
-def run(
-    cfg: TrainConfig,
-    out: str | Path | None = None,
-    *,
-    resume: bool = False,
-    progress: bool = False,
-    store: Features | None = None,
-) -> RunResult:
-    """The Python entry point of ``fedhead train``: run ``cfg`` (every option of the command is a field of
-    :class:`TrainConfig`) into ``out`` (default ``runs/<stamp>-<head>-<partition>``) and return the
-    :class:`RunResult`: ``summary`` (what summary.json holds) and ``rows`` (rounds.csv, one dict per round)."""
-    return run_training(cfg, out=out, resume=resume, progress=progress, store=store)
 
 
 def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:

@@ -91,6 +91,9 @@ def worker_signals(*_args) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+ROUNDS_PAUSE_ENV = "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS"  # test hook "k:FILE": after the k-th round (or job), pause
+
+
 def pause_hook(env: str, count: int) -> None:
     """Test hook: with ``env="k:FILE"`` set, when ``count == k`` write this pid into FILE and sleep (up to 10
     minutes) until a signal arrives, so a test can signal a run that is surely mid-way (extraction batches:
