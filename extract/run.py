@@ -48,7 +48,7 @@ from extract import datasets as D
 from extract.encoders import Encoder, load_encoder, preprocess_batch
 from extract.store import StoreWriter, open_store, partial_path, write_error
 from fedhead.infra.console import make_progress, stderr_console
-from fedhead.infra.devices import resolve_device, set_cpu_threads
+from fedhead.infra.devices import resolve_device, set_cpu_threads, transfers
 from fedhead.infra.errors import FedheadError, Interval, OneOf, unknown_name, validate
 from fedhead.infra.locks import exclusive_writer
 from fedhead.infra.signals import Interrupted, pause_hook, signals_deferred, signals_raise, worker_signals
@@ -139,7 +139,7 @@ def prepare(
             data[s] = data[s].subset(D.select_limit(data[s].labels, limit))
     enc = load_encoder(encoder, weights=weights, pretrained=pretrained, image_size=image_size, state_dict=state_dict)
     enc.model.to(dev)
-    channels_last = dev.type == "cuda"
+    _, channels_last = transfers(dev)
     if channels_last:
         enc.model.to(memory_format=torch.channels_last)
     if num_workers is None:
@@ -284,7 +284,7 @@ def iter_batches(plan: Plan, split: str, start: int = 0) -> Iterator[Batch]:
 
     data = plan.splits[split]
     bs = plan.batch_size
-    pin = plan.device.type == "cuda"
+    pin, _ = transfers(plan.device)
     workers = plan.num_workers
     pre = plan.encoder.preprocessing
     if data.in_memory:

@@ -10,7 +10,8 @@ from fedhead.infra.errors import FedheadError
 
 
 def resolve_device(device: str):
-    """``auto`` picks CUDA when available; ``cuda`` without a GPU is a one-line error."""
+    """``auto`` picks CUDA when available; ``cuda`` without a GPU, or ``cuda:N`` beyond the GPUs there are, is a
+    one-line error."""
     import torch
 
     if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
@@ -19,7 +20,46 @@ def resolve_device(device: str):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise FedheadError(f"The '--device' parameter is {device!r} but no CUDA device is available. Use --device cpu.")
+    if device.startswith("cuda:"):
+        index, count = device[5:], torch.cuda.device_count()
+        if not index.isdigit() or int(index) >= count:
+            raise FedheadError(
+                f"The '--device' parameter is {device!r} but this machine has {count} CUDA device(s) "
+                f"(cuda:0..cuda:{count - 1}). Use one of them, or --device cuda."
+            )
     return torch.device(device)
+
+
+def transfers(device) -> tuple[bool, bool]:
+    """``(pinned, channels_last)`` for feeding images to an encoder on ``device``: page-locked host batches copied
+    without blocking, and convolutions in NHWC memory, on CUDA only (on CPU, pinning needs an accelerator and
+    channels-last convolutions were measured no faster for the extraction's batch sizes)."""
+    cuda = getattr(device, "type", str(device)) == "cuda"
+    return cuda, cuda
+
+
+def mixed_precision(device):
+    """The autocast dtype of the scratch engine's forward on ``device``, or None for float32.
+
+    CUDA: bfloat16 where the GPU has it. Not float16 on older GPUs: without loss scaling, small gradients underflow
+    to zero in float16 (a model then stops learning without an error), and the engine's stacked optimizer has no
+    scaler, so those GPUs train in float32. CPU: float32 (autocast there would only add casts)."""
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+def autocast(device, dtype=None):
+    """The autocast context of :func:`mixed_precision` (``dtype`` overrides it; None: a disabled context)."""
+    import torch
+
+    dtype = mixed_precision(device) if dtype is None else dtype
+    kind = getattr(device, "type", str(device))
+    if dtype is None:
+        return torch.autocast(kind, enabled=False)
+    return torch.autocast(kind, dtype=dtype)
 
 
 DENORMALS_ENV = "FEDHEAD_DENORMALS"  # "keep": leave subnormal arithmetic on (bench speed's comparison)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
-from fedhead.infra.devices import flush_denormals
+from fedhead.infra.devices import autocast, flush_denormals, mixed_precision
 from fedhead.infra.errors import FedheadError
 from fedhead.scratch.models import DualHead, _Seq
 
@@ -364,10 +364,9 @@ def _schedule(member_idx: list[np.ndarray], epochs: int, batch_size: int, rng: n
 
 
 def _autocast(device: torch.device):
-    if device.type == "cuda":
-        dt = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.autocast("cuda", dtype=dt)
-    return torch.autocast("cpu", enabled=False)
+    """The forward's precision (:func:`fedhead.infra.devices.mixed_precision`: bfloat16 on CUDA where the GPU has
+    it, else float32)."""
+    return autocast(device, mixed_precision(device))
 
 
 class _GradMods:
@@ -515,10 +514,14 @@ class _StackedLinear(torch.autograd.Function):
 
     The backward computes the weight gradient as ``bmm(grad^T, h)``, in the weight's own ``[A, O, F]`` layout;
     autograd's rule for ``bmm(h, w^T)`` gives it as a transposed view, and making that contiguous for the fused
-    optimizer cost three times the product itself (the keyword-spotting CNN's 6400 x 256 layer)."""
+    optimizer cost three times the product itself (the keyword-spotting CNN's 6400 x 256 layer).
+
+    Under autocast the forward's product runs in the autocast dtype (bmm is on autocast's lower-precision list);
+    the backward, which runs outside autocast on every device, computes in the dtype of the incoming gradient and
+    autograd casts the weight gradient back to the weight's dtype. (Explicit casts rather than ``custom_bwd``, whose
+    device type is fixed at decoration: so the CPU tests run the same logic as a GPU.)"""
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, h, w, b):
         ctx.save_for_backward(h, w)
         ctx.bias = b is not None
@@ -526,11 +529,10 @@ class _StackedLinear(torch.autograd.Function):
         return torch.bmm(h, wt) if b is None else torch.baddbmm(b.unsqueeze(1), h, wt)
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, g):
         h, w = ctx.saved_tensors
-        gh = torch.bmm(g, w) if ctx.needs_input_grad[0] else None
-        gw = torch.bmm(g.transpose(1, 2), h) if ctx.needs_input_grad[1] else None
+        gh = torch.bmm(g, w.to(g.dtype)) if ctx.needs_input_grad[0] else None
+        gw = torch.bmm(g.transpose(1, 2), h.to(g.dtype)) if ctx.needs_input_grad[1] else None
         gb = g.sum(1) if ctx.bias and ctx.needs_input_grad[2] else None
         return gh, gw, gb
 
