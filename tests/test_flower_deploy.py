@@ -250,7 +250,6 @@ def deployment(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("loopback")
 def test_superlink_and_three_supernodes_on_loopback(tmp_path, deployment):
     server, stores = node_stores(tmp_path, 3)
     link_port, *node_ports = free_ports(4)
@@ -315,7 +314,6 @@ def _assert_refused(d: Deployment, name: str, reason: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("loopback")
 def test_tls_deployment_refuses_a_node_that_trusts_another_ca(tmp_path, deployment, pki):
     server, (store0, store1) = node_stores(tmp_path, 2)
     link_port, *node_ports = free_ports(4)
@@ -331,7 +329,6 @@ def test_tls_deployment_refuses_a_node_that_trusts_another_ca(tmp_path, deployme
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("loopback")
 def test_supernode_authentication_admits_only_listed_keys(tmp_path, deployment, pki):
     server, (store0, store1) = node_stores(tmp_path, 2)
     link_port, *node_ports = free_ports(5)

@@ -314,7 +314,6 @@ def test_node_lost_before_masking_is_left_out_and_the_protocol_restarts(store, t
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("loopback")
 def test_secure_aggregation_on_a_loopback_deployment(tmp_path, deployment):  # noqa: F811 - the imported fixture
     """The commands of DEPLOY.md with --secure-aggregation: a SuperLink and three SuperNodes as processes (Flower's
     subprocess isolation: the SecAgg+ state of a node lives in its Context.state between messages); node 1

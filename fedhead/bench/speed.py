@@ -35,6 +35,8 @@ from typing import Optional
 import typer
 
 from extract.bench import measure_extraction
+from extract.store import open_store
+from fedhead.bench.ceiling import CEILING_METHODS, ceiling_table, measure_ceiling
 from fedhead.core.closedform import StatsAccumulator, client_stats
 from fedhead.core.engine import ClientSet, Engine, LocalConfig, OptimConfig, _fused_available
 from fedhead.core.heads import create_head
@@ -866,6 +868,21 @@ def speed_cmd(
         "--scratch-net",
         help="Also time the engine with this formulation: member | grouped | vmap (repeat for several).",
     ),
+    ceiling: bool = typer.Option(
+        True,
+        "--ceiling/--no-ceiling",
+        help="Time to 99% of the central ceiling for ridge, fast, softmax and ova2 (paper-scale synthetic store).",
+    ),
+    ceiling_store: Optional[list[Path]] = typer.Option(
+        None, "--ceiling-store", help="Also measure the time to the ceiling on this feature store (repeat for several)."
+    ),
+    ceiling_flower: bool = typer.Option(
+        True, "--ceiling-flower/--no-ceiling-flower", help="Also time the same runs on `fedhead flower simulate`."
+    ),
+    ceiling_rounds: int = typer.Option(30, "--ceiling-rounds", help="Rounds searched for the ceiling (quick: 5)."),
+    ceiling_method: Optional[list[str]] = typer.Option(
+        None, "--ceiling-method", help="Only this method for the time to the ceiling (repeat for several)."
+    ),
 ) -> None:
     """Trainer speed vs the machine's matmul/memory limits, vs a per-client loop, and in 100..1000 clients; the
     scratch engine's samples/s and GFLOP/s per model vs its loop backend."""
@@ -875,6 +892,11 @@ def speed_cmd(
     if threads is not None:
         validate("--threads", threads, Interval(1, None, integer=True))
     validate("--scratch-repeat", scratch_repeat, Interval(1, None, integer=True))
+    validate("--ceiling-rounds", ceiling_rounds, Interval(1, None, integer=True))
+    for m in ceiling_method or ():
+        validate("--ceiling-method", m, OneOf(CEILING_METHODS))
+    for s in ceiling_store or ():
+        open_store(s, param="--ceiling-store")  # a bad store is refused before the measurement
     for m in scratch_model or ():
         validate("--scratch-model", m, OneOf(tuple(SCRATCH_PROTOCOLS)))
     for n in scratch_net or ():
@@ -895,6 +917,17 @@ def speed_cmd(
         scratch_nets=tuple(scratch_net or ()),
         progress=lambda s: err.print(f"[bold]bench speed[/]: {s}"),
     )
+    if ceiling:
+        rec.update(
+            measure_ceiling(
+                quick=quick,
+                stores=list(ceiling_store or ()),
+                rounds=None if quick and ceiling_rounds == 30 else ceiling_rounds,
+                flower=ceiling_flower,
+                methods=tuple(ceiling_method or CEILING_METHODS),
+                progress=lambda s: err.print(f"[bold]bench speed[/]: {s}"),
+            )
+        )
     if scratch:
         md = out.with_suffix(".md") if out.suffix != ".md" else out.with_name(out.name + ".table.md")
         atomic_write_text(md, scratch_markdown(rec))
@@ -904,6 +937,8 @@ def speed_cmd(
         con.print(speed_table(rec))
     if scratch:
         con.print(scratch_table(rec))
+    if ceiling:
+        con.print(ceiling_table(rec))
     con.print(str(out))
 
 
