@@ -49,6 +49,7 @@ def _register() -> None:
         ("fedhead.flower.commands", "superlink_cmd", "superlink", flower_app),
         ("fedhead.flower.commands", "supernode_cmd", "supernode", flower_app),
         ("fedhead.flower.commands", "bench_cmd", "flower", bench_app),
+        ("fedhead.flower.churn", "deploy_cmd", "deploy", bench_app),
     ]
     for module, attr, name, target in commands:
         try:

@@ -90,6 +90,7 @@ BENCH_EXTRACT = (
     "bench extract --dataset imagefolder --data-dir {imgs} --encoder test_efficientnet --image-size 32 "
     "--num-images 4 --repeats 1 --batch-size 4 --device cpu --out {out}.json"
 )
+DEPLOY = "bench deploy --nodes 3 --rounds 3 --out {out}"
 BENCH_FLOWER = (
     "bench flower --clients 4 --rounds 1 --num-classes 4 --train-per-class 10 --dim 4 --partition iid --out {out}"
 )
@@ -494,6 +495,13 @@ CASES = [
     Case(BENCH_EXTRACT, "--out {full}", "'--out'"),
     Case(BENCH_EXTRACT, "--out {under_file}", "'--out'"),
     # ---- bench flower
+    Case(DEPLOY, "--nodes 1", "'--nodes'"),
+    Case(DEPLOY, "--rounds 1", "'--rounds'"),
+    Case(DEPLOY, "--churn 1", "'--churn'"),
+    Case(DEPLOY, "--kill-server-at 3", "'--kill-server-at'"),
+    Case(DEPLOY, "--round-timeout 0", "'--round-timeout'"),
+    Case(DEPLOY, "--out {full}", "'--out'"),
+    Case(DEPLOY, "--out {file}", "'--out'"),
     Case(BENCH_FLOWER, "--out {full}", "'--out'"),
     Case(BENCH_FLOWER, "--clients 0", "'--clients'"),
     Case(BENCH_FLOWER, "--rounds 0", "'--rounds'"),

@@ -18,80 +18,24 @@ from __future__ import annotations
 import csv
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("flwr", reason="Flower is not installed (pip install 'fedhead[flower]')")
 
 from certs import make_ca, make_node_key, make_server_cert  # noqa: E402
 
-from extract.store import load_store, write_store  # noqa: E402
 from fedhead.core.synthetic import write_synthetic  # noqa: E402
+from fedhead.flower.loopback import Deployment, free_ports, split_store, stop_all  # noqa: E402,F401
 
-FEDHEAD = str(Path(sys.executable).parent / "fedhead")
 TIMEOUT = 300
-
-
-def free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 def node_stores(tmp: Path, k: int) -> tuple[Path, list[Path]]:
     """The server's store and ``k`` node stores, each with a disjoint third of the training images."""
     server = write_synthetic(tmp / "server.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
-    s = load_store(server)
-    attrs = {
-        k_: s.info.attrs[k_]
-        for k_ in ("dataset", "encoder", "weights_source", "weights_sha256", "preprocessing", "image_size")
-    }
-    paths = []
-    for i in range(k):
-        idx = np.arange(i, len(s.train_y), k)
-        paths.append(
-            write_store(
-                tmp / f"node{i}.h5",
-                train=(s.train_x[idx], s.train_y[idx]),
-                test=(s.test_x[:2], s.test_y[:2]),
-                class_names=s.info.class_names,
-                attrs=attrs,
-                request={"node": i},
-            )
-        )
-    return server, paths
-
-
-def stop_all(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + 15
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(5)
+    return server, split_store(server, tmp, k)
 
 
 # ---------------------------------------------------------------- the commands (as fedhead/flower/DEPLOY.md shows them)
@@ -193,49 +137,6 @@ def auth_commands(
     )
     cmds["keyless"] = supernode_argv(link_port, stores[0], 1, node_ports[3], *ca)
     return cmds
-
-
-class Deployment:
-    """Processes of one loopback deployment, each in its own session with its own log file; :meth:`close`
-    kills them all (TERM, then KILL) whatever happened."""
-
-    def __init__(self, tmp: Path, env: dict):
-        self.tmp, self.env = tmp, env
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.logs: list = []
-
-    def start(self, name: str, argv: list[str], **env: str) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "w")
-        self.logs.append(log)
-        p = subprocess.Popen(
-            [FEDHEAD, *argv], env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        self.procs[name] = p
-        return p
-
-    def log(self, name: str) -> str:
-        return (self.tmp / f"{name}.log").read_text(errors="replace")
-
-    def wait(self, name: str, timeout: float) -> int | None:
-        """The exit code of ``name``, or None if it still runs after ``timeout`` seconds."""
-        try:
-            return self.procs[name].wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def wait_for(self, name: str, text: str, count: int = 1, timeout: float = 120) -> None:
-        """Until ``name``'s log holds ``text`` ``count`` times (fails if it exits first or time runs out)."""
-        t0 = time.monotonic()
-        while self.log(name).count(text) < count:
-            p = self.procs[name]
-            assert p.poll() is None, f"{name} exited ({p.returncode}) before {text!r}:\n{self.log(name)[-3000:]}"
-            assert time.monotonic() - t0 < timeout, f"no {text!r} from {name} in {timeout} s:\n{self.log(name)[-3000:]}"
-            time.sleep(0.2)
-
-    def close(self) -> None:
-        stop_all(list(self.procs.values()))
-        for log in self.logs:
-            log.close()
 
 
 @pytest.fixture

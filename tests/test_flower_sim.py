@@ -309,3 +309,40 @@ def test_bad_scaffold_and_ccvr_options_are_refused_by_the_server_app(store, tmp_
         with pytest.raises(FedheadError, match=flag):
             local_run(cfg_of(store, **kw), tmp_path / flag.strip("-"))
         assert not (tmp_path / flag.strip("-") / "rounds.csv").exists()
+
+
+class RejoinGrid(LocalGrid):
+    """A SuperLink that kept a dead node's registration (node 999: Flower answers NODE_UNAVAILABLE) and whose node
+    for partition 1 joins only after the server first asked for the nodes (it was restarting)."""
+
+    def __init__(self, app, nodes):
+        super().__init__(app, nodes)
+        self.late = {n: c for n, c in self.ctx.items() if c.node_config["partition-id"] == 1}
+        self.ctx = {n: c for n, c in self.ctx.items() if n not in self.late}
+        self.asked = 0
+
+    def get_node_ids(self):
+        self.asked += 1
+        if self.asked > 2:
+            self.ctx.update(self.late)
+        return [*self.ctx, 999]
+
+    def send_and_receive(self, messages, *, timeout=None):
+        from flwr.app import Error, Message
+        from flwr.common.constant import ErrorCode
+
+        dead = [m for m in messages if m.metadata.dst_node_id == 999]
+        live = [m for m in messages if m.metadata.dst_node_id != 999]
+        gone = [Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="no heartbeat"), reply_to=m) for m in dead]
+        return super().send_and_receive(live, timeout=timeout) + gone
+
+
+def test_a_dead_registration_is_left_out_and_a_late_partition_waited_for(store, tmp_path):
+    """A server (re)started while the SuperLink still lists a node that died, and before the node of a partition
+    (re)joined: the dead node is left out, the server waits for the partition, and the run is the plain one."""
+    cfg = cfg_of(store)
+    plain = local_run(cfg, tmp_path / "plain")
+    grid = RejoinGrid(make_client_app(str(store)), sim_nodes(cfg.clients))
+    res = run_server(grid, cfg, ServerSettings(out=str(tmp_path / "rejoin"), wait_timeout=5))
+    assert grid.asked > 2  # it did wait for partition 1
+    assert accs(res.rows) == accs(plain.rows) and all(r["failures"] == 0 for r in res.rows)

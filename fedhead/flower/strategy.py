@@ -41,6 +41,7 @@ require_flower()
 
 import torch  # noqa: E402
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
+from flwr.common.constant import ErrorCode  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
@@ -432,45 +433,57 @@ class FedheadStrategy(Strategy, Transport):
         for r in replies:
             node = r.metadata.src_node_id
             if r.has_error():
+                if (
+                    r.error.code == ErrorCode.NODE_UNAVAILABLE
+                ):  # a registration whose node is gone (it may come back as another)
+                    LOG.log(WARNING, "SuperNode %s is unavailable (no heartbeat); left out", node)
+                    continue
                 raise FedheadError(f"SuperNode {node} refused the run before round 1: {short_reason(r.error.reason)}")
             out.append((node, r))
         return out
 
     def connect(self, grid: Grid, need_stats: bool) -> dict:
-        """Query every node: partition ids, sizes, class counts and (once) the feature statistics."""
+        """Query every node: partition ids, sizes, class counts and (once) the feature statistics.
+
+        A node the SuperLink reports unavailable (a registration left by a node that died, e.g. kept in the
+        SuperLink's --database across its restart) is left out; while a partition id has no live node, nodes that
+        join later are asked too, until --wait-timeout."""
         ids = self._wait_for_nodes(grid)
-        replies = self._query(grid, ids, need_stats)
-        K = self.cfg.clients
-        if len(replies) < len(ids):
-            missing = sorted(set(ids) - {n for n, _ in replies})
-            raise FedheadError(
-                f"SuperNodes {missing} did not answer the query within "
-                f"{self.settings.wait_timeout:g} s. Check that they are running."
-            )
-        node_of, info = {}, {}
-        for node, r in replies:
-            m = r.content["metrics"]
-            pid = int(m["partition-id"])
-            if not 0 <= pid < K:
+        K, t0 = self.cfg.clients, time.monotonic()
+        node_of, info, asked = {}, {}, set()
+        while True:
+            new = [n for n in ids if n not in asked]
+            replies = self._query(grid, new, need_stats) if new else []
+            asked.update(new)
+            for node, r in replies:
+                pid = self._partition_of(node, r, node_of)
+                node_of[pid], info[pid] = node, r
+            missing = sorted(set(range(K)) - set(node_of))
+            if not missing:
+                break
+            if time.monotonic() - t0 > self.settings.wait_timeout:
                 raise FedheadError(
-                    f"SuperNode {node} has partition-id {pid}, but the run has --clients {K}. "
-                    f"Give the nodes partition ids 0..{K - 1}."
+                    f"No connected SuperNode has partition-id {missing[0]} (missing: {missing}). "
+                    f"Start one node per partition id 0..{K - 1}."
                 )
-            if pid in node_of:
-                raise FedheadError(
-                    f"SuperNodes {node_of[pid]} and {node} both have partition-id {pid}. "
-                    "Give every node its own partition id."
-                )
-            node_of[pid] = node
-            info[pid] = r
-        missing = sorted(set(range(K)) - set(node_of))
-        if missing:
-            raise FedheadError(
-                f"No connected SuperNode has partition-id {missing[0]} (missing: {missing}). "
-                f"Start one node per partition id 0..{K - 1}."
-            )
+            time.sleep(0.5)
+            ids = list(grid.get_node_ids())
         self.node_of = node_of
         return info
+
+    def _partition_of(self, node: int, r: Message, node_of: dict) -> int:
+        pid, K = int(r.content["metrics"]["partition-id"]), self.cfg.clients
+        if not 0 <= pid < K:
+            raise FedheadError(
+                f"SuperNode {node} has partition-id {pid}, but the run has --clients {K}. "
+                f"Give the nodes partition ids 0..{K - 1}."
+            )
+        if pid in node_of:
+            raise FedheadError(
+                f"SuperNodes {node_of[pid]} and {node} both have partition-id {pid}. "
+                "Give every node its own partition id."
+            )
+        return pid
 
     def refresh_nodes(self, grid: Grid) -> None:
         """Nodes that (re)joined since the last query: learn their partition ids (no statistics)."""

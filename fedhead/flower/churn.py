@@ -1,0 +1,227 @@
+"""``fedhead bench deploy``: a Flower federation of N SuperNodes on this machine, with nodes that die and come back
+and a server that is killed and resumed, against the simulator's run of the same configuration.
+
+The deployment is the one of fedhead/flower/DEPLOY.md (``fedhead flower superlink --features`` and one ``fedhead
+flower supernode`` per client, each with its own share of a synthetic store, on loopback ports). While it runs, after
+each round the bench SIGKILLs the sessions of ``--churn`` x N nodes drawn at random (a machine that loses power: no
+handler runs), and starts again the nodes it killed after the round before (a machine that comes back: the node
+registers anew and the server learns its partition id again). After round ``--kill-server-at`` it SIGKILLs the
+SuperLink's session (the server, its ServerApp and the Flower run) and starts the same command with ``--resume``.
+The server keeps a checkpoint after every round, so the resumed run goes on from the last round it wrote; a node
+that is down when its message arrives is a failure of that round (``--round-timeout``), which the run tolerates.
+
+Reported (``deploy.json`` and a table): rounds completed, node kills and restarts, failed client messages, the final
+accuracy and the simulator's (``fedhead train`` on the whole store, same options, no churn), whether rounds.csv
+holds every round exactly once after the server's restart, peak resident memory per node (the node and the
+ClientApp processes it starts), and seconds per round."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import typer
+
+from fedhead.core.synthetic import write_synthetic
+from fedhead.federation.config import TrainConfig
+from fedhead.federation.train import run_training
+from fedhead.flower.common import require_flower
+from fedhead.flower.loopback import Deployment, free_ports, session_rss_kb, split_store
+from fedhead.infra.console import stderr_console, stdout_console
+from fedhead.infra.errors import FedheadError, Interval, validate
+from fedhead.infra.exits import cli_errors
+from fedhead.infra.files import atomic_write_json, check_out
+
+STORE = dict(num_classes=10, test_per_class=20, dim=32, spread=2.2, seed=0)  # 40 training samples per node
+
+
+def _rounds(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [r for r in csv.DictReader(f) if r.get("stage") != "ccvr"]
+
+
+def _train_args(server: Path, nodes: int, rounds: int, local_epochs: int) -> list[str]:
+    return ["--features", str(server), "--clients", str(nodes), "--rounds", str(rounds), "--partition", "iid",
+            "--local-epochs", str(local_epochs), "--batch-size", "10"]  # fmt: skip
+
+
+class Churn:
+    """The deployment and its schedule of kills and restarts (see the module docstring)."""
+
+    def __init__(self, out: Path, nodes: int, rounds: int, churn: float, kill_server_at: int, seed: int, **kw):
+        self.out, self.nodes, self.rounds = out, nodes, rounds
+        self.k = int(round(churn * nodes))
+        self.kill_server_at = kill_server_at
+        self.rng = np.random.default_rng(seed)
+        self.round_timeout, self.local_epochs = kw["round_timeout"], kw["local_epochs"]
+        env = dict(os.environ, FLWR_HOME=str(out / "flwr-home"), FEDHEAD_NO_PROGRESS="1", FEDHEAD_THREADS="1")
+        env.pop("FEDHEAD_FLOWER_CRASH", None)
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        self.d = Deployment(out / "logs", env)
+        self.db = out / "superlink.db"  # the SuperLink's state (the nodes it knows) survives its restart
+        self.kills = self.restarts = self.server_kills = 0
+        self.down: list[int] = []
+        self.peak_kb = [0] * nodes
+        self.round_end: dict[int, float] = {}
+
+    def node_argv(self, i: int) -> list[str]:
+        return ["flower", "supernode", "--insecure", "--superlink", f"127.0.0.1:{self.link}", "--features",
+                str(self.stores[i]), "--partition-id", str(i), "--port", str(self.ports[i]), "--device", "cpu"]  # fmt: skip
+
+    def link_argv(self, resume: bool) -> list[str]:
+        return [
+            "flower", "superlink", "--insecure", "--host", "127.0.0.1", "--port", str(self.link),
+            *_train_args(self.server, self.nodes, self.rounds, self.local_epochs), "--out", str(self.out / "run"),
+            "--wait-timeout", "300", "--round-timeout", str(self.round_timeout), "--database", str(self.db),
+            *(["--resume"] if resume else []),
+        ]  # fmt: skip
+
+    def start(self, server: Path, stores: list[Path]) -> None:
+        self.server, self.stores = server, stores
+        self.link, *self.ports = free_ports(1 + self.nodes)
+        for i in range(self.nodes):
+            self.d.start(f"node{i}", self.node_argv(i))
+        self.d.start("superlink", self.link_argv(resume=False))
+        self.t0 = time.monotonic()
+
+    def _sample_memory(self) -> None:
+        for i in range(self.nodes):
+            p = self.d.procs.get(f"node{i}")
+            if p is not None and p.poll() is None:
+                self.peak_kb[i] = max(self.peak_kb[i], session_rss_kb(p.pid))
+
+    def _after_round(self, rnd: int) -> None:
+        """Bring back the nodes killed after the round before; kill ``k`` others; the server after its round."""
+        for i in self.down:
+            self.d.start(f"node{i}", self.node_argv(i))
+            self.restarts += 1
+        if rnd == self.kill_server_at and rnd < self.rounds:  # the server alone dies this time
+            self.down = []
+            self.d.kill("superlink")
+            self.server_kills += 1
+            self.d.start("superlink", self.link_argv(resume=True))
+            return
+        up = [i for i in range(self.nodes) if i not in self.down]
+        self.down = (
+            sorted(self.rng.choice(up, size=min(self.k, len(up)), replace=False).tolist()) if rnd < self.rounds else []
+        )
+        for i in self.down:
+            self.d.kill(f"node{i}")
+            self.kills += 1
+
+    def run(self, timeout: float, progress=None) -> int:
+        """Until the SuperLink's run ends (its exit code) or ``timeout`` seconds pass (None)."""
+        seen = 0
+        while time.monotonic() - self.t0 < timeout:
+            self._sample_memory()
+            rows = _rounds(self.out / "run" / "rounds.csv")
+            done = max((int(r["round"]) for r in rows), default=0)
+            while seen < done:
+                seen += 1
+                self.round_end[seen] = time.monotonic() - self.t0
+                if progress:
+                    progress(f"round {seen}/{self.rounds} done ({len(self.down)} node(s) were down)")
+                self._after_round(seen)
+            code = self.d.procs["superlink"].poll()
+            if code is not None and (seen >= self.rounds or code != 0):
+                return code
+            time.sleep(0.5)
+        return None
+
+
+def _report(ch: Churn, code, sim: dict) -> dict:
+    rows = _rounds(ch.out / "run" / "rounds.csv")
+    rounds = [int(r["round"]) for r in rows]
+    ends = [ch.round_end[r] for r in sorted(ch.round_end)]
+    per_round = float(np.diff([0.0, *ends]).mean()) if ends else None
+    summary = (
+        json.loads((ch.out / "run" / "summary.json").read_text()) if (ch.out / "run" / "summary.json").exists() else {}
+    )
+    failed = sum(int(r.get("failures") or 0) for r in rows)
+    return {
+        "deploy_nodes": ch.nodes,
+        "deploy_rounds": ch.rounds,
+        "deploy_exit_code": code,
+        "deploy_rounds_completed": len(set(rounds)),
+        "deploy_rounds_csv_complete": rounds == list(range(1, ch.rounds + 1)),
+        "deploy_node_kills": ch.kills,
+        "deploy_node_restarts": ch.restarts,
+        "deploy_server_kills": ch.server_kills,
+        "deploy_failed_messages": failed,
+        "deploy_final_accuracy": float(rows[-1]["accuracy"]) if rows else None,
+        "deploy_summary_rounds": summary.get("rounds"),
+        "simulator_final_accuracy": sim["final_accuracy"],
+        "deploy_seconds_per_round": per_round,
+        "deploy_wall_seconds": ends[-1] if ends else None,
+        "deploy_peak_node_mb_max": max(ch.peak_kb) / 1024,
+        "deploy_peak_node_mb_mean": float(np.mean(ch.peak_kb)) / 1024,
+    }
+
+
+def _table(rec: dict):
+    from rich.table import Table
+
+    t = Table(title=f"bench deploy: {rec['deploy_nodes']} SuperNodes on loopback, nodes killed and restarted")
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+    for k, v in rec.items():
+        t.add_row(k.removeprefix("deploy_"), f"{v:.4g}" if isinstance(v, float) else str(v))
+    return t
+
+
+@cli_errors
+def deploy_cmd(
+    nodes: int = typer.Option(20, "--nodes", help="SuperNodes (one client each)"),
+    rounds: int = typer.Option(6, "--rounds", help="rounds"),
+    churn: float = typer.Option(
+        0.2, "--churn", help="share of the nodes killed after each round (back after the next)"
+    ),
+    kill_server_at: int = typer.Option(
+        0, "--kill-server-at", help="kill the SuperLink after this round and resume it (0: half of --rounds)"
+    ),
+    round_timeout: float = typer.Option(60.0, "--round-timeout", help="seconds a round waits for a node's reply"),
+    local_epochs: int = typer.Option(1, "--local-epochs", help="local epochs"),
+    seed: int = typer.Option(0, "--seed", help="which nodes are killed"),
+    timeout: float = typer.Option(3600.0, "--timeout", help="give up after this many seconds"),
+    out: Path = typer.Option(Path("reports/bench-deploy"), "--out", help="folder: stores, logs, the run, deploy.json"),
+):
+    """A loopback Flower deployment under churn: N SuperNodes killed and restarted, the server killed and resumed."""
+    require_flower()
+    validate("--nodes", nodes, Interval(2, None, integer=True))
+    validate("--rounds", rounds, Interval(2, None, integer=True))
+    validate("--churn", churn, Interval(0, 1, closed="left"))
+    validate("--kill-server-at", kill_server_at, Interval(0, rounds - 1, integer=True))
+    validate("--round-timeout", round_timeout, Interval(0, None, closed="neither"))
+    validate("--local-epochs", local_epochs, Interval(1, None, integer=True))
+    validate("--timeout", timeout, Interval(0, None, closed="neither"))
+    check_out(out, kind="dir")
+    if out.exists() and any(out.iterdir()):
+        raise FedheadError(f"The '--out' parameter {str(out)!r} already holds files. Choose an empty or new folder.")
+    out.mkdir(parents=True, exist_ok=True)
+    err = stderr_console()
+    server = write_synthetic(out / "server.h5", train_per_class=4 * nodes, **STORE)
+    stores = split_store(server, out, nodes)
+    err.print(f"[bold]bench deploy[/]: the simulator's run of the same configuration ({nodes} clients, no churn)")
+    cfg_args = dict(features=str(server), clients=nodes, rounds=rounds, partition="iid", local_epochs=local_epochs)
+    sim = run_training(TrainConfig(**cfg_args, batch_size=10), out=out / "simulator", progress=False).summary
+    ch = Churn(out, nodes, rounds, churn, kill_server_at or rounds // 2, seed, round_timeout=round_timeout,
+               local_epochs=local_epochs)  # fmt: skip
+    err.print(f"[bold]bench deploy[/]: a SuperLink and {nodes} SuperNodes on loopback (logs in {out / 'logs'})")
+    try:
+        ch.start(server, stores)
+        code = ch.run(timeout, progress=lambda s: err.print(f"[bold]bench deploy[/]: {s}"))
+    finally:
+        ch.d.close()
+    rec = _report(ch, code, sim)
+    atomic_write_json(out / "deploy.json", rec)
+    stdout_console().print(_table(rec))
+    if code != 0:
+        raise FedheadError(
+            f"The deployment did not finish (SuperLink exit code {code}); its log is {out / 'logs' / 'superlink.log'}."
+        )
