@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.table import Table
 
 from extract import datasets as D
 from extract import run as extraction
@@ -227,14 +228,17 @@ def _classify_demo(out: Path, run_dir: Path, device: str) -> None:
     onnx_correct = sum(Path(p).parent.name == c for p, c in zip(onnx_paths, names))
     t3 = time.perf_counter()
     m = model.card["metrics"]
-    rows = [
-        {"how": "the run's own evaluation (store features)", "correct": m["test_correct"], "accuracy": m["test_accuracy"], "seconds": None},
-        {"how": f"fedhead predict --images {images}", "correct": predict_correct, "accuracy": predict_correct / n, "seconds": t1 - t0},
-        {"how": f"{onnx_path.name} under onnxruntime alone", "correct": onnx_correct, "accuracy": onnx_correct / n, "seconds": t3 - t2},
-    ]  # fmt: skip
-    cols = [("how", "classified by"), ("correct", "correct"), ("accuracy", "accuracy"), ("seconds", "seconds")]
-    title = f"the {n} test digits as PNG files, {DEMO_MODEL[0]} ({DEMO_MODEL[1]} recipe, shard-1): {run_dir}"
-    stdout_console().print(results_table(title, rows, cols))
+    table = Table(
+        title=f"the {n} test digits as PNG files, {DEMO_MODEL[0]} ({DEMO_MODEL[1]} recipe, shard-1): {run_dir}"
+    )
+    for h in ("classified by", "correct", "accuracy", "seconds"):
+        table.add_column(h, justify="left" if h == "classified by" else "right")
+    table.add_row("the run's own evaluation (store features)", str(m["test_correct"]), f"{m['test_accuracy']:.4f}", "")
+    table.add_row(f"fedhead predict --images {images}", str(predict_correct), f"{predict_correct / n:.4f}",
+                  f"{t1 - t0:.1f}")  # fmt: skip
+    table.add_row(f"{onnx_path.name} under onnxruntime alone", str(onnx_correct), f"{onnx_correct / n:.4f}",
+                  f"{t3 - t2:.1f}")  # fmt: skip
+    stdout_console().print(table)
     if not predict_correct == onnx_correct == m["test_correct"]:
         raise FedheadError(
             f"The demo's classifications disagree: the run {m['test_correct']}, predict {predict_correct}, ONNX "

@@ -29,7 +29,7 @@ from fedhead.infra.exits import cli_errors
 from fedhead.infra.files import atomic_write_text, check_out
 
 MODEL_HELP = "a run directory, a model card (model-seed<S>.json) or its .safetensors"
-SEED_HELP = "the seed whose model to use, in a run directory [the run's first seed]"
+SEED_HELP = "the seed whose model to use, in a run directory \\[the run's first seed]"
 FULL_MATRIX_MAX = 20  # classes up to which the whole confusion matrix is printed; beyond, the largest confusions
 
 
@@ -101,7 +101,7 @@ def predict_cmd(
     out: Path = typer.Option(Path("predictions.csv"), help="CSV of the predictions"),
     top_k: int = typer.Option(3, help="classes (with their probabilities) per row of the CSV"),
     device: str = typer.Option("auto", help="auto | cpu | cuda (the encoder's forward)"),
-    batch_size: Optional[int] = typer.Option(None, help="images per forward [the store's extraction batch size]"),
+    batch_size: Optional[int] = typer.Option(None, help="images per forward \\[the store's extraction batch size]"),
 ):
     """Classify images (encoded with the model's own encoder) or a store's features with a run's model: a CSV of
     the top-k classes and probabilities; accuracy and a confusion matrix when the labels are known."""
@@ -143,7 +143,7 @@ def export_cmd(
     format: str = typer.Option("onnx", "--format", help="onnx | torchscript"),
     out: Path = typer.Option(..., "--out", help="the file to write"),
     input_size: Optional[str] = typer.Option(
-        None, help="HxW of the uint8 images the file takes [the store's source size, e.g. 8x8 for digits]"
+        None, help="HxW of the uint8 images the file takes \\[the store's source size, e.g. 8x8 for digits]"
     ),
 ):
     """Write a run's model as one file that classifies raw uint8 images [N, H, W, 3] without fedhead (encoder,

@@ -136,9 +136,10 @@ def _onnx(clf: ImageClassifier, x: torch.Tensor, path: Path, meta: dict) -> np.n
             "The 'onnx' format needs the export extra: pip install 'fedhead[export]' (onnx, onnxruntime, onnxscript)."
         ) from None
     with torch.no_grad():
+        n = torch.export.Dim("n", min=1)
         torch.onnx.export(clf, (x,), str(path), input_names=["images"], output_names=["logits", "probabilities"],
-                          dynamic_axes={"images": {0: "n"}, "logits": {0: "n"}, "probabilities": {0: "n"}},
-                          opset_version=ONNX_OPSET, dynamo=False)  # fmt: skip
+                          dynamic_shapes={"images": {0: n}}, opset_version=ONNX_OPSET, dynamo=True,
+                          verbose=False)  # fmt: skip
     proto = onnx.load(str(path))
     for k, v in meta.items():
         proto.metadata_props.add(key=k, value=v)
