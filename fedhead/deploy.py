@@ -29,7 +29,7 @@ from fedhead.infra.exits import cli_errors
 from fedhead.infra.files import atomic_write_text, check_out
 
 MODEL_HELP = "a run directory, a model card (model-seed<S>.json) or its .safetensors"
-SEED_HELP = "the seed whose model to use, in a run directory \\[the run's first seed]"
+SEED_HELP = "the seed whose model to use, in a run directory \\[the run's lowest seed]"
 FULL_MATRIX_MAX = 20  # classes up to which the whole confusion matrix is printed; beyond, the largest confusions
 
 

@@ -135,7 +135,7 @@ def write_model(run_dir: Path, unit: tuple, theta: torch.Tensor, stats: FeatureS
 
 def model_card_path(path: str | os.PathLike, seed: int | None = None, param: str = "--model") -> Path:
     """The card a ``--model`` names: a card, its weights file, or a run directory (with ``seed``: that seed's main
-    model; without: the run's only seed, or the first)."""
+    model; without: its lowest seed)."""
     p = Path(path)
     if p.is_dir():
         if seed is not None:
