@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Extract scikit-learn's bundled digits with the pretrained EfficientNet-Lite0 from the registry,
-# then train softmax / OvA / OvA-LP heads over 100 simulated non-IID clients and print the comparison.
+# Extract scikit-learn's bundled digits with the pretrained EfficientNet-Lite0 from the registry, train softmax /
+# OvA / OvA-LP heads over 50 simulated non-IID clients and print the comparison; then write the test digits as PNG
+# files and classify them with the OvA-LP model through fedhead predict's path and through the exported ONNX file
+# under onnxruntime alone, next to the run's own accuracy (docs/model.md).
 demo: $(STAMP)
 	$(BIN)/fedhead demo --out $(DEMO_DIR)
 

@@ -130,7 +130,8 @@ def demo_cmd(
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
 ):
     """The embedded default job: extract scikit-learn's digits with the pretrained EfficientNet-Lite0 that
-    installs from the package registry, then train softmax / OvA / OvA-LP heads on non-IID clients."""
+    installs from the package registry, train softmax / OvA / OvA-LP heads on non-IID clients, then classify the test
+    digits as PNG files with the OvA-LP model through predict's path and its exported ONNX file."""
 
     def config(head: str, recipe: str, features: str) -> TrainConfig:
         return TrainConfig(
