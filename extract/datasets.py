@@ -40,6 +40,10 @@ import numpy as np
 from fedhead.infra.errors import FedheadError, param_error, unknown_name
 
 SPLITS = ("train", "test")
+# the source image size (height, width) of the datasets whose images all have one size: the input size of a
+# model exported for raw images (fedhead export) when --input-size is not given
+SOURCE_SIZES = {"digits": (8, 8), "cifar10": (32, 32), "cifar100": (32, 32), "mnist": (28, 28),
+                "fashion-mnist": (28, 28), "tinyimagenet": (64, 64)}  # fmt: skip
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 
 
@@ -333,7 +337,8 @@ register_dataset(
 # ---------------------------------------------------------------- folders
 
 
-def _images_in(folder: Path) -> list[str]:
+def images_in(folder: Path) -> list[str]:
+    """The image files below ``folder`` (recursively, by suffix), sorted by path."""
     return sorted(str(p) for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTS and p.is_file())
 
 
@@ -356,7 +361,7 @@ def _imagefolder(data_dir, split, *, rgb=True, download=False):
     paths, labels = [], []
     for c, cls in enumerate(classes):
         if (folder / cls).is_dir():
-            files = _images_in(folder / cls)
+            files = images_in(folder / cls)
             paths += files
             labels += [c] * len(files)
     if not paths:
@@ -388,7 +393,7 @@ def _tinyimagenet(data_dir, split, *, rgb=True, download=False):
             d = root / "train" / w / "images"
             if not d.is_dir():
                 raise layout_error("tinyimagenet", data_dir, f"missing train/{w}/images")
-            files = _images_in(d)
+            files = images_in(d)
             paths += files
             labels += [index[w]] * len(files)
     else:

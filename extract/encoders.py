@@ -688,7 +688,7 @@ def preprocess_batch(x, pre: Preprocessing, *, device=None, channels_last: bool 
         x = x.to(device, non_blocking=True)
     b, h, w, c = x.shape
     s = pre.image_size
-    mode = _mode(pre)
+    mode = resize_mode(pre)
     if (h, w) == (s, s) and pre.resize_size == s:
         y = x.permute(0, 1, 3, 2).float()  # [B, S, C, S]
     elif max(h, w) <= MATMUL_RESIZE_MAX:
@@ -715,7 +715,8 @@ def preprocess_batch(x, pre: Preprocessing, *, device=None, channels_last: bool 
     return out
 
 
-def _mode(pre: Preprocessing) -> str:
+def resize_mode(pre: Preprocessing) -> str:
+    """The resize filter of ``pre`` as torch names it (bilinear for a filter torch lacks)."""
     return pre.interpolation if pre.interpolation in ("bilinear", "bicubic", "nearest") else "bilinear"
 
 
@@ -776,7 +777,7 @@ def resize_crop(x, pre: Preprocessing):
     if (h, w) == (s, s) and pre.resize_size == s:
         return x
     nh, nw, t, l_ = resize_geometry(h, w, pre)
-    mode = _mode(pre)
+    mode = resize_mode(pre)
     if max(h, w) <= MATMUL_RESIZE_MAX:
         mh = resize_matrix(h, nh, t, s, mode, x.device, x.dtype)
         mw = resize_matrix(w, nw, l_, s, mode, x.device, x.dtype)

@@ -10,7 +10,9 @@ The Python API (imported on first use, so ``import fedhead`` stays light):
   client sends after local training, and what the server makes of the sum), ``--aggregate NAME``;
 - :func:`register_server_optimizer`, :class:`ServerOptimizer`: a server update of one's own that keeps state
   across rounds (``--server-opt NAME``), checkpointed with the run;
-- :func:`register_method`: a named set of training options for ``fedhead bench baselines``.
+- :func:`register_method`: a named set of training options for ``fedhead bench baselines``;
+- :func:`load_model`: a run's model (``model-seed<S>.json`` + ``.safetensors``) with scikit-learn's ``classes_``,
+  ``predict`` and ``predict_proba`` on features or images (docs/model.md).
 """
 
 __version__ = "0.1.0"
@@ -28,6 +30,7 @@ _API = {
     "Aggregator": ("fedhead.core.aggregate", "Aggregator"),
     "Totals": ("fedhead.core.aggregate", "Totals"),
     "ServerOptimizer": ("fedhead.core.serveropt", "ServerOptimizer"),
+    "load_model": ("fedhead.federation.model", "load_model"),
     "register_server_optimizer": ("fedhead.core.serveropt", "register_server_optimizer"),
 }
 __all__ = sorted(_API)

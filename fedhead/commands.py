@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.table import Table
 
+from extract import datasets as D
 from extract import run as extraction
 from extract.datasets import load_dataset
 from extract.encoders import registry_weights
 from extract.store import load_store, open_store
 from fedhead.core.synthetic import LATENT, probe_accuracy, synthetic_request, validate_synthetic, write_synthetic
+from fedhead.examples import onnx_classify
 from fedhead.federation.api import run
 from fedhead.federation.config import TrainConfig
+from fedhead.federation.export import export_model
+from fedhead.federation.model import load_model, predict_images
 from fedhead.federation.train import labels_store, run_training, validate_config
 from fedhead.infra.console import stdout_console
+from fedhead.infra.devices import resolve_device
 from fedhead.infra.errors import FedheadError
 from fedhead.infra.exits import cli_errors
-from fedhead.infra.files import check_out
+from fedhead.infra.files import atomic_path, check_out
 from fedhead.infra.locks import exclusive_writer
 from fedhead.interface.options import ExperimentArgs, resolved_toml, with_experiment_options
 from fedhead.interface.tables import SUMMARY_COLUMNS, results_table
@@ -123,7 +130,8 @@ def demo_cmd(
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
 ):
     """The embedded default job: extract scikit-learn's digits with the pretrained EfficientNet-Lite0 that
-    installs from the package registry, then train softmax / OvA / OvA-LP heads on non-IID clients."""
+    installs from the package registry, train softmax / OvA / OvA-LP heads on non-IID clients, then classify the test
+    digits as PNG files with the OvA-LP model through predict's path and its exported ONNX file."""
 
     def config(head: str, recipe: str, features: str) -> TrainConfig:
         return TrainConfig(
@@ -183,4 +191,62 @@ def demo_cmd(
             cols,
         )
     )
-    typer.echo(f"runs and store in {out}")
+    _classify_demo(out, out / f"{DEMO_MODEL[0]}-shard1-{DEMO_MODEL[1]}", device)
+    typer.echo(f"runs, store, images and the ONNX model in {out}")
+
+
+DEMO_MODEL = ("ova2", "default")  # the model the demo classifies images with: OvA-LP under the default recipe
+
+
+def write_digit_images(folder: Path) -> int:
+    """The digits' test split as lossless PNG files ``folder/<class>/<index>.png`` (grey, as the store's images:
+    the grey value repeated to RGB); an existing file is kept. Returns the number of images."""
+    from PIL import Image
+
+    split = load_dataset("digits", None, "test")
+    for i, (img, y) in enumerate(zip(split.images, split.labels)):
+        path = folder / split.class_names[y] / f"{i}.png"
+        if not path.exists():
+            with atomic_path(path) as tmp:
+                Image.fromarray(img[..., 0]).save(tmp, format="PNG")
+    return len(split)
+
+
+def _classify_demo(out: Path, run_dir: Path, device: str) -> None:
+    """The demo's last step: the test digits as PNG files, classified by the run's model through ``fedhead
+    predict``'s path (encoded again from the files) and through the exported ONNX file under onnxruntime alone;
+    both accuracies next to the run's own evaluation."""
+    images, onnx_path = out / "images", out / f"{run_dir.name}.onnx"
+    n = write_digit_images(images)
+    model = load_model(run_dir)
+    t0 = time.perf_counter()
+    paths, labels, x = predict_images(model, [images], device=resolve_device(device), progress=True)
+    predict_correct = int((model.decision_function(x).argmax(1) == labels).sum())
+    t1 = time.perf_counter()
+    export_model(model, "onnx", onnx_path, D.SOURCE_SIZES["digits"])
+    t2 = time.perf_counter()
+    onnx_paths, names, _ = onnx_classify.classify(str(onnx_path), str(images))
+    onnx_correct = sum(Path(p).parent.name == c for p, c in zip(onnx_paths, names))
+    t3 = time.perf_counter()
+    m = model.card["metrics"]
+    table = Table(
+        title=f"the {n} test digits as PNG files, {DEMO_MODEL[0]} ({DEMO_MODEL[1]} recipe, shard-1): {run_dir}"
+    )
+    for h in ("classified by", "correct", "accuracy", "seconds"):
+        table.add_column(h, justify="left" if h == "classified by" else "right")
+    table.add_row("the run's own evaluation (store features)", str(m["test_correct"]), f"{m['test_accuracy']:.4f}", "")
+    table.add_row(f"fedhead predict --images {images}", str(predict_correct), f"{predict_correct / n:.4f}",
+                  f"{t1 - t0:.1f}")  # fmt: skip
+    table.add_row(f"{onnx_path.name} under onnxruntime alone", str(onnx_correct), f"{onnx_correct / n:.4f}",
+                  f"{t3 - t2:.1f}")  # fmt: skip
+    stdout_console().print(table)
+    if not predict_correct == onnx_correct == m["test_correct"]:
+        raise FedheadError(
+            f"The demo's classifications disagree: the run {m['test_correct']}, predict {predict_correct}, ONNX "
+            f"{onnx_correct} correct of {n}. Report this with FEDHEAD_DEBUG=1."
+        )
+    typer.echo(
+        f"the same by hand: fedhead predict --model {run_dir} --images {images}; fedhead export --model {run_dir} "
+        f"--format onnx --out {onnx_path} (export took {t2 - t1:.1f} s); "
+        f"python fedhead/examples/onnx_classify.py {onnx_path} {images}"
+    )

@@ -27,8 +27,10 @@ from flwr.common.serde import recorddict_from_proto, recorddict_to_proto  # noqa
 from test_flower_deploy import TIMEOUT, deployment, free_ports, node_stores, superlink_argv, supernode_argv  # noqa: E402,F401
 from test_flower_sim import LocalGrid, accs, cfg_of, sim_nodes, task_identity  # noqa: E402,F401
 
+import fedhead  # noqa: E402
 import fedhead.flower.client_app as client_app  # noqa: E402
 import fedhead.flower.secure as secure  # noqa: E402
+from extract.store import load_store  # noqa: E402
 from fedhead.core.synthetic import write_synthetic  # noqa: E402
 from fedhead.federation.rundir import read_csv  # noqa: E402
 from fedhead.flower.common import CRASH_ENV  # noqa: E402
@@ -172,6 +174,14 @@ def test_secure_run_matches_plain_run(store, tmp_path, kw):
     if kw.get("dp_noise_multiplier"):
         assert [r["dp_epsilon"] for r in sec.rows] == [r["dp_epsilon"] for r in plain.rows]
         assert summary["dp_epsilon"] == plain.summary["dp_epsilon"] > 0
+    # the Flower server writes each run's model too (HeadJob.finish), with the feature statistics it learnt through
+    # SecAgg+: loaded again, it gives the run's own count of correct test predictions
+    s = load_store(store)
+    for out, res in (("plain", plain), ("secure", sec)):
+        m = fedhead.load_model(tmp_path / out)
+        correct = int((m.predict(s.test_x) == m.classes_[s.test_y]).sum())
+        assert correct == m.card["metrics"]["test_correct"] == round(res.summary["final_accuracy"] * len(s.test_y))
+        assert m.card["features"]["centered"] == (m.stats.mean is not None)
 
 
 @pytest.mark.parametrize(

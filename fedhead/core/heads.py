@@ -33,6 +33,9 @@ class Head:
     """Base head: subclasses implement :meth:`per_sample` (or :meth:`loss`)."""
 
     name = ""
+    # how a saved model (fedhead.federation.model) turns logits into class probabilities: "softmax", or
+    # "sigmoid" (one-vs-all: each class's sigmoid, normalised to sum to 1 as scikit-learn's OneVsRestClassifier)
+    probabilities = "softmax"
 
     def __init__(self, **params):
         self.params = params
@@ -145,6 +148,8 @@ def ova_terms(logits: torch.Tensor, y: torch.Tensor):
 class OvAHead(Head):
     """OvA: sum over classes of BCE(s_c, 1[y=c]) (one positive, C-1 negative terms per sample)."""
 
+    probabilities = "sigmoid"
+
     def per_sample(self, logits, y, ctx):
         pos, neg = ova_terms(logits, y)
         return (pos + neg).sum(-1)
@@ -170,6 +175,8 @@ class OvAHead(Head):
 )
 class OvA2Head(Head):
     """OvA-LP: positive-only stage 1, then OvA BCE (positive terms kept with probability rho)."""
+
+    probabilities = "sigmoid"
 
     def stage(self, round):
         return "stage1" if round <= self.params["stage1_rounds"] else "stage2"
@@ -249,6 +256,8 @@ def _parse_margins(v) -> tuple:
 )
 class FedABCHead(Head):
     """FedABC binary loss with local-class margins and focal weights (SPEC section 3)."""
+
+    probabilities = "sigmoid"
 
     def __init__(self, **params):
         super().__init__(**params)

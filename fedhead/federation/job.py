@@ -29,6 +29,7 @@ from fedhead.federation import rundir
 from fedhead.federation.clients import FeatureStats, prepare, sample_clients
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.loop import Job, writing
+from fedhead.federation.model import model_stem, write_model
 from fedhead.federation.rundir import ROUND_FIELDS, RunDir
 from fedhead.federation.server import ServerUpdate, ccvr_calibrate, solve_statistics, statistics_row
 from fedhead.federation.summary import summarize, with_ratios
@@ -175,7 +176,8 @@ class HeadJob(Job):
         self.transport.after_round(unit[0], rnd, self.rounds, row)
 
     def finish_unit(self, unit: tuple, rows: list) -> tuple[list, dict]:
-        """CCVR after the last round (when asked); the unit's head is kept for ``head-seed<S>[-iid].pt``."""
+        """CCVR after the last round (when asked); the unit's head, feature statistics and count of correct test
+        predictions are kept for ``head-seed<S>[-iid].pt`` and the model (:mod:`fedhead.federation.model`)."""
         cfg, (seed, name) = self.cfg, unit
         extra = []
         if cfg.calibrate == "ccvr":
@@ -187,7 +189,9 @@ class HeadJob(Job):
             )  # fmt: skip
             extra.append({"seed": seed, **row, "run": name, "partition": self.variants[name][0], **cal.extra})
             self.transport.after_round(seed, rnd, self.rounds, extra[-1])
-        return extra, {"head": self.theta.detach().cpu().clone()}
+        correct = int(round(evaluate(self.theta, self.xt, self.y_test) * len(self.y_test)))
+        kept = {"head": self.theta.detach().cpu().clone(), "stats": _stats_state(self.stats), "correct": correct}
+        return extra, kept
 
     # ---------------------------------------------------------------- the run
 
@@ -205,19 +209,42 @@ class HeadJob(Job):
         return with_ratios(rows, self.central)
 
     def finish(self, run: RunDir, done: list, rows: list, wall_s: float) -> dict:
-        """The heads of every unit, clients.csv and summary.json."""
+        """The heads and models of every unit, clients.csv and summary.json."""
+        summary = summarize(with_ratios(rows, self.central), self.cfg, self.realised, wall_s, self.central)
+        summary.update(self.transport.summary_fields(rows))
+        per_seed = {r["seed"]: r for r in summary["per_seed"]}
         for d in done:
             path = head_path(run.path, *d["unit"])
             with writing(run, path):
                 atomic_torch_save(d["head"], path)
+            if "stats" in d:  # a unit finished by an earlier fedhead kept no statistics: it has no model
+                seed, name = d["unit"]
+                metrics = model_metrics(d, len(self.store.test_y), per_seed.get(seed) if name == "main" else None)
+                with writing(run, path.with_name(model_stem(seed, name) + ".json")):
+                    write_model(run.path, (seed, name), d["head"], _stats_of(d["stats"]), self.cfg, self.store, metrics)
         if self.client_rows:  # none with secure aggregation: the server never sees a client's counts
             with writing(run, run.path / "clients.csv"):
                 rundir.write_clients_per_seed(run.path, self.client_rows)
-        summary = summarize(with_ratios(rows, self.central), self.cfg, self.realised, wall_s, self.central)
-        summary.update(self.transport.summary_fields(rows))
         with writing(run, run.path / "summary.json"):
             rundir.write_summary(run.path, summary)
         return summary
+
+
+MODEL_SUMMARY_KEYS = ("final_accuracy", "best_accuracy", "acc95_round", "iid_final_accuracy", "final_ratio_to_iid",
+                      "central_accuracy", "final_ratio_to_central", "realised_noise_rate", "mb_per_client")  # fmt: skip
+
+
+def model_metrics(done: dict, test_samples: int, seed_summary: dict | None) -> dict:
+    """A model's key metrics: the run's own evaluation of its head on the test split (accuracy and count of correct
+    predictions) and, for a seed's main run, that seed's summary."""
+    rows = [r for r in done["rows"] if r["accuracy"] == r["accuracy"]]
+    out = {"test_accuracy": done["correct"] / test_samples if test_samples else float("nan"),
+           "test_correct": done["correct"], "test_samples": test_samples,
+           "evaluated_round": rows[-1]["round"] if rows else 0}  # fmt: skip
+    for k in MODEL_SUMMARY_KEYS:
+        if seed_summary is not None and seed_summary.get(k) is not None:
+            out[k] = seed_summary[k]
+    return out
 
 
 def head_path(run_dir: Path, seed: int, name: str = "main") -> Path:

@@ -20,8 +20,8 @@ def stdout_console():
     return Console() if sys.stdout.isatty() else Console(width=160)
 
 
-def make_progress(transient: bool = False):
-    """A rich progress bar on stderr (so stdout stays clean for results)."""
+def make_progress(transient: bool = False, enabled: bool = True):
+    """A rich progress bar on stderr (so stdout stays clean for results); ``enabled=False`` shows nothing."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -40,5 +40,5 @@ def make_progress(transient: bool = False):
         TimeRemainingColumn(),
         console=stderr_console(),
         transient=transient,
-        disable=os.environ.get("FEDHEAD_NO_PROGRESS", "") not in ("", "0"),
+        disable=not enabled or os.environ.get("FEDHEAD_NO_PROGRESS", "") not in ("", "0"),
     )

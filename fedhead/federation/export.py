@@ -1,0 +1,160 @@
+"""One deployable file that classifies raw images: a run's model (:mod:`fedhead.federation.model`) with its encoder,
+preprocessing and feature preparation, as ONNX or TorchScript (``fedhead export``).
+
+The exported graph takes ``images``: uint8 ``[N, H, W, 3]`` RGB at one fixed input size ``H x W`` (the store's
+source size by default: 8 x 8 for digits, 32 x 32 for CIFAR) and returns ``logits [N, C]`` and ``probabilities
+[N, C]`` (columns in the order of the card's classes; the class is the argmax of the logits). Inside, the same
+operations as ``fedhead predict``: the resize and centre crop as two matrix products
+(:func:`extract.encoders.resize_matrix`), rounding to uint8 levels, normalisation, the encoder's forward, the
+features rounded to the store's dtype (float16 by default), centring and scaling, the head with its bias column,
+and the head's probabilities (softmax, or one-vs-all sigmoids normalised to sum to 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from extract.encoders import Preprocessing, resize_geometry, resize_matrix, resize_mode
+from fedhead.federation.model import Model, probabilities
+from fedhead.infra.errors import FedheadError, param_error
+from fedhead.infra.files import atomic_path, check_out
+
+FORMATS = ("onnx", "torchscript")
+ONNX_OPSET = 18
+
+
+class ImageClassifier(torch.nn.Module):
+    """uint8 images ``[N, H, W, 3]`` -> (logits, probabilities) ``[N, C]`` (see the module docstring)."""
+
+    def __init__(self, model: Model, encoder: torch.nn.Module, pre: Preprocessing, size: tuple[int, int]):
+        super().__init__()
+        h, w = size
+        s = pre.image_size
+        nh, nw, t, l_ = resize_geometry(h, w, pre)
+        mode = resize_mode(pre)
+        self.encoder = encoder
+        self.size, self.s, self.round_pixels = (h, w), s, mode != "nearest"
+        self.identity = (h, w) == (s, s) and pre.resize_size == s
+        self.register_buffer("mh", resize_matrix(h, nh, t, s, mode, "cpu", torch.float32).clone())
+        self.register_buffer("mw_t", resize_matrix(w, nw, l_, s, mode, "cpu", torch.float32).t().contiguous())
+        std = torch.tensor(pre.std, dtype=torch.float32)
+        self.register_buffer("pix_scale", (1.0 / (255.0 * std)).view(1, 1, 3, 1))
+        self.register_buffer("pix_bias", (-torch.tensor(pre.mean, dtype=torch.float32) / std).view(1, 1, 3, 1))
+        self.half = model.store_dtype == "float16"
+        self.center = model.mean32 is not None
+        self.register_buffer("mean", model.mean32 if self.center else torch.zeros(1))
+        self.scale = float(model.stats.scale)
+        self.register_buffer("theta_t", model.theta.t().contiguous())
+        self.kind = model.probabilities
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b = images.shape[0]
+        h, w = self.size
+        s = self.s
+        y = images.permute(0, 1, 3, 2).to(torch.float32)  # [N, H, 3, W]
+        if not self.identity:  # the same products as extract.encoders.preprocess_batch
+            y = torch.matmul(y.reshape(-1, w), self.mw_t)  # [N*H*3, S]
+            y = torch.matmul(self.mh, y.reshape(b, h, 3 * s)).reshape(b, s, 3, s)  # [N, S, 3, S]
+        if self.round_pixels:
+            y = y.clamp(0.0, 255.0).round()
+        x = torch.addcmul(self.pix_bias, y, self.pix_scale).permute(0, 2, 1, 3).contiguous()  # [N, 3, S, S]
+        f = self.encoder(x)
+        if self.half:
+            f = f.to(torch.float16).to(torch.float32)
+        if self.center:
+            f = f - self.mean
+        if self.scale != 1.0:
+            f = f / self.scale
+        f = torch.cat([f, torch.ones(b, 1, dtype=f.dtype)], 1)
+        logits = torch.matmul(f, self.theta_t)
+        return logits, probabilities(logits, self.kind)
+
+
+def parse_size(text: str | None, model: Model) -> tuple[int, int]:
+    """``--input-size HxW`` (or the store's source size when not given)."""
+    if text is None:
+        src = model.card["store"].get("source_size")
+        if not src:
+            raise param_error("--input-size", None, "is needed for this model: its store's images have no one size",
+                              "Give the size the client's camera delivers, e.g. --input-size 224x224.")  # fmt: skip
+        return int(src[0]), int(src[1])
+    try:
+        h, w = (int(v) for v in str(text).lower().replace(" ", "").split("x"))
+    except ValueError:
+        raise param_error("--input-size", text, "must be HxW in pixels", "E.g. --input-size 32x32.") from None
+    if h < 1 or w < 1:
+        raise param_error("--input-size", text, "must be positive HxW in pixels", "E.g. --input-size 32x32.")
+    return h, w
+
+
+def build_classifier(model: Model, size: tuple[int, int]) -> ImageClassifier:
+    """The model as one torch module on the CPU (its encoder loaded and checked against the card)."""
+    enc = model.load_encoder()
+    enc.model.to("cpu").eval()
+    return ImageClassifier(model, enc.model, enc.preprocessing, size).eval()
+
+
+def _example(size: tuple[int, int], n: int = 2) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (n, *size, 3), dtype=torch.uint8, generator=g)
+
+
+def export_model(model: Model, fmt: str, out: str | os.PathLike, size: tuple[int, int]) -> dict:
+    """Write ``model`` as one ``fmt`` file (atomically) and check it: the ONNX file with ``onnx.checker`` and a run
+    under onnxruntime, the TorchScript file loaded back; both must give the logits of the torch module on a test
+    batch (to 1e-4 relative). Returns what was checked."""
+    if fmt not in FORMATS:
+        raise param_error("--format", fmt, f"must be one of {', '.join(FORMATS)}", "E.g. --format onnx.")
+    out = check_out(Path(out))
+    clf = build_classifier(model, size)
+    x = _example(size)
+    with torch.no_grad():
+        want = clf(x)[0].numpy()
+    meta = {"classes": json.dumps(list(model.classes_)), "fedhead_model": json.dumps(model.card)}
+    with atomic_path(out) as tmp:
+        got = _onnx(clf, x, tmp, meta) if fmt == "onnx" else _torchscript(clf, x, tmp, meta)
+        err = float(np.abs(got - want).max() / max(1e-12, float(np.abs(want).max())))
+        if not err <= 1e-4:
+            raise FedheadError(f"The exported {fmt} model's logits differ from fedhead's by {err:.2g} (relative) on a "
+                               "test batch; nothing was written. Report this with FEDHEAD_DEBUG=1.")  # fmt: skip
+    return {"format": fmt, "out": str(out), "input": [None, *size, 3], "max_relative_error": err}
+
+
+def _onnx(clf: ImageClassifier, x: torch.Tensor, path: Path, meta: dict) -> np.ndarray:
+    """Export, add ``meta`` as the file's metadata (the class names, the card), check, run under onnxruntime."""
+    try:
+        import onnx
+        import onnxruntime as ort
+    except ImportError:
+        raise FedheadError(
+            "The 'onnx' format needs the export extra: pip install 'fedhead[export]' (onnx, onnxruntime, onnxscript)."
+        ) from None
+    with torch.no_grad():
+        n = torch.export.Dim("n", min=1)
+        torch.onnx.export(clf, (x,), str(path), input_names=["images"], output_names=["logits", "probabilities"],
+                          dynamic_shapes={"images": {0: n}}, opset_version=ONNX_OPSET, dynamo=True,
+                          verbose=False)  # fmt: skip
+    proto = onnx.load(str(path))
+    for k, v in meta.items():
+        proto.metadata_props.add(key=k, value=v)
+    onnx.save(proto, str(path))
+    onnx.checker.check_model(str(path), full_check=True)
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return sess.run(["logits"], {"images": x.numpy()})[0]
+
+
+def _torchscript(clf: ImageClassifier, x: torch.Tensor, path: Path, meta: dict) -> np.ndarray:
+    """Trace, save with ``meta`` as extra files (``classes``, ``fedhead_model``), load back and run."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated in favour of torch.export
+        traced = torch.jit.trace(clf, (x,), check_trace=False)
+        torch.jit.save(traced, str(path), _extra_files=meta)
+        loaded = torch.jit.load(str(path), map_location="cpu")
+    with torch.no_grad():
+        return loaded(x)[0].numpy()

