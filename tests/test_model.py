@@ -127,10 +127,13 @@ def test_a_model_without_an_image_encoder_refuses_images_in_one_line(tiny_store,
     res = _train(tiny_store, tmp_path / "run", "softmax")
     img = tmp_path / "x.png"
     Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(img)
-    r = runner.invoke(cli.app, ["predict", "--model", str(res.run_dir), "--images", str(img)])
+    out = ["--out", str(tmp_path / "p.csv")]  # never the default predictions.csv in the working directory
+    r = runner.invoke(cli.app, ["predict", "--model", str(res.run_dir), "--images", str(img), *out])
     assert "no image encoder" in _one_line_error(r)
     for bad, expect in (([str(tmp_path / "none")], "'--model'"), ([str(img)], "'--model'")):
-        assert expect in _one_line_error(runner.invoke(cli.app, ["predict", "--model", *bad, "--images", str(img)]))
+        assert expect in _one_line_error(
+            runner.invoke(cli.app, ["predict", "--model", *bad, "--images", str(img), *out])
+        )
 
 
 # ---------------------------------------------------------------- images: a real (tiny) encoder
@@ -204,8 +207,16 @@ def test_an_image_encoder_that_differs_from_the_models_is_refused_in_one_line(im
     card = json.loads((run / "model-seed0.json").read_text())
     card["store"]["preprocessing"]["crop_pct"] = 0.5
     (run / "model-seed0.json").write_text(json.dumps(card))
-    r = runner.invoke(cli.app, ["predict", "--model", str(run), "--images", str(image_run["data"] / "test")])
-    line = _one_line_error(r)
+    argv = [
+        "predict",
+        "--model",
+        str(run),
+        "--images",
+        str(image_run["data"] / "test"),
+        "--out",
+        str(tmp_path / "p.csv"),
+    ]
+    line = _one_line_error(runner.invoke(cli.app, argv))
     assert "differs from the one it was trained on" in line and "crop_pct" in line
 
 
