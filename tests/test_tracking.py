@@ -268,3 +268,32 @@ def test_rounds_csv_columns_and_summary_keys_are_documented(tiny_store, tmp_path
     for key in res.summary:
         if not key.endswith("_std") and key not in ("per_seed", "fedhead_version"):
             assert f"`{key}`" in doc, key
+
+
+# ---------------------------------------------------------------- Flower
+
+
+def test_flower_run_writes_plots_and_tensorboard(tiny_store, tmp_path, monkeypatch, drawing):
+    """The ServerApp's run (over the in-process grid: Flower's messages, no Ray) draws both figures and logs every
+    row (with secure aggregation: tests/test_flower_secure.py)."""
+    pytest.importorskip("flwr")
+    from fedhead.flower.client_app import make_client_app
+    from fedhead.flower.inprocess import InProcessGrid, sim_nodes, task_identity
+    from fedhead.flower.server_app import run_server
+    from fedhead.flower.strategy import ServerSettings
+
+    specs = []
+    real = outputs.label_counts
+    monkeypatch.setattr(outputs, "label_counts", lambda report: specs.append(real(report)) or specs[-1])
+    cfg = TrainConfig(features=str(tiny_store), partition="shard", clients=4, rounds=2, local_epochs=1,
+                      log="tensorboard", device="cpu")  # fmt: skip
+    out = tmp_path / "flower"
+    with task_identity():
+        grid = InProcessGrid(make_client_app(str(tiny_store)), sim_nodes(cfg.clients))
+        run_server(grid, cfg, ServerSettings(out=str(out), resume=False, wait_timeout=5))
+    is_png(out / "curves.png")
+    is_png(out / "partition.png")
+    assert [s.kind for s in specs] == ["bars"] and (out / "clients.csv").exists()
+    got, twice = tensorboard_scalars(out / "tensorboard")
+    want = expected_scalars(out)
+    assert want and not twice and all(got[k] == pytest.approx(v, rel=1e-5) for k, v in want.items())
