@@ -127,6 +127,8 @@ def test_partition_png_bars_heatmap_and_secure_note(tmp_path, drawing):
     rng = np.random.default_rng(0)
     few, many = rng.integers(0, 9, (10, 5)), rng.integers(0, 9, (1000, 100))
     assert LabelCounts(few).kind == "bars" and LabelCounts(many).kind == "heatmap"
+    assert LabelCounts(rng.integers(0, 9, (200, 10))).kind == "heatmap"  # many clients, few labels
+    assert LabelCounts(rng.integers(0, 9, (10, 30))).kind == "heatmap"  # few clients, many labels
     w_bars, _ = is_png(write_label_counts(tmp_path / "bars.png", LabelCounts(few, list("abcde"))))
     w_heat, h_heat = is_png(write_label_counts(tmp_path / "heat.png", LabelCounts(many)))
     assert w_heat <= 14 * 110 and h_heat <= 9 * 110  # 1000 clients x 100 labels stay one readable figure
