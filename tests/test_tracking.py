@@ -113,8 +113,11 @@ def test_train_writes_curves_and_partition_pngs(tiny_store, tmp_path, drawing):
 
 
 def test_no_plots_and_the_data_only_hook(tiny_store, tmp_path, monkeypatch):
-    res = train(tiny_store, tmp_path / "off", plots=False)
-    assert not (res.run_dir / "curves.png").exists() and not (res.run_dir / "partition.png").exists()
+    monkeypatch.delenv(outputs.DRAW_ENV, raising=False)
+    args = ["train", "--features", str(tiny_store), "--clients", "4", "--rounds", "2", "--no-plots", "--out"]
+    res = runner.invoke(cli.app, [*args, str(tmp_path / "off")])
+    assert res.exit_code == 0, res.output
+    assert not (tmp_path / "off" / "curves.png").exists() and not (tmp_path / "off" / "partition.png").exists()
     monkeypatch.setenv(outputs.DRAW_ENV, "data")  # the suite's setting: data built and checked, nothing drawn
     res = train(tiny_store, tmp_path / "data")
     assert not (res.run_dir / "curves.png").exists()

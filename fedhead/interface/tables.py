@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 TEXT_COLUMNS = ("run", "head", "partition", "recipe", "settings that differ")  # left-aligned; numbers right
 
 
