@@ -131,7 +131,7 @@ def write_tensorboard(folder: Path, rows: list[dict], params: dict) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=folder.parent))
     try:
-        hp = {k: v for k, v in flat_params(params).items()}
+        hp = flat_params(params)
         for unit, part in by_unit(rows).items():
             with SummaryWriter(logdir=str(tmp / unit), flush_secs=3600, max_queue=1 << 16) as w:
                 last = {}
@@ -161,6 +161,19 @@ def _swap(new: Path, folder: Path) -> None:
 def write_mlflow(store: Path, run_dir: Path, rows: list[dict], params: dict) -> None:
     """The MLflow file store ``store``: this run directory's earlier runs deleted, one run per unit written."""
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store behind this switch
+    from mlflow.exceptions import MlflowException
+
+    try:
+        _write_mlflow(store, run_dir, rows, params)
+    except MlflowException as exc:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FedheadError(
+            f"Writing the mlflow log to {str(store)!r} failed ({why}); fix the cause (or choose another --log-dir) "
+            "and re-run the same command with --resume to write it."
+        ) from None
+
+
+def _write_mlflow(store: Path, run_dir: Path, rows: list[dict], params: dict) -> None:
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
 
