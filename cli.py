@@ -31,6 +31,7 @@ def _register() -> None:
         ("extract.commands", "extract_cmd", "extract", app),
         ("extract.commands", "info_cmd", "info", app),
         ("fedhead.commands", "train_cmd", "train", app),
+        ("fedhead.commands", "compare_cmd", "compare", app),
         ("fedhead.commands", "synth_cmd", "synth", app),
         ("fedhead.commands", "demo_cmd", "demo", app),
         ("fedhead.deploy", "predict_cmd", "predict", app),

@@ -1,4 +1,4 @@
-"""Typer commands of the trainer: ``fedhead train``, ``fedhead synth`` and ``fedhead demo``."""
+"""Typer commands of the trainer: ``fedhead train``, ``fedhead compare``, ``fedhead synth`` and ``fedhead demo``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from extract.encoders import registry_weights
 from extract.store import load_store, open_store
 from fedhead.core.synthetic import LATENT, probe_accuracy, synthetic_request, validate_synthetic, write_synthetic
 from fedhead.examples import onnx_classify
+from fedhead.federation import compare
 from fedhead.federation.api import run
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.export import export_model
@@ -44,6 +45,38 @@ def train_cmd(*, experiment: ExperimentArgs, out: Optional[Path] = None, resume:
     res = run(cfg, out=out, resume=resume, progress=True)  # also writes the run's config.toml
     con = stdout_console()
     con.print(results_table(f"fedhead train — {res.run_dir}", [res.summary], SUMMARY_COLUMNS))
+
+
+COMPARE_COLUMNS = [
+    ("run", "run"),
+    ("head", "head"),
+    ("partition", "partition"),
+    ("rounds", "rounds"),
+    ("final", "final"),
+    ("best", "best"),
+    ("ratio_to_iid", "ratio to IID"),
+    ("ratio_to_central", "ratio to central"),
+    ("mb_total", "MB total"),
+    ("wall_seconds", "wall s"),
+    ("differs", "settings that differ"),
+]
+
+
+@cli_errors
+def compare_cmd(
+    runs: list[Path] = typer.Argument(..., help="run directories (--out of train, flower simulate or scratch)"),
+    out: Path = typer.Option(Path("."), "--out", help="folder for compare.png \\[default: the current folder]"),
+    metric: str = typer.Option("accuracy", "--metric", help="the rounds.csv column to compare"),
+):
+    """Print several runs side by side (final and best --metric, ratios, bytes, wall time, the settings that differ)
+    and plot --metric per round of every run into OUT/compare.png."""
+    found = [compare.load_run(p) for p in runs]
+    compare.check_metric(found, metric)
+    check_out(out, kind="dir")
+    rows = compare.table_rows(found, metric)
+    cols = [(k, f"{h} {metric}" if k in ("final", "best") else h) for k, h in COMPARE_COLUMNS]
+    stdout_console().print(results_table(f"fedhead compare — {len(found)} runs", rows, cols))
+    typer.echo(f"wrote {compare.write_compare_plot(found, metric, out)}")
 
 
 @cli_errors

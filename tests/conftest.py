@@ -9,6 +9,9 @@ os.environ.setdefault("FEDHEAD_NO_PROGRESS", "1")
 # (the cores other processes leave free) would make a test's result depend on the machine's load and on the other
 # test worker (pytest-xdist runs the suite in one process per core).
 os.environ.setdefault("FEDHEAD_THREADS", "1")
+# Every run builds and checks its figures' data (curves.png, partition.png) but draws them only in the tests of the
+# plots (tests/test_tracking.py): drawing costs about half a second a run, and the suite runs hundreds of runs.
+os.environ.setdefault("FEDHEAD_TEST_PLOTS", "data")
 
 
 @pytest.fixture(scope="session")

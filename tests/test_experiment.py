@@ -137,6 +137,8 @@ def _sample(f):
         "device": "cpu",
         "seeds": [0, 42],
         "fedabc_margins": "0.8,0.2,0.3",
+        "log": "tensorboard",
+        "log_dir": "tb",
     }
     if f.name in special:
         return special[f.name]

@@ -349,3 +349,17 @@ def test_secure_aggregation_on_a_loopback_deployment(tmp_path, deployment):  # n
     ex = summary["secure_aggregation"]["exchanges"]
     assert [(e["kind"], e["included"], e["halted"]) for e in ex] == [("census", 3, ""), ("train", 2, "")]
     assert not (out / "clients.csv").exists()
+
+
+def test_secure_run_draws_the_note_instead_of_label_counts(store, tmp_path, monkeypatch):
+    """The server of a secure run never sees a client's label counts: partition.png says so (no clients.csv)."""
+    from fedhead.federation import outputs
+
+    monkeypatch.delenv(outputs.DRAW_ENV, raising=False)
+    specs = []
+    real = outputs.label_counts
+    monkeypatch.setattr(outputs, "label_counts", lambda report: specs.append(real(report)) or specs[-1])
+    run(cfg_of(store, secure_aggregation=True, rounds=1), tmp_path / "s")
+    assert [s.kind for s in specs] == ["note"] and "Secure aggregation" in specs[0].note
+    assert (tmp_path / "s" / "partition.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "s" / "curves.png").exists() and not (tmp_path / "s" / "clients.csv").exists()

@@ -17,7 +17,6 @@ from typing import List, Optional
 import numpy as np
 import typer
 
-from fedhead.bench import plots as P
 from fedhead.bench.commands import (
     FEATURES_OPT,
     Common,
@@ -38,6 +37,7 @@ from fedhead.bench.report import (
     run_grid,
 )
 from fedhead.core.plugins import load_plugins
+from fedhead.federation import plots as P
 from fedhead.federation.methods import METHODS
 from fedhead.infra.errors import FedheadError, unknown_name
 from fedhead.interface.options import deprecated_flag

@@ -20,7 +20,6 @@ import typer
 from rich.markdown import Markdown
 
 from extract.store import load_store, open_store
-from fedhead.bench import plots as P
 from fedhead.bench.geometry import COLUMNS, METRICS, store_geometry
 from fedhead.bench.geometry import __doc__ as gdoc
 from fedhead.bench.report import (
@@ -44,6 +43,7 @@ from fedhead.bench.report import (
     write_report,
     write_results,
 )
+from fedhead.federation import plots as P
 from fedhead.federation.config import PAPER_SEEDS, TrainConfig
 from fedhead.federation.experiment import FIELDS, PARTITION_PARAMS, only_applicable, parse_seeds
 from fedhead.federation.rundir import write_csv
@@ -97,7 +97,8 @@ RECIPE_HELP = "paper (the OvA-LP paper's AdamW) | default (the trainer's) | both
 
 # The experiment fields a grid command does not take as shared options: the ones its grid sets per run (the
 # store, heads, partitions and their parameters, recipes, noise, participation), the IID reference (the grids run
-# their own IID runs) and Flower's secure aggregation. Every other field is an option of every grid command,
+# their own IID runs), Flower's secure aggregation, and the plots and trackers of a run (a report draws its own
+# figures: its runs are written with plots = false). Every other field is an option of every grid command,
 # derived from the table like fedhead train's, and reaches every run it applies to.
 GRID_EXCLUDE = (
     "features",
@@ -112,6 +113,9 @@ GRID_EXCLUDE = (
     "noise_dataset",
     "iid_reference",
     "secure_aggregation",
+    "plots",
+    "log",
+    "log_dir",
 )
 GRID_PROTOCOL = ("seeds", "rounds", "clients")  # the report's protocol: every run gets them (rounds if iterative)
 
@@ -131,7 +135,7 @@ class Common:
         """A run of the grid: its own fields ``kw``, and the shared options that apply to it (a closed-form head
         gets no --rounds or local-training option; a head's parameter reaches that head's runs only)."""
         shared = {"rounds": self.rounds, **self.train}
-        base = dict(features=str(features), clients=self.clients, seeds=list(self.seeds), **shared)
+        base = dict(features=str(features), clients=self.clients, seeds=list(self.seeds), plots=False, **shared)
         base.update(kw)
         keep = only_applicable({k: v for k, v in shared.items() if k not in kw}, TrainConfig(**base).recipe_view())
         for k in shared:

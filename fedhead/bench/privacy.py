@@ -19,7 +19,6 @@ from typing import List, Optional
 import numpy as np
 import typer
 
-from fedhead.bench import plots as P
 from fedhead.bench.baselines import _partition, methods_and_partitions
 from fedhead.bench.commands import (
     FEATURES_OPT,
@@ -39,6 +38,7 @@ from fedhead.bench.report import (
 )
 from fedhead.core.closedform import is_closed_form
 from fedhead.core.dp import epsilon_schedule
+from fedhead.federation import plots as P
 from fedhead.federation.rundir import read_csv
 from fedhead.flower.common import require_flower
 from fedhead.infra.errors import FedheadError, Interval, validate

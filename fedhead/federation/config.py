@@ -215,7 +215,7 @@ class _Config:
         """Hash of everything that determines the results (for --resume checks)."""
         d = self.to_dict()
         d["asym_rule"] = d.pop("asym_map")  # the field's name before the rename: earlier runs keep their identity
-        for k in ("device", "block_clients", "memory_budget_mb"):
+        for k in ("device", "block_clients", "memory_budget_mb", "plots", "log", "log_dir"):
             d.pop(k, None)
         if not d.get("secure_aggregation"):
             d.pop("secure_aggregation", None)  # runs from before the option keep their identity

@@ -39,6 +39,7 @@ from fedhead.core.noise import ASYM_RULES, NOISE
 from fedhead.core.partitions import PARTITIONS
 from fedhead.core.plugins import load_plugins
 from fedhead.core.serveropt import SERVER_OPTIMIZERS, server_optimizer_names
+from fedhead.federation.tracking import TRACKERS
 from fedhead.infra.errors import FedheadError, Interval, OneOf, unknown_name, validate
 from fedhead.infra.params import Param
 
@@ -682,6 +683,33 @@ FIELD_LIST: list[Field] = [
         RUN,
         constraint=_COUNT,
         applies=_IT,
+    ),
+    # where the rows go besides rounds.csv (not part of a run's identity: a resume may change them)
+    Field(
+        "plots",
+        bool,
+        True,
+        "write curves.png (accuracy and loss per round) and partition.png (label counts per client) into the run "
+        "directory when the run ends",
+        RUN,
+    ),
+    Field(
+        "log",
+        str,
+        "none",
+        "also write every row to a tracker when the run ends: none | tensorboard (pip install "
+        "'fedhead[tensorboard]') | mlflow (a local store; pip install 'fedhead[mlflow]')",
+        RUN,
+        constraint=OneOf(TRACKERS),
+    ),
+    Field(
+        "log_dir",
+        str,
+        None,
+        "the tracker's folder (tensorboard: the run's event files go to LOG_DIR/<run name>; mlflow: the store)",
+        RUN,
+        applies=(When("log", TRACKERS[1:]),),
+        default_text="OUT/tensorboard | OUT/mlruns",
     ),
 ]
 FIELDS: dict[str, Field] = {f.name: f for f in FIELD_LIST}

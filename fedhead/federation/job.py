@@ -30,6 +30,7 @@ from fedhead.federation.clients import FeatureStats, prepare, sample_clients
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.loop import Job, writing
 from fedhead.federation.model import model_stem, write_model
+from fedhead.federation.outputs import SECURE_NOTE, RunReport
 from fedhead.federation.rundir import ROUND_FIELDS, RunDir
 from fedhead.federation.server import ServerUpdate, ccvr_calibrate, solve_statistics, statistics_row
 from fedhead.federation.summary import summarize, with_ratios
@@ -228,6 +229,26 @@ class HeadJob(Job):
         with writing(run, run.path / "summary.json"):
             rundir.write_summary(run.path, summary)
         return summary
+
+    def report(self, done: list, summary: dict) -> RunReport:
+        """The plots' and trackers' data: the first seed's label counts (none with secure aggregation: the server
+        never sees them), the central ceiling, the configuration."""
+        cfg = self.cfg
+        first = [r for r in self.client_rows if r["seed"] == cfg.seeds[0]] or self.client_rows
+        counts = np.asarray(first[0]["counts"]) if first else None
+        note = SECURE_NOTE if counts is None and cfg.secure_aggregation else ""
+        return RunReport(
+            plots=cfg.plots,
+            log=cfg.log,
+            log_dir=cfg.log_dir,
+            title=f"{cfg.head} on {cfg.partition}, {cfg.clients} clients",
+            seed=first[0]["seed"] if first and len(cfg.seeds) > 1 else None,
+            central=self.central,
+            counts=counts,
+            labels=list(self.store.info.class_names),
+            note=note,
+            params=cfg.to_dict(),
+        )
 
 
 MODEL_SUMMARY_KEYS = ("final_accuracy", "best_accuracy", "acc95_round", "iid_final_accuracy", "final_ratio_to_iid",

@@ -3,7 +3,7 @@
 
 The loop owns what every run shares: the order of units and rounds, one checkpoint after every round written
 together with ``rounds.csv`` (a SIGINT/SIGTERM waits for both), resume from that checkpoint, extension of a
-finished run by more rounds, progress on stderr and the final files. A job owns what its rounds compute: the
+finished run by more rounds, progress on stderr and the final files (the plots and trackers of :mod:`fedhead.federation.outputs` included). A job owns what its rounds compute: the
 head federation over a transport (:class:`fedhead.federation.job.HeadJob`) or a scratch network
 (:class:`fedhead.scratch.runner.ScratchJob`).
 
@@ -20,7 +20,8 @@ import contextlib
 import time
 from pathlib import Path
 
-from fedhead.federation import rundir
+from fedhead.federation import outputs, rundir
+from fedhead.federation.outputs import RunReport
 from fedhead.federation.rundir import Opened, RunDir
 from fedhead.infra.console import make_progress
 from fedhead.infra.errors import SPACE_ERRNOS, FedheadError
@@ -78,6 +79,11 @@ class Job:
         """Write the final files (rounds.csv is written by the loop; wrap writes in :func:`writing`) and return
         the summary."""
         raise NotImplementedError
+
+    def report(self, done: list, summary: dict) -> RunReport | None:
+        """Optional: what the plots and trackers of the finished run need (:mod:`fedhead.federation.outputs`);
+        None writes neither."""
+        return None
 
 
 @contextlib.contextmanager
@@ -151,6 +157,10 @@ def run_job(job: Job, run: RunDir, opened: Opened, *, progress: bool = True) -> 
     with writing(run, run.path / "rounds.csv"):
         rundir.write_rounds(run.path, job.table(rows), job.fields)
     summary = job.finish(run, done, rows, wall)
+    report = job.report(done, summary)
+    if report is not None:  # before the checkpoint goes: a failed plot or tracker is written again by --resume
+        with writing(run, run.path / outputs.CURVES):
+            outputs.write_outputs(run.path, job.table(rows), report)
     with writing(run, run.path / rundir.FINAL_STATE):
         run.finish({"done": done, "run": job.run_state(), "wall_s": wall} if job.extendable else None)
     return summary, job.table(rows)

@@ -23,6 +23,7 @@ from fedhead.federation.job import HeadJob
 from fedhead.federation.loop import PAUSE_ENV, run_job, writing
 from fedhead.federation.rundir import CHECKPOINT, RunDir, default_run_dir, write_experiment
 from fedhead.federation.server import server_opt_config
+from fedhead.federation.tracking import require as require_tracker
 from fedhead.infra.devices import resolve_device, set_cpu_threads
 from fedhead.infra.errors import FedheadError, unknown_name
 from fedhead.infra.files import check_out
@@ -47,6 +48,7 @@ def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:
     resolve_head_params(cfg.head, **cfg.head_params)
     resolve_partition_params(cfg.partition, **cfg.partition_params)
     validate_method(cfg)
+    require_tracker(cfg.log)  # a missing extra stops the run before it starts, not after its last round
     n = len(store.train_y)
     if cfg.clients > n:
         raise FedheadError(
@@ -120,7 +122,8 @@ def validate_method(cfg: TrainConfig) -> None:
         server_opt_config(cfg)
 
 
-NOT_IDENTITY = ("features", "device", "block_clients", "memory_budget_mb")  # where a run runs, not what it finds
+# where a run runs and where its rows go besides rounds.csv, not what it finds
+NOT_IDENTITY = ("features", "device", "block_clients", "memory_budget_mb", "plots", "log", "log_dir")
 
 
 def identity_fields(cfg: TrainConfig, store: Features) -> dict:

@@ -59,6 +59,7 @@ from fedhead.federation.job import HeadJob  # noqa: E402
 from fedhead.federation.loop import run_job  # noqa: E402
 from fedhead.federation.rundir import RunDir, default_run_dir, write_experiment  # noqa: E402
 from fedhead.federation.server import ServerUpdate  # noqa: E402
+from fedhead.federation.tracking import require as require_tracker  # noqa: E402
 from fedhead.federation.train import head_run_dir, run_record, validate_method  # noqa: E402
 from fedhead.federation.transport import Calibration, Census, Exchange, RoundResult, Transport  # noqa: E402
 from fedhead.flower.common import (  # noqa: E402
@@ -116,6 +117,7 @@ def validate_server_config(cfg: TrainConfig, store: Features) -> TrainConfig:
     resolve_head_params(cfg.head, **cfg.head_params)
     resolve_partition_params(cfg.partition, **cfg.partition_params)
     validate_method(cfg)
+    require_tracker(cfg.log)
     if cfg.iid_reference:
         raise FedheadError(
             "The '--iid-reference' option is not supported on Flower. Got True instead. "

@@ -69,6 +69,8 @@ def option(
     if f.type is bool:
         if default is None:
             return Optional[bool], typer.Option(None, f"{flag}/--no-{flag[2:]}", **kw)
+        if default:  # on unless switched off: --plots/--no-plots
+            return bool, typer.Option(True, f"{flag}/--no-{flag[2:]}", **kw)
         return bool, typer.Option(bool(default), flag, **kw)
     if f.type is list:  # seeds: repeated or comma-separated
         return Optional[List[str]], typer.Option(None, flag, metavar="INT[,INT...]", **kw)

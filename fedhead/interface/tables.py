@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+TEXT_COLUMNS = ("run", "head", "partition", "recipe", "settings that differ")  # left-aligned; numbers right
+
 
 def results_table(title: str, rows: list[dict], columns: list[tuple[str, str]]):
     """A rich table of result rows; ``columns`` are (key, header); ``key_std`` shown as +- when present."""
@@ -9,7 +11,7 @@ def results_table(title: str, rows: list[dict], columns: list[tuple[str, str]]):
 
     t = Table(title=title)
     for _, h in columns:
-        t.add_column(h, justify="right" if h not in ("head", "partition", "recipe") else "left")
+        t.add_column(h, justify="left" if h in TEXT_COLUMNS else "right")
     for r in rows:
         cells = []
         for k, _ in columns:

@@ -9,12 +9,12 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from fedhead.federation.experiment import parse_seeds
+from fedhead.federation.experiment import FIELDS, parse_seeds
 from fedhead.federation.rundir import default_run_dir
 from fedhead.infra.console import make_progress, stderr_console, stdout_console
 from fedhead.infra.errors import FedheadError
 from fedhead.infra.exits import cli_errors
-from fedhead.interface.options import deprecated_flag
+from fedhead.interface.options import deprecated_flag, option
 from fedhead.scratch.runner import ScratchConfig, run_scratch
 
 
@@ -101,6 +101,8 @@ BODY_EPOCHS_OPT = typer.Option(
 BACKEND_OPT = typer.Option(
     "vectorized", "--backend", help="vectorized (all members at once, fast) | loop (reference, one at a time)."
 )
+# where the rows go besides rounds.csv: the experiment table's declarations (fedhead train's options of the same name)
+PLOTS_OPT, LOG_OPT, LOG_DIR_OPT = (option(FIELDS[n], panel=None)[1] for n in ("plots", "log", "log_dir"))
 RESUME_OPT = typer.Option(
     False,
     "--resume",
@@ -155,6 +157,9 @@ def scratch_cmd(
     backend: str = BACKEND_OPT,
     out: Optional[Path] = typer.Option(None, "--out", help="Run directory (default runs/<time>-scratch-...)."),
     resume: bool = RESUME_OPT,
+    plots: bool = PLOTS_OPT,
+    log: str = LOG_OPT,
+    log_dir: Optional[str] = LOG_DIR_OPT,
 ):
     """Train a model from scratch with FedAvg, FedOVA, FedABC, Divide-and-Conquer or FedABC's baselines (local,
     FedProx, SCAFFOLD, FedPer, FedRep, FedRoD, LG-FedAvg)."""
@@ -197,6 +202,9 @@ def scratch_cmd(
         body_epochs=body_epochs,
         device=device,
         backend=backend,
+        plots=plots,
+        log=log,
+        log_dir=log_dir,
     )
     out_dir = scratch_run_dir(out, resume, algo, dataset)
     summary = run_with_progress(cfg, out_dir, resume)

@@ -28,6 +28,7 @@ import torch
 from fedhead.core.noise import NOISE_KINDS, apply_noise
 from fedhead.core.partitions import create_partition, resolve_partition_params
 from fedhead.federation.loop import PAUSE_ENV, Job, run_job, writing
+from fedhead.federation.outputs import RunReport
 from fedhead.federation.rundir import (
     CHECKPOINT,
     RunDir,
@@ -38,6 +39,7 @@ from fedhead.federation.rundir import (
     write_csv,
     write_summary,
 )
+from fedhead.federation.tracking import check_log
 from fedhead.infra.devices import resolve_device, set_cpu_threads
 from fedhead.infra.errors import FedheadError, Interval, OneOf, param_error, unknown_name, validate
 from fedhead.infra.files import atomic_path, atomic_torch_save, check_out
@@ -89,6 +91,9 @@ class ScratchConfig:
     device: str = "auto"
     backend: str = "vectorized"  # vectorized (fast) | loop (reference, one member at a time); "vmap" = vectorized
     eval_batch: int = 1000
+    plots: bool = True  # curves.png and partition.png in the run directory (fedhead.federation.outputs)
+    log: str = "none"  # none | tensorboard | mlflow: the rows in a tracker too (fedhead.federation.tracking)
+    log_dir: str | None = None  # the tracker's folder (default OUT/tensorboard | OUT/mlruns)
 
 
 # algorithm defaults (SPEC sections 3-5); dataset-specific lr for FedABC
@@ -557,7 +562,8 @@ def identity_fields(cfg: ScratchConfig) -> dict:
     named); the device is left out (as ``fedhead train`` does) and the data folder is compared as an absolute
     path."""
     d = dataclasses.asdict(cfg)
-    d.pop("device", None)
+    for key in ("device", "plots", "log", "log_dir"):  # where it runs and where its rows go besides rounds.csv
+        d.pop(key, None)
     d["backend"] = "vmap" if d["backend"] == "vectorized" else d["backend"]  # its earlier name: runs keep identity
     for key, unset in (("share_fraction", 0.0), ("prox_mu", None), ("head_layers", None), ("body_epochs", None)):
         if d.get(key) == unset:  # options added later: at their defaults, a run keeps its earlier identity
@@ -652,6 +658,7 @@ def save_torch(obj, path: Path) -> None:
 def check_config(cfg: ScratchConfig) -> tuple[ScratchConfig, ScratchData]:
     """Every check of a run that needs no output: the resolved configuration and its loaded dataset."""
     cfg = resolve_config(cfg)
+    check_log(cfg.log, cfg.log_dir)
     data = load_dataset(cfg.dataset, cfg.data_dir)
     check_model_input(cfg.model, data.input_kind, cfg.dataset)
     check_data(cfg, data)
@@ -774,6 +781,20 @@ class ScratchJob(Job):
 
     def finish(self, run: RunDir, done: list, rows: list, wall_s: float) -> dict:
         return _finish(self.cfg, self.data, run, self.base_config, done, wall_s)
+
+    def report(self, done: list, summary: dict) -> RunReport:
+        """The plots' and trackers' data: the first seed's label counts per client, the configuration."""
+        cfg = self.cfg
+        return RunReport(
+            plots=cfg.plots,
+            log=cfg.log,
+            log_dir=cfg.log_dir,
+            title=f"{cfg.algo} on {cfg.dataset}, {cfg.partition}, {cfg.clients} clients",
+            counts=np.asarray(done[0]["counts"]),
+            labels=list(self.data.classes),
+            seed=cfg.seeds[0] if len(cfg.seeds) > 1 else None,
+            params=identity_fields(cfg),
+        )
 
 
 def _finish(
