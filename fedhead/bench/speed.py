@@ -836,6 +836,25 @@ def scratch_markdown(rec: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _check_ceiling(rounds: int, methods, stores) -> None:
+    validate("--ceiling-rounds", rounds, Interval(1, None, integer=True))
+    for m in methods or ():
+        validate("--ceiling-method", m, OneOf(CEILING_METHODS))
+    for s in stores or ():
+        open_store(s, param="--ceiling-store")  # a bad store is refused before the measurement
+
+
+def _ceiling(quick: bool, stores, rounds: int, flower: bool, methods, err) -> dict:
+    return measure_ceiling(
+        quick=quick,
+        stores=list(stores or ()),
+        rounds=None if quick and rounds == 30 else rounds,
+        flower=flower,
+        methods=tuple(methods or CEILING_METHODS),
+        progress=lambda s: err.print(f"[bold]bench speed[/]: {s}"),
+    )
+
+
 @cli_errors
 def speed_cmd(
     out: Path = typer.Option(
@@ -892,11 +911,7 @@ def speed_cmd(
     if threads is not None:
         validate("--threads", threads, Interval(1, None, integer=True))
     validate("--scratch-repeat", scratch_repeat, Interval(1, None, integer=True))
-    validate("--ceiling-rounds", ceiling_rounds, Interval(1, None, integer=True))
-    for m in ceiling_method or ():
-        validate("--ceiling-method", m, OneOf(CEILING_METHODS))
-    for s in ceiling_store or ():
-        open_store(s, param="--ceiling-store")  # a bad store is refused before the measurement
+    _check_ceiling(ceiling_rounds, ceiling_method, ceiling_store)
     for m in scratch_model or ():
         validate("--scratch-model", m, OneOf(tuple(SCRATCH_PROTOCOLS)))
     for n in scratch_net or ():
@@ -918,16 +933,7 @@ def speed_cmd(
         progress=lambda s: err.print(f"[bold]bench speed[/]: {s}"),
     )
     if ceiling:
-        rec.update(
-            measure_ceiling(
-                quick=quick,
-                stores=list(ceiling_store or ()),
-                rounds=None if quick and ceiling_rounds == 30 else ceiling_rounds,
-                flower=ceiling_flower,
-                methods=tuple(ceiling_method or CEILING_METHODS),
-                progress=lambda s: err.print(f"[bold]bench speed[/]: {s}"),
-            )
-        )
+        rec.update(_ceiling(quick, ceiling_store, ceiling_rounds, ceiling_flower, ceiling_method, err))
     if scratch:
         md = out.with_suffix(".md") if out.suffix != ".md" else out.with_name(out.name + ".table.md")
         atomic_write_text(md, scratch_markdown(rec))
