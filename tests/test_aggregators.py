@@ -14,7 +14,7 @@ import torch
 import fedhead
 from fedhead.core.aggregate import AGGREGATORS, Accumulator, Aggregator, fedavg, grouped
 from fedhead.federation.config import TrainConfig
-from fedhead.infra.errors import FedheadError
+from fedhead.infra.errors import FedheadError, cli_names
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,7 +82,9 @@ def test_message_bytes_are_counted(fedexp, tiny_store, tmp_path):
 
 
 def test_unknown_or_malformed_rules_are_one_line_errors():
-    with pytest.raises(FedheadError, match="--aggregate"):
+    with cli_names(), pytest.raises(FedheadError, match="--aggregate"):
+        TrainConfig(features="x.h5", aggregate="nope").resolved()
+    with pytest.raises(FedheadError, match="The 'aggregate' parameter"):
         TrainConfig(features="x.h5", aggregate="nope").resolved()
     with pytest.raises(FedheadError, match="subclass of fedhead.Aggregator"):
         fedhead.register_aggregator("bad")(object)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from fedhead.core.plugins import load_plugins
 from fedhead.infra.errors import FedheadError, Interval, unknown_name
-from fedhead.infra.params import Param, resolve_params
+from fedhead.infra.params import Param, doc_line, resolve_params
 
 
 @dataclass
@@ -69,7 +69,7 @@ HEADS: dict[str, HeadSpec] = {}
 def register_head(name: str, *params: Param):
     def deco(cls):
         cls.name = name
-        HEADS[name] = HeadSpec(name, cls, list(params), (cls.__doc__ or "").strip().splitlines()[0])
+        HEADS[name] = HeadSpec(name, cls, list(params), doc_line(cls))
         return cls
 
     return deco

@@ -39,7 +39,7 @@ from fedhead.core.noise import ASYM_RULES, NOISE
 from fedhead.core.partitions import PARTITIONS
 from fedhead.core.plugins import load_plugins
 from fedhead.core.serveropt import SERVER_OPTIMIZERS, server_optimizer_names
-from fedhead.infra.errors import FedheadError, Interval, OneOf, unknown_name, validate
+from fedhead.infra.errors import FedheadError, Interval, OneOf, python_names, unknown_name, validate
 from fedhead.infra.params import Param
 
 PAPER_SEEDS = (0, 42, 777, 1337, 15254)
@@ -725,6 +725,16 @@ RUN_OPTIONS: dict[str, Field] = {
         ),
     )
 }
+
+
+def field_names() -> set[str]:
+    """Every field's name, and every parameter of a registered head or partition (a plugin's too)."""
+    return set(FIELDS) | {p.name for registry in (HEADS, PARTITIONS) for spec in registry.values() for p in spec.params}
+
+
+# The entry points of the Python API (fedhead.run, TrainConfig.resolved, TrainConfig.from_toml) name fields in their
+# errors as Python does ('lr'), the CLI as flags ('--lr'): one message, two spellings (fedhead.infra.errors).
+python_api = python_names(field_names)
 
 
 # ---------------------------------------------------------------- values
