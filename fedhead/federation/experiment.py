@@ -47,10 +47,10 @@ LOCAL_EPOCHS = 3  # when neither --local-epochs nor --local-steps (nor a recipe)
 SECURE_MIN_CLIENTS = 3  # fewest clients per round --secure-aggregation accepts (config check)
 
 # Recipes fill every field left as None. "paper" is the OvA-LP paper's setting to the letter (for reproduction);
-# "default" is the one that measured robust across heads, partitions and class counts (README, "Choosing the
+# "default" is the one that measured robust across heads, partitions and class counts (docs/results.md, "Choosing the
 # default recipe"); "fast": the default recipe from a closed-form start, softmax head, 30 local steps a round
-# whatever a client's size: Fed3R+FT (README "Baselines"); an explicit --head keeps the ridge start, a closed-form
-# head ignores it; an explicit --local-epochs replaces the 30 steps.
+# whatever a client's size: Fed3R+FT (docs/heads-methods-partitions.md, "Baselines"); an explicit --head keeps the
+# ridge start, a closed-form head ignores it; an explicit --local-epochs replaces the 30 steps.
 _DEFAULT_RECIPE = dict(
     head="ova2",
     optimizer="sgd",
