@@ -30,6 +30,15 @@ def _hooks():
     return mod
 
 
+def _commands() -> set[str]:
+    """The names of ``fedhead``'s top-level commands."""
+    import typer
+
+    import cli
+
+    return set(typer.main.get_command(cli.app).commands)
+
+
 def quickstart_steps(text: str) -> list[str]:
     """The README's quickstart block as shell steps: comments dropped, continued lines joined, a here-document
     (``<<'EOF'`` ... ``EOF``) kept whole with its command."""
@@ -86,8 +95,8 @@ def test_quickstart_parser_keeps_every_command():
 @pytest.mark.slow
 def test_readme_quickstart_runs_as_written(tmp_path):
     """Every step of the README's quickstart, as written, in an empty folder. ``fedhead predict`` and ``fedhead
-    export`` come with the module ``fedhead.model``: until it is there the test runs the steps before them and
-    skips the rest (and says so)."""
+    export`` come from another branch: until they are registered commands the test runs the steps before them
+    and skips the rest (and says so)."""
     bindir = Path(sys.executable).parent
     env = {
         **os.environ,
@@ -96,8 +105,9 @@ def test_readme_quickstart_runs_as_written(tmp_path):
         "FEDHEAD_NO_PROGRESS": "1",
     }
     for step in quickstart_steps(README.read_text()):
-        if step.startswith(("fedhead predict", "fedhead export")):
-            pytest.importorskip("fedhead.model", reason=f"'{step.split()[1]}' needs fedhead.model")
+        command = step.split()[1] if step.startswith("fedhead ") else ""
+        if command in ("predict", "export") and command not in _commands():
+            pytest.skip(f"'fedhead {command}' is not a command of this branch yet (the model branch adds it)")
         r = subprocess.run(["bash", "-c", step], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, f"{step}\n{r.stdout}\n{r.stderr}"
         if step.startswith("fedhead train"):
