@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: these builds lie on this machine's disk (no CUDA download).
 	$(BIN)/python -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(BIN)/python -m pip install -q -e '.[dev,weights,flower,dp,export,tensorboard,mlflow]'
+	$(BIN)/python -m pip install -q -e '.[dev,weights,flower,dp,export,tensorboard,mlflow,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -28,6 +28,8 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	# the documentation site, every warning an error (into a temporary folder: site/ is not kept)
+	d=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir "$$d"; s=$$?; rm -rf "$$d"; exit $$s
 	$(BIN)/python -m pytest tests -n auto --dist loadgroup
 
 clean:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from fedhead import __version__
+from fedhead.infra.errors import enter_cli_names
 from fedhead.interface.usage import OneLineCommand, OneLineGroup  # click usage errors as one 'error:' line
 
 app = typer.Typer(
@@ -20,6 +22,23 @@ bench_app = typer.Typer(
 flower_app = typer.Typer(
     help="Real federation on Flower (needs the 'fedhead\\[flower]' extra).", no_args_is_help=True, cls=OneLineGroup
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"fedhead {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print fedhead's version and exit."
+    ),
+) -> None:
+    # every command's errors name the flags ('--lr'), where the Python API names the fields ('lr')
+    ctx.call_on_close(enter_cli_names())
 
 
 def _register() -> None:

@@ -36,7 +36,12 @@ _API = {
 __all__ = sorted(_API)
 
 
-def __getattr__(name):
+def __dir__() -> list[str]:
+    """``dir(fedhead)``: the public API (imported on first use, so not yet in the module's namespace) with the rest."""
+    return sorted(set(globals()) | set(_API))
+
+
+def __getattr__(name: str):
     if name in _API:
         import importlib
 

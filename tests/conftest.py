@@ -59,7 +59,7 @@ def cut_after(monkeypatch, n_rounds: int):
 
 
 def run_example_with_plugin(example: str, plugin: str, store, tmp_path, cli_args: list[str], bench_method: str) -> str:
-    """A README example file run as a user runs it, then its registrations through the CLI (``train``) and
+    """An example file of docs/extending.md run as a user runs it, then its registrations through the CLI (``train``) and
     ``bench baselines`` via FEDHEAD_PLUGINS; each must exit 0. Returns the example's stdout."""
     import subprocess
     import sys

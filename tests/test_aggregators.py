@@ -14,14 +14,14 @@ import torch
 import fedhead
 from fedhead.core.aggregate import AGGREGATORS, Accumulator, Aggregator, fedavg, grouped
 from fedhead.federation.config import TrainConfig
-from fedhead.infra.errors import FedheadError
+from fedhead.infra.errors import FedheadError, cli_names
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def fedexp():
-    """The README example's rule, registered for one test (the registry is process-wide)."""
+    """The docs' example rule (docs/extending.md), registered for one test (the registry is process-wide)."""
     import importlib
 
     mod = importlib.import_module("fedhead.examples.custom_method")
@@ -82,7 +82,9 @@ def test_message_bytes_are_counted(fedexp, tiny_store, tmp_path):
 
 
 def test_unknown_or_malformed_rules_are_one_line_errors():
-    with pytest.raises(FedheadError, match="--aggregate"):
+    with cli_names(), pytest.raises(FedheadError, match="--aggregate"):
+        TrainConfig(features="x.h5", aggregate="nope").resolved()
+    with pytest.raises(FedheadError, match="The 'aggregate' parameter"):
         TrainConfig(features="x.h5", aggregate="nope").resolved()
     with pytest.raises(FedheadError, match="subclass of fedhead.Aggregator"):
         fedhead.register_aggregator("bad")(object)
@@ -101,12 +103,12 @@ def test_unknown_or_malformed_rules_are_one_line_errors():
 
 
 def test_readme_method_example_runs_as_written(tiny_store, tmp_path):
-    """The README's aggregation-rule example, executed as a user would, then through the CLI and bench baselines
+    """The aggregation-rule example of docs/extending.md, executed as a user would, then through the CLI and bench baselines
     with FEDHEAD_PLUGINS."""
     from conftest import run_example_with_plugin
 
     example = "fedhead/examples/custom_method.py"
-    assert (REPO / example).read_text().rstrip("\n") in (REPO / "README.md").read_text()
+    assert (REPO / example).read_text().rstrip("\n") in (REPO / "docs" / "extending.md").read_text()
     out = run_example_with_plugin(
         example, "fedhead.examples.custom_method", tiny_store, tmp_path, ["--aggregate", "fedexp"], "ova2-fedexp"
     )

@@ -265,13 +265,13 @@ def test_ill_conditioned_solve_is_one_line(tmp_path):
 
 
 def test_readme_example_runs_as_written(tiny_store, tmp_path):
-    """The README's example file, executed as a user would, and its head through the CLI via FEDHEAD_PLUGINS."""
+    """The example file of docs/extending.md, executed as a user would, and its head through the CLI via FEDHEAD_PLUGINS."""
     from conftest import run_example_with_plugin
 
     example = "fedhead/examples/custom_head.py"
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "extending.md").read_text()
     assert example in readme
-    assert (REPO / example).read_text().rstrip("\n") in readme  # the README shows this very file
+    assert (REPO / example).read_text().rstrip("\n") in readme  # the docs show this very file
     out = run_example_with_plugin(
         example, "fedhead.examples.custom_head", tiny_store, tmp_path, ["--head", "smooth-softmax"], "smooth+ridge"
     )

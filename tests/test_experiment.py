@@ -29,8 +29,9 @@ from fedhead.federation.experiment import (
     REQUIRED,
     Names,
     Pair,
+    field_names,
 )
-from fedhead.infra.errors import FedheadError, Interval, OneOf
+from fedhead.infra.errors import FedheadError, Interval, OneOf, cli_names, python_spelling
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[1]
@@ -389,7 +390,9 @@ def test_every_declared_constraint_refuses_an_out_of_range_value(f, tmp_path):
     bad = _bad_value(f)
     value = [bad] if f.name == "seeds" else bad
     kw = {"features": "x.h5", **_context(f), f.name: value}
-    with pytest.raises(FedheadError, match=f"'{f.flag}'"):
+    with cli_names(), pytest.raises(FedheadError, match=f"'{f.flag}'"):  # a command names the flag
+        TrainConfig(**kw).resolved()
+    with pytest.raises(FedheadError, match=f"'{f.name}'"):  # Python names the field
         TrainConfig(**kw).resolved()
     # the same value in an experiment file is one line naming the key
     text = "\n".join(f"{k} = {json.dumps(list(v) if isinstance(v, tuple) else v)}" for k, v in kw.items())
@@ -419,7 +422,11 @@ def test_every_declared_constraint_refuses_an_out_of_range_value(f, tmp_path):
     ],
 )
 def test_a_given_option_that_does_not_apply_is_refused(kw, needle):
-    with pytest.raises(FedheadError, match=needle.replace("(", r"\(").replace("|", r"\|")):
+    with cli_names(), pytest.raises(FedheadError, match=needle.replace("(", r"\(").replace("|", r"\|")):
+        TrainConfig(features="x.h5", **kw).resolved()
+    python = python_spelling(needle, field_names())  # the same message, the fields named as Python names them
+    assert "--" not in python
+    with pytest.raises(FedheadError, match=python.replace("(", r"\(").replace("|", r"\|")):
         TrainConfig(features="x.h5", **kw).resolved()
 
 
@@ -475,7 +482,7 @@ def test_fedhead_run_takes_the_fields_as_keywords_and_refuses_another_transport(
     a = fedhead.run(**kw, out=tmp_path / "kw")
     b = fedhead.run(TrainConfig(**kw), out=tmp_path / "cfg")
     assert _summary_numbers(a.run_dir) == _summary_numbers(b.run_dir)
-    with pytest.raises(FedheadError, match="'--secure-aggregation' option applies to Flower runs only"):
+    with pytest.raises(FedheadError, match="'secure_aggregation' option applies to Flower runs only"):
         fedhead.run(**{**kw, "clients": 6}, secure_aggregation=True, out=tmp_path / "sec")
     with pytest.raises(TypeError):
         fedhead.run(TrainConfig(**kw), rounds=2)

@@ -363,12 +363,12 @@ def test_unknown_name_lists_choices():
     assert all(n in str(exc.value) for n in SERVER_OPTS)
 
 
-# ------------------------------------------------------------------ 6. a user's stateful server update (README)
+# ------------------------------------------------------------------ 6. a user's stateful server update (docs)
 
 
 @pytest.fixture
 def fedams():
-    """The README example's server optimiser, registered for one test (the registry is process-wide)."""
+    """The docs' example server optimiser (docs/extending.md), registered for one test (the registry is process-wide)."""
     import importlib
 
     from fedhead.core.serveropt import SERVER_OPTIMIZERS
@@ -422,7 +422,7 @@ def test_user_server_optimizer_resumes_with_its_state(fedams, tiny_store, tmp_pa
 
 
 def test_readme_server_example_runs_as_written(tiny_store, tmp_path):
-    """The README's server-optimiser example, executed as a user would, then through the CLI and bench baselines
+    """The server-optimiser example of docs/extending.md, executed as a user would, then through the CLI and bench baselines
     with FEDHEAD_PLUGINS."""
     from pathlib import Path
 
@@ -430,7 +430,7 @@ def test_readme_server_example_runs_as_written(tiny_store, tmp_path):
 
     repo = Path(__file__).resolve().parents[1]
     example = "fedhead/examples/custom_server.py"
-    assert (repo / example).read_text().rstrip("\n") in (repo / "README.md").read_text()
+    assert (repo / example).read_text().rstrip("\n") in (repo / "docs" / "extending.md").read_text()
     out = run_example_with_plugin(
         example, "fedhead.examples.custom_server", tiny_store, tmp_path, ["--server-opt", "fedams"], "ova2-fedams"
     )

@@ -296,5 +296,5 @@ def test_fast_recipe_uses_local_steps_unless_epochs_given():
     assert (own.local_steps, own.local_epochs) == (None, 2)
     default = TrainConfig(features="x.h5").resolved()
     assert (default.local_steps, default.local_epochs) == (None, 3)
-    with pytest.raises(FedheadError, match="--local-steps.*--local-epochs"):
+    with pytest.raises(FedheadError, match="'local_steps'.*'local_epochs'"):
         TrainConfig(features="x.h5", local_steps=5, local_epochs=2).resolved()

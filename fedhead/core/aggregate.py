@@ -11,9 +11,9 @@ aggregation can compute without seeing one client's message.
   ``c`` locally); a row nobody trained keeps its previous value; message ``holds_k * W_k`` (row-wise).
 - ``dp-fedavg`` (DP-FedAvg, McMahan et al. 2018; what a run uses with ``--dp-noise-multiplier``): message the
   update ``W_k - theta`` clipped to L2 norm ``--dp-clip S``; the server adds ``N(0, (z S)^2 I)`` to the sum, keyed
-  by (seed, round), and divides by the number of clients sampled that round (README "Differential privacy").
+  by (seed, round), and divides by the number of clients sampled that round (docs/privacy.md).
 
-Users add rules with :func:`register_aggregator` (README "Your own head or method"); ``--aggregate NAME`` then
+Users add rules with :func:`register_aggregator` (docs/extending.md); ``--aggregate NAME`` then
 selects one in ``fedhead train``, every bench command and Flower. Besides the message's tensors the server knows
 each client's sample count and which classes it holds (both are also sent without any rule: Flower's
 ``num-examples`` and the ``holds`` flags), summed into :class:`Totals`. The bytes a client uploads per round are

@@ -1,4 +1,4 @@
-"""Differential privacy (README "Differential privacy"): the Gaussian mechanism on what the server sums, and the
+"""Differential privacy (docs/privacy.md): the Gaussian mechanism on what the server sums, and the
 accountant that turns a run's configuration into epsilon at ``--dp-delta``.
 
 DP is on when ``--dp-noise-multiplier z`` is given (with ``--dp-clip S`` and ``--dp-delta``); every piece is one

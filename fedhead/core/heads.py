@@ -18,11 +18,14 @@ import torch.nn.functional as F
 
 from fedhead.core.plugins import load_plugins
 from fedhead.infra.errors import FedheadError, Interval, unknown_name
-from fedhead.infra.params import Param, resolve_params
+from fedhead.infra.params import Param, doc_line, resolve_params
 
 
 @dataclass
 class LossContext:
+    """What a head's loss may use besides logits and labels: the round, the classes each client holds and their
+    counts (FedRS, FedLC, FedABC), and one uniform number per sample (OvA-LP's ``positive_keep``)."""
+
     round: int  # 1-based round number
     present: torch.Tensor  # [K, C] bool
     counts: torch.Tensor  # [K, C] float
@@ -70,9 +73,13 @@ HEADS: dict[str, HeadSpec] = {}
 
 
 def register_head(name: str, *params: Param):
+    """A class decorator: register a :class:`Head` subclass as the head ``name`` with its declared parameters
+    (``--head NAME`` and its flags, ``TrainConfig(head=NAME, ...)``, every bench command and Flower). The first
+    paragraph of the class's docstring, if it has one, describes it in the documentation."""
+
     def deco(cls):
         cls.name = name
-        HEADS[name] = HeadSpec(name, cls, list(params), (cls.__doc__ or "").strip().splitlines()[0])
+        HEADS[name] = HeadSpec(name, cls, list(params), doc_line(cls))
         return cls
 
     return deco

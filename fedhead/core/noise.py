@@ -101,6 +101,7 @@ def asymmetric_map(dataset: str, num_classes: int, rule: str = "auto") -> np.nda
 
 @register_noise("none")
 def _none(labels, rate, num_classes, rng, amap):
+    """No label noise: every label stays as it is."""
     return labels.copy()
 
 

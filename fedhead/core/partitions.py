@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fedhead.infra.errors import FedheadError, Interval, OneOf, param_error, unknown_name, validate
-from fedhead.infra.params import Param  # the declared-parameter record shared with the head registry
+from fedhead.infra.params import Param, doc_line  # the declared-parameter record shared with the head registry
 
 __all__ = [
     "PARTITIONS",
@@ -55,9 +55,8 @@ def register_partition(name: str, *params: Param, needs_features: bool = False) 
     def deco(fn: Callable) -> Callable:
         if name in PARTITIONS:
             raise ValueError(f"partition {name!r} registered twice")
-        doc = (fn.__doc__ or "").strip().splitlines()
         PARTITIONS[name] = PartitionSpec(
-            name=name, fn=fn, params=list(params), needs_features=needs_features, doc=doc[0] if doc else ""
+            name=name, fn=fn, params=list(params), needs_features=needs_features, doc=doc_line(fn)
         )
         return fn
 

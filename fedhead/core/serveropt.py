@@ -193,6 +193,8 @@ class FedAvg(ServerOptimizer):
 
 @register_server_optimizer("fedavgm")
 class FedAvgM(ServerOptimizer):
+    """FedAvgM (Hsu et al. 2019): server momentum on the aggregate's step, Flower 1.41's rule."""
+
     defaults = {"lr": 1.0, "momentum": 0.0}
     state_keys = ("momentum",)
 
@@ -222,6 +224,8 @@ class _FedOpt(ServerOptimizer):
 
 @register_server_optimizer("fedadam")
 class FedAdam(_FedOpt):
+    """FedAdam (Reddi et al. 2021): Adam on the server, bias-corrected as Flower 1.41's."""
+
     defaults = {"lr": 1e-1, "betas": (0.9, 0.99), "tau": 1e-3}
 
     def update(self, x, a):
@@ -234,6 +238,8 @@ class FedAdam(_FedOpt):
 
 @register_server_optimizer("fedyogi")
 class FedYogi(_FedOpt):
+    """FedYogi (Reddi et al. 2021): Yogi's additive second-moment update on the server, Flower 1.41's rule."""
+
     defaults = {"lr": 1e-2, "betas": (0.9, 0.99), "tau": 1e-3}
 
     def update(self, x, a):
@@ -246,6 +252,8 @@ class FedYogi(_FedOpt):
 
 @register_server_optimizer("fedadagrad")
 class FedAdagrad(_FedOpt):
+    """FedAdagrad (Reddi et al. 2021): Adagrad on the server, Flower 1.41's rule."""
+
     defaults = {"lr": 1e-1, "tau": 1e-3}
 
     def update(self, x, a):

@@ -1,4 +1,4 @@
-"""A head of one's own, run through fedhead without editing it (README "Your own head or method")."""
+"""A head of one's own, run through fedhead without editing it (docs/extending.md)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""An aggregation rule of one's own, run through fedhead without editing it (README "Your own head or method")."""
+"""An aggregation rule of one's own, run through fedhead without editing it (docs/extending.md)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""A server update of one's own that keeps state across rounds (README "Your own head or method")."""
+"""A server update of one's own that keeps state across rounds (docs/extending.md)."""
 
 import sys
 

@@ -7,10 +7,11 @@ from pathlib import Path
 
 from extract.store import Features
 from fedhead.federation.config import TrainConfig, load_experiment
-from fedhead.federation.experiment import check_transport
+from fedhead.federation.experiment import check_transport, python_api
 from fedhead.federation.train import RunResult, run_training, validate_method
 
 
+@python_api
 def run(
     cfg: TrainConfig | None = None,
     out: str | Path | None = None,
@@ -26,7 +27,8 @@ def run(
 
     The experiment is ``cfg``, or the TrainConfig fields given as keywords (``run(features="s.h5", head="ova2",
     partition="dirichlet", alpha=0.1, rounds=20)``: the names of ``fedhead train``'s flags with ``_`` for ``-``),
-    or the experiment file ``config`` with those keywords on top (as flags override ``--config``)."""
+    or the experiment file ``config`` with those keywords on top (as flags override ``--config``). Bad input raises
+    :class:`~fedhead.infra.errors.FedheadError`, one line naming the field (``The 'lr' parameter must be ...``)."""
     if cfg is None:
         cfg = TrainConfig(**{**(load_experiment(config) if config is not None else {}), **fields})
     elif fields or config is not None:

@@ -43,8 +43,9 @@ from fedhead.federation.experiment import (
     only_applicable,
     parse_pair,
     parse_seeds,
+    python_api,
 )
-from fedhead.infra.errors import FedheadError
+from fedhead.infra.errors import FedheadError, python_spelling
 
 try:
     import tomllib
@@ -147,6 +148,7 @@ class _Config:
 
     # ------------------------------------------------------------ resolution
 
+    @python_api
     def resolved(self) -> "TrainConfig":
         """A copy with the recipe applied to every field left as None, validated against the declared constraints,
         and checked by the one rule for fields that do not apply (:func:`~fedhead.federation.experiment.check_given`)."""
@@ -227,6 +229,7 @@ class _Config:
     # ------------------------------------------------------------ the experiment file
 
     @classmethod
+    @python_api
     def from_toml(cls, path: str | Path, **overrides) -> "TrainConfig":
         """The experiment in the TOML file ``path``, with ``overrides`` (field -> value) on top."""
         return cls(**{**load_experiment(path), **overrides})
@@ -269,13 +272,37 @@ TrainConfig = dataclasses.make_dataclass(
     + [("plugin_params", dict, dataclasses.field(default_factory=dict))],
     bases=(_Config,),
     init=False,
-    namespace={
-        "__module__": __name__,
-        "__doc__": "A training run: one field per entry of fedhead.federation.experiment.FIELDS (name, type, "
-        "default, help), plus plugin_params (parameters of plugins' heads and partitions). "
-        "TrainConfig(features=..., head=..., ...); resolved() fills the recipe and validates.",
-    },
+    namespace={"__module__": __name__},
 )
+
+
+def _type_name(f) -> str:
+    name = {list: "list[int]", tuple: "tuple[float, float]"}.get(f.type, f.type.__name__)
+    return name if f.required or f.default is not None else f"{name} | None"
+
+
+def _docstring() -> str:
+    """TrainConfig's docstring, made from the experiment table: one entry per field, its help text and default
+    (what ``help(TrainConfig)`` and the API reference show; Google style, so mkdocstrings lists the fields)."""
+    lines = [
+        "A training run, as ``fedhead train`` takes it: ``TrainConfig(features=..., head=..., ...)``.",
+        "",
+        "One field per entry of the experiment table (``fedhead.federation.experiment.FIELDS``); a field's flag is",
+        "``--`` + its name with ``-`` for ``_``, its TOML key the name. ``None`` means the recipe's value (or the head's",
+        "or partition's own default). ``resolved()`` fills the recipe in and validates; ``fedhead.run(cfg)`` runs it.",
+        "",
+        "Attributes:",
+    ]
+    for f in FIELD_LIST:
+        default = "required" if f.required else f"default: {f.shown_default()}"
+        unit = f" ({f.unit})" if f.unit else ""
+        text = python_spelling(f"{f.help}{unit} [{default}]", FIELDS)  # '--init' -> 'init', as Python names it
+        lines.append(f"    {f.name} ({_type_name(f)}): {text}.")
+    lines.append("    plugin_params (dict): parameters of a plugin's head or partition, e.g. ``{'smoothing': 0.1}``.")
+    return "\n".join(lines) + "\n"
+
+
+TrainConfig.__doc__ = _docstring()
 
 
 def _signature(cls) -> inspect.Signature:

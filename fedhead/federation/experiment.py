@@ -40,7 +40,7 @@ from fedhead.core.partitions import PARTITIONS
 from fedhead.core.plugins import load_plugins
 from fedhead.core.serveropt import SERVER_OPTIMIZERS, server_optimizer_names
 from fedhead.federation.tracking import TRACKERS
-from fedhead.infra.errors import FedheadError, Interval, OneOf, unknown_name, validate
+from fedhead.infra.errors import FedheadError, Interval, OneOf, python_names, unknown_name, validate
 from fedhead.infra.params import Param
 
 PAPER_SEEDS = (0, 42, 777, 1337, 15254)
@@ -48,10 +48,10 @@ LOCAL_EPOCHS = 3  # when neither --local-epochs nor --local-steps (nor a recipe)
 SECURE_MIN_CLIENTS = 3  # fewest clients per round --secure-aggregation accepts (config check)
 
 # Recipes fill every field left as None. "paper" is the OvA-LP paper's setting to the letter (for reproduction);
-# "default" is the one that measured robust across heads, partitions and class counts (README, "Choosing the
+# "default" is the one that measured robust across heads, partitions and class counts (docs/results.md, "Choosing the
 # default recipe"); "fast": the default recipe from a closed-form start, softmax head, 30 local steps a round
-# whatever a client's size: Fed3R+FT (README "Baselines"); an explicit --head keeps the ridge start, a closed-form
-# head ignores it; an explicit --local-epochs replaces the 30 steps.
+# whatever a client's size: Fed3R+FT (docs/heads-methods-partitions.md, "Baselines"); an explicit --head keeps the
+# ridge start, a closed-form head ignores it; an explicit --local-epochs replaces the 30 steps.
 _DEFAULT_RECIPE = dict(
     head="ova2",
     optimizer="sgd",
@@ -753,6 +753,16 @@ RUN_OPTIONS: dict[str, Field] = {
         ),
     )
 }
+
+
+def field_names() -> set[str]:
+    """Every field's name, and every parameter of a registered head or partition (a plugin's too)."""
+    return set(FIELDS) | {p.name for registry in (HEADS, PARTITIONS) for spec in registry.values() for p in spec.params}
+
+
+# The entry points of the Python API (fedhead.run, TrainConfig.resolved, TrainConfig.from_toml) name fields in their
+# errors as Python does ('lr'), the CLI as flags ('--lr'): one message, two spellings (fedhead.infra.errors).
+python_api = python_names(field_names)
 
 
 # ---------------------------------------------------------------- values

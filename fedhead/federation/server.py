@@ -17,7 +17,8 @@ from fedhead.federation.clients import FeatureStats
 from fedhead.federation.config import TrainConfig
 from fedhead.infra.errors import FedheadError
 
-INIT_SCALE = {"ncm": 1.0, "ridge": 10.0, "cof": 1.0, "lda": 1.0}  # measured, see README "Baselines"
+# measured, see docs/heads-methods-partitions.md "Baselines"
+INIT_SCALE = {"ncm": 1.0, "ridge": 10.0, "cof": 1.0, "lda": 1.0}
 
 
 def solve_statistics(

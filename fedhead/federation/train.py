@@ -36,6 +36,9 @@ RANDOMNESS = "numpy default_rng keyed by (seed, round[, client, epoch]); no glob
 
 @dataclass
 class RunResult:
+    """What :func:`fedhead.run` returns: the run directory, ``summary`` (summary.json) and ``rows`` (rounds.csv, one
+    dict per evaluated round)."""
+
     run_dir: Path
     summary: dict
     rows: list[dict]

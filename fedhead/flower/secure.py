@@ -3,7 +3,7 @@
 With ``--secure-aggregation`` the server learns only the SUM over a round's clients of what they send: the
 aggregation rule's message in every training round (plus the sample count, class holds, loss, compute time and
 SCAFFOLD's variate delta), the feature statistics of ``--center``/``--scale rms`` (with the class counts and the
-flipped labels), the closed-form statistics of ncm/ridge/cof/lda and ``--init``, and CCVR's class moments. README
+flipped labels), the closed-form statistics of ncm/ridge/cof/lda and ``--init``, and CCVR's class moments. DEPLOY.md
 "Secure aggregation" has the threat model and what is still revealed.
 
 How SecAgg+ is driven. The protocol is Flower's, untouched: the server runs the four stages of

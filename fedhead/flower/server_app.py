@@ -19,6 +19,7 @@ from fedhead.federation.config import TrainConfig  # noqa: E402
 from fedhead.federation.experiment import RUN_OPTIONS
 from fedhead.flower.common import canonical_run_config, config_from_run_config  # noqa: E402
 from fedhead.flower.strategy import FedheadStrategy, RunOutcome, ServerSettings, validate_server_config  # noqa: E402
+from fedhead.infra.errors import cli_names  # noqa: E402
 
 
 def settings_from_run_config(rc: dict) -> ServerSettings:
@@ -34,10 +35,12 @@ def settings_from_run_config(rc: dict) -> ServerSettings:
 
 
 def run_server(grid: Grid, cfg: TrainConfig, settings: ServerSettings, store: Features | None = None) -> RunOutcome:
-    """Validate ``cfg`` against the server's store (loaded here unless given) and run the strategy."""
-    store = store if store is not None else load_store(cfg.features, param="features")
-    cfg = validate_server_config(cfg, store)
-    return FedheadStrategy(cfg, store, settings).start(grid)
+    """Validate ``cfg`` against the server's store (loaded here unless given) and run the strategy. Its errors name
+    the options as fedhead's commands do (``--calibrate``; the run-config key is the flag without ``--``)."""
+    with cli_names():
+        store = store if store is not None else load_store(cfg.features, param="features")
+        cfg = validate_server_config(cfg, store)
+        return FedheadStrategy(cfg, store, settings).start(grid)
 
 
 def make_server_app(

@@ -4,10 +4,14 @@ declared constraints (:class:`Interval`, :class:`OneOf`) that produce them. How 
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import math
+import re
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 # a write that failed for want of space: no space, file too large (RLIMIT_FSIZE), quota
 SPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
@@ -20,8 +24,71 @@ class FedheadError(Exception):
     prefix = "error: "  # printed before the message (fedhead.infra.signals.Interrupted prints none)
 
 
+# ---------------------------------------------------------------- how a message names a parameter
+# A message is written once, naming parameters as the command line does ('--local-epochs', '--no-center'). The
+# Python API (fedhead.run, TrainConfig) names them by their fields ('local_epochs', 'center=False'): its entry points
+# are decorated with python_names, which re-spells the message of a FedheadError leaving them, unless a command of
+# the CLI is running (every command runs inside cli_names, where the flags are the names).
+
+_SURFACE: ContextVar[str] = ContextVar("fedhead_surface", default="python")
+_FLAG = re.compile(r"(?<![\w-])--(no-)?([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
+
+
+@contextlib.contextmanager
+def cli_names() -> Iterator[None]:
+    """Messages raised inside name parameters by their flags (a command of the CLI is running)."""
+    token = _SURFACE.set("cli")
+    try:
+        yield
+    finally:
+        _SURFACE.reset(token)
+
+
+def enter_cli_names() -> Callable[[], None]:
+    """:func:`cli_names` without a ``with`` block (a click group's callback); returns the function that leaves it."""
+    token = _SURFACE.set("cli")
+    return lambda: _SURFACE.reset(token)
+
+
+def python_spelling(message: str, names: Iterable[str]) -> str:
+    """``message`` with the flags of the fields ``names`` as Python names them: ``--local-epochs`` becomes
+    ``local_epochs``, ``--no-center`` becomes ``center=False`` (the spelling rule, flag = ``--`` + the name with
+    ``-`` for ``_``, read backwards). Other flags (``--print-config``) are left as they are."""
+    known = set(names)
+
+    def spell(m: re.Match) -> str:
+        negated, name = m.group(1), m.group(2).replace("-", "_")
+        if negated and "no_" + name in known:
+            return "no_" + name
+        if name not in known:
+            return m.group(0)
+        return f"{name}=False" if negated else name
+
+    return _FLAG.sub(spell, message)
+
+
+def python_names(names: Callable[[], Iterable[str]]) -> Callable[[Callable], Callable]:
+    """Decorate an entry point of the Python API: a :class:`FedheadError` leaving it names the fields ``names()``
+    by their Python names (:func:`python_spelling`), unless it runs inside a command of the CLI."""
+
+    def deco(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except FedheadError as exc:
+                if _SURFACE.get() != "cli" and exc.args and isinstance(exc.args[0], str):
+                    exc.args = (python_spelling(exc.args[0], names()), *exc.args[1:])
+                raise
+
+        return wrapper
+
+    return deco
+
+
 def param_error(param: str, value: Any, constraint: str, fix: str | None = None) -> FedheadError:
-    """The one message template: "The '--alpha' parameter must be > 0. Got 0 instead. <fix>"."""
+    """The one message template: "The '--alpha' parameter must be > 0. Got 0 instead. <fix>" (in Python: "The
+    'alpha' parameter ...", see :func:`python_names`)."""
     msg = f"The '{param}' parameter {constraint}. Got {value!r} instead."
     if fix:
         msg += f" {fix}"

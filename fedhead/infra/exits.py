@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Callable
 
-from fedhead.infra.errors import SPACE_ERRNOS, FedheadError
+from fedhead.infra.errors import SPACE_ERRNOS, FedheadError, cli_names
 from fedhead.infra.signals import signals_raise
 
 
@@ -48,12 +48,13 @@ def report(exc: BaseException) -> int:
 
 
 def cli_errors(fn: Callable) -> Callable:
-    """Decorate a typer command: map exceptions to one line and an exit code."""
+    """Decorate a typer command: map exceptions to one line and an exit code; messages name the flags
+    (:func:`~fedhead.infra.errors.cli_names`)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            with signals_raise():  # SIGINT/SIGTERM -> Interrupted: exit 130/143 with one line
+            with signals_raise(), cli_names():  # SIGINT/SIGTERM -> Interrupted: exit 130/143 with one line
                 return fn(*args, **kwargs)
         except SystemExit:
             raise

@@ -21,6 +21,13 @@ class Param:
         return self.flag or "--" + self.name.replace("_", "-")
 
 
+def doc_line(obj: Any) -> str:
+    """The first paragraph of ``obj``'s docstring as one line, or "" when it has none (a user's head or partition
+    may have none)."""
+    paragraph = (getattr(obj, "__doc__", None) or "").strip().split("\n\n")[0]
+    return " ".join(paragraph.split())
+
+
 def resolve_params(params: list[Param], given: dict[str, Any], owner: str) -> dict[str, Any]:
     """Fill defaults for missing/None values and validate each against its declared constraint."""
     out = {}
