@@ -218,7 +218,7 @@ def test_missing_extra_and_log_dir_without_log_are_one_line(tiny_store, tmp_path
     with pytest.raises(FedheadError, match=r"pip install 'fedhead\[tensorboard\]'"):
         train(tiny_store, tmp_path / "a", log="tensorboard")
     assert not (tmp_path / "a").exists()  # refused before the run starts
-    with pytest.raises(FedheadError, match="'--log-dir' option does not apply to --log none"):
+    with pytest.raises(FedheadError, match="'log_dir' option does not apply to log none"):
         train(tiny_store, tmp_path / "b", log_dir=str(tmp_path / "x"))
     res = runner.invoke(cli.app, ["train", "--features", str(tiny_store), "--log", "wandb", "--out", str(tmp_path)])
     assert res.exit_code != 0 and "'--log' parameter" in res.output and len(res.output.strip().splitlines()) == 1
