@@ -99,7 +99,8 @@ def write_curves(
         ax.grid(alpha=0.3)
         if ylim:
             ax.set_ylim(*ylim)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a panel with nothing labelled (a one-row run) gets no legend
+            ax.legend(fontsize=7)
     if ylabel:
         axes[0][0].set_ylabel(ylabel)
     if title:
