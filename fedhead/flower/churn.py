@@ -6,7 +6,10 @@ flower supernode`` per client, each with its own share of a synthetic store, on 
 each round the bench SIGKILLs the sessions of ``--churn`` x N nodes drawn at random (a machine that loses power: no
 handler runs), and starts again the nodes it killed after the round before (a machine that comes back: the node
 registers anew and the server learns its partition id again). After round ``--kill-server-at`` it SIGKILLs the
-SuperLink's session (the server, its ServerApp and the Flower run) and starts the same command with ``--resume``.
+SuperLink's session (the server, its ServerApp and the Flower run) and starts the same command with ``--resume``; the
+SuperLink keeps its state in memory, so the nodes find their registration gone and exit, and the bench starts them
+again as a supervisor would (counted as node exits). (A SuperLink ``--database`` would keep the registrations, but
+its SQLite file refused concurrent writes from 20 nodes on 2 cores: "database is locked", replies lost.)
 The server keeps a checkpoint after every round, so the resumed run goes on from the last round it wrote; a node
 that is down when its message arrives is a failure of that round (``--round-timeout``), which the run tolerates.
 
@@ -64,8 +67,7 @@ class Churn:
         env.pop("FEDHEAD_FLOWER_CRASH", None)
         (out / "logs").mkdir(parents=True, exist_ok=True)
         self.d = Deployment(out / "logs", env)
-        self.db = out / "superlink.db"  # the SuperLink's state (the nodes it knows) survives its restart
-        self.kills = self.restarts = self.server_kills = 0
+        self.kills = self.restarts = self.server_kills = self.exits = 0
         self.down: list[int] = []
         self.peak_kb = [0] * nodes
         self.round_end: dict[int, float] = {}
@@ -78,8 +80,7 @@ class Churn:
         return [
             "flower", "superlink", "--insecure", "--host", "127.0.0.1", "--port", str(self.link),
             *_train_args(self.server, self.nodes, self.rounds, self.local_epochs), "--out", str(self.out / "run"),
-            "--wait-timeout", "300", "--round-timeout", str(self.round_timeout), "--database", str(self.db),
-            *(["--resume"] if resume else []),
+            "--wait-timeout", "300", "--round-timeout", str(self.round_timeout), *(["--resume"] if resume else []),
         ]  # fmt: skip
 
     def start(self, server: Path, stores: list[Path]) -> None:
@@ -89,6 +90,15 @@ class Churn:
             self.d.start(f"node{i}", self.node_argv(i))
         self.d.start("superlink", self.link_argv(resume=False))
         self.t0 = time.monotonic()
+
+    def _supervise(self) -> None:
+        """Restart a node that exited on its own, as a supervisor (systemd, Kubernetes) would: after the SuperLink
+        restarts with its state in memory, Flower's nodes find their registration gone (401) and exit."""
+        for i in range(self.nodes):
+            p = self.d.procs.get(f"node{i}")
+            if i not in self.down and p is not None and p.poll() is not None:
+                self.d.start(f"node{i}", self.node_argv(i))
+                self.exits += 1
 
     def _sample_memory(self) -> None:
         for i in range(self.nodes):
@@ -120,6 +130,8 @@ class Churn:
         seen = 0
         while time.monotonic() - self.t0 < timeout:
             self._sample_memory()
+            if self.d.procs["superlink"].poll() is None:
+                self._supervise()
             rows = _rounds(self.out / "run" / "rounds.csv")
             done = max((int(r["round"]) for r in rows), default=0)
             while seen < done:
@@ -153,6 +165,7 @@ def _report(ch: Churn, code, sim: dict) -> dict:
         "deploy_node_kills": ch.kills,
         "deploy_node_restarts": ch.restarts,
         "deploy_server_kills": ch.server_kills,
+        "deploy_node_exits_restarted": ch.exits,
         "deploy_failed_messages": failed,
         "deploy_final_accuracy": float(rows[-1]["accuracy"]) if rows else None,
         "deploy_summary_rounds": summary.get("rounds"),
