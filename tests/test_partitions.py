@@ -322,3 +322,21 @@ def test_first_client_chance_exact():
     assert abs(chance - hits) < 0.03 and 0.3 < chance < 0.5
     assert partitions._first_client_chance(0.3, n_c, 1, 20) == 1.0  # one client holds everything
     assert partitions._first_client_chance(0.3, n_c, 30, 0) == 1.0  # no floor
+
+
+def test_kmeans_classes_no_larger_than_clients_are_not_clustered(monkeypatch):
+    """Every class at most K samples (10,000 clients of iNaturalist-Users-120k's shape): each sample its own cluster,
+    on its own client, and neither the projection nor k-means is computed."""
+    import sklearn.cluster
+    import sklearn.decomposition
+
+    def refuse(*a, **k):
+        raise AssertionError("not needed")
+
+    monkeypatch.setattr(sklearn.decomposition, "PCA", refuse)
+    monkeypatch.setattr(sklearn.cluster, "KMeans", refuse)
+    labels = np.repeat(np.arange(30), 8)
+    feats = np.random.default_rng(0).normal(size=(240, 100)).astype(np.float32)
+    parts = create_partition("kmeans", labels, 10, seed=0, features=feats)
+    cc = class_counts(parts, labels, 30)
+    assert cc.max() == 1 and np.all((cc > 0).sum(0) == 8)  # 8 samples of a class on 8 different clients

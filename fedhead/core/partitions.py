@@ -564,26 +564,32 @@ def kmeans(labels, num_clients, rng, features=None, *, max_iter=20, pca_dim=64):
     For speed the features are first reduced once to their top ``pca_dim`` principal components
     (randomized PCA over the whole training set; skipped when d <= pca_dim), then each class is
     clustered with sklearn KMeans (k-means++ init, one init, at most ``max_iter`` Lloyd iterations),
-    all seeded from ``rng``. Every index is used exactly once.
+    all seeded from ``rng``. A class with no more samples than clients is not clustered: each sample is its own
+    cluster (what k-means gives), so sample j goes to client pi(j); with every class that small (10,000 clients of
+    iNaturalist-Users-120k's shape) no projection is computed either. Every index is used exactly once.
     """
-    from sklearn.cluster import KMeans
-    from sklearn.decomposition import PCA
-
     k, n = num_clients, len(labels)
+    _, groups = _by_class(labels)
     feats = np.asarray(features).astype(np.float32, copy=False)
     if feats.shape[1] > pca_dim and n > pca_dim:
-        feats = PCA(
-            n_components=pca_dim, svd_solver="randomized", random_state=int(rng.integers(2**31 - 1))
-        ).fit_transform(feats)
+        state = int(rng.integers(2**31 - 1))
+        if any(idx.size > k for idx in groups):  # else no class is clustered: the projection would go unused
+            from sklearn.decomposition import PCA  # (scikit-learn takes seconds to import: only when used)
+
+            feats = PCA(n_components=pca_dim, svd_solver="randomized", random_state=state).fit_transform(feats)
     owner = np.empty(n, dtype=np.int64)
-    for idx in _by_class(labels)[1]:
+    for idx in groups:
         m = min(k, idx.size)
         pi = rng.permutation(k)[:m]
         if m == 1:
             owner[idx] = pi[0]
             continue
-        km = KMeans(
-            n_clusters=m, n_init=1, max_iter=max_iter, init="k-means++", random_state=int(rng.integers(2**31 - 1))
-        )
+        state = int(rng.integers(2**31 - 1))
+        if m == idx.size:  # as many clusters as samples: each sample is its own cluster, sample j to client pi(j)
+            owner[idx] = pi
+            continue
+        from sklearn.cluster import KMeans
+
+        km = KMeans(n_clusters=m, n_init=1, max_iter=max_iter, init="k-means++", random_state=state)
         owner[idx] = pi[km.fit_predict(feats[idx])]
     return _group_by_owner(owner, k)
