@@ -450,7 +450,8 @@ def _dirichlet_hopeless(under: int, draws: int, k: int, min_size: int, max_tries
 
     A draw succeeds only if every client meets the floor. The mean rate ``q`` of clients under it is bounded from
     below by the multiplicative Chernoff bound (the smallest ``q`` under which ``under`` or more happen with
-    probability above 1e-9; it holds for the negatively associated client sizes of a Dirichlet split), and
+    probability above 1e-9; it holds for negatively associated client sizes, as a Dirichlet split's are up to the
+    rounding of the cut), and
     ``(1 - q)^k`` bounds a draw's chance of success from above (negative association and the AM-GM inequality:
     the clients meet the floor together at most as often as independent clients at their mean rate)."""
     obs = draws * k
