@@ -79,6 +79,9 @@ def _validated(cfg: TrainConfig, store: Features | None) -> tuple[TrainConfig, F
     info = open_store(cfg.features)
     with h5py.File(info.path, "r") as f:
         y = np.asarray(f["train"]["labels"][()], dtype=np.int64)
+    if y.size and (y.min() < 0 or y.max() >= info.num_classes):  # load_store refuses them, naming the store's rows
+        store = load_store(cfg.features)
+        return validate_config(cfg, store), store
     cfg = validate_config(cfg, labels_store(y, info.class_names, info.dataset))
     return cfg, load_store(cfg.features)
 
