@@ -1,8 +1,11 @@
 """Partition contracts over every registered partition, plus per-partition statistics and errors."""
 
+import hashlib
+
 import numpy as np
 import pytest
 
+from fedhead.core import partitions
 from fedhead.core.partitions import (
     PARTITIONS,
     class_counts,
@@ -251,3 +254,89 @@ def test_class_counts_and_describe_exact():
     assert (d["size_min"], d["size_max"], d["size_mean"]) == (0, 4, 2.0)
     assert (d["classes_min"], d["classes_max"], d["classes_mean"]) == (0, 2, 4 / 3)
     assert d["empty_clients"] == 1 and d["samples_used"] == 6
+
+
+# ---------------------------------------------------------------- scale: the same draws, faster; hopeless floors
+
+
+def _digest(parts):
+    return hashlib.sha256(b"".join(np.asarray(p, np.int64).tobytes() + b"|" for p in parts)).hexdigest()[:16]
+
+
+@pytest.mark.parametrize(
+    "name,params,k,digest",
+    [  # digests of the partitions drawn before the faster algorithms (per-class passes, one rng call per draw)
+        ("dirichlet", dict(alpha=0.3, min_size=30), 20, "02f7f2e612bb7cdd"),  # redraws until the floor holds
+        ("dirichlet", dict(alpha=0.05, min_size=1), 20, "99a279d169461f97"),  # numpy's stick-breaking branch
+        ("dirichlet", dict(alpha=0.5, min_size=0), 600, "a3f2b3eccbf35bbb"),
+        ("shard", dict(shards_per_client=3, distinct_labels=True), 25, "95d90c4e1b30c4a6"),
+        ("bernoulli-dirichlet", dict(p=0.3), 20, "e836210ae165a5f5"),
+    ],
+)
+def test_draws_unchanged(data, name, params, k, digest):
+    assert _digest(make(name, data, k=k, **params)) == digest
+
+
+@pytest.mark.parametrize("name", ["dirichlet", "bernoulli-dirichlet"])
+def test_drawn_in_blocks_same_as_at_once(data, monkeypatch, name):
+    """The blocks of classes (dirichlet) or clients (bernoulli-dirichlet) continue one random stream."""
+    whole = make(name, data, k=50, min_size=0) if name == "dirichlet" else make(name, data, k=50)
+    monkeypatch.setattr(partitions, "_DRAW_BYTES", 8 * 50 * 3)  # 3 classes (dirichlet), 15 clients per block
+    blocks = make(name, data, k=50, min_size=0) if name == "dirichlet" else make(name, data, k=50)
+    assert all(np.array_equal(a, b) for a, b in zip(whole, blocks))
+
+
+def _count_draws(monkeypatch) -> list:
+    calls = []
+    draw = partitions._dirichlet_draw
+    monkeypatch.setattr(partitions, "_dirichlet_draw", lambda *a: calls.append(1) or draw(*a))
+    return calls
+
+
+def test_dirichlet_hopeless_floor_refused_before_drawing(monkeypatch):
+    """10,000 clients of 12 samples with --min-size 10 (the issue's shape, 120 samples per class): client 0's exact
+    chance rules it out before a single draw."""
+    calls = _count_draws(monkeypatch)
+    labels = np.repeat(np.arange(1000), 120)
+    with pytest.raises(FedheadError, match="'--min-size'.*client 0.*below 1e-") as exc:
+        create_partition("dirichlet", labels, 10_000, seed=0, alpha=0.5, min_size=10)
+    assert calls == [] and "\n" not in str(exc.value) and "--alpha" in str(exc.value)
+
+
+def test_dirichlet_hopeless_floor_refused_after_first_draws(monkeypatch):
+    """Client 0 alone could make it, but a third of the clients miss the floor in every draw: refused after the first
+    draw, naming the rate, with a floor this seed meets."""
+    calls = _count_draws(monkeypatch)
+    labels = np.repeat(np.arange(20), 100)
+    with pytest.raises(FedheadError, match=r"first draw, 73 of 200 clients a draw \(36%\).*--min-size 0") as exc:
+        create_partition("dirichlet", labels, 200, seed=0, alpha=0.05, min_size=5)
+    assert len(calls) == 1 and "\n" not in str(exc.value)
+
+
+def test_first_client_chance_exact():
+    """Client 0's chance of the floor, computed, against 4000 draws (binomial sd 0.008)."""
+    n_c = np.array([50] * 10 + [37] * 5 + [8] * 5)
+    chance = partitions._first_client_chance(0.3, n_c, 30, 20)
+    rng = np.random.default_rng(1)
+    hits = np.mean([partitions._dirichlet_draw(rng, 0.3, n_c, 30)[0][0] >= 20 for _ in range(4000)])
+    assert abs(chance - hits) < 0.03 and 0.3 < chance < 0.5
+    assert partitions._first_client_chance(0.3, n_c, 1, 20) == 1.0  # one client holds everything
+    assert partitions._first_client_chance(0.3, n_c, 30, 0) == 1.0  # no floor
+
+
+def test_kmeans_classes_no_larger_than_clients_are_not_clustered(monkeypatch):
+    """Every class at most K samples (10,000 clients of iNaturalist-Users-120k's shape): each sample its own cluster,
+    on its own client, and neither the projection nor k-means is computed."""
+    import sklearn.cluster
+    import sklearn.decomposition
+
+    def refuse(*a, **k):
+        raise AssertionError("not needed")
+
+    monkeypatch.setattr(sklearn.decomposition, "PCA", refuse)
+    monkeypatch.setattr(sklearn.cluster, "KMeans", refuse)
+    labels = np.repeat(np.arange(30), 8)
+    feats = np.random.default_rng(0).normal(size=(240, 100)).astype(np.float32)
+    parts = create_partition("kmeans", labels, 10, seed=0, features=feats)
+    cc = class_counts(parts, labels, 30)
+    assert cc.max() == 1 and np.all((cc > 0).sum(0) == 8)  # 8 samples of a class on 8 different clients

@@ -32,6 +32,7 @@ import torch
 
 from fedhead.core.closedform import is_closed_form
 from fedhead.core.linalg import psd_part
+from fedhead.core.sampling import per_round
 from fedhead.infra.errors import FedheadError, Interval, validate
 
 INSTALL_HINT = "pip install 'fedhead[dp]'"
@@ -284,8 +285,7 @@ def _quiet_absl():
 def sampling_rate(cfg) -> float:
     """``q = m / K``: the clients fedhead samples per round (without replacement, ``m`` fixed), modelled as Poisson
     sampling at the same rate, as Flower's and TensorFlow Federated's DP documentation do."""
-    m = max(1, int(round(cfg.participation * cfg.clients)))
-    return min(m, cfg.clients) / cfg.clients
+    return per_round(cfg) / cfg.clients
 
 
 def dp_event_of(q: float, z: float):

@@ -14,10 +14,12 @@ partition's docstring says otherwise, every training index is used exactly once.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+from scipy.special import betainc
 
 from fedhead.infra.errors import FedheadError, Interval, OneOf, param_error, unknown_name, validate
 from fedhead.infra.params import Param, doc_line  # the declared-parameter record shared with the head registry
@@ -173,10 +175,15 @@ def _check_contract(name: str, parts: list[np.ndarray], n: int, k: int) -> None:
 def class_counts(parts: list[np.ndarray], labels: np.ndarray, num_classes: int) -> np.ndarray:
     """Per-client class counts, shape [K, C], int64."""
     labels = np.asarray(labels)
-    out = np.zeros((len(parts), num_classes), dtype=np.int64)
-    for k, p in enumerate(parts):
-        out[k] = np.bincount(labels[np.asarray(p, dtype=np.int64)], minlength=num_classes)[:num_classes]
-    return out
+    k = len(parts)
+    if k == 0:
+        return np.zeros((0, num_classes), dtype=np.int64)
+    idx = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+    owner = np.repeat(np.arange(k), [len(p) for p in parts])
+    y = labels[idx].astype(np.int64)
+    keep = y < num_classes
+    flat = np.bincount(owner[keep] * num_classes + y[keep], minlength=k * num_classes)  # one pass, not one a client
+    return flat.reshape(k, num_classes)
 
 
 def describe_partition(parts: list[np.ndarray], labels: np.ndarray, num_classes: int) -> dict:
@@ -210,10 +217,17 @@ def _group_by_owner(owner: np.ndarray, num_clients: int) -> list[np.ndarray]:
     return np.split(idx[order], np.cumsum(counts)[:-1])
 
 
+def _by_class(labels: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Present classes and, for each, its sample indices ascending (one sort, not a pass over the labels per
+    class)."""
+    classes, sizes = np.unique(labels, return_counts=True)
+    return classes, np.split(np.argsort(labels, kind="stable"), np.cumsum(sizes)[:-1])
+
+
 def _class_indices(labels: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, list[np.ndarray]]:
     """Present classes and, for each, its sample indices in a seeded random order."""
-    classes = np.unique(labels)
-    return classes, [rng.permutation(np.flatnonzero(labels == c)) for c in classes]
+    classes, groups = _by_class(labels)
+    return classes, [rng.permutation(g) for g in groups]
 
 
 # ---------------------------------------------------------------- partitions
@@ -263,13 +277,14 @@ def shard(labels, num_clients, rng, features=None, *, shards_per_client, distinc
             )
         order = rng.permutation(c)  # position i of the cycle holds class order[i]
         owner = np.full(n, -1, dtype=np.int64)
-        for i in range(c):
-            holders = [kk for kk in range(k) if (i - kk) % c < s]
-            if not holders:
-                continue
-            idx = groups[order[i]]
-            for kk, part in zip(holders, np.array_split(idx, len(holders))):
-                owner[part] = kk
+        # client kk holds positions (kk + j) mod c, j < s: the holders of each position, ascending
+        pos = (np.arange(k)[:, None] + np.arange(s)[None]).reshape(-1) % c
+        held = np.repeat(np.arange(k), s)[np.argsort(pos, kind="stable")]
+        for i, holders in enumerate(np.split(held, np.cumsum(np.bincount(pos, minlength=c))[:-1])):
+            if len(holders):
+                idx = groups[order[i]]
+                big, h = divmod(len(idx), len(holders))  # np.array_split's sizes: h parts of big + 1, then big
+                owner[idx] = np.repeat(holders, np.r_[np.full(h, big + 1), np.full(len(holders) - h, big)])
         return _group_by_owner(owner, k)
     if k * s > n:
         raise param_error(
@@ -305,7 +320,11 @@ def shard(labels, num_clients, rng, features=None, *, shards_per_client, distinc
 def dirichlet(labels, num_clients, rng, features=None, *, alpha, min_size, max_tries=1000):
     """Per class, proportions ~ Dir(alpha*1_K) cut the shuffled class indices; redraw until min_size holds.
 
-    Every index is used exactly once. Gives up after ``max_tries`` draws with a one-line error.
+    Every index is used exactly once. A draw is made a block of classes at a time (the same random stream as
+    one ``rng.dirichlet`` call over all classes, in bounded memory). A floor that the draws would meet less than
+    once in a million tries is refused in one line with the numbers that make it so: before drawing, from client
+    0's exact chance (:func:`_first_client_chance`), and after each draw that misses it, from the rate of clients
+    under it so far (:func:`_dirichlet_hopeless`). Gives up after ``max_tries`` draws otherwise.
     """
     k, n = num_clients, len(labels)
     if k * min_size > n:
@@ -315,15 +334,34 @@ def dirichlet(labels, num_clients, rng, features=None, *, alpha, min_size, max_t
             f"must be <= samples per client ({n} // {k} = {n // k})",
             "Use a smaller --min-size or fewer --clients.",
         )
-    classes = np.unique(labels)
-    n_c = np.array([(labels == c).sum() for c in classes])
-    for _ in range(max_tries):
-        props = rng.dirichlet(np.full(k, float(alpha)), size=len(classes))  # [C, K]
-        cum = np.floor(np.cumsum(props, axis=1) * n_c[:, None]).astype(np.int64)
-        cum[:, -1] = n_c
-        counts = np.diff(cum, axis=1, prepend=0)  # [C, K]
-        if counts.sum(0).min() >= min_size:
+    classes, n_c = np.unique(labels, return_counts=True)
+    chance = _first_client_chance(float(alpha), n_c, k, min_size)
+    if chance * max_tries < _HOPELESS:
+        raise param_error(
+            "--min-size",
+            min_size,
+            f"cannot be met with --alpha {alpha:g} and {k} clients ({n} samples, {n / k:.1f} per client): client 0 "
+            f"gets floor(n_c p) of each class's n_c samples, p ~ Beta({alpha:g}, {(k - 1) * alpha:g}), so it reaches "
+            f"{min_size} samples with probability below {_power_of_ten(chance)} a draw, "
+            f"{_power_of_ten(chance * max_tries)} in all {max_tries} draws",
+            "Use a smaller --min-size (0: no floor), a larger --alpha or fewer --clients.",
+        )
+    under, best = 0, -1  # clients under min_size summed over the failed draws; the largest smallest client
+    for t in range(1, max_tries + 1):
+        sizes, cuts = _dirichlet_draw(rng, float(alpha), n_c, k)
+        if sizes.min() >= min_size:
             break
+        under += int((sizes < min_size).sum())
+        best = max(best, int(sizes.min()))
+        why = _dirichlet_hopeless(under, t, k, min_size, max_tries)
+        if why:
+            raise param_error(
+                "--min-size",
+                min_size,
+                f"cannot be met with --alpha {alpha:g} and {k} clients ({n} samples, {n / k:.1f} per client): {why}",
+                f"Use --min-size {best}{' (no floor)' if best == 0 else ' or lower (met by this seed: same draws)'}, "
+                "a larger --alpha or fewer --clients.",
+            )
     else:
         raise param_error(
             "--min-size",
@@ -332,10 +370,105 @@ def dirichlet(labels, num_clients, rng, features=None, *, alpha, min_size, max_t
             "Use a lower --min-size or a larger --alpha.",
         )
     owner = np.empty(n, dtype=np.int64)
-    for ci, c in enumerate(classes):
-        idx = rng.permutation(np.flatnonzero(labels == c))
-        owner[idx] = np.repeat(np.arange(k), counts[ci])
+    for idx, (clients, counts) in zip(_by_class(labels)[1], cuts):
+        owner[rng.permutation(idx)] = np.repeat(clients, counts)
     return _group_by_owner(owner, k)
+
+
+_DRAW_BYTES = 32 * 2**20  # float64 proportions of one block of classes in a Dirichlet draw
+
+
+def _dirichlet_draw(rng, alpha: float, n_c: np.ndarray, k: int) -> tuple[np.ndarray, list]:
+    """One draw of :func:`dirichlet`: per class ``c`` proportions ~ Dir(alpha*1_k), the class's ``n_c[c]`` samples
+    cut at the floored cumulative proportions. Returns the client sizes ``[k]`` and, per class, the clients that
+    get samples and how many (``(clients, counts)``, clients ascending). Drawn a block of classes at a time: the
+    values equal one ``rng.dirichlet(alpha*1_k, size=C)`` call's, class after class."""
+    sizes = np.zeros(k, dtype=np.int64)
+    cuts: list = []
+    rows = max(1, _DRAW_BYTES // (8 * k))
+    for a in range(0, len(n_c), rows):
+        nc = n_c[a : a + rows]
+        props = rng.dirichlet(np.full(k, alpha), size=len(nc))  # [rows, k]
+        cum = np.floor(np.cumsum(props, axis=1, out=props) * nc[:, None]).astype(np.int64)
+        cum[:, -1] = nc
+        counts = np.diff(cum, axis=1, prepend=0)
+        sizes += counts.sum(0)
+        r, c = np.nonzero(counts)
+        ends = np.cumsum(np.bincount(r, minlength=len(nc)))
+        cuts += zip(np.split(c, ends[:-1]), np.split(counts[r, c], ends[:-1]))
+    return sizes, cuts
+
+
+def _first_client_chance(alpha: float, n_c: np.ndarray, k: int, min_size: int) -> float:
+    """The chance that client 0 meets ``min_size`` in a draw of :func:`dirichlet`, which bounds the draw's chance of
+    success from above (1 when not computed: one client, no floor, or too large a computation).
+
+    Client 0's share of class ``c`` is ``floor(n_c p)`` with ``p ~ Beta(alpha, (k-1) alpha)`` (the first proportion
+    is never rounded up by the cumulative cut), independently over classes. Its size is their sum, whose
+    distribution below ``min_size`` is a truncated convolution; the mass at or above ``min_size`` is summed from
+    upper tails (no ``1 - sum`` that would round a tiny chance to 0)."""
+    m = int(min_size)
+    sizes, times = np.unique(n_c, return_counts=True)
+    if k == 1 or m == 0 or len(sizes) * m * m > 1e7:
+        return 1.0
+    a, b = alpha, (k - 1) * alpha
+    dist, tail = np.eye(1, m)[0], 0.0  # P(size = j) for j < m, P(size >= m), over the classes so far
+    for nc, r in zip(sizes, times):
+        upper = betainc(b, a, 1.0 - np.arange(min(m, int(nc)) + 1) / nc)  # P(p >= j / nc), j = 0 .. min(m, nc)
+        upper[0] = 1.0
+        pmf = np.zeros(m)
+        pmf[: len(upper) - 1] = upper[:-1] - upper[1:]  # P(floor(nc p) = j), j < m
+        one = (pmf, float(upper[-1]) if nc >= m else 0.0)
+        while r:  # (dist, tail) combined with r classes of this size, by repeated squaring
+            if r & 1:
+                dist, tail = _add_sizes((dist, tail), one, m)
+            r >>= 1
+            if r:
+                one = _add_sizes(one, one, m)
+    return min(1.0, tail)
+
+
+def _add_sizes(x: tuple, y: tuple, m: int) -> tuple:
+    """The distribution of the sum of two independent sizes, each ``(P(size = j) for j < m, P(size >= m))``."""
+    (dx, tx), (dy, ty) = x, y
+    full = np.convolve(dx, dy)
+    return full[:m], tx + float(dx.sum()) * ty + float(full[m:].sum())
+
+
+def _power_of_ten(p: float) -> str:
+    return f"1e{math.floor(math.log10(p)) + 1:.0f}" if p > 1e-300 else "1e-300"
+
+
+_HOPELESS = 1e-6  # refuse when the remaining draws are expected to meet --min-size fewer times than this
+_CONFIDENCE = 1e-9  # chance that the rate of clients under --min-size is overestimated by more than the margin
+
+
+def _dirichlet_hopeless(under: int, draws: int, k: int, min_size: int, max_tries: int) -> str:
+    """Why the remaining draws are hopeless ("" if they are not): ``under`` clients got fewer than ``min_size``
+    samples in ``draws`` failed draws of ``k`` clients.
+
+    A draw succeeds only if every client meets the floor. The mean rate ``q`` of clients under it is bounded from
+    below by the multiplicative Chernoff bound (the smallest ``q`` under which ``under`` or more happen with
+    probability above 1e-9; it holds for negatively associated client sizes, as a Dirichlet split's are up to the
+    rounding of the cut), and
+    ``(1 - q)^k`` bounds a draw's chance of success from above (negative association and the AM-GM inequality:
+    the clients meet the floor together at most as often as independent clients at their mean rate)."""
+    obs = draws * k
+    q_hat = under / obs
+    ln = math.log(1 / _CONFIDENCE)  # P(X >= under) <= exp(-(under - mu)^2 / (under + mu)) = 1e-9 at mu = mu_lo
+    q_lo = (under + ln / 2 - math.sqrt(2 * ln * under + ln * ln / 4)) / obs
+    if q_lo <= 0:
+        return ""
+    log10_p = k * math.log1p(-q_lo) / math.log(10) if q_lo < 1 else -math.inf
+    left = max_tries - draws
+    if left <= 0 or log10_p + math.log10(left) >= math.log10(_HOPELESS):
+        return ""  # not hopeless, or the last draw (the caller's message says so)
+    first = "the first draw" if draws == 1 else f"the first {draws} draws"
+    bound = _power_of_ten(10**log10_p) if log10_p > -300 else "1e-300"
+    return (
+        f"in {first}, {under / draws:.0f} of {k} clients a draw ({100 * q_hat:.0f}%) got fewer than {min_size} samples, so "
+        f"each of the {max_tries} draws meets it with probability below {bound}"
+    )
 
 
 @register_partition(
@@ -363,9 +496,12 @@ def bernoulli_dirichlet(labels, num_clients, rng, features=None, *, p, alpha, ma
     exactly once. A client may end up with no samples if it drew none from its classes.
     """
     k, n = num_clients, len(labels)
-    classes = np.unique(labels)
+    classes, by_class = _by_class(labels)
     c = len(classes)
-    phi = rng.random((k, c)) < p
+    phi = np.empty((k, c), dtype=bool)
+    rows = max(1, _DRAW_BYTES // (8 * c))
+    for a in range(0, k, rows):  # in blocks of clients: the stream of one rng.random((k, c)), in bounded memory
+        phi[a : a + rows] = rng.random((min(rows, k - a), c)) < p
     for _ in range(max_tries):
         empty = np.flatnonzero(~phi.any(1))
         if empty.size == 0:
@@ -374,9 +510,9 @@ def bernoulli_dirichlet(labels, num_clients, rng, features=None, *, p, alpha, ma
     else:
         raise param_error("--p", p, f"left a client with no class after {max_tries} redraws", "Use a larger --p.")
     owner = np.empty(n, dtype=np.int64)
-    for ci, cls in enumerate(classes):
-        idx = np.flatnonzero(labels == cls)
-        holders = np.flatnonzero(phi[:, ci])
+    phi_t = np.ascontiguousarray(phi.T)  # [C, K]: a class's holders in one contiguous row
+    for ci, idx in enumerate(by_class):
+        holders = np.flatnonzero(phi_t[ci])
         if holders.size == 0:
             owner[idx] = rng.integers(k)
             continue
@@ -428,27 +564,32 @@ def kmeans(labels, num_clients, rng, features=None, *, max_iter=20, pca_dim=64):
     For speed the features are first reduced once to their top ``pca_dim`` principal components
     (randomized PCA over the whole training set; skipped when d <= pca_dim), then each class is
     clustered with sklearn KMeans (k-means++ init, one init, at most ``max_iter`` Lloyd iterations),
-    all seeded from ``rng``. Every index is used exactly once.
+    all seeded from ``rng``. A class with no more samples than clients is not clustered: each sample is its own
+    cluster (what k-means gives), so sample j goes to client pi(j); with every class that small (10,000 clients of
+    iNaturalist-Users-120k's shape) no projection is computed either. Every index is used exactly once.
     """
-    from sklearn.cluster import KMeans
-    from sklearn.decomposition import PCA
-
     k, n = num_clients, len(labels)
+    _, groups = _by_class(labels)
     feats = np.asarray(features).astype(np.float32, copy=False)
     if feats.shape[1] > pca_dim and n > pca_dim:
-        feats = PCA(
-            n_components=pca_dim, svd_solver="randomized", random_state=int(rng.integers(2**31 - 1))
-        ).fit_transform(feats)
+        state = int(rng.integers(2**31 - 1))
+        if any(idx.size > k for idx in groups):  # else no class is clustered: the projection would go unused
+            from sklearn.decomposition import PCA  # (scikit-learn takes seconds to import: only when used)
+
+            feats = PCA(n_components=pca_dim, svd_solver="randomized", random_state=state).fit_transform(feats)
     owner = np.empty(n, dtype=np.int64)
-    for cls in np.unique(labels):
-        idx = np.flatnonzero(labels == cls)
+    for idx in groups:
         m = min(k, idx.size)
         pi = rng.permutation(k)[:m]
         if m == 1:
             owner[idx] = pi[0]
             continue
-        km = KMeans(
-            n_clusters=m, n_init=1, max_iter=max_iter, init="k-means++", random_state=int(rng.integers(2**31 - 1))
-        )
+        state = int(rng.integers(2**31 - 1))
+        if m == idx.size:  # as many clusters as samples: each sample is its own cluster, sample j to client pi(j)
+            owner[idx] = pi
+            continue
+        from sklearn.cluster import KMeans
+
+        km = KMeans(n_clusters=m, n_init=1, max_iter=max_iter, init="k-means++", random_state=state)
         owner[idx] = pi[km.fit_predict(feats[idx])]
     return _group_by_owner(owner, k)

@@ -1,6 +1,6 @@
-"""What the clients of a federation hold and send, the same for every transport: the sample of a round, the
-partition and label noise of a seed, the feature statistics of ``--center``/``--scale rms``, the prepared features,
-and CCVR's class statistics. A Flower node runs these on its own data; the in-process transport on all of them."""
+"""What the clients of a federation hold and send, the same for every transport: the sample of a round
+(:mod:`fedhead.core.sampling`), the partition and label noise of a seed, the feature statistics of
+``--center``/``--scale rms``, the prepared features, and CCVR's class statistics. A Flower node runs these on its own data; the in-process transport on all of them."""
 
 from __future__ import annotations
 
@@ -15,16 +15,8 @@ from fedhead.core.dp import feature_clip, noisy_feature_sums
 from fedhead.core.linalg import clip_rows
 from fedhead.core.noise import apply_noise
 from fedhead.core.partitions import PARTITIONS, class_counts, create_partition
+from fedhead.core.sampling import round_clients, sample_clients  # noqa: F401  (here before fedhead.core.sampling)
 from fedhead.federation.config import TrainConfig
-
-
-def sample_clients(num_clients: int, participation: float, seed: int, rnd: int) -> np.ndarray:
-    """Clients of round ``rnd``: the same for every head and backend given (seed, round)."""
-    m = max(1, int(round(participation * num_clients)))
-    if m >= num_clients:
-        return np.arange(num_clients)
-    rng = np.random.default_rng([seed, rnd, 0x5EED])
-    return np.sort(rng.choice(num_clients, size=m, replace=False))
 
 
 @dataclass

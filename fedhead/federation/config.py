@@ -27,6 +27,7 @@ import tomli_w
 from fedhead.core.dp import validate_dp
 from fedhead.core.heads import HEADS
 from fedhead.core.partitions import PARTITIONS
+from fedhead.core.sampling import per_round
 from fedhead.federation.experiment import (
     DEPRECATED_KEYWORDS,
     FIELD_LIST,
@@ -171,17 +172,18 @@ class _Config:
             check_value(f, getattr(c, f.name), cfg=c)
         if c.server_betas is not None:
             c.server_betas = parse_pair(c.server_betas)
+        _check_round_size(c)
         if c.noise != "none" and c.noise_rate == 0:
             raise FedheadError(f"The '--noise-rate' parameter must be > 0 with --noise {c.noise}. Got 0.0 instead.")
         validate_dp(c)  # DP options, and the rule: DP-FedAvg replaces fedavg (aggregate = dp-fedavg)
         if c.secure_aggregation:
-            m = max(1, int(round(c.participation * c.clients)))  # clients per round (federation.train.sample_clients)
+            m = per_round(c)  # clients per round (fedhead.core.sampling)
             if m < SECURE_MIN_CLIENTS:
                 raise FedheadError(
                     f"The '--secure-aggregation' option needs at least {SECURE_MIN_CLIENTS} clients per "
                     f"round (SecAgg+ hides a client only among others: with 2, each could read the "
-                    f"other's update off the new head). Got --clients {c.clients} with --participation "
-                    f"{c.participation:g} ({m} per round) instead. Raise --clients or --participation, "
+                    f"other's update off the new head). Got --clients {c.clients} with {_round_size_text(c)} ({m} per "
+                    "round) instead. Raise --clients or --participation (--clients-per-round), "
                     "or drop --secure-aggregation."
                 )
         check_given(self, c)
@@ -219,6 +221,8 @@ class _Config:
         d["asym_rule"] = d.pop("asym_map")  # the field's name before the rename: earlier runs keep their identity
         for k in ("device", "block_clients", "memory_budget_mb", "plots", "log", "log_dir"):
             d.pop(k, None)
+        if d.get("clients_per_round") is None:
+            d.pop("clients_per_round", None)  # runs from before the option keep their identity
         if not d.get("secure_aggregation"):
             d.pop("secure_aggregation", None)  # runs from before the option keep their identity
         for k in ("dp_noise_multiplier", "dp_clip", "dp_delta", "dp_feature_clip"):
@@ -236,6 +240,28 @@ class _Config:
 
     def to_toml(self) -> str:
         return experiment_toml(self)
+
+
+def _round_size_text(c) -> str:
+    if c.clients_per_round is not None:
+        return f"--clients-per-round {c.clients_per_round}"
+    return f"--participation {c.participation:g}"
+
+
+def _check_round_size(c) -> None:
+    """--clients-per-round: not with a --participation other than 1, and at most --clients."""
+    if c.clients_per_round is None:
+        return
+    if c.participation != FIELDS["participation"].default:
+        raise FedheadError(
+            f"The '--clients-per-round' ({c.clients_per_round}) and '--participation' ({c.participation:g}) "
+            "options both set the clients of a round. Give one of them."
+        )
+    if c.clients_per_round > c.clients:
+        raise FedheadError(
+            f"The '--clients-per-round' parameter must be <= --clients ({c.clients}). Got {c.clients_per_round} "
+            f"instead. Use at most {c.clients} clients per round, or more --clients."
+        )
 
 
 def _int(v: Any, param: str) -> int:

@@ -329,6 +329,17 @@ FIELD_LIST: list[Field] = [
         constraint=Interval(0, 1, closed="right"),
         fix="Use a fraction of clients per round in (0, 1], e.g. 0.1.",
     ),
+    Field(
+        "clients_per_round",
+        int,
+        None,
+        "clients sampled each round, a fixed number instead of --participation's fraction (e.g. 10 of 9,275; "
+        "seeded by seed and round, the same clients as the fraction that rounds to it)",
+        DATA,
+        constraint=_COUNT,
+        default_text="--participation x --clients",
+        fix="Use a number of clients per round >= 1 and <= --clients, e.g. 10.",
+    ),
     # ---- the head
     Field("head", str, None, _HEAD_NAMES, HEAD, constraint=Names("head"), default_text="recipe: ova2; fast: softmax"),
     *_registry_fields(HEADS, "head", HEAD),

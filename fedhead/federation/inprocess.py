@@ -25,6 +25,8 @@ from fedhead.core.heads import create_head, resolve_head_params
 from fedhead.federation.clients import FeatureStats, Federation, build_federation, ccvr_client_stats, prepare
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.transport import Calibration, Census, Exchange, RoundResult, Transport
+from fedhead.infra.devices import available_memory
+from fedhead.infra.errors import FedheadError
 
 
 def central_key(store: Features, cfg: TrainConfig, fed: Federation) -> str:
@@ -63,9 +65,17 @@ class InProcessTransport(Transport):
                 data, self.head, self.optim, self.local, backend=cfg.backend, block_clients=cfg.block_clients,
                 memory_budget_mb=cfg.memory_budget_mb,
             )  # fmt: skip
-        return Census(fed.stats, fed.realised_noise, [len(p) for p in fed.parts], fed.counts.tolist())
+        return Census(fed.stats, fed.realised_noise, fed.counts.sum(1), fed.counts)
 
     def scaffold_state(self, shape: tuple, device) -> ScaffoldState:
+        """Every client's SCAFFOLD variate, in memory (refused in one line when they cannot fit)."""
+        need, free = self.cfg.clients * shape[0] * shape[1] * 4, available_memory()
+        if free is not None and need > free:
+            raise FedheadError(
+                f"The '--scaffold' option keeps every client's control variate in memory: {self.cfg.clients} clients "
+                f"x {shape[0]} x {shape[1]} floats = {need / 1e9:.1f} GB, but this machine has {free / 1e9:.1f} GB "
+                "free. Use fewer --clients, or run on Flower (each node keeps its own variate)."
+            )
         return ScaffoldState.zeros(self.cfg.clients, shape[0], shape[1], device)
 
     def statistics(self, selected, solver, seed: int) -> Exchange:

@@ -8,9 +8,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import h5py
 import numpy as np
 
-from extract.store import Features, StoreInfo, load_store, store_content_hash
+from extract.store import Features, StoreInfo, load_store, open_store, store_content_hash
 from fedhead.core.closedform import closed_form_names, is_closed_form
 from fedhead.core.engine import OptimConfig
 from fedhead.core.heads import resolve_head_params
@@ -72,6 +73,22 @@ def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:
             asym_rule=cfg.asym_map,
         )
     return cfg
+
+
+def _validated(cfg: TrainConfig, store: Features | None) -> tuple[TrainConfig, Features]:
+    """:func:`validate_config` and the store. Without ``store`` the configuration is validated on the training labels
+    alone before the features are read, so a partition that cannot be drawn is refused in a second, not after
+    loading a large store."""
+    if store is not None:
+        return validate_config(cfg, store), store
+    info = open_store(cfg.features)
+    with h5py.File(info.path, "r") as f:
+        y = np.asarray(f["train"]["labels"][()], dtype=np.int64)
+    if y.size and (y.min() < 0 or y.max() >= info.num_classes):  # load_store refuses them, naming the store's rows
+        store = load_store(cfg.features)
+        return validate_config(cfg, store), store
+    cfg = validate_config(cfg, labels_store(y, info.class_names, info.dataset))
+    return cfg, load_store(cfg.features)
 
 
 def labels_store(train_y: np.ndarray, class_names: list[str], dataset: str = "") -> Features:
@@ -184,8 +201,7 @@ def run_training(
 ) -> RunResult:
     """Run, resume or extend ``cfg`` into ``out``. ``central_cache``: a dict shared by several runs (a bench report)
     that keeps each centralised ceiling, computed once per head, feature preparation and training labels."""
-    store = store or load_store(cfg.features)
-    cfg = validate_config(cfg, store)
+    cfg, store = _validated(cfg, store)
     run_dir = Path(out) if out else default_run_dir(runs_root, cfg.head, cfg.partition)
     check_out(run_dir, kind="dir")  # a file there, or below a file: one line, nothing written
     device = resolve_device(cfg.device)

@@ -10,6 +10,7 @@ Per-client state that must survive (SCAFFOLD's ``c_k``) lives with the transport
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,8 +26,8 @@ class Census:
 
     stats: FeatureStats
     realised_noise: float = 0.0
-    sizes: list | None = None
-    counts: list | None = None
+    sizes: Sequence | None = None  # [K] (a numpy array in process: 10,000 clients' counts are no Python lists)
+    counts: Sequence | None = None  # [K, C]
 
 
 @dataclass

@@ -69,6 +69,7 @@ from flwr.server.workflow.secure_aggregation.secaggplus_workflow import Workflow
 from fedhead.core.aggregate import aggregator_of
 from fedhead.core.ccvr import ClassStats, PooledStats
 from fedhead.core.closedform import StatsAccumulator, pack_upper, unpack_upper
+from fedhead.core.sampling import per_round as clients_per_round
 from fedhead.federation.clients import FeatureStats
 from fedhead.federation.config import SECURE_MIN_CLIENTS as MIN_CLIENTS  # noqa: E402
 from fedhead.flower.common import LOG, MESSAGE_PREFIX, client_stats_from_record, short_reason
@@ -591,7 +592,7 @@ class SecureRounds:
         sums dense vectors (a closed-form head's Gram, CCVR's second moments of every class, where a plain node
         sends only the classes it holds), and the server receives one from each node of the exchange at once."""
         cfg, (C, D) = self.s.cfg, self.dims
-        per_round = max(1, int(round(cfg.participation * cfg.clients)))
+        per_round = clients_per_round(cfg)
         needs = [("census", cfg.clients, census_layout(C, D, bool(cfg.center or cfg.scale != "none")), None)]
         if self.s.solver is not None:
             what = f"'--head' {cfg.head!r}" if cfg.head == self.s.solver.name else f"'--init' {cfg.init!r}"

@@ -2,7 +2,7 @@
 (:func:`fedhead.federation.loop.run_job` over a :class:`fedhead.federation.job.HeadJob`); :meth:`FedheadStrategy.start`
 lends it this strategy as the transport that reaches the clients through a Flower Grid:
 
-- participation: :func:`fedhead.federation.clients.sample_clients` by (seed, round) over partition ids (the loop's),
+- participation: :func:`fedhead.core.sampling.round_clients` by (seed, round) over partition ids (the loop's),
   not Flower's random node sampling; a partition id is mapped to the node that announced it in the ``query``
   exchange;
 - aggregation: :class:`fedhead.core.aggregate.Accumulator` over the replies in partition-id order, exactly as the
@@ -53,7 +53,8 @@ from fedhead.core.dp import noisy_feature_sums  # noqa: E402
 from fedhead.core.engine import ScaffoldState  # noqa: E402
 from fedhead.core.heads import create_head, resolve_head_params  # noqa: E402
 from fedhead.core.partitions import resolve_partition_params  # noqa: E402
-from fedhead.federation.clients import FeatureStats, sample_clients  # noqa: E402
+from fedhead.core.sampling import round_clients  # noqa: E402
+from fedhead.federation.clients import FeatureStats  # noqa: E402
 from fedhead.federation.config import TrainConfig  # noqa: E402
 from fedhead.federation.job import HeadJob  # noqa: E402
 from fedhead.federation.loop import run_job  # noqa: E402
@@ -255,7 +256,7 @@ class FedheadStrategy(Strategy, Transport):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        sel = sample_clients(self.cfg.clients, self.cfg.participation, self.seed, server_round)
+        sel = round_clients(self.cfg, self.seed, server_round)
         self.last = _Round()
         self._selected = [int(k) for k in sel]
         cfg_rec = self._round_config(server_round)
