@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(BIN)/lint-imports
 	# the documentation site, every warning an error (into a temporary folder: site/ is not kept)
 	d=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir "$$d"; s=$$?; rm -rf "$$d"; exit $$s
-	$(BIN)/python -m pytest tests -n auto --dist loadgroup
+	$(BIN)/python -m pytest tests -n $$(( $$(nproc) + 1 )) --dist loadgroup
 
 clean:
 	rm -rf $(VENV) runs reports

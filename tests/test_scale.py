@@ -51,9 +51,10 @@ def test_a_round_trains_and_prepares_only_its_clients(tiny_store, tmp_path, monk
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(clients_per_round=3, participation=0.5), r"'--clients-per-round' \(3\) and '--participation' \(0.5\)"),
-        (dict(clients_per_round=9), r"'--clients-per-round' parameter must be <= --clients \(8\). Got 9"),
-        (dict(clients_per_round=0), r"'--clients-per-round'"),
+        # from Python the message names the fields (the CLI names the flags: tests/test_bad_inputs.py)
+        (dict(clients_per_round=3, participation=0.5), r"'clients_per_round' \(3\) and 'participation' \(0.5\)"),
+        (dict(clients_per_round=9), r"'clients_per_round' parameter must be <= clients \(8\). Got 9"),
+        (dict(clients_per_round=0), r"'clients_per_round'"),
     ],
 )
 def test_clients_per_round_refused_in_one_line(tiny_store, kw, match):
