@@ -67,3 +67,19 @@ def test_bench_speed_prints_the_ceiling_table(tmp_path):
         assert 0 < rec[f"ceiling_quick_{m}_central"] <= 1
     assert "ceiling_quick_ova2_central" not in rec
     assert "time to 99% of the central ceiling" in p.stdout
+
+
+def test_closed_form_bound_counts_the_exchange():
+    """bench speed's ratio of the statistics exchange to its FLOP bound, by hand: 2 clients of 3 samples, D = 4
+    (D+1 = 5), 5 classes, at 100 GFLOP/s: Grams 2 * (2*3*25) + sums 2 * 3*4 + the server's sum 2 * 25 + Cholesky
+    125/3 + right-hand sides 2*25*5."""
+    from fedhead.bench.speed import closed_form_bound
+
+    rec = {"machine_matmul_gflops": 100.0, "closedform_clients": 2, "closedform_samples_per_client": 3,
+           "closedform_dim": 4, "closedform_classes": 5, "closedform_client_s": 1.0, "closedform_stream_s": 0.5,
+           "closedform_ridge_solve_s": 0.5}  # fmt: skip
+    flops = 2 * (2 * 3 * 25 + 3 * 4 + 25) + 125 / 3 + 2 * 25 * 5
+    got = closed_form_bound(rec)
+    assert got["closedform_gflop"] == pytest.approx(flops / 1e9, rel=1e-12)
+    assert got["closedform_vs_bound"] == pytest.approx(2.0 / (flops / 100e9), rel=1e-12)
+    assert closed_form_bound({"closedform_client_s": 1.0}) == {}  # no machine measurement: no ratio

@@ -275,6 +275,7 @@ def closed_form_speed(cfg: dict) -> dict:
         "closedform_classes": C,
         "closedform_threads": threads,
         "closedform_block": block,
+        "closedform_samples_per_client": n,
         "closedform_stream_s": add_s,
         "closedform_client_s": client_s,
         "closedform_mb_up_per_client": acc.bytes_up / K / 1e6,
@@ -642,7 +643,23 @@ def _measure_heads(*, quick, rounds, device, threads, loop_rounds, extraction, p
         else dict(dim=64, classes=10, clients=50, samples_per_client=20, block=10)
     )
     rec.update(run_child(dict(cf, threads=threads, closedform=True)))
+    rec.update(closed_form_bound(rec))
     return rec
+
+
+def closed_form_bound(rec: dict) -> dict:
+    """The statistics exchange against its FLOP bound at the machine's measured matmul rate: every client's Gram of
+    ``[x, 1]`` (``2 n (D+1)^2``) and class sums (``n D``), the server's sum of the Grams (``K (D+1)^2``) and the
+    ridge solve (Cholesky ``(D+1)^3 / 3`` and ``2 (D+1)^2 C`` for the right-hand sides). The time counted is the
+    clients' messages, the server's stream and the solve, as if one machine did all of it."""
+    if "machine_matmul_gflops" not in rec or "closedform_client_s" not in rec:
+        return {}
+    K, n = rec["closedform_clients"], rec.get("closedform_samples_per_client", 0)
+    D1, C = rec["closedform_dim"] + 1, rec["closedform_classes"]
+    flops = K * (2 * n * D1 * D1 + n * (D1 - 1) + D1 * D1) + D1**3 / 3 + 2 * D1 * D1 * C
+    bound = flops / (rec["machine_matmul_gflops"] * 1e9)
+    took = rec["closedform_client_s"] + rec["closedform_stream_s"] + rec["closedform_ridge_solve_s"]
+    return {"closedform_gflop": flops / 1e9, "closedform_bound_s": bound, "closedform_vs_bound": took / bound}
 
 
 def _extraction(quick: bool, device: str) -> dict:
@@ -742,6 +759,12 @@ def speed_table(rec: dict):
     )
     row("closed form: peak MB", "closedform_peak_mb", "{:.0f}", "goal < 2048")
     row("closed form: clients computing their messages (s)", "closedform_client_s", note="runs on the clients")
+    row(
+        "closed form: clients + stream + solve vs FLOP bound",
+        "closedform_vs_bound",
+        "{:.2f}x",
+        f"goal <= 2x; bound {rec.get('closedform_bound_s', 0):.2f} s at the measured matmul rate",
+    )
     row("extraction images/s", "extract_images_per_sec", "{:.1f}")
     row("forward images/s", "extract_forward_images_per_sec", "{:.1f}")
     row("extraction / forward", "extract_fraction_of_forward", "{:.3f}")
