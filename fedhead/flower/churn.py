@@ -37,7 +37,8 @@ from fedhead.flower.loopback import Deployment, free_ports, session_rss_kb, spli
 from fedhead.infra.console import stderr_console, stdout_console
 from fedhead.infra.errors import FedheadError, Interval, validate
 from fedhead.infra.exits import cli_errors
-from fedhead.infra.files import atomic_write_json, check_out
+from fedhead.infra.files import atomic_write_json, atomic_write_text, check_out
+from fedhead.interface.options import resolved_toml
 
 STORE = dict(num_classes=10, test_per_class=20, dim=32, spread=2.2, seed=0)  # 40 training samples per node
 
@@ -49,11 +50,6 @@ def _rounds(path: Path) -> list[dict]:
         return [r for r in csv.DictReader(f) if r.get("stage") != "ccvr"]
 
 
-def _train_args(server: Path, nodes: int, rounds: int, local_epochs: int) -> list[str]:
-    return ["--features", str(server), "--clients", str(nodes), "--rounds", str(rounds), "--partition", "iid",
-            "--local-epochs", str(local_epochs), "--batch-size", "10"]  # fmt: skip
-
-
 class Churn:
     """The deployment and its schedule of kills and restarts (see the module docstring)."""
 
@@ -62,7 +58,7 @@ class Churn:
         self.k = int(round(churn * nodes))
         self.kill_server_at = kill_server_at
         self.rng = np.random.default_rng(seed)
-        self.round_timeout, self.local_epochs = kw["round_timeout"], kw["local_epochs"]
+        self.round_timeout = kw["round_timeout"]
         env = dict(os.environ, FLWR_HOME=str(out / "flwr-home"), FEDHEAD_NO_PROGRESS="1", FEDHEAD_THREADS="1")
         env.pop("FEDHEAD_FLOWER_CRASH", None)
         (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -79,12 +75,12 @@ class Churn:
     def link_argv(self, resume: bool) -> list[str]:
         return [
             "flower", "superlink", "--insecure", "--host", "127.0.0.1", "--port", str(self.link),
-            *_train_args(self.server, self.nodes, self.rounds, self.local_epochs), "--out", str(self.out / "run"),
+            "--config", str(self.experiment), "--out", str(self.out / "run"),
             "--wait-timeout", "300", "--round-timeout", str(self.round_timeout), *(["--resume"] if resume else []),
         ]  # fmt: skip
 
-    def start(self, server: Path, stores: list[Path]) -> None:
-        self.server, self.stores = server, stores
+    def start(self, experiment: Path, stores: list[Path]) -> None:
+        self.experiment, self.stores = experiment, stores
         self.link, *self.ports = free_ports(1 + self.nodes)
         for i in range(self.nodes):
             self.d.start(f"node{i}", self.node_argv(i))
@@ -221,13 +217,15 @@ def deploy_cmd(
     server = write_synthetic(out / "server.h5", train_per_class=4 * nodes, **STORE)
     stores = split_store(server, out, nodes)
     err.print(f"[bold]bench deploy[/]: the simulator's run of the same configuration ({nodes} clients, no churn)")
-    cfg_args = dict(features=str(server), clients=nodes, rounds=rounds, partition="iid", local_epochs=local_epochs)
-    sim = run_training(TrainConfig(**cfg_args, batch_size=10), out=out / "simulator", progress=False).summary
-    ch = Churn(out, nodes, rounds, churn, kill_server_at or rounds // 2, seed, round_timeout=round_timeout,
-               local_epochs=local_epochs)  # fmt: skip
+    cfg = TrainConfig(features=str(server), clients=nodes, rounds=rounds, partition="iid", local_epochs=local_epochs,
+                      batch_size=10)  # fmt: skip
+    experiment = out / "experiment.toml"  # the one configuration of both runs: the simulator's and the SuperLink's
+    atomic_write_text(experiment, resolved_toml(cfg))
+    sim = run_training(cfg, out=out / "simulator", progress=False).summary
+    ch = Churn(out, nodes, rounds, churn, kill_server_at or rounds // 2, seed, round_timeout=round_timeout)
     err.print(f"[bold]bench deploy[/]: a SuperLink and {nodes} SuperNodes on loopback (logs in {out / 'logs'})")
     try:
-        ch.start(server, stores)
+        ch.start(experiment, stores)
         code = ch.run(timeout, progress=lambda s: err.print(f"[bold]bench deploy[/]: {s}"))
     finally:
         ch.d.close()

@@ -52,10 +52,9 @@ def mixed_precision(device):
 
 
 def autocast(device, dtype=None):
-    """The autocast context of :func:`mixed_precision` (``dtype`` overrides it; None: a disabled context)."""
+    """An autocast context on ``device`` in ``dtype`` (e.g. :func:`mixed_precision`'s); None: a disabled context."""
     import torch
 
-    dtype = mixed_precision(device) if dtype is None else dtype
     kind = getattr(device, "type", str(device))
     if dtype is None:
         return torch.autocast(kind, enabled=False)
