@@ -83,3 +83,21 @@ def test_closed_form_bound_counts_the_exchange():
     assert got["closedform_gflop"] == pytest.approx(flops / 1e9, rel=1e-12)
     assert got["closedform_vs_bound"] == pytest.approx(2.0 / (flops / 100e9), rel=1e-12)
     assert closed_form_bound({"closedform_client_s": 1.0}) == {}  # no machine measurement: no ratio
+
+
+def test_simulator_exchange_bound_counts_one_blocked_product():
+    """The simulator's exchange (one machine, the clients' Grams as one blocked product) against the same count
+    without the server's per-client additions, at the float32 and at the float64 rate, by hand."""
+    from fedhead.bench.speed import closed_form_bound
+
+    rec = {"machine_matmul_gflops": 100.0, "machine_matmul64_gflops": 50.0, "closedform_clients": 2,
+           "closedform_samples_per_client": 3, "closedform_dim": 4, "closedform_classes": 5,
+           "closedform_client_s": 1.0, "closedform_stream_s": 0.5, "closedform_ridge_solve_s": 0.5,
+           "closedform_sim_s": 0.25}  # fmt: skip
+    flops = 2 * (2 * 3 * 25 + 3 * 4) + 125 / 3 + 2 * 25 * 5
+    got = closed_form_bound(rec)
+    assert got["closedform_sim_bound_s"] == pytest.approx(flops / 100e9, rel=1e-12)
+    assert got["closedform_sim_vs_bound"] == pytest.approx(0.25 / (flops / 100e9), rel=1e-12)
+    assert got["closedform_sim_vs_bound64"] == pytest.approx(0.25 / (flops / 50e9), rel=1e-12)
+    del rec["machine_matmul64_gflops"]
+    assert "closedform_sim_vs_bound64" not in closed_form_bound(rec)

@@ -155,3 +155,15 @@ def test_absent_class_gets_zero_row_and_ill_conditioned_is_one_line():
     xs, ys = _data(n=6, d=10, c=2)
     with pytest.raises(FedheadError, match="--lda-shrinkage"):
         create_head("lda", lda_shrinkage=0.0).solve_central(xs, ys, 2)
+
+
+@pytest.mark.parametrize("d", [7, 301])
+def test_gram_from_upper_blocks_equals_the_full_product(d):
+    """add_gram computes x^T x from the upper triangle of column blocks (wide features, d >= 256) or in one
+    product: the same matrix to float64 rounding, added to what the accumulator holds."""
+    from fedhead.core.closedform import add_gram
+
+    x = torch.randn(53, d, generator=torch.Generator().manual_seed(d), dtype=torch.float64) + 3.0
+    out = torch.ones(d, d, dtype=torch.float64)
+    add_gram(out, x)
+    torch.testing.assert_close(out, 1.0 + x.T @ x, rtol=1e-13, atol=0)

@@ -37,7 +37,7 @@ import typer
 from extract.bench import measure_extraction
 from extract.store import open_store
 from fedhead.bench.ceiling import CEILING_METHODS, ceiling_table, measure_ceiling
-from fedhead.core.closedform import StatsAccumulator, client_stats
+from fedhead.core.closedform import StatsAccumulator, accumulate, client_stats
 from fedhead.core.engine import ClientSet, Engine, LocalConfig, OptimConfig, _fused_available
 from fedhead.core.heads import create_head
 from fedhead.core.partitions import class_counts, create_partition
@@ -85,19 +85,23 @@ def _best_time(fn, dev, repeat: int, min_s: float = 0.2) -> float:
 
 
 def machine_limits(dev, quick: bool = False) -> dict:
-    """Dense float32 matmul GFLOP/s and memory copy GB/s (bytes read + written) on ``dev``."""
+    """Dense float32 (and float64) matmul GFLOP/s and memory copy GB/s (bytes read + written) on ``dev``."""
     import torch
 
     n = 1024 if quick else 2048
     a = torch.randn(n, n, device=dev)
     b = torch.randn(n, n, device=dev)
     t_mm = _best_time(lambda: torch.mm(a, b), dev, 3)
+    a64, b64 = a.double(), b.double()  # the statistics exchange sums in float64
+    t_mm64 = _best_time(lambda: torch.mm(a64, b64), dev, 2)
+
     m = (8 if quick else 64) * 2**20 // 4  # 64 MB: far beyond the caches
     x = torch.randn(m, device=dev)
     y = torch.empty_like(x)
     t_cp = _best_time(lambda: y.copy_(x), dev, 5)
     return {
         "machine_matmul_gflops": 2 * n**3 / t_mm / 1e9,
+        "machine_matmul64_gflops": 2 * n**3 / t_mm64 / 1e9,
         "machine_copy_gb_per_s": 2 * m * 4 / t_cp / 1e9,
         "machine_matmul_size": n,
         "machine_copy_mb": m * 4 / 2**20,
@@ -257,12 +261,12 @@ def closed_form_speed(cfg: dict) -> dict:
     acc = StatsAccumulator(C, D, gram=True)
     client_s = add_s = 0.0
     for b0 in range(0, K, block):
-        t0 = time.perf_counter()
-        msgs = []
+        data = []
         for _ in range(b0, min(K, b0 + block)):
             y = rng.integers(0, C, n)
-            x = centers[y] + rng.random((n, D), dtype=np.float32)
-            msgs.append(client_stats(x, y, C, gram=True))
+            data.append((centers[y] + rng.random((n, D), dtype=np.float32), y))
+        t0 = time.perf_counter()
+        msgs = [client_stats(x, y, C, gram=True) for x, y in data]
         t1 = time.perf_counter()
         for m in msgs:
             acc.add(m)
@@ -286,8 +290,30 @@ def closed_form_speed(cfg: dict) -> dict:
         rec[f"closedform_{name}_solve_s"] = time.perf_counter() - t0
         assert torch.isfinite(theta).all()
     rec["closedform_ridge_total_s"] = add_s + rec["closedform_ridge_solve_s"]
+    del acc
+    rec.update(_simulator_exchange(centers, K, n, rng))
     rec["closedform_peak_mb"] = _peak_rss_mb()
     return rec
+
+
+def _simulator_exchange(centers, K: int, n: int, rng) -> dict:
+    """The same exchange as the simulator runs it (``fedhead train --head ridge``): every client's rows in one
+    float32 array, the messages summed block by block (:func:`fedhead.core.closedform.accumulate`), then the ridge
+    solve; the data are drawn before the clock starts."""
+    import numpy as np
+    import torch
+
+    C, D = centers.shape
+    y = rng.integers(0, C, K * n)
+    x = torch.from_numpy(centers[y] + rng.random((K * n, D), dtype=np.float32))
+    parts = np.split(np.arange(K * n), K)
+    t0 = time.perf_counter()
+    acc = accumulate(x, torch.from_numpy(y), parts, C, gram=True, cof=False)
+    t1 = time.perf_counter()
+    theta = create_head("ridge").solve(acc)
+    t2 = time.perf_counter()
+    assert torch.isfinite(theta).all()
+    return {"closedform_sim_accumulate_s": t1 - t0, "closedform_sim_s": t2 - t0}
 
 
 # ---------------------------------------------------------------- the scratch engine (fedhead scratch)
@@ -651,7 +677,10 @@ def closed_form_bound(rec: dict) -> dict:
     """The statistics exchange against its FLOP bound at the machine's measured matmul rate: every client's Gram of
     ``[x, 1]`` (``2 n (D+1)^2``) and class sums (``n D``), the server's sum of the Grams (``K (D+1)^2``) and the
     ridge solve (Cholesky ``(D+1)^3 / 3`` and ``2 (D+1)^2 C`` for the right-hand sides). The time counted is the
-    clients' messages, the server's stream and the solve, as if one machine did all of it."""
+    clients' messages, the server's stream and the solve, as if one machine did all of it. The simulator's exchange
+    (``closedform_sim_*``: the same statistics as one blocked product, no per-client matrices to add) is held against
+    the same count without the server's additions, at the float32 and at the float64 matmul rate. Both count the
+    whole product ``2 n (D+1)^2``; fedhead computes three of its four column blocks (a Gram is symmetric)."""
     if "machine_matmul_gflops" not in rec or "closedform_client_s" not in rec:
         return {}
     K, n = rec["closedform_clients"], rec.get("closedform_samples_per_client", 0)
@@ -659,7 +688,16 @@ def closed_form_bound(rec: dict) -> dict:
     flops = K * (2 * n * D1 * D1 + n * (D1 - 1) + D1 * D1) + D1**3 / 3 + 2 * D1 * D1 * C
     bound = flops / (rec["machine_matmul_gflops"] * 1e9)
     took = rec["closedform_client_s"] + rec["closedform_stream_s"] + rec["closedform_ridge_solve_s"]
-    return {"closedform_gflop": flops / 1e9, "closedform_bound_s": bound, "closedform_vs_bound": took / bound}
+    out = {"closedform_gflop": flops / 1e9, "closedform_bound_s": bound, "closedform_vs_bound": took / bound}
+    if "closedform_sim_s" in rec:
+        # on one machine the clients' Grams are one product over all rows; the server adds no per-client matrices
+        sim = K * (2 * n * D1 * D1 + n * (D1 - 1)) + D1**3 / 3 + 2 * D1 * D1 * C
+        t32 = sim / (rec["machine_matmul_gflops"] * 1e9)
+        out.update(closedform_sim_bound_s=t32, closedform_sim_vs_bound=rec["closedform_sim_s"] / t32)
+        if rec.get("machine_matmul64_gflops"):  # the sums are float64: the same count at the float64 rate
+            t64 = sim / (rec["machine_matmul64_gflops"] * 1e9)
+            out.update(closedform_sim_bound64_s=t64, closedform_sim_vs_bound64=rec["closedform_sim_s"] / t64)
+    return out
 
 
 def _extraction(quick: bool, device: str) -> dict:
@@ -764,6 +802,19 @@ def speed_table(rec: dict):
         "closedform_vs_bound",
         "{:.2f}x",
         f"goal <= 2x; bound {rec.get('closedform_bound_s', 0):.2f} s at the measured matmul rate",
+    )
+    row(
+        "closed form: the simulator's exchange vs FLOP bound",
+        "closedform_sim_vs_bound",
+        "{:.2f}x",
+        f"goal <= 2x; {rec.get('closedform_sim_s', 0):.2f} s against {rec.get('closedform_sim_bound_s', 0):.2f} s "
+        "at the float32 matmul rate",
+    )
+    row(
+        "closed form: the simulator's exchange vs float64 FLOP bound",
+        "closedform_sim_vs_bound64",
+        "{:.2f}x",
+        f"{rec.get('closedform_sim_bound64_s', 0):.2f} s at the float64 rate (the sums are float64)",
     )
     row("extraction images/s", "extract_images_per_sec", "{:.1f}")
     row("forward images/s", "extract_forward_images_per_sec", "{:.1f}")
