@@ -14,6 +14,21 @@ os.environ.setdefault("FEDHEAD_THREADS", "1")
 os.environ.setdefault("FEDHEAD_TEST_PLOTS", "data")
 
 
+if os.environ.get("FEDHEAD_TEST_CPU"):  # where the suite's time goes: wall and CPU seconds per test, one line each
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        import time
+
+        t0, c0 = time.perf_counter(), os.times()
+        yield
+        t1, c1 = time.perf_counter(), os.times()
+        own = c1.user + c1.system - c0.user - c0.system
+        kids = c1.children_user + c1.children_system - c0.children_user - c0.children_system
+        with open(os.environ["FEDHEAD_TEST_CPU"], "a") as f:
+            f.write(f"{t1 - t0:.2f}\t{own:.2f}\t{kids:.2f}\t{item.nodeid}\n")
+
+
 @pytest.fixture(scope="session")
 def tiny_store(tmp_path_factory):
     """10 classes, 40 train / 10 test samples per class, 16-dim non-negative features."""

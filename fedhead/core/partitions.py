@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-from scipy.special import betainc
 
 from fedhead.infra.errors import FedheadError, Interval, OneOf, param_error, unknown_name, validate
 from fedhead.infra.params import Param, doc_line  # the declared-parameter record shared with the head registry
@@ -411,6 +410,8 @@ def _first_client_chance(alpha: float, n_c: np.ndarray, k: int, min_size: int) -
     sizes, times = np.unique(n_c, return_counts=True)
     if k == 1 or m == 0 or len(sizes) * m * m > 1e7:
         return 1.0
+    from scipy.special import betainc  # imported here: scipy.special costs every command half a second to start
+
     a, b = alpha, (k - 1) * alpha
     dist, tail = np.eye(1, m)[0], 0.0  # P(size = j) for j < m, P(size >= m), over the classes so far
     for nc, r in zip(sizes, times):
