@@ -781,6 +781,18 @@ def speed_table(rec: dict):
         row(f"scale {name}: s/round", key, note=f"peak {rec.get(f'scale_{name}_peak_mb', 0):.0f} MB")
     for key in (k for k in rec if k.startswith("scale_") and "_vs_" in k):
         row(key.replace("_", " "), key, "{:.2f}x", "goal <= 1.5x")
+    _closed_form_rows(row, rec)
+    row("extraction images/s", "extract_images_per_sec", "{:.1f}")
+    row("forward images/s", "extract_forward_images_per_sec", "{:.1f}")
+    row("extraction / forward", "extract_fraction_of_forward", "{:.3f}")
+    if rec.get("extract_status", "ok") != "ok":
+        t.add_row("extraction", "-", rec["extract_status"])
+    t.add_row("load (1/5/15 min)", rec.get("bench_load_after", ""), "after; before " + rec["bench_load_before"])
+    return t
+
+
+def _closed_form_rows(row, rec: dict) -> None:
+    """The statistics exchange's rows of :func:`speed_table` (``row(label, key, fmt, note)`` adds one)."""
     row(
         "closed form: stream 1000 messages (s)",
         "closedform_stream_s",
@@ -816,13 +828,6 @@ def speed_table(rec: dict):
         "{:.2f}x",
         f"{rec.get('closedform_sim_bound64_s', 0):.2f} s at the float64 rate (the sums are float64)",
     )
-    row("extraction images/s", "extract_images_per_sec", "{:.1f}")
-    row("forward images/s", "extract_forward_images_per_sec", "{:.1f}")
-    row("extraction / forward", "extract_fraction_of_forward", "{:.3f}")
-    if rec.get("extract_status", "ok") != "ok":
-        t.add_row("extraction", "-", rec["extract_status"])
-    t.add_row("load (1/5/15 min)", rec.get("bench_load_after", ""), "after; before " + rec["bench_load_before"])
-    return t
 
 
 SCRATCH_COLUMNS = (
