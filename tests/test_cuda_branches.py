@@ -130,7 +130,12 @@ def _train(backend: str, epochs: int = 2, batch: int = 4, momentum: float = 0.9)
 def test_scratch_engine_under_bfloat16_autocast(monkeypatch):
     """The GPU's bfloat16 forward, run on CPU: both backends train and agree (the stacked layers' backward computes
     in the gradient's dtype and autograd casts it back), the weights stay float32, and one step's update is the
-    float32 one to bfloat16's precision (several steps would compound it: the check is of the arithmetic)."""
+    float32 one to bfloat16's precision (several steps would compound it: the check is of the arithmetic).
+
+    How closely the backends agree depends on the CPU's bfloat16 kernels: on an AVX-512 machine to 1e-6 after
+    several momentum steps; on an AVX2 one the batched and the per-member convolution round differently (one step:
+    1% of the update in the first layer, measured), which ten momentum steps compound to 10-25%. So the backends
+    are held to 2% after one step (a wrong backward is off by O(1)) and to each other's bfloat16 error after ten."""
     one_step = dict(epochs=1, batch=20, momentum=0.0)  # one plain SGD step per member: update = lr * gradient
     start, base = _train("vmap", **one_step)
     monkeypatch.setattr(E, "mixed_precision", lambda device: torch.bfloat16)
@@ -141,9 +146,25 @@ def test_scratch_engine_under_bfloat16_autocast(monkeypatch):
         assert not torch.equal(p, base.params[n]), n  # the forward did run in bfloat16
         err = float((p - start[n] - want).norm() / want.norm())
         assert err < 0.1, (n, err)  # measured 0.2-6% (bfloat16 keeps 8 bits); a wrong gradient is off by O(1)
+    _, step_loop = _train("loop", **one_step)
+    for n, p in step.params.items():
+        assert float((p - step_loop.params[n]).norm() / (p - start[n]).norm()) < 0.02, n
     _, mixed = _train("vmap")
     _, loop = _train("loop")
+    _, loop32 = _train_float32("loop")
     for n, p in mixed.params.items():
+        assert p.dtype == loop.params[n].dtype == torch.float32, n
         assert (p - start[n]).abs().amax() > 0, n
-        torch.testing.assert_close(p, loop.params[n], atol=1e-6, rtol=0, msg=n)
+        apart = float((p - loop.params[n]).norm())
+        assert apart <= 1e-6 or apart < 2 * float((loop.params[n] - loop32.params[n]).norm()), n
     assert torch.isfinite(mixed.loss).all()
+
+
+def _train_float32(backend: str):
+    """:func:`_train` with the float32 forward, whatever a test patched mixed_precision to."""
+    real = E.mixed_precision
+    try:
+        E.mixed_precision = lambda device: None
+        return _train(backend)
+    finally:
+        E.mixed_precision = real

@@ -20,6 +20,7 @@ from conftest import wait_for_pause
 from PIL import Image
 from test_extract import REPO, SIZE, TINY, make_imagefolder
 from typer.testing import CliRunner
+from zygote import fedhead_popen
 
 from extract import datasets as D
 from extract.run import KILL_ENV, PAUSE_ENV, extract_features
@@ -99,14 +100,17 @@ def reference(folders, tmp_path_factory):
         }
 
 
-def _popen(args: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+def _popen(args: list[str], env: dict | None = None, **kw):
+    e = {**os.environ, **ENV, **(env or {})}
+    if not kw:  # a real process forked from a pre-imported interpreter (tests/zygote.py); preexec_fn: a fresh one
+        return fedhead_popen(args, e, REPO)
     return subprocess.Popen(
         [sys.executable, "-m", "cli", *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, **ENV, **(env or {})},
+        env=e,
         **kw,
     )
 

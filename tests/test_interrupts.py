@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_for_pause
+from zygote import fedhead_popen
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {"FEDHEAD_THREADS": "1", "FEDHEAD_NO_PROGRESS": "1", "PYTHONPATH": str(REPO)}
@@ -20,8 +21,12 @@ PAUSE = "FEDHEAD_TEST_PAUSE_AFTER_ROUNDS"
 
 
 def _popen(args, env=None):
+    """A real `fedhead` process (forked from a pre-imported interpreter, tests/zygote.py); Flower's simulation in a
+    fresh interpreter (Ray's clean-up runs at the interpreter's exit)."""
     e = {**os.environ, **ENV, **(env or {})}
     e.pop("FEDHEAD_DEBUG", None)
+    if args[:2] != ["flower", "simulate"]:
+        return fedhead_popen(args, e, REPO)
     return subprocess.Popen(
         [sys.executable, "-m", "cli", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e
     )

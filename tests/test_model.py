@@ -250,11 +250,22 @@ def test_export_parity_with_predict_on_the_same_images(fmt, image_run, tmp_path)
         assert ex_paths == paths and names == list(m.classes_[want.argmax(1)])
     else:
         loaded = torch.jit.load(str(out))
-        with torch.no_grad():
-            logits, probs = (t.numpy() for t in loaded(torch.from_numpy(images)))
+        with torch.no_grad():  # in predict's batches: a convolution's rounding may follow the batch size
+            outs = [loaded(torch.from_numpy(images[i : i + m.batch_size])) for i in range(0, len(images), m.batch_size)]
+            logits, probs = (torch.cat(t).numpy() for t in zip(*outs))
     assert np.array_equal(logits.argmax(1), want.argmax(1))
-    if fmt == "torchscript":  # the same torch kernels as predict: the same logits bit for bit
-        assert np.array_equal(logits, want)
+    if fmt == "torchscript":  # the module fedhead export traced: the same logits bit for bit; predict's within
+        # float32 rounding (the head's product and the preprocessing group their operations differently, and which
+        # way rounds last depends on the CPU's kernels: equal bits on an AVX-512 machine, 1 ulp apart on AVX2)
+        from fedhead.federation.export import build_classifier, parse_size
+
+        with torch.no_grad():
+            clf = build_classifier(m, parse_size("12x12", m)).eval()
+            eager = [
+                clf(torch.from_numpy(images[i : i + m.batch_size]))[0] for i in range(0, len(images), m.batch_size)
+            ]
+        assert np.array_equal(logits, torch.cat(eager).numpy())
+        assert np.allclose(logits, want, rtol=1e-5, atol=1e-6 * float(np.abs(want).max()))
     else:  # onnxruntime's own kernels: float rounding apart
         assert np.allclose(logits, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
     assert np.allclose(probs.sum(1), 1, atol=1e-5)

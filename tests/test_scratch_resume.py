@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import cut_after, wait_for_pause
 from typer.testing import CliRunner
+from zygote import fedhead_popen
 
 import cli
 import fedhead.scratch.runner as R
@@ -128,11 +129,13 @@ def assert_same_run(a: Path, b: Path, seeds=(0, 1)) -> None:
     assert not (a / CHECKPOINT).exists() and not (b / CHECKPOINT).exists()
 
 
-def _popen(args: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+def _popen(args: list[str], env: dict | None = None, **kw):
     e = {**os.environ, **ENV}
     e.pop("FEDHEAD_DEBUG", None)
     e.pop(PAUSE, None)
     e.update(env or {})
+    if not kw:  # a real process forked from a pre-imported interpreter (tests/zygote.py); preexec_fn: a fresh one
+        return fedhead_popen(args, e, REPO)
     return subprocess.Popen(
         [sys.executable, "-m", "cli", *args],
         cwd=REPO,
