@@ -30,6 +30,22 @@ if os.environ.get("FEDHEAD_TEST_CPU"):  # where the suite's time goes: wall and 
 
 
 @pytest.fixture(scope="session")
+def shared_ray():
+    """One Ray for a worker's in-process ``flower simulate`` tests (the ``ray`` xdist group: one worker). Flower's
+    backend shuts Ray down after every run, and each start costs seconds of CPU; here the runs after the first reuse
+    it (fedhead and Flower start Ray only where none runs), and the worker shuts it down at the end."""
+    ray = pytest.importorskip("ray")
+    real = ray.shutdown
+    ray.shutdown = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        ray.shutdown = real
+        if ray.is_initialized():
+            real()
+
+
+@pytest.fixture(scope="session")
 def tiny_store(tmp_path_factory):
     """10 classes, 40 train / 10 test samples per class, 16-dim non-negative features."""
     from fedhead.core.synthetic import write_synthetic
