@@ -356,7 +356,8 @@ def check_data(cfg: ScratchConfig, data: ScratchData) -> None:
     partition (e.g. --shards-per-client with --distinct-labels), the label-noise map, and --split-layer against
     the model's weight layers."""
     rng = np.random.default_rng(cfg.seeds[0])
-    y = data.train_y[subsample(data.train_y, cfg.subset, rng)]
+    kept = subsample(data.train_y, cfg.subset, rng)
+    y = data.train_y[kept]
     if cfg.clients > len(y):
         raise param_error(
             "--clients",
@@ -371,7 +372,9 @@ def check_data(cfg: ScratchConfig, data: ScratchData) -> None:
             )
         sizes = [len(y) // 2, len(y) - len(y) // 2]
     else:
-        parts = create_partition(cfg.partition, y, cfg.clients, seed=cfg.seeds[0], **cfg.partition_params)
+        parts = create_partition(
+            cfg.partition, y, cfg.clients, seed=cfg.seeds[0], client_ids=data.clients_of(kept), **cfg.partition_params
+        )
         sizes = [len(p) for p in parts]
     if cfg.max_samples_per_client:
         sizes = [min(n, cfg.max_samples_per_client) for n in sizes]
@@ -467,7 +470,9 @@ def _setup(cfg: ScratchConfig, data: ScratchData, seed: int, device, log) -> Con
         info["gray_fraction_per_client"] = [float(np.isin(p, gray_tr).mean()) for p in parts]
         info["gray_fraction_test"] = float(len(gray_te) / max(len(y_test), 1))
     else:
-        parts = create_partition(cfg.partition, y_train, cfg.clients, seed=seed, **cfg.partition_params)
+        parts = create_partition(
+            cfg.partition, y_train, cfg.clients, seed=seed, client_ids=data.clients_of(tr), **cfg.partition_params
+        )
     if cfg.max_samples_per_client:
         parts = [
             np.sort(rng.choice(p, size=cfg.max_samples_per_client, replace=False))
