@@ -22,7 +22,7 @@ from fedhead.infra.errors import FedheadError
 TINY, SIZE = "test_efficientnet", 32
 CLASSES = ("ant", "bee", "cat")
 # client -> images per class (ant, bee, cat): unequal on purpose
-HOLDINGS = {"alice": (3, 1, 0), "bob": (0, 2, 2), "carol": (1, 0, 3)}
+HOLDINGS = {"alice": (3, 2, 0), "bob": (0, 2, 1), "carol": (1, 0, 3)}
 
 
 def _img(rng, c: int) -> Image.Image:
@@ -85,9 +85,9 @@ def _check_store(path: Path) -> None:
 def _check_natural_run(path: Path, out: Path) -> None:
     """--partition natural trains one client per recorded id: clients.csv shows the holdings."""
     res = fedhead.run(features=str(path), head="ridge", partition="natural", clients=3, out=str(out), plots=False)
-    rows = read_csv(out / "clients.csv")
-    sizes = sorted(int(r["size"]) for r in rows)
-    assert sizes == sorted(sum(v) for v in HOLDINGS.values())
+    rows = read_csv(out / "clients.csv")  # client k = the k-th name in sorted order: alice, bob, carol
+    got = [{int(c): int(n) for c, n in (kv.split(":") for kv in r["class_counts"].split())} for r in rows]
+    assert got == [{c: n for c, n in enumerate(v) if n} for v in HOLDINGS.values()]
     assert res.summary["partition"] == "natural" and res.summary["clients"] == 3
 
 
