@@ -254,3 +254,23 @@ def test_natural_partition_on_flower_matches_the_simulator(tiny_store, tmp_path)
     ids = load_store(tiny_store).train_clients
     assert [int(r["size"]) for r in read_csv(out / "clients.csv")] == np.bincount(ids, minlength=8).tolist()
     assert sim.summary["client_accuracy_worst10"] <= sim.summary["client_accuracy_mean"]
+
+
+def test_bench_baselines_runs_natural_and_reports_per_client_accuracy(tiny_store, tmp_path):
+    """`bench baselines --partition natural`: the report's per-client table holds each run's summary values."""
+    from typer.testing import CliRunner
+
+    import cli
+
+    out = tmp_path / "bl"
+    args = ["bench", "baselines", "--features", str(tiny_store), "--quick", "--clients", "8", "--methods", "ridge",
+            "--partition", "natural", "--out", str(out)]  # fmt: skip
+    r = CliRunner().invoke(cli.app, args)
+    assert r.exit_code == 0, r.output
+    rep = (out / "report.md").read_text()
+    section = rep.split("## Per-client accuracy (%)")[1].split("\n## ")[0]
+    for method in ("ridge",):
+        run = next(p for p in out.rglob("summary.json") if f"{method}--natural" in str(p))
+        s = json.loads(run.read_text())
+        want = " / ".join(f"{100 * s[k]:.1f}" for k in CLIENT_FIELDS[:3])
+        assert f"| {method} | {want} |" in section, (want, section)
