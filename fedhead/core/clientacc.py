@@ -13,8 +13,10 @@ from it (or that holds no sample) has no accuracy and is left out of the statist
 
 The cost: one pass of the test set through the head per evaluation (the matmul ``evaluate`` does anyway, giving
 the per-class correct counts), then one sparse product of the clients' proportions [K, C] (at most as many
-non-zeros as training samples) with acc_c: vectorised, no loop over clients (10,000 clients x 1,203 classes:
-:func:`client_accuracy` in about a millisecond).
+non-zeros as training samples) with acc_c: vectorised, no loop over clients. Measured at 10,000 clients x 1,203
+classes x 120,000 training samples (2 CPU cores, load average 15): :func:`client_accuracy` and :func:`client_summary`
+0.36 ms per evaluation; :func:`client_weights` once per run unit, 19 ms from sparse counts, 0.33 s from the dense
+int64 [K, C] counts the in-process census holds.
 
 Reported over the clients (unweighted: every client counts once): ``client_accuracy_mean``,
 ``client_accuracy_worst10`` (the mean of the worst 10% of clients, at least one client: ceil(K / 10)),
