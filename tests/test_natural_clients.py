@@ -114,6 +114,12 @@ def test_natural_clients_from_csv(tmp_path):
 def test_natural_clients_from_pattern(tmp_path):
     path = _extract(flat_tree(tmp_path / "data"), tmp_path / "s.h5", client_pattern=r"^(?P<client>[^_]+)_")
     _check_store(path)
+    from typer.testing import CliRunner
+
+    import cli
+
+    shown = CliRunner().invoke(cli.app, ["info", str(path)])
+    assert shown.exit_code == 0 and "3: alice, bob, carol" in shown.output and "train/clients" in shown.output
     _check_natural_run(path, tmp_path / "run")
     plain = _extract(tmp_path / "data", tmp_path / "plain.h5")  # the same images without clients: another store
     assert load_store(plain).train_clients is None and open_store(plain).client_names == []
