@@ -24,7 +24,7 @@ from fedhead.core.aggregate import aggregator_of
 from fedhead.core.clientacc import class_correct, client_accuracy, client_summary, client_weights
 from fedhead.core.closedform import is_closed_form
 from fedhead.core.dp import epsilon_schedule
-from fedhead.core.engine import evaluate
+from fedhead.core.engine import evaluate as overall_accuracy
 from fedhead.core.heads import create_head
 from fedhead.core.sampling import round_clients
 from fedhead.federation import rundir
@@ -49,6 +49,15 @@ def _stats_state(stats: FeatureStats) -> dict:
 def _stats_of(state: dict) -> FeatureStats:
     mean = None if state["mean"] is None else np.asarray(state["mean"])
     return FeatureStats(mean, state["scale"], state["up"], state["down"])
+
+
+def evaluate(theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, num_classes: int | None = None):
+    """The one evaluation of a head on the test split: its accuracy, or with ``num_classes`` the per-class correct
+    and total counts (:func:`fedhead.core.clientacc.class_correct`, one pass: the accuracy and the per-client
+    accuracy both come from them)."""
+    if num_classes is None:
+        return overall_accuracy(theta, x, y)
+    return class_correct(theta, x, y, num_classes)
 
 
 class HeadJob(Job):
@@ -147,7 +156,7 @@ class HeadJob(Job):
     def _evaluate(self) -> tuple[float, dict]:
         """The global head's test accuracy and, when the clients' label counts are known, the per-client accuracy
         fields (:mod:`fedhead.core.clientacc`), from one pass over the test split."""
-        correct, totals = class_correct(self.theta, self.xt, self.y_test, self.store.info.num_classes)
+        correct, totals = evaluate(self.theta, self.xt, self.y_test, self.store.info.num_classes)
         acc = int(correct.sum()) / max(1, len(self.y_test))
         if self.client_w is None:
             return acc, {}
