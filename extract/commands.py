@@ -52,6 +52,21 @@ def extract_cmd(
         "(truncated, not an image) instead of stopping; the store lists them under "
         "skipped/<split>.",
     ),
+    client_folders: bool = typer.Option(
+        False,
+        "--client-folders",
+        help="Natural clients: the image folder is train/<client>/<class>/<file> (recorded per training image, "
+        "for --partition natural).",
+    ),
+    clients_csv: Optional[Path] = typer.Option(
+        None, "--clients-csv", help="Natural clients from a CSV of rows 'file,client' (file relative to --data-dir)."
+    ),
+    client_pattern: Optional[str] = typer.Option(
+        None,
+        "--client-pattern",
+        help="Natural clients from each training file's name: a regex with a group 'client', e.g. "
+        "'^(?P<client>[^_]+)_'.",
+    ),
 ) -> None:
     """Encode a dataset with a frozen encoder into an HDF5 feature store (resumable)."""
     path = extract_features(
@@ -71,6 +86,9 @@ def extract_cmd(
         download=download,
         num_workers=num_workers,
         skip_corrupt=skip_corrupt,
+        client_folders=client_folders,
+        clients_csv=clients_csv,
+        client_pattern=client_pattern,
     )
     stdout_console().print(str(path), soft_wrap=True)
 
@@ -94,6 +112,9 @@ def info_table(info):
         t.add_row(k, " x ".join(str(s) for s in shape))
     names = ", ".join(info.class_names)
     t.add_row("class_names", f"{info.num_classes}: {names[:200]}{'...' if len(names) > 200 else ''}")
+    if info.client_names:
+        names = ", ".join(info.client_names)
+        t.add_row("client_names", f"{len(info.client_names)}: {names[:200]}{'...' if len(names) > 200 else ''}")
     for split, paths in info.skipped.items():
         more = f" ... ({len(paths)} in all)" if len(paths) > 3 else ""
         t.add_row(f"skipped/{split}", ", ".join(paths[:3]) + more)

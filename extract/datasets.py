@@ -59,6 +59,7 @@ class ImageSplit:
     paths: list[str] | None = None  # or image files
     rgb: bool = True
     meta: dict = field(default_factory=dict)
+    clients: np.ndarray | None = None  # each image's client name (extract.clients: --client-folders)
 
     def __len__(self) -> int:
         return int(len(self.labels))
@@ -83,6 +84,7 @@ class ImageSplit:
             paths=None if self.paths is None else [self.paths[i] for i in idx],
             rgb=self.rgb,
             meta=dict(self.meta),
+            clients=None if self.clients is None else self.clients[idx],
         )
 
 

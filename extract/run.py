@@ -44,6 +44,7 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
+from extract import clients as K
 from extract import datasets as D
 from extract.encoders import Encoder, load_encoder, preprocess_batch
 from extract.store import StoreWriter, open_store, partial_path, write_error
@@ -91,6 +92,29 @@ class Plan:
     channels_last: bool
     request: dict
     attrs: dict
+    clients: np.ndarray | None = None  # int64 [N train]: each training image's client id (natural clients)
+    client_names: list | None = None  # the names of the client ids
+
+
+def _load_splits(dataset, data_dir, splits, limit, download, sources: tuple) -> tuple[dict, tuple | None]:
+    """The (limited) splits and, with a client source (``sources`` = client folders, CSV, pattern), the training
+    images' client ids and names (:mod:`extract.clients`)."""
+    source = K.check_sources(*sources)
+    if source == "--client-folders" and dataset != "imagefolder":
+        raise FedheadError(
+            f"The '--client-folders' parameter needs --dataset imagefolder (train/<client>/<class>/ folders). "
+            f"Got --dataset {dataset} instead. Use --dataset imagefolder, or --clients-csv / --client-pattern."
+        )
+    if source == "--client-folders":
+        data = {s: K.client_folders(data_dir, s) for s in splits}
+    else:
+        data = {s: D.load_dataset(dataset, data_dir, s, download=download) for s in splits}
+    for s in splits:
+        if limit is not None:
+            data[s] = data[s].subset(D.select_limit(data[s].labels, limit))
+    if source is None or "train" not in data:
+        return data, None
+    return data, K.assign(data["train"], source, data_dir, sources[1], sources[2])
 
 
 def _autocast(device, precision: str):
@@ -118,8 +142,13 @@ def prepare(
     num_workers=None,
     splits=D.SPLITS,
     state_dict=None,
+    client_folders: bool = False,
+    clients_csv=None,
+    client_pattern: str | None = None,
 ) -> Plan:
-    """Validate every input, load the data and the encoder, and build the store request."""
+    """Validate every input, load the data and the encoder, and build the store request. With one of
+    ``client_folders``, ``clients_csv``, ``client_pattern`` the training images' clients are recorded too
+    (:mod:`extract.clients`)."""
     import torch
 
     validate("--batch-size", batch_size, Interval(1, None, integer=True))
@@ -133,10 +162,9 @@ def prepare(
         raise unknown_name("--dataset", dataset, D.DATASETS, "dataset")
     dev = resolve_device(device)
     threads = set_cpu_threads() if dev.type == "cpu" else 0
-    data = {s: D.load_dataset(dataset, data_dir, s, download=download) for s in splits}
-    for s in splits:
-        if limit is not None:
-            data[s] = data[s].subset(D.select_limit(data[s].labels, limit))
+    data, clients = _load_splits(
+        dataset, data_dir, splits, limit, download, (client_folders, clients_csv, client_pattern)
+    )
     enc = load_encoder(encoder, weights=weights, pretrained=pretrained, image_size=image_size, state_dict=state_dict)
     enc.model.to(dev)
     _, channels_last = transfers(dev)
@@ -172,6 +200,8 @@ def prepare(
         "class_names": class_names,
         "batch_size": batch_size,  # batch composition can change the last bits of the features
     }
+    if clients is not None:  # only then: the requests (and so the reuse) of stores without clients are unchanged
+        request["clients_sha256"] = K.identity(*clients)
     attrs = {
         "dataset": label,
         "dataset_loader": dataset,
@@ -203,7 +233,11 @@ def prepare(
         num_workers=num_workers,
         channels_last=channels_last,
         request=request,
-        attrs=attrs,
+        attrs={**attrs, "client_source": K.check_sources(client_folders, clients_csv, client_pattern) or "none"}
+        if clients is not None
+        else attrs,
+        clients=None if clients is None else clients[0],
+        client_names=None if clients is None else clients[1],
     )
 
 
@@ -465,6 +499,14 @@ def _writing(tmp: Path):
         raise write_error(tmp, exc) from None
 
 
+def _clients(plan: Plan, split: str, b: Batch) -> np.ndarray | None:
+    """The client ids of a batch's readable images (train split of a store with natural clients), else None."""
+    if plan.clients is None or split != "train":
+        return None
+    keep = np.setdiff1d(np.arange(b.start, b.start + b.read), [u.index for u in b.skipped])
+    return plan.clients[keep]
+
+
 class _Tally:
     """Source images consumed so far and in all (for the interrupt message)."""
 
@@ -492,6 +534,9 @@ def extract_features(
     progress: bool = True,
     state_dict=None,
     skip_corrupt: bool = False,
+    client_folders: bool = False,
+    clients_csv=None,
+    client_pattern: str | None = None,
 ) -> Path:
     """Encode the train and test splits of ``dataset`` with ``encoder`` into an HDF5 store; return its path.
 
@@ -553,6 +598,7 @@ def extract_features(
                 progress=progress,
                 state_dict=state_dict,
                 skip_corrupt=skip_corrupt,
+                clients=(client_folders, clients_csv, client_pattern),
             )
         except Interrupted as exc:
             if tally.total is None:
@@ -583,6 +629,7 @@ def _extract(
     progress,
     state_dict,
     skip_corrupt,
+    clients=(False, None, None),
 ) -> Path:
     plan = prepare(
         dataset,
@@ -599,6 +646,9 @@ def _extract(
         download=download,
         num_workers=num_workers,
         state_dict=state_dict,
+        client_folders=clients[0],
+        clients_csv=clients[1],
+        client_pattern=clients[2],
     )
     enc = plan.encoder
     if out is None:
@@ -623,6 +673,7 @@ def _extract(
                 class_names=plan.request["class_names"],
                 attrs=plan.attrs,
                 dtype=dtype,
+                client_names=plan.client_names,
             )
         with w:
             _reuse_threads(plan, w)
@@ -652,7 +703,7 @@ def _extract(
                         feats = encode(plan, b)
                         _check_finite(plan, split, b, feats)
                         with signals_deferred(), _writing(tmp):  # rows and counters: all or nothing
-                            w.append(split, feats, b.labels, [u.index for u in b.skipped])
+                            w.append(split, feats, b.labels, [u.index for u in b.skipped], _clients(plan, split, b))
                             tally.read += b.read
                         n += b.read
                         written += 1

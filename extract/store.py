@@ -5,6 +5,10 @@ Layout (format ``fedhead-features``, version 1)::
     /train/features      [N, D]  float16 (default) or float32, chunked (rows of 1024)
     /train/labels        [N]     int64
     /train/skipped_mask  [S]     uint8, one per source image: 1 = left out as unreadable (--skip-corrupt)
+    /train/clients       [N]     int64, optional: the natural client id of each training row (index into
+                                 /client_names), recorded at extraction (--client-folders, --clients-csv,
+                                 --client-pattern) and read by ``--partition natural``
+    /client_names        [K]     utf-8 strings, optional (with /train/clients): the name of client id k
     /test/...            the same for the test split
     /class_names         [C]     utf-8 strings
     /skipped/<split>     [K]     utf-8 paths of the source images left out as unreadable (usually empty)
@@ -15,7 +19,8 @@ Layout (format ``fedhead-features``, version 1)::
     /<split> attrs: n_done (rows written), n_read (source images consumed: rows + left out), n_skipped
 
 S is the number of source images of the split and N = S - K the rows (N = S unless images were left out).
-Stores written before ``skipped_mask``/``skipped`` existed lack them and read the same.
+Stores written before ``skipped_mask``/``skipped`` existed lack them and read the same; a store without
+``train/clients`` has no natural clients (every other partition reads it as before).
 
 A store is written under ``<out>.partial`` and renamed to ``<out>`` only when complete, so a file under
 the final name is always whole. Re-opening the ``.partial`` with the same request resumes at ``n_read``
@@ -189,6 +194,7 @@ class StoreWriter:
         class_names: list[str],
         attrs: dict[str, Any],
         dtype: str = "float16",
+        client_names: Sequence[str] | None = None,
     ):
         if dtype not in ("float16", "float32"):
             raise FedheadError(f"The '--dtype' parameter must be 'float16' or 'float32'. Got {dtype!r} instead.")
@@ -211,6 +217,7 @@ class StoreWriter:
                     and f.attrs.get("request") == req
                     and "class_names" in f
                     and all(s in f and "features" in f[s] and "labels" in f[s] for s in sizes)
+                    and (client_names is None) == ("clients" not in f.get("train", {}))
                 )
             except OSError:
                 f, same = None, False
@@ -221,10 +228,12 @@ class StoreWriter:
                     f.close()
                 self.tmp.unlink()
         if self.f is None:
-            text = len(req) + len(json.dumps(attrs, default=str)) + sum(len(n.encode()) + 16 for n in class_names)
-            check_room(self.tmp, store_bytes(sizes, feature_dim, dtype, text))
+            names = [*class_names, *(client_names or ())]
+            text = len(req) + len(json.dumps(attrs, default=str)) + sum(len(n.encode()) + 16 for n in names)
+            extra = 8 * sizes.get("train", 0) if client_names is not None else 0  # train/clients
+            check_room(self.tmp, store_bytes(sizes, feature_dim, dtype, text) + extra)
             with hdf5_io():
-                self.f = self._create(req, sizes, feature_dim, class_names, attrs, dtype)
+                self.f = self._create(req, sizes, feature_dim, class_names, attrs, dtype, client_names)
         try:
             reserve(self.tmp)
         except OSError:
@@ -239,6 +248,7 @@ class StoreWriter:
         class_names: list[str],
         attrs: dict[str, Any],
         dtype: str,
+        client_names: Sequence[str] | None = None,
     ):
         f = h5py.File(self.tmp, "w")
         f.attrs["format"] = FORMAT
@@ -265,6 +275,12 @@ class StoreWriter:
             g.create_dataset("skipped_mask", **_early((n,), (rows,), "uint8", fill=True))
             f.create_dataset(
                 f"skipped/{split}", shape=(0,), maxshape=(None,), chunks=(256,), dtype=h5py.string_dtype("utf-8")
+            )
+            if split == "train" and client_names is not None:
+                g.create_dataset("clients", **_early((n,), (rows,), "int64"))
+        if client_names is not None:
+            f.create_dataset(
+                "client_names", data=np.array(list(client_names), dtype=object), dtype=h5py.string_dtype("utf-8")
             )
         f.flush()
         return f
@@ -296,12 +312,24 @@ class StoreWriter:
             return np.zeros(0, dtype=np.int64)
         return np.flatnonzero(g["skipped_mask"][: self.n_read(split)]).astype(np.int64)
 
-    def append(self, split: str, features: np.ndarray, labels: np.ndarray, skipped: Sequence[int] = ()) -> None:
+    def append(
+        self,
+        split: str,
+        features: np.ndarray,
+        labels: np.ndarray,
+        skipped: Sequence[int] = (),
+        clients: np.ndarray | None = None,
+    ) -> None:
         """Write the next rows of ``split`` and record progress. The batch covers the next
         ``len(labels) + len(skipped)`` source images; ``skipped`` are the source indices among them that
-        were left out (unreadable images), ``features``/``labels`` the others, in order. The rows go in
-        first, then the counters, then the file is flushed: a kill loses at most the batch in flight."""
+        were left out (unreadable images), ``features``/``labels`` the others, in order; ``clients`` their
+        client ids (a store made with ``client_names``, train split). The rows go in first, then the counters,
+        then the file is flushed: a kill loses at most the batch in flight."""
         g = self.f[split]
+        if ("clients" in g) != (clients is not None):
+            raise ValueError(
+                f"{split}: client ids given {clients is not None}, the store records them {'clients' in g}"
+            )
         i, r = self.n_done(split), self.n_read(split)
         n, m = len(labels), len(labels) + len(skipped)
         if r + m > self.size(split):
@@ -310,6 +338,8 @@ class StoreWriter:
             if n:
                 g["features"][i : i + n] = features
                 g["labels"][i : i + n] = labels
+                if clients is not None:
+                    g["clients"][i : i + n] = clients
             if skipped or "skipped_mask" in g:  # every batch: a redone batch clears its old flags
                 flags = np.zeros(m, dtype=np.uint8)
                 flags[np.asarray(skipped, dtype=np.int64) - r] = 1
@@ -344,8 +374,8 @@ class StoreWriter:
                     )
                     d.resize((len(names[split]),))
                     d[:] = np.array(names[split], dtype=object)
-                for k in ("features", "labels"):
-                    if g[k].shape[0] != n:
+                for k in ("features", "labels", "clients"):
+                    if k in g and g[k].shape[0] != n:
                         _shrink(g, k, n)
             self.f.attrs.modify("n_skipped", sum(len(v) for v in left.values()))
             self.f.attrs.modify("content_sha256", _file_content_hash(self.f))
@@ -422,8 +452,13 @@ def write_store(
     attrs: dict[str, Any],
     dtype: str = "float32",
     request: dict | None = None,
+    train_clients: np.ndarray | None = None,
+    client_names: Sequence[str] | None = None,
 ) -> Path:
-    """Write a whole store from in-memory arrays (synthetic benchmarks, tests)."""
+    """Write a whole store from in-memory arrays (synthetic benchmarks, tests); ``train_clients`` (int ids into
+    ``client_names``, default ``client0``, ``client1``, ...) records a natural client per training row."""
+    if train_clients is not None and client_names is None:
+        client_names = [f"client{k}" for k in range(int(np.max(train_clients, initial=-1)) + 1)]
     sizes = {"train": len(train[1]), "test": len(test[1])}
     request = request or {"in_memory": True, **{k: v for k, v in attrs.items() if isinstance(v, (str, int, float))}}
     with StoreWriter(
@@ -434,8 +469,9 @@ def write_store(
         class_names=class_names,
         attrs=attrs,
         dtype=dtype,
+        client_names=client_names,
     ) as w:
-        w.append("train", train[0], train[1])
+        w.append("train", train[0], train[1], clients=None if train_clients is None else np.asarray(train_clients))
         w.append("test", test[0], test[1])
         return w.finish()
 
@@ -450,6 +486,7 @@ class StoreInfo:
     shapes: dict[str, tuple]
     class_names: list[str]
     skipped: dict[str, list[str]] = field(default_factory=dict)  # split -> images left out as unreadable
+    client_names: list[str] = field(default_factory=list)  # natural client ids (train/clients); empty: none recorded
 
     @property
     def num_classes(self) -> int:
@@ -478,6 +515,7 @@ class Features:
     test_x: np.ndarray
     test_y: np.ndarray
     extra: dict = field(default_factory=dict)
+    train_clients: np.ndarray | None = None  # int64 [N]: each training row's natural client id, None if not recorded
 
 
 def _decode(v: Any) -> Any:
@@ -537,6 +575,18 @@ def _check_layout(f: h5py.File, p: Path, param: str, attrs: dict, names: list[st
     declared = attrs.get("num_classes")
     if declared is not None and declared != len(names):
         raise _bad_store(param, p, f"num_classes attribute ({declared}) differs from its {len(names)} class names")
+    if "clients" in f["train"]:
+        c = f["train"]["clients"]
+        if c.shape != f["train"]["labels"].shape or not np.issubdtype(c.dtype, np.integer) or "client_names" not in f:
+            raise _bad_store(param, p, f"train/clients ({c.shape}, {c.dtype}) is not one integer client id per row")
+
+
+def _check_clients(p: Path, param: str, clients: np.ndarray, k: int) -> None:
+    """Client ids in [0, K) for the store's K client names."""
+    out = (clients < 0) | (clients >= k)
+    if out.any():
+        i = int(np.flatnonzero(out)[0])
+        raise _bad_store(param, p, f"train/clients hold {int(clients[i])} at row {i}, outside [0, {k}) client names")
 
 
 def _first_nonfinite(x: np.ndarray, start: int = 0) -> int | None:
@@ -617,7 +667,9 @@ def open_store(path: str | os.PathLike, param: str = "--features", check_values:
                 )
             names = _strings(f["class_names"])
             _check_layout(f, p, param, attrs, names)
-            shapes = {f"{s}/{k}": tuple(f[s][k].shape) for s in SPLITS for k in ("features", "labels")}
+            shapes = {f"{s}/{k}": tuple(f[s][k].shape) for s in SPLITS for k in ("features", "labels", "clients")
+                      if k in f[s]}  # fmt: skip
+            clients = _strings(f["client_names"]) if "clients" in f["train"] else []
             g = f.get("skipped", {})
             skipped = {s: _strings(g[s]) for s in [*[s for s in SPLITS if s in g], *[s for s in g if s not in SPLITS]]}
             if check_values:
@@ -634,6 +686,8 @@ def open_store(path: str | os.PathLike, param: str = "--features", check_values:
                         None,
                     )
                     _check_values(p, param, s, None, f[s]["labels"][()], len(names), attrs, bad)
+                if clients:
+                    _check_clients(p, param, f["train"]["clients"][()], len(clients))
     except FedheadError:
         raise
     except (OSError, KeyError) as exc:
@@ -642,7 +696,12 @@ def open_store(path: str | os.PathLike, param: str = "--features", check_values:
             f"feature store ({exc}). Re-create it with 'fedhead extract --overwrite'."
         ) from None
     return StoreInfo(
-        path=p, attrs=attrs, shapes=shapes, class_names=names, skipped={s: v for s, v in skipped.items() if v}
+        path=p,
+        attrs=attrs,
+        shapes=shapes,
+        class_names=names,
+        skipped={s: v for s, v in skipped.items() if v},
+        client_names=clients,
     )
 
 
@@ -658,8 +717,16 @@ def load_store(path: str | os.PathLike, param: str = "--features") -> Features:
                 np.asarray(f[s]["features"][()], dtype=np.float32),
                 np.asarray(f[s]["labels"][()], dtype=np.int64),
             )
+        clients = np.asarray(f["train"]["clients"][()], dtype=np.int64) if info.client_names else None
     for s in SPLITS:
         _check_values(info.path, param, s, arrs[s][0], arrs[s][1], info.num_classes, info.attrs)
+    if clients is not None:
+        _check_clients(info.path, param, clients, len(info.client_names))
     return Features(
-        info=info, train_x=arrs["train"][0], train_y=arrs["train"][1], test_x=arrs["test"][0], test_y=arrs["test"][1]
+        info=info,
+        train_x=arrs["train"][0],
+        train_y=arrs["train"][1],
+        test_x=arrs["test"][0],
+        test_y=arrs["test"][1],
+        train_clients=clients,
     )

@@ -88,6 +88,9 @@ def synth_cmd(
     dim: int = typer.Option(256, help="feature dimension"),
     spread: float = typer.Option(2.2, help="within-class spread (higher = harder)"),
     seed: int = typer.Option(0, help="seed"),
+    natural_clients: int = typer.Option(
+        0, "--natural-clients", help="record K natural client ids (each class's own Dirichlet(0.5) mix over clients)"
+    ),
     probe: bool = typer.Option(True, "--probe/--no-probe", help="report the IID logistic-regression probe"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing file at --out"),
 ):
@@ -99,6 +102,7 @@ def synth_cmd(
         dim=dim,
         spread=spread,
         seed=seed,
+        natural_clients=natural_clients,
     )
     check_out(out)
     sizes = dict(
@@ -108,6 +112,7 @@ def synth_cmd(
         dim=dim,
         spread=spread,
         seed=seed,
+        natural_clients=natural_clients,
     )
     with exclusive_writer(out, repr(str(out))):
         if (out.exists() or out.is_symlink()) and not overwrite and _same_synthetic(out, sizes):

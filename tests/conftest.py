@@ -47,12 +47,21 @@ def shared_ray():
 
 @pytest.fixture(scope="session")
 def tiny_store(tmp_path_factory):
-    """10 classes, 40 train / 10 test samples per class, 16-dim non-negative features."""
+    """10 classes, 40 train / 10 test samples per class, 16-dim non-negative features; 8 natural clients recorded
+    (``--partition natural --clients 8``; every other partition reads the store as if it had none)."""
     from fedhead.core.synthetic import write_synthetic
 
     path = tmp_path_factory.mktemp("stores") / "tiny.h5"
     return write_synthetic(
-        path, num_classes=10, train_per_class=40, test_per_class=10, dim=16, latent=8, spread=1.0, seed=0
+        path,
+        num_classes=10,
+        train_per_class=40,
+        test_per_class=10,
+        dim=16,
+        latent=8,
+        spread=1.0,
+        seed=0,
+        natural_clients=8,
     )
 
 

@@ -134,6 +134,14 @@ CASES = [
     Case(EXTRACT_ENC, "--out {storecopy}", "'--out'"),
     Case(EXTRACT_ENC, "--out {full}", "'--out'"),
     Case(EXTRACT_ENC, "--out {under_file}", "'--out'"),
+    Case(EXTRACT, "--client-pattern abc", "'--client-pattern'", name="pattern without a group 'client'"),
+    Case(EXTRACT, "--client-pattern (?P<client>", "'--client-pattern'", name="pattern not a regex"),
+    Case(EXTRACT, "--client-pattern ^zzz(?P<client>.)", "'--client-pattern'", name="pattern matching no file"),
+    Case(EXTRACT, "--clients-csv {missing}", "'--clients-csv'"),
+    Case(EXTRACT, "--clients-csv {text}", "'--clients-csv'", name="clients CSV without the images' rows"),
+    Case(EXTRACT, "--client-folders", "client folders", name="--client-folders on a flat image folder"),
+    Case(EXTRACT, "--client-folders --client-pattern (?P<client>.)", "'--client-pattern'", name="two client sources"),
+    Case(EXTRACT.replace("imagefolder", "digits"), "--client-pattern (?P<client>.)", "'--client-pattern'"),
     # ---- info
     Case("info", "{missing}", "does not exist"),
     Case("info", "{text}", "not a readable fedhead feature store"),
@@ -149,6 +157,7 @@ CASES = [
     Case("info", "{labels}", "outside"),
     Case("info", "", "STORE", name="no STORE argument"),
     # ---- train: the store
+    Case(TRAIN, "--partition natural", "'--partition'", name="natural on a store without client ids"),
     Case(TRAIN, "--features {missing}", "does not exist"),
     Case(TRAIN, "--features {notimgs}", "'--features'"),
     Case(TRAIN, "--features {text}", "'--features'"),
@@ -295,6 +304,8 @@ CASES = [
     Case(TRAIN, "--out {file}", "'--out'"),
     Case(TRAIN, "--out {under_file}", "'--out'"),
     # ---- synth
+    Case(SYNTH, "--natural-clients -1", "'--natural-clients'"),
+    Case(SYNTH, "--natural-clients 5", "'--natural-clients'", name="more natural clients than samples"),
     Case(SYNTH, "--num-classes 1", "'--num-classes'"),
     Case(SYNTH, "--num-classes 0", "'--num-classes'"),
     Case(SYNTH, "--train-per-class 0", "'--train-per-class'"),
@@ -322,6 +333,7 @@ CASES = [
     Case(SCRATCH, "--dataset bogus", "'--dataset'"),
     Case(SCRATCH, "--model bogus", "'--model'"),
     Case(SCRATCH, "--partition bogus", "'--partition'"),
+    Case(SCRATCH, "--partition natural", "'--partition'", name="natural on images without clients"),
     Case(SCRATCH, "--optimizer bogus", "'--optimizer'"),
     Case(SCRATCH, "--backend bogus", "'--backend'"),
     Case(DNC, "--divergence bogus", "'--divergence'"),
@@ -572,6 +584,7 @@ CASES = [
     Case(PAPERS, "--out {under_file}", "'--out'"),
     # ---- flower simulate (Flower's run_simulation stand-in; must not be reached)
     Case(SIMULATE, "--clients 0", "'--clients'"),
+    Case(SIMULATE, "--partition natural", "'--partition'", name="natural on a store without client ids"),
     Case(SIMULATE, "--rounds 0", "'--rounds'"),
     Case(SIMULATE, "--participation 1.5", "'--participation'"),
     Case(SIMULATE, "--noise symmetric --noise-rate 1.0", "'--noise-rate'"),

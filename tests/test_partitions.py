@@ -34,7 +34,8 @@ def data():
 
 def make(name, data, seed=0, k=K, **params):
     labels, feats = data
-    return create_partition(name, labels, k, seed=seed, features=feats, **params)
+    ids = np.random.default_rng(7).permutation(np.arange(N) % k)  # natural: k recorded clients
+    return create_partition(name, labels, k, seed=seed, features=feats, client_ids=ids, **params)
 
 
 def test_registry_has_spec_partitions():
@@ -62,7 +63,10 @@ def test_contract(name, data):
     again = make(name, data)
     assert all(np.array_equal(a, b) for a, b in zip(parts, again))
     other = make(name, data, seed=1)
-    assert not all(np.array_equal(a, b) for a, b in zip(parts, other))
+    if PARTITIONS[name].needs_clients:  # natural: the recorded clients, whatever the seed
+        assert all(np.array_equal(a, b) for a, b in zip(parts, other))
+    else:
+        assert not all(np.array_equal(a, b) for a, b in zip(parts, other))
     d = describe_partition(parts, labels, C)
     assert d["samples_used"] == N and d["num_clients"] == K
     cc = class_counts(parts, labels, C)

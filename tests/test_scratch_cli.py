@@ -319,6 +319,36 @@ def test_kws_end_to_end(tmp_path):
     check_rundir(out, 2)
 
 
+@pytest.mark.skipif(not KWS.exists(), reason="shared Speech Commands copy not present")
+def test_kws_speakers_are_the_natural_clients(tmp_path):
+    """--partition natural on Speech Commands: one client per training speaker (the file-name prefix)."""
+    import re
+
+    from fedhead.scratch.data import load_dataset, subsample
+
+    base = ["fedavg", "--dataset", "speech-commands", "--data-dir", KWS, "--partition", "natural", "--subset", 200,
+            "--test-subset", 50, "--participation", 0.1, "--rounds", 1, "--local-epochs", 1]  # fmt: skip
+    data = load_dataset("speech-commands", KWS)
+    kept = subsample(data.train_y, 200, __import__("numpy").random.default_rng(0))
+    speakers = {data.client_names[i] for i in data.train_clients[kept]}
+    assert all(re.fullmatch("[0-9a-f]{8}", s) for s in speakers) and len(data.client_names) == 139
+    res = run(*base, "--clients", 1, "--out", tmp_path / "bad")
+    assert res.exit_code != 0 and f"Use --clients {len(speakers)}." in res.output, res.output
+    res = run(*base, "--clients", len(speakers), "--seeds", "0,1", "--out", tmp_path / "bad")  # 2 subsets
+    assert res.exit_code != 0 and "'--subset' parameter" in res.output and "for seed 1" in res.output, res.output
+    out = tmp_path / "kws"
+    res = run(*base, "--clients", len(speakers), "--out", out)
+    assert res.exit_code == 0, res.output
+    sizes = sorted(int(r["size"]) for r in rows_of(out / "clients.csv"))
+    want = __import__("numpy").unique(data.train_clients[kept], return_counts=True)[1]
+    assert sizes == sorted(want.tolist())
+
+
+def rows_of(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [

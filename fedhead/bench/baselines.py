@@ -156,6 +156,7 @@ def _sections(results: list[CellResult], names: list[str], plabels: list[str], c
         _central_ratio_table(by, names, plabels, common),
         _best_ceiling_table(by, names, plabels),
         _accuracy_table(by, names, plabels),
+        _client_accuracy_table(by, names, plabels),
         _to_99_table(by, names, plabels),
         _iid_cost_table(by, names, plabels),
         "\n".join(["## Methods", "", md_table(["method", "what"], [[m, METHODS[m][0]] for m in names]), ""]),
@@ -216,6 +217,23 @@ def _accuracy_table(by: dict[tuple, CellResult], names: list[str], plabels: list
             md_table(["method"] + plabels + ["central"], rows),
             "",
         ]
+    )
+
+
+def _client_accuracy_table(by: dict[tuple, CellResult], names: list[str], plabels: list[str]) -> str:
+    """Per-client accuracy of each method's final head: the mean over clients, and the worst and best 10%."""
+    keys = ("client_accuracy_mean", "client_accuracy_worst10", "client_accuracy_best10")
+
+    def cell(r: CellResult) -> str:
+        stats = [Stat.of([v for v in r.per_seed(k) if v is not None]) for k in keys]
+        return " / ".join(s.fmt(100, 1) for s in stats)
+
+    return _section(
+        "## Per-client accuracy (%): mean / worst 10% / best 10% of clients, final round",
+        "Each client's accuracy on test samples in its own training label proportions (FedABC's personalised "
+        "protocol, applied to the global head: sum_c p_k(c) acc_c; docs/heads-methods-partitions.md).",
+        ["method"] + plabels,
+        [[m] + [cell(by[(m, p)]) for p in plabels] for m in names],
     )
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "create_partition",
     "class_counts",
     "describe_partition",
+    "natural_clients",
 ]
 
 
@@ -44,20 +45,29 @@ class PartitionSpec:
     fn: Callable  # fn(labels, num_clients, rng, features=None, **params) -> list[np.ndarray]
     params: list[Param] = field(default_factory=list)
     needs_features: bool = False  # True if fn needs the cached features (kmeans)
+    needs_clients: bool = False  # True if fn needs each sample's recorded client id (natural)
     doc: str = ""  # first line of the function's docstring
 
 
 PARTITIONS: dict[str, PartitionSpec] = {}
 
 
-def register_partition(name: str, *params: Param, needs_features: bool = False) -> Callable:
-    """Decorator: register ``fn`` as partition ``name`` with its declared parameters."""
+def register_partition(
+    name: str, *params: Param, needs_features: bool = False, needs_clients: bool = False
+) -> Callable:
+    """Decorator: register ``fn`` as partition ``name`` with its declared parameters. ``needs_clients``: ``fn`` is
+    called with ``client_ids=`` (each sample's recorded client id) instead of drawing clients."""
 
     def deco(fn: Callable) -> Callable:
         if name in PARTITIONS:
             raise ValueError(f"partition {name!r} registered twice")
         PARTITIONS[name] = PartitionSpec(
-            name=name, fn=fn, params=list(params), needs_features=needs_features, doc=doc_line(fn)
+            name=name,
+            fn=fn,
+            params=list(params),
+            needs_features=needs_features,
+            needs_clients=needs_clients,
+            doc=doc_line(fn),
         )
         return fn
 
@@ -116,12 +126,14 @@ def create_partition(
     *,
     seed: int,
     features: np.ndarray | None = None,
+    client_ids: np.ndarray | None = None,
     **params: Any,
 ) -> list[np.ndarray]:
     """Partition the training indices ``0..len(labels)-1`` among ``num_clients`` clients.
 
     Returns ``num_clients`` int64 arrays, each sorted ascending, pairwise disjoint; identical for the same
-    seed and parameters.
+    seed and parameters. ``client_ids`` (int [N]: each sample's client recorded in the store) is what a partition
+    registered with ``needs_clients`` (``natural``) reads; the others ignore it.
     """
     spec = _spec(name)
     kw = resolve_partition_params(name, **params)
@@ -152,11 +164,42 @@ def create_partition(
         features = np.asarray(features)
         if features.ndim != 2 or features.shape[0] != n:
             raise FedheadError(f"Partition {name} needs features of shape [{n}, d]; got {features.shape}.")
+    extra = {"client_ids": check_client_ids(name, client_ids, n, num_clients)} if spec.needs_clients else {}
     rng = np.random.default_rng(int(seed))
-    parts = spec.fn(labels, num_clients, rng, features=features, **kw)
+    parts = spec.fn(labels, num_clients, rng, features=features, **kw, **extra)
     parts = [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
     _check_contract(name, parts, n, num_clients)
     return parts
+
+
+def natural_clients(client_ids: np.ndarray | None) -> int:
+    """The number of natural clients of a store's ``train/clients`` ids (0 if none are recorded)."""
+    return 0 if client_ids is None or not len(client_ids) else int(np.asarray(client_ids).max()) + 1
+
+
+def check_client_ids(name: str, client_ids: np.ndarray | None, n: int, num_clients: int) -> np.ndarray:
+    """The recorded client ids a ``needs_clients`` partition reads: refused in one line when the store has none, or
+    when ``--clients`` is not their number."""
+    if client_ids is None:
+        raise FedheadError(
+            f"The '--partition' parameter {name} needs the client of each training sample, which this store does "
+            "not record. Re-extract it with --client-folders, --clients-csv or --client-pattern (fedhead extract), "
+            "or choose another --partition."
+        )
+    ids = np.asarray(client_ids)
+    if ids.shape != (n,) or not np.issubdtype(ids.dtype, np.integer) or (n and ids.min() < 0):
+        raise FedheadError(
+            f"Partition {name} needs one client id >= 0 per sample ([{n}]); got {ids.shape} {ids.dtype}."
+        )
+    k = natural_clients(ids)
+    if num_clients != k:
+        raise param_error(
+            "--clients",
+            num_clients,
+            f"must be the number of clients the store records ({k}) with --partition {name}",
+            f"Use --clients {k}.",
+        )
+    return ids.astype(np.int64, copy=False)
 
 
 def _check_contract(name: str, parts: list[np.ndarray], n: int, k: int) -> None:
@@ -555,6 +598,14 @@ def zipf(labels, num_clients, rng, features=None, *, zipf_s, min_size):
         sizes[np.argsort(-(quota - sizes), kind="stable")[:rem]] += 1
     sizes += min_size
     return np.split(rng.permutation(n), np.cumsum(sizes)[:-1])
+
+
+@register_partition("natural", needs_clients=True)
+def natural(labels, num_clients, rng, features=None, *, client_ids):
+    """One client per client id recorded in the store at extraction (folders, a CSV or a file-name pattern):
+    client k holds the samples of id k (--clients must equal the number of ids). Every index is used exactly once;
+    the seed plays no part."""
+    return _group_by_owner(np.asarray(client_ids, dtype=np.int64), num_clients)
 
 
 @register_partition("kmeans", needs_features=True)

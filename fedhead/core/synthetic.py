@@ -42,10 +42,36 @@ def make_features(
     return draw(train_per_class), draw(test_per_class)
 
 
+def natural_client_ids(labels: np.ndarray, num_clients: int, seed: int, alpha: float = 0.5) -> np.ndarray:
+    """Synthetic natural clients (``fedhead synth --natural-clients K``): each training row's client drawn from its
+    class's own Dirichlet(``alpha``) mix over the K clients (so the clients' label mixes differ), with one row of a
+    seeded permutation given to each client first so that none is empty. Seeded by ``seed`` alone."""
+    rng = np.random.default_rng([seed, 1])
+    labels = np.asarray(labels)
+    mix = rng.dirichlet(np.full(num_clients, alpha), size=int(labels.max()) + 1)  # [C, K]
+    cum = np.cumsum(mix, axis=1)
+    ids = (rng.random(len(labels))[:, None] > cum[labels]).sum(1).clip(0, num_clients - 1)
+    ids[rng.permutation(len(labels))[:num_clients]] = np.arange(num_clients)
+    return ids.astype(np.int64)
+
+
 def validate_synthetic(
-    *, num_classes: int, train_per_class: int, test_per_class: int, dim: int, spread: float, seed: int
+    *,
+    num_classes: int,
+    train_per_class: int,
+    test_per_class: int,
+    dim: int,
+    spread: float,
+    seed: int,
+    natural_clients: int = 0,
 ) -> None:
     """The options of a synthetic store (``fedhead synth``, ``fedhead bench flower``), checked before writing."""
+    validate(
+        "--natural-clients",
+        natural_clients,
+        Interval(0, num_classes * train_per_class, integer=True),
+        "Use 0 (no client ids) up to the training samples (--num-classes x --train-per-class).",
+    )
     validate("--num-classes", num_classes, Interval(2, None, integer=True))
     validate("--train-per-class", train_per_class, Interval(1, None, integer=True))
     validate("--test-per-class", test_per_class, Interval(1, None, integer=True))
@@ -55,10 +81,20 @@ def validate_synthetic(
 
 
 def synthetic_request(
-    *, num_classes: int, train_per_class: int, test_per_class: int, dim: int, latent: int, spread: float, seed: int
+    *,
+    num_classes: int,
+    train_per_class: int,
+    test_per_class: int,
+    dim: int,
+    latent: int,
+    spread: float,
+    seed: int,
+    natural_clients: int = 0,
 ) -> dict:
-    """What determines a synthetic store's content (its ``request`` attribute)."""
+    """What determines a synthetic store's content (its ``request`` attribute; ``natural_clients`` only when > 0, so
+    the stores without client ids keep their request)."""
     return {
+        **({"natural_clients": natural_clients} if natural_clients else {}),
         "synthetic": True,
         "num_classes": num_classes,
         "train_per_class": train_per_class,
@@ -81,7 +117,10 @@ def write_synthetic(
     spread: float = 2.2,
     seed: int = 0,
     dtype: str = "float32",
+    natural_clients: int = 0,
 ) -> Path:
+    """Write a synthetic store (:func:`make_features`); ``natural_clients`` > 0 records that many natural clients
+    (:func:`natural_client_ids`) for ``--partition natural``."""
     (trx, try_), (tex, tey) = make_features(
         num_classes, train_per_class, test_per_class, dim, latent=latent, spread=spread, seed=seed
     )
@@ -101,6 +140,7 @@ def write_synthetic(
         latent=latent,
         spread=spread,
         seed=seed,
+        natural_clients=natural_clients,
     )
     return write_store(
         out,
@@ -110,6 +150,7 @@ def write_synthetic(
         attrs=attrs,
         dtype=dtype,
         request=request,
+        train_clients=natural_client_ids(try_, natural_clients, seed) if natural_clients else None,
     )
 
 

@@ -97,6 +97,7 @@ def build_federation(store: Features, cfg: TrainConfig, seed: int, partition: st
         cfg.clients,
         seed=seed,
         features=store.train_x if PARTITIONS[partition].needs_features else None,
+        client_ids=store.train_clients,
         **pparams,
     )
     client_labels = [store.train_y[p] for p in parts]

@@ -307,7 +307,8 @@ FIELD_LIST: list[Field] = [
         "partition",
         str,
         "iid",
-        "how the training set is split: iid | shard | dirichlet | bernoulli-dirichlet | zipf | kmeans",
+        "how the training set is split: iid | shard | dirichlet | bernoulli-dirichlet | zipf | kmeans | natural "
+        "(one client per client id the store records; --clients = their number)",
         DATA,
         constraint=Names("partition"),
     ),

@@ -21,9 +21,10 @@ import torch
 
 from extract.store import Features
 from fedhead.core.aggregate import aggregator_of
+from fedhead.core.clientacc import class_correct, client_accuracy, client_summary, client_weights
 from fedhead.core.closedform import is_closed_form
 from fedhead.core.dp import epsilon_schedule
-from fedhead.core.engine import evaluate
+from fedhead.core.engine import evaluate as overall_accuracy
 from fedhead.core.heads import create_head
 from fedhead.core.sampling import round_clients
 from fedhead.federation import rundir
@@ -50,6 +51,15 @@ def _stats_of(state: dict) -> FeatureStats:
     return FeatureStats(mean, state["scale"], state["up"], state["down"])
 
 
+def evaluate(theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, num_classes: int | None = None):
+    """The one evaluation of a head on the test split: its accuracy, or with ``num_classes`` the per-class correct
+    and total counts (:func:`fedhead.core.clientacc.class_correct`, one pass: the accuracy and the per-client
+    accuracy both come from them)."""
+    if num_classes is None:
+        return overall_accuracy(theta, x, y)
+    return class_correct(theta, x, y, num_classes)
+
+
 class HeadJob(Job):
     """See the module docstring. ``store`` is the server's store (its test split is evaluated); ``transport``
     reaches the clients."""
@@ -65,6 +75,8 @@ class HeadJob(Job):
         self.fields = ROUND_FIELDS + list(transport.extra_fields)
         self.extendable = not closed and transport.name == "simulation"
         self.y_test = torch.as_tensor(store.test_y, device=self.device)
+        self.test_totals = np.bincount(store.test_y, minlength=store.info.num_classes)[: store.info.num_classes]
+        self.client_w = None  # the unit's clients' label proportions (per-client accuracy), None if unknown
         variants = [("main", cfg.partition, cfg.partition_params)]
         if cfg.iid_reference:
             variants = variants + [("iid", "iid", {})] if cfg.partition != "iid" else [("main", "iid", {})]
@@ -89,6 +101,8 @@ class HeadJob(Job):
         part, params = self.variants[name]
         census = self.transport.begin(seed, part, params, _stats_of(saved["census"]) if saved else None)
         self._census(unit, census)
+        counts = census.counts  # none with secure aggregation: no per-client accuracy then
+        self.client_w = None if counts is None else client_weights(np.asarray(counts), self.test_totals)
         self.stats = census.stats
         self.xt = prepare(self.store.test_x, census.stats, self.device)
         if cfg.central_reference and name == "main" and str(seed) not in self.central:
@@ -134,10 +148,19 @@ class HeadJob(Job):
         else:
             row = self._train(sel, seed, rnd, extra_up, stats_bytes)
         evaluated = rnd % cfg.eval_every == 0 or rnd == self.rounds
-        acc = evaluate(self.theta, self.xt, self.y_test) if evaluated else float("nan")
+        acc, clients = self._evaluate() if evaluated else (float("nan"), {})
         part = self.variants[name][0]
         return {"seed": seed, "round": rnd, "accuracy": acc, **row, "ratio_to_iid": None, "run": name,
-                "partition": part, **self.privacy.get(rnd, {})}  # fmt: skip
+                "partition": part, **self.privacy.get(rnd, {}), **clients}  # fmt: skip
+
+    def _evaluate(self) -> tuple[float, dict]:
+        """The global head's test accuracy and, when the clients' label counts are known, the per-client accuracy
+        fields (:mod:`fedhead.core.clientacc`), from one pass over the test split."""
+        correct, totals = evaluate(self.theta, self.xt, self.y_test, self.store.info.num_classes)
+        acc = int(correct.sum()) / max(1, len(self.y_test))
+        if self.client_w is None:
+            return acc, {}
+        return acc, client_summary(client_accuracy(self.client_w, correct, totals))
 
     def _exchange(self, sel, seed: int, extra_up: int, stats_bytes: int) -> dict:
         """Round 1 of a closed-form head or an --init start: the clients' statistics summed, the server's solve."""
@@ -190,7 +213,8 @@ class HeadJob(Job):
                 self.head, self.theta, cal.pooled, cfg, seed, self.xt, self.y_test, rnd, cfg.clients, cal.bytes_up,
                 cal.client_s,
             )  # fmt: skip
-            extra.append({"seed": seed, **row, "run": name, "partition": self.variants[name][0], **cal.extra})
+            extra.append({"seed": seed, **row, "run": name, "partition": self.variants[name][0], **cal.extra,
+                          **self._evaluate()[1]})  # fmt: skip
             self.transport.after_round(seed, rnd, self.rounds, extra[-1])
         correct = int(round(evaluate(self.theta, self.xt, self.y_test) * len(self.y_test)))
         kept = {"head": self.theta.detach().cpu().clone(), "stats": _stats_state(self.stats), "correct": correct}

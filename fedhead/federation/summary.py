@@ -6,6 +6,7 @@ import numpy as np
 
 from fedhead import __version__
 from fedhead.core.central import first_reach
+from fedhead.core.clientacc import CLIENT_FIELDS
 from fedhead.core.closedform import is_closed_form
 from fedhead.core.dp import epsilon_schedule, summary_fields
 from fedhead.federation.config import TrainConfig
@@ -60,6 +61,10 @@ def summarize(rows: list[dict], cfg: TrainConfig, realised: dict, wall_s: float,
         if main[-1].get("stage") == "ccvr" and len(main) > 1:
             rec["uncalibrated_accuracy"] = main[-2]["accuracy"]
         rec["mb_per_client"] = float(sum(r["bytes_up_per_client"] for r in main)) / 1e6
+        for k in CLIENT_FIELDS:  # the last evaluated round's per-client accuracy (fedhead.core.clientacc)
+            got = [r[k] for r in main if r.get(k) is not None and r[k] == r[k]]
+            if got:
+                rec[k] = got[-1]
         per_seed.append(rec)
     summary = {
         "head": cfg.head,
@@ -86,6 +91,7 @@ def summarize(rows: list[dict], cfg: TrainConfig, realised: dict, wall_s: float,
         "mb_per_client_to_99_central",
         "uncalibrated_accuracy",
         "mb_per_client",
+        *CLIENT_FIELDS,
     ]
     for k in keys:
         vals = [r.get(k) for r in per_seed]

@@ -61,7 +61,14 @@ def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:
         )
     OptimConfig(name=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum)
     if not PARTITIONS[cfg.partition].needs_features:  # cheap: catches shard/dirichlet errors before writing
-        create_partition(cfg.partition, store.train_y, cfg.clients, seed=cfg.seeds[0], **cfg.partition_params)
+        create_partition(
+            cfg.partition,
+            store.train_y,
+            cfg.clients,
+            seed=cfg.seeds[0],
+            client_ids=store.train_clients,
+            **cfg.partition_params,
+        )
     if cfg.noise != "none":  # catches a missing asymmetric map before the run starts
         apply_noise(
             cfg.noise,
@@ -84,17 +91,20 @@ def _validated(cfg: TrainConfig, store: Features | None) -> tuple[TrainConfig, F
     info = open_store(cfg.features)
     with h5py.File(info.path, "r") as f:
         y = np.asarray(f["train"]["labels"][()], dtype=np.int64)
+        clients = np.asarray(f["train"]["clients"][()], dtype=np.int64) if info.client_names else None
     if y.size and (y.min() < 0 or y.max() >= info.num_classes):  # load_store refuses them, naming the store's rows
         store = load_store(cfg.features)
         return validate_config(cfg, store), store
-    cfg = validate_config(cfg, labels_store(y, info.class_names, info.dataset))
+    cfg = validate_config(cfg, labels_store(y, info.class_names, info.dataset, clients))
     return cfg, load_store(cfg.features)
 
 
-def labels_store(train_y: np.ndarray, class_names: list[str], dataset: str = "") -> Features:
-    """A stand-in store that holds only training labels (no features, no test split): enough for
-    :func:`validate_config` before the real store exists (``fedhead demo`` and ``fedhead bench flower``
-    validate their runs before the slow or written part)."""
+def labels_store(
+    train_y: np.ndarray, class_names: list[str], dataset: str = "", train_clients: np.ndarray | None = None
+) -> Features:
+    """A stand-in store that holds only training labels (and natural client ids, if any; no features, no test
+    split): enough for :func:`validate_config` before the real store exists (``fedhead demo`` and ``fedhead bench
+    flower`` validate their runs before the slow or written part)."""
     y = np.asarray(train_y, dtype=np.int64)
     info = StoreInfo(path=Path(""), attrs={"dataset": dataset}, shapes={}, class_names=list(class_names))
     return Features(
@@ -103,6 +113,7 @@ def labels_store(train_y: np.ndarray, class_names: list[str], dataset: str = "")
         train_y=y,
         test_x=np.zeros((0, 0), np.float32),
         test_y=np.zeros(0, np.int64),
+        train_clients=train_clients,
     )
 
 

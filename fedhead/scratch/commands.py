@@ -47,7 +47,8 @@ MODEL_OPT = typer.Option(
 PARTITION_OPT = typer.Option(
     None,
     "--partition",
-    help="iid | shard | dirichlet | bernoulli-dirichlet | zipf | color-skew (default per algorithm).",
+    help="iid | shard | dirichlet | bernoulli-dirichlet | zipf | color-skew | natural (speech-commands: one client "
+    "per training speaker) (default per algorithm).",
 )
 SHARDS_PER_CLIENT_OPT = typer.Option(
     None, "--shards-per-client", help="shard: s (labels per client with --distinct-labels, i.e. non-IID-l)."

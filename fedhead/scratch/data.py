@@ -37,6 +37,15 @@ class ScratchData:
     std: tuple
     input_kind: str  # "image" or "mfcc"
     info: dict = field(default_factory=dict)
+    train_clients: np.ndarray | None = None  # int64 [N]: each training sample's natural client (speech: speaker)
+    client_names: list = field(default_factory=list)  # the names of those ids
+
+    def clients_of(self, idx: np.ndarray) -> np.ndarray | None:
+        """The natural client ids of training samples ``idx``, renumbered 0 .. K-1 over the clients they hold (a
+        subset may drop some), or None if the dataset records none (``--partition natural``)."""
+        if self.train_clients is None:
+            return None
+        return np.unique(self.train_clients[idx], return_inverse=True)[1].astype(np.int64)
 
     @property
     def num_classes(self) -> int:
@@ -275,7 +284,8 @@ def _read_wav(path: Path) -> np.ndarray:
 @register_dataset(
     "speech-commands",
     "Speech Commands, the 10 command words (<data-dir>/<word>/*.wav, 16 kHz), "
-    "as 50x16 MFCCs; test = 20% of speakers (hash of the speaker id)",
+    "as 50x16 MFCCs; test = 20% of speakers (hash of the speaker id); the training speakers are its natural "
+    "clients (--partition natural)",
 )
 def _speech(root: Path, cache: Path) -> ScratchData:
     missing = [w for w in KWS_WORDS if not (root / w).is_dir()]
@@ -285,6 +295,8 @@ def _speech(root: Path, cache: Path) -> ScratchData:
             f"{', '.join(missing)} in {str(root)!r}."
         )
     path = cache / f"kws-{_cache_key(root, 'mfcc50x16')}.npz"
+    # the speaker of every clip, in the order of the clips below (file names: <speaker>_nohash_<n>.wav)
+    speakers = np.array([p.name.split("_")[0] for w in KWS_WORDS for p in sorted((root / w).glob("*.wav"))])
     if path.exists():
         z = np.load(path)
         feats, ys, test = z["x"], z["y"], z["test"]
@@ -305,6 +317,7 @@ def _speech(root: Path, cache: Path) -> ScratchData:
                 np.savez(f, x=feats, y=ys, test=test)
     x = torch.from_numpy(feats).unsqueeze(1)  # [N, 1, 50, 16]
     tr = ~test
+    names, ids = np.unique(speakers[tr], return_inverse=True)
     mean, std = float(x[torch.from_numpy(tr)].mean()), float(x[torch.from_numpy(tr)].std())
     return ScratchData(
         "speech-commands",
@@ -317,6 +330,8 @@ def _speech(root: Path, cache: Path) -> ScratchData:
         (std,),
         "mfcc",
         {"mfcc": "50 frames x 16 coefficients"},
+        train_clients=ids.astype(np.int64) if len(speakers) == len(ys) else None,
+        client_names=[str(n) for n in names],
     )
 
 

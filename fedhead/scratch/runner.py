@@ -350,13 +350,31 @@ def share_size(beta: float, sizes) -> int:
     return int(round(beta * float(np.mean(sizes)))) if len(sizes) else 0
 
 
+def _natural_per_seed(cfg: ScratchConfig, data: ScratchData) -> None:
+    """--partition natural with --subset: every seed's subset must hold --clients natural clients (the subset is
+    drawn per seed)."""
+    if data.train_clients is None or cfg.partition != "natural" or not cfg.subset:
+        return
+    for seed in cfg.seeds[1:]:
+        ids = data.clients_of(subsample(data.train_y, cfg.subset, np.random.default_rng(seed)))
+        if int(ids.max()) + 1 != cfg.clients:
+            raise param_error(
+                "--subset",
+                cfg.subset,
+                f"holds {int(ids.max()) + 1} natural clients for seed {seed}, {cfg.clients} for seed {cfg.seeds[0]} "
+                "(the subset is drawn per seed)",
+                "Use one seed, or leave --subset out with --partition natural.",
+            )
+
+
 def check_data(cfg: ScratchConfig, data: ScratchData) -> None:
     """The checks of a resolved ``cfg`` that need the dataset, run before anything is written (the same steps
     as :func:`_setup` on the labels only, for the first seed): the clients against the training samples, the
     partition (e.g. --shards-per-client with --distinct-labels), the label-noise map, and --split-layer against
     the model's weight layers."""
     rng = np.random.default_rng(cfg.seeds[0])
-    y = data.train_y[subsample(data.train_y, cfg.subset, rng)]
+    kept = subsample(data.train_y, cfg.subset, rng)
+    y = data.train_y[kept]
     if cfg.clients > len(y):
         raise param_error(
             "--clients",
@@ -371,8 +389,11 @@ def check_data(cfg: ScratchConfig, data: ScratchData) -> None:
             )
         sizes = [len(y) // 2, len(y) - len(y) // 2]
     else:
-        parts = create_partition(cfg.partition, y, cfg.clients, seed=cfg.seeds[0], **cfg.partition_params)
+        parts = create_partition(
+            cfg.partition, y, cfg.clients, seed=cfg.seeds[0], client_ids=data.clients_of(kept), **cfg.partition_params
+        )
         sizes = [len(p) for p in parts]
+        _natural_per_seed(cfg, data)
     if cfg.max_samples_per_client:
         sizes = [min(n, cfg.max_samples_per_client) for n in sizes]
     if cfg.share_fraction and share_size(cfg.share_fraction, sizes) < 1:
@@ -467,7 +488,9 @@ def _setup(cfg: ScratchConfig, data: ScratchData, seed: int, device, log) -> Con
         info["gray_fraction_per_client"] = [float(np.isin(p, gray_tr).mean()) for p in parts]
         info["gray_fraction_test"] = float(len(gray_te) / max(len(y_test), 1))
     else:
-        parts = create_partition(cfg.partition, y_train, cfg.clients, seed=seed, **cfg.partition_params)
+        parts = create_partition(
+            cfg.partition, y_train, cfg.clients, seed=seed, client_ids=data.clients_of(tr), **cfg.partition_params
+        )
     if cfg.max_samples_per_client:
         parts = [
             np.sort(rng.choice(p, size=cfg.max_samples_per_client, replace=False))
