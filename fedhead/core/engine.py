@@ -508,6 +508,7 @@ class ClientSet:
         return np.array([len(p) for p in self.parts], dtype=np.int64)
 
 
+DUAL_PAD = 1.25  # a dual block's largest client at most this many times its smallest (rows padded to the largest)
 DEFAULT_TILE_MB = 256.0  # CPU: optimizer state (head, gradient, two moments) of one tile of clients
 
 
@@ -650,14 +651,17 @@ class Engine:
         C, d1, B, E = self.data.num_classes, self.data.x.shape[1], self.local.batch_size, self.local.plan_epochs
         sizes = np.array([len(self.data.parts[k]) for k in clients])
         budget = self.memory_budget_mb * 2**20
-        blocks, cur = [], []
+        blocks, cur, first = [], [], 0
         for j in np.argsort(sizes, kind="stable"):
             n = int(sizes[j])
             cols = E * (self.local.steps or -(-n // B)) * B
             per = dual_client_bytes(n, d1, C, cols, scaffold)
-            if cur and ((len(cur) + 1) * per > budget or len(cur) == (self.block_clients_given or len(clients))):
+            full = (len(cur) + 1) * per > budget or len(cur) == (self.block_clients_given or len(clients))
+            if cur and (full or n > max(8, DUAL_PAD * first)):  # bounded padding: a block's sizes within 1.25x
                 blocks.append(cur)
                 cur = []
+            if not cur:
+                first = n
             cur.append(int(clients[j]))
         return blocks + [cur]
 
@@ -676,9 +680,16 @@ class Engine:
         ids = np.asarray(block, dtype=np.int64)[order]
         for j, k in enumerate(ids):
             part = data.parts[k]
-            # the engine's plan over local positions: client_plan draws a permutation of range(n) either way
-            pos[j], msk[j], uu[j], _ = local_plan(np.arange(len(part)), seed, rnd, int(k), self.local, S * B)
-            rows[j, : len(part)], valid[j, : len(part)] = part, True
+            m = len(part)
+            rows[j, :m], valid[j, :m] = part, True
+            if self.local.steps:  # the engine's plan over local positions (a permutation of range(n) either way)
+                pos[j], msk[j], uu[j], _ = local_plan(np.arange(m), seed, rnd, int(k), self.local, S * B)
+                continue
+            msk[j, :, :m] = 1.0
+            for e in range(E):  # client_plan's draws, written in place (the same generator and calls)
+                rng = np.random.default_rng([seed, rnd, int(k), e])
+                pos[j, e, :m] = rng.permutation(m)
+                uu[j, e, :m] = rng.random(m, dtype=np.float32)
         rows_t, valid_t = torch.from_numpy(rows).to(dev), torch.from_numpy(valid).to(dev)
         X = data.x.index_select(0, rows_t.view(-1)).view(K, n, -1).mul_(valid_t[..., None].to(data.x.dtype))
         y = data.y.index_select(0, rows_t.view(-1)).view(K, n)
