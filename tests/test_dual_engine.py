@@ -132,3 +132,29 @@ def test_bad_dual_mode_is_refused():
     data = toy()
     with pytest.raises(FedheadError, match="--dual"):
         Engine(data, create_head("ova2"), OptimConfig(name="sgd"), LocalConfig(), dual="always")
+
+
+def test_cross_device_bench_child_smoke():
+    """``fedhead bench speed``'s cross-device row on a tiny shape, in-process: both heads' rounds ran, mostly in the
+    dual form, and the statistics exchange was timed; the table prints the row."""
+    import json
+
+    from fedhead.bench.speed import cross_device_speed, speed_table
+
+    shape = dict(classes=6, per_class=5, dim=8, clients=10, alpha=0.1, threads=1)
+    it = cross_device_speed(dict(shape, part="iterative"))
+    cf = cross_device_speed(dict(shape, part="closedform"))
+    assert it["crossdevice_samples"] == 30
+    for head in ("ova2", "softmax"):
+        assert it[f"crossdevice_{head}_s_per_round"] > 0
+        assert 0 < it[f"crossdevice_{head}_dual_clients"] <= 10  # clients of at most 4 samples (2 n <= D+1 = 9)
+    assert it["crossdevice_ova2_round1_s"] > 0 and it["crossdevice_peak_mb"] > 0
+    assert cf["crossdevice_closedform_s"] > 0 and cf["crossdevice_closedform_peak_mb"] > 0
+    rec = dict(it, **cf, bench_quick=True, bench_device="cpu", bench_load_before="0")
+    rec["crossdevice_ova2_vs_closedform"] = rec["crossdevice_ova2_s_per_round"] / rec["crossdevice_closedform_s"]
+    json.dumps(rec)
+    from rich.console import Console
+
+    con = Console(record=True, width=250)
+    con.print(speed_table(rec))
+    assert "cross-device: ova2 s/round" in con.export_text()
