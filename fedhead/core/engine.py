@@ -24,6 +24,10 @@ Heads differ only in the loss they hand the engine (:mod:`fedhead.core.heads`). 
 client after another with ``torch.optim`` and autograd, as research code does; both backends use the same
 batch plan, so they give the same global head to float tolerance (tested).
 
+With SGD, a client whose samples are few against the feature dimension trains in the dual form instead
+(:mod:`fedhead.core.dual`: its head as ``a theta + U^T X_k``, coefficients on its own rows; ``dual="auto"``):
+:meth:`Engine.run_round` splits the round's clients between the two forms and adds both to the same aggregate.
+
 FedProx and SCAFFOLD are keyword options of :meth:`Engine.run_round` (both backends). FedProx adds
 ``(mu/2) ||W - theta||^2`` (the whole head, bias column included) to each client's objective: the vectorized
 backend adds ``mu (W - theta)`` to the gradient before the optimizer step, the loop backend adds the term to the
