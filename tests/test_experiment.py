@@ -135,6 +135,7 @@ def _sample(f):
         "asym_map": "cyclic",
         "noise_dataset": "cifar10",
         "backend": "loop",
+        "dual": "auto",
         "device": "cpu",
         "seeds": [0, 42],
         "fedabc_margins": "0.8,0.2,0.3",

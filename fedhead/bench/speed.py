@@ -316,6 +316,89 @@ def _simulator_exchange(centers, K: int, n: int, rng) -> dict:
     return {"closedform_sim_accumulate_s": t1 - t0, "closedform_sim_s": t2 - t0}
 
 
+# ---------------------------------------------------------------- cross-device shape (child process)
+
+# iNaturalist-Users-120k's shape (Fed3R, FedCOF): 1,203 classes x 100 samples, 1,280 dims, 10,000 clients of a
+# Dirichlet(0.1) partition (--min-size 0), the default recipe (SGD, 3 epochs, batch 50, fedavg)
+CROSS_DEVICE = dict(classes=1203, per_class=100, dim=1280, clients=10_000, alpha=0.1)
+CROSS_DEVICE_QUICK = dict(classes=20, per_class=20, dim=64, clients=100, alpha=0.1)
+
+
+def _cross_device_data(cfg: dict):
+    """The cross-device federation: random non-negative features (speed does not depend on their values)."""
+    import numpy as np
+    import torch
+
+    C, D, K = cfg["classes"], cfg["dim"], cfg["clients"]
+    N = C * cfg["per_class"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.empty(N, D + 1)
+    x[:, :D] = torch.randn(N, D, generator=g).abs_()
+    x[:, D] = 1.0
+    y = np.arange(N) % C
+    t0 = time.perf_counter()
+    parts = create_partition("dirichlet", y, K, seed=0, alpha=cfg["alpha"], min_size=0)
+    part_s = time.perf_counter() - t0
+    return ClientSet(x=x, y=torch.as_tensor(y), parts=parts, counts=class_counts(parts, y, C), num_classes=C), part_s
+
+
+def cross_device_speed(cfg: dict) -> dict:
+    """One round of ova2 (stage 1, then stage 2 timed) and of softmax with the default recipe at the cross-device
+    shape (``part="iterative"``), or the statistics exchange of ridge at the same shape (``part="closedform"``:
+    every client's Gram and class sums streamed and the solve). Keys are prefixed ``crossdevice_``."""
+    import numpy as np
+    import torch
+
+    threads = set_cpu_threads(cfg.get("threads"))
+    flush_denormals()
+    data, part_s = _cross_device_data(cfg)
+    sel = np.arange(cfg["clients"])
+    rec = {"crossdevice_threads": threads, "crossdevice_partition_s": part_s}
+    if cfg["part"] == "closedform":
+        x = data.x[:, :-1]
+        t0 = time.perf_counter()
+        acc = accumulate(x, data.y, data.parts, data.num_classes, gram=True, cof=False)
+        theta = create_head("ridge").solve(acc)
+        rec["crossdevice_closedform_s"] = time.perf_counter() - t0
+        rec["crossdevice_closedform_peak_mb"] = _peak_rss_mb()
+        assert torch.isfinite(theta).all()
+        return rec
+    optim = OptimConfig(name="sgd", lr=0.01, weight_decay=1e-4, momentum=0.9)  # the default recipe
+    theta0 = torch.zeros(data.num_classes, data.x.shape[1])
+    for head, rounds in (("ova2", (1, 2)), ("softmax", (1,))):
+        eng = Engine(data, create_head(head), optim, LocalConfig(3, 50), dual=cfg.get("dual", "auto"))
+        theta = theta0
+        for r in rounds:
+            t0 = time.perf_counter()
+            theta, st = eng.run_round(theta, sel, 0, r, "fedavg")
+            rec[f"crossdevice_{head}_round{r}_s"] = time.perf_counter() - t0
+            assert torch.isfinite(theta).all()
+        rec[f"crossdevice_{head}_s_per_round"] = rec[f"crossdevice_{head}_round{rounds[-1]}_s"]
+        rec[f"crossdevice_{head}_dual_clients"] = st.dual_clients
+    rec["crossdevice_samples"] = int(sum(len(p) for p in data.parts))
+    rec["crossdevice_largest_client"] = int(max(len(p) for p in data.parts))
+    rec["crossdevice_peak_mb"] = _peak_rss_mb()
+    return rec
+
+
+def measure_cross_device(*, quick: bool, threads: Optional[int], progress=None) -> dict:
+    """The cross-device row: the iterative rounds and the statistics exchange, each in its own child (own peak)."""
+    shape = CROSS_DEVICE_QUICK if quick else CROSS_DEVICE
+    rec = {f"crossdevice_{k}": v for k, v in shape.items()}
+    for part in ("iterative", "closedform"):
+        if progress:
+            progress(
+                f"cross-device {part}: {shape['clients']} clients x {shape['classes']} classes x {shape['dim']} dims"
+            )
+        rec.update(run_child(dict(shape, threads=threads, crossdevice=True, part=part)))
+    for head in ("ova2", "softmax"):
+        rec[f"crossdevice_{head}_vs_closedform"] = (
+            rec[f"crossdevice_{head}_s_per_round"] / rec["crossdevice_closedform_s"]
+        )
+    rec["crossdevice_load"] = _load()
+    return rec
+
+
 # ---------------------------------------------------------------- the scratch engine (fedhead scratch)
 
 # model -> (algorithm, dataset) whose protocol it is timed at: members per round (clients x participation), batch
@@ -530,6 +613,7 @@ def run_child(cfg: dict, timeout: float = 900) -> dict:
     if p.returncode != 0 or not lines:
         tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
         what = f"model {cfg['model']}" if cfg.get("scratch") else f"{cfg.get('clients')} clients"
+        what += f" ({cfg['part']})" if cfg.get("crossdevice") else ""
         raise FedheadError(f"speed benchmark child for {what} failed: {tail}")
     return json.loads(lines[-1])
 
@@ -557,10 +641,12 @@ def measure_speed(
     scratch_models=None,
     scratch_repeat: int = 3,
     scratch_nets=(),
+    cross_device: bool = True,
     progress=None,
 ) -> dict:
     """All measurements; returns the flat record written to ``speed.json``. ``heads``: the head trainer and the
-    closed-form statistics; ``scratch``: the scratch engine against its loop (CPU), one row per model."""
+    closed-form statistics; ``cross_device``: with ``heads``, one round at iNaturalist-Users-120k's shape
+    (:data:`CROSS_DEVICE`); ``scratch``: the scratch engine against its loop (CPU), one row per model."""
     rec: dict = {"bench_quick": quick, "bench_device": device, "bench_load_before": _load()}
     if heads:
         rec.update(
@@ -574,6 +660,8 @@ def measure_speed(
                 progress=progress,
             )
         )
+        if cross_device:
+            rec.update(measure_cross_device(quick=quick, threads=threads, progress=progress))
     elif extraction:
         if progress:
             progress("extraction")
@@ -782,6 +870,7 @@ def speed_table(rec: dict):
     for key in (k for k in rec if k.startswith("scale_") and "_vs_" in k):
         row(key.replace("_", " "), key, "{:.2f}x", "goal <= 1.5x")
     _closed_form_rows(row, rec)
+    _cross_device_rows(row, rec)
     row("extraction images/s", "extract_images_per_sec", "{:.1f}")
     row("forward images/s", "extract_forward_images_per_sec", "{:.1f}")
     row("extraction / forward", "extract_fraction_of_forward", "{:.3f}")
@@ -827,6 +916,29 @@ def _closed_form_rows(row, rec: dict) -> None:
         "closedform_sim_vs_bound64",
         "{:.2f}x",
         f"{rec.get('closedform_sim_bound64_s', 0):.2f} s at the float64 rate (the sums are float64)",
+    )
+
+
+def _cross_device_rows(row, rec: dict) -> None:
+    """The cross-device rows of :func:`speed_table` (``row(label, key, fmt, note)`` adds one)."""
+    for head in ("ova2", "softmax"):
+        row(
+            f"cross-device: {head} s/round",
+            f"crossdevice_{head}_s_per_round",
+            "{:.2f}",
+            f"{rec.get('crossdevice_clients')} clients x {rec.get('crossdevice_classes')} classes x "
+            f"{rec.get('crossdevice_dim')} dims, Dirichlet {rec.get('crossdevice_alpha')}; "
+            f"{rec.get(f'crossdevice_{head}_dual_clients')} clients in the dual form; "
+            f"{rec.get(f'crossdevice_{head}_vs_closedform', float('nan')):.1f}x the statistics exchange; goal <= 15 s",
+        )
+    row("cross-device: ova2 round 1 (stage 1) s", "crossdevice_ova2_round1_s", "{:.2f}")
+    row("cross-device: peak MB", "crossdevice_peak_mb", "{:.0f}", "both heads' rounds; goal < 6144")
+    row(
+        "cross-device: ridge statistics exchange (s)",
+        "crossdevice_closedform_s",
+        "{:.2f}",
+        f"every client's Gram streamed + solve; peak {rec.get('crossdevice_closedform_peak_mb', 0):.0f} MB; "
+        f"load {rec.get('crossdevice_load')}",
     )
 
 
@@ -966,6 +1078,12 @@ def speed_cmd(
         "--scratch-net",
         help="Also time the engine with this formulation: member | grouped | vmap (repeat for several).",
     ),
+    cross_device: bool = typer.Option(
+        True,
+        "--cross-device/--no-cross-device",
+        help="With the head trainer, one round of ova2 and softmax (default recipe) at iNaturalist-Users-120k's shape "
+        "(10,000 clients, 1,203 classes, 1,280 dims) against ridge's statistics exchange at that shape.",
+    ),
     ceiling: bool = typer.Option(
         True,
         "--ceiling/--no-ceiling",
@@ -1009,6 +1127,7 @@ def speed_cmd(
         scratch_models=scratch_model or None,
         scratch_repeat=scratch_repeat,
         scratch_nets=tuple(scratch_net or ()),
+        cross_device=cross_device,
         progress=lambda s: err.print(f"[bold]bench speed[/]: {s}"),
     )
     if ceiling:
@@ -1029,5 +1148,13 @@ def speed_cmd(
 
 if __name__ == "__main__":
     _cfg = json.loads(sys.argv[1])
-    _fn = closed_form_speed if _cfg.get("closedform") else scratch_speed if _cfg.get("scratch") else run_config
+    _fn = (
+        closed_form_speed
+        if _cfg.get("closedform")
+        else cross_device_speed
+        if _cfg.get("crossdevice")
+        else scratch_speed
+        if _cfg.get("scratch")
+        else run_config
+    )
     print(json.dumps(_fn(_cfg)), flush=True)

@@ -24,6 +24,10 @@ Heads differ only in the loss they hand the engine (:mod:`fedhead.core.heads`). 
 client after another with ``torch.optim`` and autograd, as research code does; both backends use the same
 batch plan, so they give the same global head to float tolerance (tested).
 
+With SGD, a client whose samples are few against the feature dimension trains in the dual form instead
+(:mod:`fedhead.core.dual`: its head as ``a theta + U^T X_k``, coefficients on its own rows; ``dual="auto"``):
+:meth:`Engine.run_round` splits the round's clients between the two forms and adds both to the same aggregate.
+
 FedProx and SCAFFOLD are keyword options of :meth:`Engine.run_round` (both backends). FedProx adds
 ``(mu/2) ||W - theta||^2`` (the whole head, bias column included) to each client's objective: the vectorized
 backend adds ``mu (W - theta)`` to the gradient before the optimizer step, the loop backend adds the term to the
@@ -46,7 +50,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedhead.core.aggregate import Accumulator, Aggregator
+from fedhead.core.aggregate import Accumulator, Aggregator, FedAvg, Grouped
+from fedhead.core.dual import (
+    DUAL_MODES,
+    DualBatchPlan,
+    DualProblem,
+    dual_client_bytes,
+    dual_pays,
+    train_dual,
+)
 from fedhead.core.heads import Head, LossContext
 from fedhead.infra.devices import flush_denormals
 from fedhead.infra.errors import FedheadError, OneOf, validate
@@ -92,6 +104,7 @@ class RoundStats:
     clients: int = 0
     compute_s: float = 0.0  # wall seconds spent training (all blocks)
     server_s: float = 0.0  # wall seconds spent aggregating
+    dual_clients: int = 0  # clients trained in the dual form (fedhead.core.dual); the others in the primal form
 
 
 @dataclass(eq=False)
@@ -499,6 +512,7 @@ class ClientSet:
         return np.array([len(p) for p in self.parts], dtype=np.int64)
 
 
+DUAL_PAD = 1.25  # a dual block's largest client at most this many times its smallest (rows padded to the largest)
 DEFAULT_TILE_MB = 256.0  # CPU: optimizer state (head, gradient, two moments) of one tile of clients
 
 
@@ -519,8 +533,12 @@ class Engine:
         tile_mb: float = DEFAULT_TILE_MB,
         fused: bool | None = None,
         closed_form: bool = True,
+        dual: str = "auto",
     ):
         validate("--backend", backend, OneOf(BACKENDS))
+        validate("--dual", dual, OneOf(DUAL_MODES))
+        self.dual = dual
+        self.memory_budget_mb = memory_budget_mb
         self.data, self.head, self.optim, self.local, self.backend = data, head, optim, local, backend
         self.device = data.x.device
         C, D1 = data.num_classes, data.x.shape[1]
@@ -540,6 +558,7 @@ class Engine:
             fixed = 0
         auto = max(1, int((memory_budget_mb * 2**20 - fixed) // per_client))
         self.block_clients = block_clients or auto
+        self.block_clients_given = block_clients
         self.fused = fused  # None: torch's fused kernel where it runs
         self.closed_form = closed_form and callable(getattr(head, "loss_and_grad", None))
         self._work: dict = {}  # workspace reused across blocks and rounds
@@ -569,6 +588,10 @@ class Engine:
         acc = Accumulator(aggregator, theta, seed=seed, rnd=rnd, sampled=len(selected))
         stats = RoundStats()
         active = [int(k) for k in selected if len(self.data.parts[k]) > 0]
+        dual = set(self.dual_clients(active))
+        for block in self.dual_blocks([k for k in active if k in dual], scaffold is not None):
+            self._dual_block(theta, block, seed, rnd, prox_mu, scaffold, acc, stats)
+        active = [k for k in active if k not in dual]
         for b in range(0, len(active), self.block_clients):
             block = active[b : b + self.block_clients]
             t0 = time.perf_counter()
@@ -611,6 +634,113 @@ class Engine:
         if self.device.type == "cpu":
             flush_denormals()
         return self._block(theta, block, seed, rnd, False, prox_mu, scaffold)
+
+    def dual_clients(self, clients) -> list[int]:
+        """The clients of ``clients`` that train in the dual form (:mod:`fedhead.core.dual`): with the vectorized
+        backend and SGD, all (``dual="on"``), none (``"off"``) or those it pays for (``"auto"``: ``2 n_k <= D+1``,
+        :func:`fedhead.core.dual.dual_pays`). AdamW is not closed under the dual form: always primal."""
+        if self.backend != "vectorized" or self.optim.name != "sgd" or self.dual == "off":
+            return []
+        sizes = [len(self.data.parts[k]) for k in clients]
+        if self.dual == "on":
+            return [k for k, n in zip(clients, sizes) if n > 0]
+        d1 = self.data.x.shape[1]
+        return [k for k, n in zip(clients, sizes) if dual_pays(n, d1)]
+
+    def dual_blocks(self, clients, scaffold: bool = False) -> list[list[int]]:
+        """Blocks of dual clients, smallest first, each padded to its largest client within ``memory_budget_mb``
+        (``block_clients``, when given, caps a block's clients)."""
+        if not clients:
+            return []
+        C, d1, B, E = self.data.num_classes, self.data.x.shape[1], self.local.batch_size, self.local.plan_epochs
+        sizes = np.array([len(self.data.parts[k]) for k in clients])
+        budget = self.memory_budget_mb * 2**20
+        blocks, cur, first = [], [], 0
+        for j in np.argsort(sizes, kind="stable"):
+            n = int(sizes[j])
+            cols = E * (self.local.steps or -(-n // B)) * B
+            per = dual_client_bytes(n, d1, C, cols, scaffold)
+            full = (len(cur) + 1) * per > budget or len(cur) == (self.block_clients_given or len(clients))
+            if cur and (full or n > max(8, DUAL_PAD * first)):  # bounded padding: a block's sizes within 1.25x
+                blocks.append(cur)
+                cur = []
+            if not cur:
+                first = n
+            cur.append(int(clients[j]))
+        return blocks + [cur]
+
+    def _dual_plan(self, block, seed, rnd) -> tuple[list[int], DualProblem, DualBatchPlan]:
+        """A dual block's clients sorted by steps (longest first), their padded rows and batch plan."""
+        dev, B, E, data = self.device, self.local.batch_size, self.local.plan_epochs, self.data
+        sizes = np.array([len(data.parts[k]) for k in block])
+        steps = np.full(len(block), self.local.steps) if self.local.steps else -(-sizes // B)
+        order = np.argsort(-steps, kind="stable")
+        K, n, S = len(block), int(sizes.max()), int(steps.max())
+        pos = np.zeros((K, E, S * B), dtype=np.int64)
+        msk = np.zeros((K, E, S * B), dtype=np.float32)
+        uu = np.zeros((K, E, S * B), dtype=np.float32)
+        rows = np.zeros((K, n), dtype=np.int64)
+        valid = np.zeros((K, n), dtype=bool)
+        ids = np.asarray(block, dtype=np.int64)[order]
+        for j, k in enumerate(ids):
+            part = data.parts[k]
+            m = len(part)
+            rows[j, :m], valid[j, :m] = part, True
+            if self.local.steps:  # the engine's plan over local positions (a permutation of range(n) either way)
+                pos[j], msk[j], uu[j], _ = local_plan(np.arange(m), seed, rnd, int(k), self.local, S * B)
+                continue
+            msk[j, :, :m] = 1.0
+            for e in range(E):  # client_plan's draws, written in place (the same generator and calls)
+                rng = np.random.default_rng([seed, rnd, int(k), e])
+                pos[j, e, :m] = rng.permutation(m)
+                uu[j, e, :m] = rng.random(m, dtype=np.float32)
+        rows_t, valid_t = torch.from_numpy(rows).to(dev), torch.from_numpy(valid).to(dev)
+        X = data.x.index_select(0, rows_t.view(-1)).view(K, n, -1).mul_(valid_t[..., None].to(data.x.dtype))
+        y = data.y.index_select(0, rows_t.view(-1)).view(K, n)
+        counts = torch.as_tensor(data.counts[ids], device=dev, dtype=torch.float32)
+        prob = DualProblem(X=X, y=y, present=counts > 0, counts=counts, d=None)
+        plan = DualBatchPlan(
+            pos=torch.from_numpy(pos).to(dev),
+            mask=torch.from_numpy(msk).to(dev, data.x.dtype),  # a closed-form loss's weights in the data's dtype
+            u=torch.from_numpy(uu).to(dev),
+            steps=[int(v) for v in steps[order]],
+            batch=B,
+            width=min(B, n),
+        )
+        return [int(k) for k in ids], prob, plan
+
+    def _dual_block(self, theta, block, seed, rnd, prox_mu, scaffold, acc: Accumulator, stats: RoundStats) -> None:
+        """Train one dual block and add it to ``acc``: a size- or holds-weighted sum of the coefficients for
+        fedavg and grouped (one product), the primal heads for any other rule and for SCAFFOLD."""
+        t0 = time.perf_counter()
+        ids, prob, plan = self._dual_plan(block, seed, rnd)
+        ids_t = torch.as_tensor(ids, device=self.device)
+        if scaffold is not None:
+            prob.d = scaffold.correction(ids_t.to(scaffold.ck.device)).to(self.device, prob.X.dtype)
+        o = self.optim
+        state = train_dual(
+            theta, prob, plan, self.head, rnd=rnd, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
+            prox_mu=prox_mu, closed_form=self.closed_form,
+        )  # fmt: skip
+        t1 = time.perf_counter()
+        counts = torch.as_tensor(self.data.counts[ids], device=self.device)
+        sizes, holds = counts.sum(1), counts > 0
+        rule = type(acc.agg)
+        if scaffold is None and rule in (FedAvg, Grouped):
+            r = holds if rule is Grouped else sizes[:, None].expand_as(holds)
+            acc.add_message({"weighted": state.weighted_sum(theta, prob.X, r)[None]}, sizes, holds)
+        else:
+            w = state.heads(theta, prob.X, prob.d)
+            if scaffold is not None:
+                steps = np.asarray(plan.steps) * self.local.plan_epochs
+                scaffold.client_update(ids_t.to(scaffold.ck.device), theta, w, steps, o.step_size)
+            acc.add(w.to(theta.dtype), sizes, holds)
+        stats.compute_s += t1 - t0
+        stats.server_s += time.perf_counter() - t1
+        steps_t = torch.as_tensor(plan.steps, dtype=torch.float64, device=self.device) * self.local.plan_epochs
+        stats.loss_sum += float((state.loss_sum / steps_t).sum())
+        stats.clients += len(ids)
+        stats.dual_clients += len(ids)
 
     def _check_scaffold(self, theta, scaffold):
         if scaffold is not None and (
@@ -738,13 +868,14 @@ class Engine:
     def _train_loop(self, theta, block, seed, rnd, prox_mu=0.0, scaffold=None):
         dev, B, E = self.device, self.local.batch_size, self.local.plan_epochs
         out, losses = [], []
-        theta0 = theta.detach().to(torch.float32)
+        dt = self.data.x.dtype  # float32 as a run; float64 where a test checks another path against this one
+        theta0 = theta.detach().to(dt)
         for k in block:
             part = self.data.parts[k]
             width = (self.local.steps or -(-len(part) // B)) * B
             pi, pm, pu, nk = local_plan(part, seed, rnd, k, self.local, width)
             counts = torch.as_tensor(self.data.counts[k : k + 1], device=dev, dtype=torch.float32)
-            wk = torch.nn.Parameter(theta.detach().clone().to(torch.float32))
+            wk = torch.nn.Parameter(theta.detach().clone().to(dt))
             opt = make_torch_optimizer(self.optim, [wk])
             if scaffold is not None:
                 kid = torch.tensor([k], device=scaffold.ck.device)

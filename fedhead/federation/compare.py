@@ -21,7 +21,7 @@ from fedhead.infra.errors import FedheadError
 
 COMPARE_PNG = "compare.png"
 # settings that never explain a difference in results (where a run ran, how it was written)
-IGNORED = {"out", "features", "device", "block_clients", "memory_budget_mb", "plots", "log", "log_dir",
+IGNORED = {"out", "features", "device", "block_clients", "memory_budget_mb", "dual", "plots", "log", "log_dir",
            "data_dir", "device_resolved", "cpu_threads", "torch_version", "identity", "fedhead_version"}  # fmt: skip
 
 

@@ -219,7 +219,7 @@ class _Config:
         """Hash of everything that determines the results (for --resume checks)."""
         d = self.to_dict()
         d["asym_rule"] = d.pop("asym_map")  # the field's name before the rename: earlier runs keep their identity
-        for k in ("device", "block_clients", "memory_budget_mb", "plots", "log", "log_dir"):
+        for k in ("device", "block_clients", "memory_budget_mb", "dual", "plots", "log", "log_dir"):
             d.pop(k, None)
         if d.get("clients_per_round") is None:
             d.pop("clients_per_round", None)  # runs from before the option keep their identity

@@ -33,6 +33,7 @@ from typing import Any
 
 import fedhead.core  # noqa: F401  (registers the built-in heads: the table derives their parameters)
 from fedhead.core.aggregate import aggregator_names
+from fedhead.core.dual import DUAL_MODES
 from fedhead.core.engine import BACKENDS
 from fedhead.core.heads import HEADS
 from fedhead.core.noise import ASYM_RULES, NOISE
@@ -446,6 +447,17 @@ FIELD_LIST: list[Field] = [
         LOCAL,
         constraint=OneOf(BACKENDS),
         applies=_IT,
+    ),
+    Field(
+        "dual",
+        str,
+        "off",
+        "dual-form local SGD (a client's head as coefficients on its own samples; docs/scale.md): auto (clients "
+        "with 2 n_k <= D+1) | on (every client) | off (primal heads); AdamW and the loop backend always run primal",
+        LOCAL,
+        constraint=OneOf(DUAL_MODES),
+        applies=_IT,
+        transports=("in-process",),
     ),
     Field(
         "block_clients",

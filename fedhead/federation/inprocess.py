@@ -63,7 +63,7 @@ class InProcessTransport(Transport):
         if not is_closed_form(cfg.head):
             self.engine = Engine(
                 data, self.head, self.optim, self.local, backend=cfg.backend, block_clients=cfg.block_clients,
-                memory_budget_mb=cfg.memory_budget_mb,
+                memory_budget_mb=cfg.memory_budget_mb, dual=cfg.dual,
             )  # fmt: skip
         return Census(fed.stats, fed.realised_noise, fed.counts.sum(1), fed.counts)
 

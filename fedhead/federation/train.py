@@ -154,7 +154,7 @@ def validate_method(cfg: TrainConfig) -> None:
 
 
 # where a run runs and where its rows go besides rounds.csv, not what it finds
-NOT_IDENTITY = ("features", "device", "block_clients", "memory_budget_mb", "plots", "log", "log_dir")
+NOT_IDENTITY = ("features", "device", "block_clients", "memory_budget_mb", "dual", "plots", "log", "log_dir")
 
 
 def identity_fields(cfg: TrainConfig, store: Features) -> dict:
