@@ -239,6 +239,7 @@ def test_run_config_round_trip_and_pyproject_defaults(store, tmp_path):
         "seeds",
         "block_clients",
         "memory_budget_mb",
+        "dual",  # the in-process engine's form of local SGD (a Flower node trains its client in the primal form)
         "iid_reference",
         "central_reference",
     }

@@ -451,7 +451,7 @@ FIELD_LIST: list[Field] = [
     Field(
         "dual",
         str,
-        "off",
+        "auto",
         "dual-form local SGD (a client's head as coefficients on its own samples; docs/scale.md): auto (clients "
         "with 2 n_k <= D+1) | on (every client) | off (primal heads); AdamW and the loop backend always run primal",
         LOCAL,
