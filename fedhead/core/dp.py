@@ -104,6 +104,11 @@ def validate_dp(c) -> None:
                 "server needs each client's class counts and means, not only their sums, so noise "
                 "on the sum protects nothing. Got cof. Use ncm, ridge or lda."
             )
+        if name in ("qda", "fedpft"):
+            raise FedheadError(
+                f"The '{flag}' parameter {name} cannot be combined with --dp-noise-multiplier yet: no sensitivity is "
+                f"derived for its per-class second moments. Got {name}. Use ncm, ridge, ridge-rf or lda."
+            )
     if is_closed_form(c.head):
         if c.dp_feature_clip is not None:
             raise FedheadError(
@@ -224,6 +229,11 @@ def privatize_statistics(acc, cfg, seed: int):
         raise FedheadError(
             "The 'cof' statistics cannot be privatised (FedCOF needs per-client means). Use ncm, "
             "ridge or lda with --dp-noise-multiplier."
+        )
+    if getattr(acc, "second", None) is not None:
+        raise FedheadError(
+            "The per-class second moments of 'qda' and 'fedpft' cannot be privatised yet (no sensitivity is "
+            "derived for them). Use ncm, ridge, ridge-rf or lda with --dp-noise-multiplier."
         )
     bound = feature_clip(cfg)
     v = statistics_vector(acc, bound)

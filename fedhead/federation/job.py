@@ -61,6 +61,7 @@ class HeadJob(Job):
         closed = is_closed_form(cfg.head)
         self.solver = create_head(cfg.head if closed else cfg.init, **cfg.head_params) if closed or cfg.init else None
         self.rounds = 1 if closed else cfg.rounds
+        self.scorer = None if self.head.linear else self.head  # qda, ridge-rf: scores not linear in the features
         self.privacy = epsilon_schedule(cfg, self.rounds)  # DP: epsilon per round ({} without DP)
         self.fields = ROUND_FIELDS + list(transport.extra_fields)
         self.extendable = not closed and transport.name == "simulation"
@@ -134,7 +135,7 @@ class HeadJob(Job):
         else:
             row = self._train(sel, seed, rnd, extra_up, stats_bytes)
         evaluated = rnd % cfg.eval_every == 0 or rnd == self.rounds
-        acc = evaluate(self.theta, self.xt, self.y_test) if evaluated else float("nan")
+        acc = evaluate(self.theta, self.xt, self.y_test, head=self.scorer) if evaluated else float("nan")
         part = self.variants[name][0]
         return {"seed": seed, "round": rnd, "accuracy": acc, **row, "ratio_to_iid": None, "run": name,
                 "partition": part, **self.privacy.get(rnd, {})}  # fmt: skip
@@ -144,6 +145,8 @@ class HeadJob(Job):
         ex = self.transport.statistics(sel, self.solver, seed)
         t0 = time.perf_counter()
         self.theta = solve_statistics(self.solver, ex.acc, self.cfg, self.stats, self.device, seed=seed)
+        if is_closed_form(self.cfg.head):  # the solved head goes down: qda's and ridge-rf's are not [C, D+1]
+            self.head_bytes = self.theta.numel() * self.theta.element_size()
         server_s = ex.server_s + time.perf_counter() - t0
         row = statistics_row(ex.acc, ex.client_ms, server_s, self.cfg, len(sel), self.head_bytes, extra_up, stats_bytes)
         return {**row, **ex.extra}
@@ -192,7 +195,7 @@ class HeadJob(Job):
             )  # fmt: skip
             extra.append({"seed": seed, **row, "run": name, "partition": self.variants[name][0], **cal.extra})
             self.transport.after_round(seed, rnd, self.rounds, extra[-1])
-        correct = int(round(evaluate(self.theta, self.xt, self.y_test) * len(self.y_test)))
+        correct = int(round(evaluate(self.theta, self.xt, self.y_test, head=self.scorer) * len(self.y_test)))
         kept = {"head": self.theta.detach().cpu().clone(), "stats": _stats_state(self.stats), "correct": correct}
         return extra, kept
 

@@ -35,7 +35,8 @@ def solve_statistics(
     if not is_closed_form(cfg.head):
         scale = cfg.init_scale if cfg.init_scale is not None else INIT_SCALE[solver.name]
         theta = to_prepared(theta, stats.mean, stats.scale) * scale
-    return theta.to(device=device, dtype=torch.float32)
+    # a quadratic head (qda) stays float64: its scores cancel large terms of the quadratic form
+    return theta.to(device=device, dtype=torch.float32 if theta.ndim == 2 else torch.float64)
 
 
 def statistics_row(
