@@ -215,3 +215,49 @@ def test_secure_aggregation_is_refused_in_one_line(head, tiny_store):
     with pytest.raises(FedheadError) as e:
         validate_method(cfg)
     assert "\n" not in str(e.value) and f"does not carry the statistics of {head!r}" in str(e.value)
+
+
+def test_tuned_probe_chooses_its_weight_on_held_out_training_data_only():
+    from fedhead.core.central import central_head, tuned_probe
+    from fedhead.core.engine import evaluate
+
+    x, y = _data(n=300, d=6, c=4)
+    xt, yt = _data(n=100, d=6, c=4, seed=1)
+    z, zt = _z(x), _z(xt)
+    grid = (1e-3, 1e-1, 10.0)
+    p = tuned_probe(z, y, zt, yt, 4, seed=0, grid=grid)
+    assert set(p.holdout) == set(grid)
+    assert p.weight_decay == max(sorted(grid, reverse=True), key=lambda w: p.holdout[w])
+    theta, _ = central_head(create_head("softmax"), z, y, 4, p.weight_decay)
+    assert p.accuracy == evaluate(theta, zt, yt)
+    shuffled = tuned_probe(z, y, zt, yt[torch.randperm(100, generator=torch.Generator().manual_seed(0))], 4, 0, grid)
+    assert shuffled.weight_decay == p.weight_decay and shuffled.holdout == p.holdout  # the test split never counts
+
+
+def test_bench_baselines_ranks_the_new_heads_beside_the_tuned_probe(tiny_store, tmp_path):
+    import csv
+
+    from typer.testing import CliRunner
+
+    import cli
+
+    out = tmp_path / "bl"
+    args = ["bench", "baselines", "--features", str(tiny_store), "--quick", "--rounds", "3", "--clients", "6",
+            "--methods", "qda,ridge-rf", "--partition", "iid,shard-1", "--out", str(out)]  # fmt: skip
+    r = CliRunner().invoke(cli.app, args)
+    assert r.exit_code == 0, r.output
+    rep = (out / "report.md").read_text()
+    assert "tuned central" in rep and "Stronger yardstick" in rep
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert {x["bench_method"] for x in rows} == {"qda", "ridge-rf"}
+    for x in rows:  # every new head's federated solve equals its central one (any partition)
+        assert float(x["res_final_ratio_to_central"]) == pytest.approx(1.0, abs=1e-6), x["bench_method"]
+    import json
+
+    tuned = json.loads((out / "tuned-central.json").read_text())
+    probe = np.mean([t["accuracy"] for t in tuned.values()])
+    for part in ("iid", "shard-1"):
+        accs = {x["bench_method"]: float(x["res_final_accuracy"]) for x in rows if x["bench_partition"] == part}
+        best = max(accs, key=accs.get)
+        line = next(ln for ln in rep.splitlines() if ln.startswith(f"| {part} |") and best in ln)
+        assert f"{100 * (probe - accs[best]):+.2f}" in line
