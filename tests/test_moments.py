@@ -243,12 +243,17 @@ def test_bench_baselines_ranks_the_new_heads_beside_the_tuned_probe(tiny_store, 
 
     out = tmp_path / "bl"
     args = ["bench", "baselines", "--features", str(tiny_store), "--quick", "--rounds", "3", "--clients", "6",
-            "--methods", "qda,ridge-rf", "--partition", "iid,shard-1", "--out", str(out)]  # fmt: skip
+            "--methods", "qda,ridge-rf", "--partition", "iid,shard-1", "--sketch-dims", "4", "--out", str(out)]  # fmt: skip
     r = CliRunner().invoke(cli.app, args)
     assert r.exit_code == 0, r.output
     rep = (out / "report.md").read_text()
     assert "tuned central" in rep and "Stronger yardstick" in rep
     rows = list(csv.DictReader(open(out / "results.csv")))
+    assert (out / "baselines-sketch.png").read_bytes()[:4] == b"\x89PNG"
+    sketch = [c for c in (ln.split("|") for ln in rep.splitlines() if ln.startswith("| iid | qda |")) if len(c) == 7]
+    mb = {cells[3].strip(): float(cells[4]) for cells in sketch}
+    assert set(mb) == {"4", "full"} and mb["4"] < mb["full"]  # the sketch's bytes against the full statistics
+    rows = [x for x in rows if x["bench_method"] in ("qda", "ridge-rf")]  # the sketched runs are rows too
     assert {x["bench_method"] for x in rows} == {"qda", "ridge-rf"}
     for x in rows:  # every new head's federated solve equals its central one (any partition)
         assert float(x["res_final_ratio_to_central"]) == pytest.approx(1.0, abs=1e-6), x["bench_method"]
@@ -261,3 +266,28 @@ def test_bench_baselines_ranks_the_new_heads_beside_the_tuned_probe(tiny_store, 
         best = max(accs, key=accs.get)
         line = next(ln for ln in rep.splitlines() if ln.startswith(f"| {part} |") and best in ln)
         assert f"{100 * (probe - accs[best]):+.2f}" in line
+
+
+@pytest.mark.parametrize("partition,pp", PARTS[:3])
+@pytest.mark.parametrize("name", ["ridge", "lda", "qda", "ncm"])
+def test_sketched_statistics_solve_the_projected_problem_and_map_back_exactly(name, partition, pp):
+    """--stats-sketch r: the federated solve on projected statistics equals the head solved on the pooled projected
+    features (x P), mapped back to raw features; the bytes are the message of dimension r."""
+    x, y = _data(n=400, d=12, c=4)
+    r = 5
+    parts = create_partition(partition, y.numpy(), 8, seed=3, **pp)
+    head = create_head(name, stats_sketch=r, stats_sketch_seed=4)
+    acc = accumulate(x, y, parts, 4, cof=False, per_client=True, **head.message_kwargs(12))
+    theta = head.solve_statistics(acc)
+    g = torch.Generator().manual_seed(4)
+    p = torch.randn(12, r, generator=g, dtype=torch.float64) / np.sqrt(r)
+    xp = (x.double() @ p).float()
+    plain = create_head(name)
+    ref = plain.solve_central(xp, y, 4)  # the head of the projected features
+    z = _z(x).double()
+    got = head.logits(theta, z) if theta.ndim == 3 else z @ theta.T
+    want = plain.logits(ref, _z(xp).double()) if ref.ndim == 3 else _z(xp).double() @ ref.T
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    assert theta.shape[-1] == 13  # a head on the raw features
+    held = [len(np.unique(y.numpy()[q])) for q in parts]
+    assert acc.bytes_up == sum(message_bytes(h, r, head.needs_gram, head.needs_second) for h in held)

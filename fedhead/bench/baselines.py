@@ -36,6 +36,7 @@ from fedhead.bench.report import (
     resolve_partition,
     run_grid,
 )
+from fedhead.bench.sketch import sketch_cells, sketch_plot, sketch_section
 from fedhead.bench.yardstick import tuned_central, yardstick_section
 from fedhead.core.plugins import load_plugins
 from fedhead.federation import plots as P
@@ -96,6 +97,12 @@ def baselines_cmd(
     ),
     partitions: Optional[str] = typer.Option(None, "--partitions", hidden=True),
     recipe: str = typer.Option("default", "--recipe", help="training recipe of the iterative methods"),
+    sketch_dims: Optional[str] = typer.Option(
+        None,
+        "--sketch-dims",
+        help="comma-separated r: run ridge, lda, qda and fast (those of --methods) again with --stats-sketch r each, "
+        "and draw their bytes/accuracy frontier (baselines-sketch.png)",
+    ),
     *,
     common: Common,
 ):
@@ -114,12 +121,14 @@ def baselines_cmd(
                 "central_reference": True,
             }
             cells.append(Cell(f"{m}--{p}", {"method": m, "partition": p}, common.cfg(features, **kw)))
+    dims = sketch_cells(cells, sketch_dims, names, plabels, parts, recipe, features, common)
     config = {
         **common.describe(),
         "methods": {m: METHODS[m][0] for m in names},
         "partitions": plabels,
         "recipe": recipe,
         "features": str(features),
+        **({"sketch_dims": dims} if dims else {}),
     }
     cache = StoreCache()
     cmd = start_report(common, cells, cache, config)
@@ -128,8 +137,14 @@ def baselines_cmd(
     tuned = tuned_central(cache.get(str(features)), list(common.seeds))  # the stronger yardstick
     config["tuned_central"] = tuned
     atomic_write_json(common.out / "tuned-central.json", {str(s): t for s, t in tuned.items()})
+    sketched = [r for r in results if "sketch" in r.cell.labels]
+    results = [r for r in results if "sketch" not in r.cell.labels]
     sections = _sections(results, names, plabels, common, tuned)
     plots = _plots(results, names, plabels, common)
+    if sketched:
+        sections.append(sketch_section(results, sketched, plabels))
+        plots.append(sketch_plot(common.out / "baselines-sketch.png", results, sketched, plabels))
+    results = results + sketched
     publish_report(
         common,
         "baselines",

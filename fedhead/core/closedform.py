@@ -325,12 +325,49 @@ class ClosedFormHead(Head):
     init_capable = True  # a linear head on raw features that --init can map to prepared features
 
     def lift(self, dim: int):
-        """The feature map the clients apply before their statistics (None: the raw features); it has ``.dim``."""
+        """The head's own feature map the clients apply before their statistics (None: the raw features); it has
+        ``.dim``. ``ridge-rf``: the random features."""
         return None
+
+    def sketch(self, dim: int):
+        """``--stats-sketch r``: the shared seeded projection of the (lifted) features to ``r`` dimensions, or None."""
+        r = int(self.params.get("stats_sketch", 0) or 0)
+        if not r:
+            return None
+        key = (dim, r)
+        if getattr(self, "_sketch", None) is None or self._sketch[0] != key:
+            self._sketch = (key, Sketch(dim, r, int(self.params.get("stats_sketch_seed", 0))))
+        return self._sketch[1]
+
+    def stats_map(self, dim: int):
+        """What the clients apply to their raw features ``[n, dim]`` before summing: the head's lift, then the
+        sketch (None: nothing)."""
+        own = self.lift(dim)
+        sk = self.sketch(own.dim if own is not None else dim)
+        if sk is None:
+            return own
+        return sk if own is None else Composed(own, sk)
 
     def message_kwargs(self, dim: int) -> dict:
         """What a client's message holds beyond the class sums: keywords of :func:`accumulate` / :func:`client_stats`."""
-        return {"gram": self.needs_gram, "second": self.needs_second, "lift": self.lift(dim)}
+        return {"gram": self.needs_gram, "second": self.needs_second, "lift": self.stats_map(dim)}
+
+    def unsketch(self, theta: torch.Tensor) -> torch.Tensor:
+        """A head solved in the sketch's space mapped exactly back to the (lifted) features: ``W P^T`` for a linear
+        head, ``M Q M^T`` with ``M = diag(P, 1)`` for a quadratic one (no sketch: ``theta`` itself)."""
+        sk = getattr(self, "_sketch", None)
+        if not int(self.params.get("stats_sketch", 0) or 0) or sk is None:
+            return theta
+        P = sk[1].p
+        m = torch.zeros(P.shape[0] + 1, P.shape[1] + 1, dtype=F64)
+        m[:-1, :-1] = P
+        m[-1, -1] = 1.0
+        t = theta.to(F64)
+        return t @ m.T if t.ndim == 2 else m @ t @ m.T
+
+    def solve_statistics(self, acc: StatsAccumulator) -> torch.Tensor:
+        """:meth:`solve`, mapped back from the sketch's space when ``--stats-sketch`` is given."""
+        return self.unsketch(self.solve(acc))
 
     def per_sample(self, logits, y, ctx):
         raise FedheadError(
@@ -346,7 +383,38 @@ class ClosedFormHead(Head):
         """The same solve on the pooled training set held by one party (the head's centralised reference)."""
         kw = self.message_kwargs(x.shape[1])
         acc = accumulate(x, y, [np.arange(len(y))], num_classes, cof=False, **kw)
-        return self.solve(acc)
+        return self.solve_statistics(acc)
+
+
+class Sketch:
+    """``x -> x P``, ``P [D, r]`` drawn ``N(0, 1/r)`` from ``torch.Generator().manual_seed(seed)`` (a Johnson-
+    Lindenstrauss projection, shared by every client through the seed)."""
+
+    def __init__(self, in_dim: int, r: int, seed: int):
+        g = torch.Generator().manual_seed(int(seed))
+        self.p = torch.randn(in_dim, r, generator=g, dtype=F64) / float(np.sqrt(r))
+        self.dim = r
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(F64) @ self.p
+
+
+class Composed:
+    """Two feature maps, one after the other (``ridge-rf``'s random features, then the sketch)."""
+
+    def __init__(self, first, then):
+        self.first, self.then, self.dim = first, then, then.dim
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.then(self.first(x))
+
+
+SKETCH_PARAMS = (
+    Param("stats_sketch", 0, Interval(0, None, integer=True),
+          "statistics heads: project the features to this dimension with a shared seeded random matrix before "
+          "the statistics (0: no sketch); the server solves there and maps the head back"),
+    Param("stats_sketch_seed", 0, Interval(0, None, integer=True), "statistics heads: seed of --stats-sketch"),
+)  # fmt: skip
 
 
 def _means(acc: StatsAccumulator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,7 +424,7 @@ def _means(acc: StatsAccumulator) -> tuple[torch.Tensor, torch.Tensor]:
     return mu, held
 
 
-@register_head("ncm")
+@register_head("ncm", *SKETCH_PARAMS)
 class NCMHead(ClosedFormHead):
     """FedNCM: L2-normalised class means from per-class sums and counts; cosine scoring (closed form)."""
 
@@ -371,6 +439,7 @@ class NCMHead(ClosedFormHead):
     "ridge",
     Param("ridge_lambda", 0.01, Interval(0, None, closed="neither"), "ridge: regulariser lambda (Fed3R: 0.01)"),
     Param("ridge_normalize", False, None, "ridge: L2-normalise each solved row as Fed3R's code does"),
+    *SKETCH_PARAMS,
 )
 class RidgeHead(ClosedFormHead):
     """Fed3R: ridge regression on one-hot targets from the clients' Phi^T Phi and Phi^T Y (closed form)."""
@@ -437,6 +506,7 @@ class COFHead(ClosedFormHead):
 @register_head(
     "lda",
     Param("lda_shrinkage", 1e-4, Interval(0, None), "lda: ridge on the shared covariance, times trace/D"),
+    *SKETCH_PARAMS,
 )
 class LDAHead(ClosedFormHead):
     """Shared-covariance Gaussian classifier (LDA) from class sums, counts and the pooled second moment (closed form)."""

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from fedhead.core.central import central_head
-from fedhead.core.closedform import F64, ClosedFormHead, RidgeHead, StatsAccumulator, _means
+from fedhead.core.closedform import F64, SKETCH_PARAMS, ClosedFormHead, RidgeHead, StatsAccumulator, _means
 from fedhead.core.heads import Param, create_head, register_head
 from fedhead.infra.errors import FedheadError, Interval
 
@@ -61,6 +61,7 @@ def _class_covariances(acc: StatsAccumulator, unbiased: bool) -> tuple[torch.Ten
         "qda_lambda", 0.5, Interval(0, 1), "qda: weight of the pooled covariance in each class's (Friedman's lambda)"
     ),
     Param("qda_gamma", 0.1, Interval(0, 1), "qda: shrinkage toward trace/D * I (Friedman's gamma)"),
+    *SKETCH_PARAMS,
 )
 class QDAHead(ClosedFormHead):
     """Regularised QDA (Friedman's RDA) from class sums, counts and per-class second moments (closed form)."""
@@ -158,6 +159,7 @@ class RandomFeatures:
     Param("ridge_normalize", False, None, "ridge: L2-normalise each solved row as Fed3R's code does"),
     Param("rf_width", 2048, Interval(1, None, integer=True), "ridge-rf: number of random ReLU features"),
     Param("rf_seed", 0, Interval(0, None, integer=True), "ridge-rf: seed of the shared random projection"),
+    *SKETCH_PARAMS,
 )
 class RidgeRFHead(RidgeHead):
     """Fed3R's ridge on seeded random ReLU features of the raw features (closed form; not linear in x)."""

@@ -106,6 +106,16 @@ def labels_store(train_y: np.ndarray, class_names: list[str], dataset: str = "")
     )
 
 
+def _secure_statistics(cfg: TrainConfig, name: str) -> None:
+    """Secure aggregation's fixed layout carries raw class sums and the Gram only: refuse the rest in one line."""
+    head = create_head(name, **cfg.head_params)
+    if cfg.secure_aggregation and (head.needs_second or head.stats_map(1) is not None):
+        raise FedheadError(
+            f"The '--secure-aggregation' option does not carry the statistics of {name!r} yet (per-class second "
+            "moments, random features or a --stats-sketch). Drop it, or use ncm, ridge, lda or cof unsketched."
+        )
+
+
 def validate_method(cfg: TrainConfig) -> None:
     """The method options (closed form, --init, FedProx, SCAFFOLD, server optimiser, CCVR) against the head;
     a closed-form head needs no feature centring (its statistics carry the means), so it is switched off."""
@@ -126,12 +136,7 @@ def validate_method(cfg: TrainConfig) -> None:
                     "Drop it, or choose an iterative head (softmax, ova, ova2, ...)."
                 )
         cfg.center, cfg.scale = False, "none"
-        head = create_head(cfg.head, **cfg.head_params)
-        if cfg.secure_aggregation and (head.needs_second or head.lift(1) is not None):
-            raise FedheadError(
-                f"The '--secure-aggregation' option does not carry the statistics of {cfg.head!r} yet (per-class "
-                "second moments or random features). Drop it, or use ncm, ridge, lda or cof."
-            )
+        _secure_statistics(cfg, cfg.head)
     if cfg.scaffold and cfg.optimizer != "sgd":
         raise FedheadError(
             f"The '--scaffold' option needs --optimizer sgd: its control variates estimate each "
@@ -148,6 +153,7 @@ def validate_method(cfg: TrainConfig) -> None:
         )
     if cfg.init is not None:
         resolve_head_params(cfg.init, **cfg.head_params)
+        _secure_statistics(cfg, cfg.init)
     if cfg.server_opt != "fedavg" or any(
         v is not None for v in (cfg.server_lr, cfg.server_momentum, cfg.server_betas, cfg.server_tau)
     ):
