@@ -186,7 +186,7 @@ def test_second_moment_message_bytes_and_memory_bound():
         ("qda", {"qda_lambda": 1.5}, "'--qda-lambda'"),
         ("qda", {"qda_gamma": -0.1}, "'--qda-gamma'"),
         ("ridge-rf", {"rf_width": 0}, "'--rf-width'"),
-        ("ridge-rf", {"ridge_lambda": 0}, "'--ridge-lambda'"),
+        ("ridge-rf", {"rf_lambda": 0}, "'--rf-lambda'"),
         ("fedpft", {"fedpft_samples": -1}, "'--fedpft-samples'"),
         ("fedpft", {"fedpft_weight_decay": -1.0}, "'--fedpft-weight-decay'"),
     ],

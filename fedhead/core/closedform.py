@@ -411,9 +411,9 @@ class Composed:
 
 SKETCH_PARAMS = (
     Param("stats_sketch", 0, Interval(0, None, integer=True),
-          "statistics heads: project the features to this dimension with a shared seeded random matrix before "
-          "the statistics (0: no sketch); the server solves there and maps the head back"),
-    Param("stats_sketch_seed", 0, Interval(0, None, integer=True), "statistics heads: seed of --stats-sketch"),
+          "project the features to this dimension with a shared seeded random matrix before the statistics (0: no "
+          "sketch); the server solves there and maps the head back"),
+    Param("stats_sketch_seed", 0, Interval(0, None, integer=True), "seed of the --stats-sketch projection"),
 )  # fmt: skip
 
 
@@ -447,13 +447,17 @@ class RidgeHead(ClosedFormHead):
     needs_gram = True
 
     def solve(self, acc):
-        D = acc.D
-        lam = float(self.params["ridge_lambda"])
-        a = acc.gram + lam * torch.eye(D + 1, dtype=F64)
-        b = torch.cat([acc.sums, acc.counts[:, None]], 1).T  # Phi^T Y  [D+1, C]
-        w = _spd_solve(a, b, "--ridge-lambda", f"Got {lam!r}; raise it, e.g. --ridge-lambda 1.").T.contiguous()
-        w[acc.counts == 0] = 0.0
-        return _normalize_rows(w) if self.params["ridge_normalize"] else w
+        return ridge_solve(acc, float(self.params["ridge_lambda"]), bool(self.params["ridge_normalize"]))
+
+
+def ridge_solve(acc: StatsAccumulator, lam: float, normalize: bool, flag: str = "--ridge-lambda") -> torch.Tensor:
+    """``(sum Phi^T Phi + lambda I)^-1 sum Phi^T Y`` from summed statistics (rows of absent classes zero)."""
+    D = acc.D
+    a = acc.gram + lam * torch.eye(D + 1, dtype=F64)
+    b = torch.cat([acc.sums, acc.counts[:, None]], 1).T  # Phi^T Y  [D+1, C]
+    w = _spd_solve(a, b, flag, f"Got {lam!r}; raise it, e.g. {flag} 1.").T.contiguous()
+    w[acc.counts == 0] = 0.0
+    return _normalize_rows(w) if normalize else w
 
 
 @register_head(

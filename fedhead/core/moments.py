@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from fedhead.core.central import central_head
-from fedhead.core.closedform import F64, SKETCH_PARAMS, ClosedFormHead, RidgeHead, StatsAccumulator, _means
+from fedhead.core.closedform import F64, SKETCH_PARAMS, ClosedFormHead, StatsAccumulator, _means, ridge_solve
 from fedhead.core.heads import Param, create_head, register_head
 from fedhead.infra.errors import FedheadError, Interval
 
@@ -134,11 +134,17 @@ class FedPFTHead(ClosedFormHead):
         return np.concatenate(xs), np.concatenate(ys)
 
     def solve(self, acc):
+        """The softmax fit over the held classes only: a class no client holds keeps a zero row."""
         xv, yv = self.sample(acc)
+        held = torch.nonzero(acc.counts > 0).flatten()
+        local = torch.full((acc.C,), -1, dtype=torch.int64)
+        local[held] = torch.arange(len(held))
         x = torch.cat([torch.as_tensor(xv), torch.ones(len(xv), 1)], 1)
-        theta, _ = central_head(create_head("softmax"), x, torch.as_tensor(yv), acc.C,
-                                float(self.params["fedpft_weight_decay"]))  # fmt: skip
-        return theta.to(F64)
+        fit, _ = central_head(create_head("softmax"), x, local[torch.as_tensor(yv)], len(held),
+                              float(self.params["fedpft_weight_decay"]))  # fmt: skip
+        theta = torch.zeros(acc.C, acc.D + 1, dtype=F64)
+        theta[held] = fit.to(F64)
+        return theta
 
 
 class RandomFeatures:
@@ -155,15 +161,15 @@ class RandomFeatures:
 
 @register_head(
     "ridge-rf",
-    Param("ridge_lambda", 0.01, Interval(0, None, closed="neither"), "ridge: regulariser lambda (Fed3R: 0.01)"),
-    Param("ridge_normalize", False, None, "ridge: L2-normalise each solved row as Fed3R's code does"),
+    Param("rf_lambda", 0.01, Interval(0, None, closed="neither"), "ridge-rf: ridge regulariser lambda (Fed3R's 0.01)"),
     Param("rf_width", 2048, Interval(1, None, integer=True), "ridge-rf: number of random ReLU features"),
     Param("rf_seed", 0, Interval(0, None, integer=True), "ridge-rf: seed of the shared random projection"),
     *SKETCH_PARAMS,
 )
-class RidgeRFHead(RidgeHead):
+class RidgeRFHead(ClosedFormHead):
     """Fed3R's ridge on seeded random ReLU features of the raw features (closed form; not linear in x)."""
 
+    needs_gram = True
     init_capable = False
     linear = False
 
@@ -175,6 +181,9 @@ class RidgeRFHead(RidgeHead):
         if dim not in self._maps:
             self._maps[dim] = RandomFeatures(dim, int(self.params["rf_width"]), int(self.params["rf_seed"]))
         return self._maps[dim]
+
+    def solve(self, acc):
+        return ridge_solve(acc, float(self.params["rf_lambda"]), False, "--rf-lambda")
 
     def logits(self, theta, x):
         phi = self.lift(x.shape[1] - 1)(x[:, :-1])
