@@ -259,7 +259,7 @@ def test_bench_baselines_ranks_the_new_heads_beside_the_tuned_probe(tiny_store, 
         assert float(x["res_final_ratio_to_central"]) == pytest.approx(1.0, abs=1e-6), x["bench_method"]
     import json
 
-    tuned = json.loads((out / "tuned-central.json").read_text())
+    tuned = json.loads((out / "tuned-central.json").read_text())["seeds"]
     probe = np.mean([t["accuracy"] for t in tuned.values()])
     for part in ("iid", "shard-1"):
         accs = {x["bench_method"]: float(x["res_final_accuracy"]) for x in rows if x["bench_partition"] == part}
@@ -291,3 +291,21 @@ def test_sketched_statistics_solve_the_projected_problem_and_map_back_exactly(na
     assert theta.shape[-1] == 13  # a head on the raw features
     held = [len(np.unique(y.numpy()[q])) for q in parts]
     assert acc.bytes_up == sum(message_bytes(h, r, head.needs_gram, head.needs_second) for h in held)
+
+
+def test_tuned_probe_is_kept_per_seed_and_reused_for_the_same_store(tiny_store, tmp_path):
+    import json
+
+    from extract.store import load_store
+    from fedhead.bench.yardstick import tuned_central
+
+    s = load_store(tiny_store)
+    first = tuned_central(s, [0], tmp_path)
+    saved = json.loads((tmp_path / "tuned-central.json").read_text())
+    assert saved["seeds"]["0"]["accuracy"] == first[0]["accuracy"]
+    saved["seeds"]["0"]["accuracy"] = 0.123  # a kept probe is read back, not fitted again
+    (tmp_path / "tuned-central.json").write_text(json.dumps(saved))
+    assert tuned_central(s, [0], tmp_path)[0]["accuracy"] == 0.123
+    saved["key"]["grid"] = [1.0]  # another grid: fitted again
+    (tmp_path / "tuned-central.json").write_text(json.dumps(saved))
+    assert tuned_central(s, [0], tmp_path)[0]["accuracy"] == first[0]["accuracy"]

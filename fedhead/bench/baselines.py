@@ -42,7 +42,6 @@ from fedhead.core.plugins import load_plugins
 from fedhead.federation import plots as P
 from fedhead.federation.methods import METHODS
 from fedhead.infra.errors import FedheadError, unknown_name
-from fedhead.infra.files import atomic_write_json
 from fedhead.interface.options import deprecated_flag
 
 DEFAULT_PARTITIONS = ("iid", "shard-1", "shard-2", "dirichlet-0.1", "bernoulli-dirichlet")
@@ -134,9 +133,8 @@ def baselines_cmd(
     cmd = start_report(common, cells, cache, config)
     results = run_grid(cells, common.out, cache)
     pair_with_iid(results)
-    tuned = tuned_central(cache.get(str(features)), list(common.seeds))  # the stronger yardstick
+    tuned = tuned_central(cache.get(str(features)), list(common.seeds), common.out)  # the stronger yardstick
     config["tuned_central"] = tuned
-    atomic_write_json(common.out / "tuned-central.json", {str(s): t for s, t in tuned.items()})
     sketched = [r for r in results if "sketch" in r.cell.labels]
     results = [r for r in results if "sketch" not in r.cell.labels]
     sections = _sections(results, names, plabels, common, tuned)

@@ -10,29 +10,49 @@ the probe in points.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 
+from extract.store import store_content_hash
 from fedhead.bench.report import CellResult, Stat, md_table
 from fedhead.core.central import TUNED_GRID, TUNED_HOLDOUT, tuned_probe
 from fedhead.federation.clients import FeatureStats, prepare
+from fedhead.infra.files import atomic_write_json
 
 WITHIN_ROUNDS = 3
+TUNED_FILE = "tuned-central.json"
 
 
-def tuned_central(store, seeds: list[int]) -> dict[int, dict]:
-    """seed -> the tuned probe's test accuracy, chosen L2 weight and held-out accuracies."""
+def tuned_central(store, seeds: list[int], out: Path | None = None) -> dict[int, dict]:
+    """seed -> the tuned probe's test accuracy, chosen L2 weight and held-out accuracies. With ``out``, each seed's
+    probe is kept in ``out/tuned-central.json`` as soon as it is fitted and reused by a report on the same store,
+    grid and held-out share (as finished runs are)."""
     x = store.train_x.astype(np.float64)
     mean = x.mean(0)
     scale = float(np.sqrt(max(((x - mean) ** 2).sum(1).mean(), 1e-12)))
     stats = FeatureStats(mean, scale, 0, 0)
     xt, xs = prepare(store.train_x, stats, "cpu"), prepare(store.test_x, stats, "cpu")
     y, ys = torch.as_tensor(store.train_y), torch.as_tensor(store.test_y)
-    out = {}
+    path = Path(out) / TUNED_FILE if out is not None else None
+    key = {"store_sha256": store_content_hash(store), "grid": list(TUNED_GRID), "holdout": TUNED_HOLDOUT}
+    kept = {}
+    if path is not None and path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            kept = {int(s): t for s, t in saved.get("seeds", {}).items()}
+    found = {}
     for s in seeds:
-        p = tuned_probe(xt, y, xs, ys, store.info.num_classes, int(s))
-        out[int(s)] = {"accuracy": p.accuracy, "weight_decay": p.weight_decay, "holdout": p.holdout}
-    return out
+        if int(s) not in kept:
+            p = tuned_probe(xt, y, xs, ys, store.info.num_classes, int(s))
+            hold = {f"{w:g}": a for w, a in p.holdout.items()}
+            kept[int(s)] = {"accuracy": p.accuracy, "weight_decay": p.weight_decay, "holdout": hold}
+            if path is not None:
+                atomic_write_json(path, {"key": key, "seeds": {str(k): v for k, v in sorted(kept.items())}})
+        found[int(s)] = kept[int(s)]
+    return found
 
 
 def _within(r: CellResult, rounds: int) -> float:
