@@ -267,7 +267,8 @@ class Model:
 
     def decision_function(self, X) -> np.ndarray:
         """Logits ``[N, C]`` (the head on the prepared features)."""
-        return self.logits(self.features(X)).numpy()
+        with torch.no_grad():  # the encoder too, as the run's extraction (the same kernels, bit for bit)
+            return self.logits(self.features(X)).numpy()
 
     def logits(self, x: np.ndarray) -> torch.Tensor:
         """Logits ``[N, C]`` of raw store features ``x [N, D]``: the head on the prepared features (a head that is
