@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import torch
 import typer
 
 from extract.store import load_store, open_store
@@ -35,8 +34,7 @@ FULL_MATRIX_MAX = 20  # classes up to which the whole confusion matrix is printe
 
 def _rows(model: Model, sources: list, labels: np.ndarray | None, x: np.ndarray, top_k: int):
     """The CSV's header and rows, the predictions (class indices) and the logits."""
-    with torch.no_grad():
-        logits = model.prepared(x) @ model.theta.T
+    logits = model.logits(x)
     probs = probabilities(logits, model.probabilities).numpy()
     order = np.argsort(-logits.numpy(), axis=1, kind="stable")[:, :top_k]  # by logit: top 1 = the prediction
     header = ["source"] + (["label"] if labels is not None else [])

@@ -278,6 +278,9 @@ def test_core_does_not_import_flwr_and_missing_extra_is_one_line(monkeypatch):
         dict(head="cof", partition="dirichlet", partition_params={"alpha": 0.3, "min_size": 2}),
         dict(head="softmax", init="ridge", rounds=3),
         dict(head="ova2", init="ncm", rounds=2, participation=0.75, server_opt="fedavgm", server_momentum=0.9),
+        dict(head="qda", partition="dirichlet", partition_params={"alpha": 0.3, "min_size": 2}),
+        dict(head="fedpft", head_params={"fedpft_weight_decay": 0.01}),
+        dict(head="ridge-rf", head_params={"rf_width": 64}),
     ],
 )
 def test_statistics_exchange_matches_fedhead_train(store, tmp_path, kw):
@@ -286,7 +289,8 @@ def test_statistics_exchange_matches_fedhead_train(store, tmp_path, kw):
     cfg = cfg_of(store, **kw)
     ref = run_training(cfg, out=tmp_path / "train", progress=False)
     res = local_run(cfg_of(store, **kw), tmp_path / "flower")
-    assert len(res.rows) == len(ref.rows) == (1 if kw["head"] in ("ridge", "cof") else cfg.rounds)
+    closed = ("ridge", "cof", "qda", "fedpft", "ridge-rf")
+    assert len(res.rows) == len(ref.rows) == (1 if kw["head"] in closed else cfg.rounds)
     np.testing.assert_allclose(accs(res.rows), accs(ref.rows), atol=1e-9)
     for a, b in zip(res.rows, ref.rows):
         assert a["stage"] == b["stage"] and a["clients_trained"] == b["clients_trained"]

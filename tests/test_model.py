@@ -25,7 +25,7 @@ CLASSES = ("ant", "bee", "cat")
 
 
 def _train(store, out, head, **kw):
-    opts = {} if head == "ridge" else {"center": True, "scale": "rms", "rounds": 2}
+    opts = {} if head in ("ridge", "qda", "ridge-rf", "fedpft") else {"center": True, "scale": "rms", "rounds": 2}
     cfg = TrainConfig(features=str(store), head=head, clients=4, partition="shard", iid_reference=True, **opts, **kw)
     return run_training(cfg, out=out, progress=False)
 
@@ -46,7 +46,7 @@ def _correct(csv_path: Path) -> int:
 # ---------------------------------------------------------------- features: train -> predict gives the run's numbers
 
 
-@pytest.mark.parametrize("head", ["softmax", "ova2", "ridge"])
+@pytest.mark.parametrize("head", ["softmax", "ova2", "ridge", "qda", "ridge-rf"])
 def test_train_then_predict_features_gives_the_summarys_count_of_correct(head, tiny_store, tmp_path):
     res = _train(tiny_store, tmp_path / "run", head)
     n = len(load_store(tiny_store).test_y)
@@ -59,7 +59,7 @@ def test_train_then_predict_features_gives_the_summarys_count_of_correct(head, t
     card = json.loads((res.run_dir / "model-seed0.json").read_text())
     assert card["metrics"]["test_correct"] == want and card["head"]["kind"] == head
     assert card["head"]["probabilities"] == ("sigmoid" if head == "ova2" else "softmax")
-    assert card["features"]["centered"] is (head != "ridge")
+    assert card["features"]["centered"] is (head not in ("ridge", "qda", "ridge-rf"))
     # the IID reference's model is the IID run's head
     iid = fedhead.load_model(res.run_dir / "model-seed0-iid.json")
     s = load_store(tiny_store)
@@ -288,6 +288,14 @@ def test_export_refuses_bad_inputs_in_one_line(image_run, tiny_store, tmp_path):
     r = runner.invoke(cli.app, ["export", "--model", str(res.run_dir), "--out", str(tmp_path / "m.onnx"),
                                 "--input-size", "8x8"])  # fmt: skip
     assert "no image encoder" in _one_line_error(r)
+
+
+def test_export_refuses_a_head_that_is_not_linear_in_one_line(tiny_store, tmp_path):
+    res = _train(tiny_store, tmp_path / "qda", "qda")
+    r = runner.invoke(cli.app, ["export", "--model", str(res.run_dir), "--out", str(tmp_path / "m.onnx"),
+                                "--input-size", "8x8"])  # fmt: skip
+    assert "'qda' head, which is not linear" in _one_line_error(r)
+    assert not (tmp_path / "m.onnx").exists()
 
 
 def test_digit_images_are_written_losslessly(tmp_path):

@@ -36,6 +36,8 @@ from fedhead.bench.report import (
     resolve_partition,
     run_grid,
 )
+from fedhead.bench.sketch import sketch_cells, sketch_plot, sketch_section
+from fedhead.bench.yardstick import tuned_central, yardstick_section
 from fedhead.core.plugins import load_plugins
 from fedhead.federation import plots as P
 from fedhead.federation.methods import METHODS
@@ -94,6 +96,12 @@ def baselines_cmd(
     ),
     partitions: Optional[str] = typer.Option(None, "--partitions", hidden=True),
     recipe: str = typer.Option("default", "--recipe", help="training recipe of the iterative methods"),
+    sketch_dims: Optional[str] = typer.Option(
+        None,
+        "--sketch-dims",
+        help="comma-separated r: run ridge, lda, qda and fast (those of --methods) again with --stats-sketch r each, "
+        "and draw their bytes/accuracy frontier (baselines-sketch.png)",
+    ),
     *,
     common: Common,
 ):
@@ -112,19 +120,29 @@ def baselines_cmd(
                 "central_reference": True,
             }
             cells.append(Cell(f"{m}--{p}", {"method": m, "partition": p}, common.cfg(features, **kw)))
+    dims = sketch_cells(cells, sketch_dims, names, plabels, parts, recipe, features, common)
     config = {
         **common.describe(),
         "methods": {m: METHODS[m][0] for m in names},
         "partitions": plabels,
         "recipe": recipe,
         "features": str(features),
+        **({"sketch_dims": dims} if dims else {}),
     }
     cache = StoreCache()
     cmd = start_report(common, cells, cache, config)
     results = run_grid(cells, common.out, cache)
     pair_with_iid(results)
-    sections = _sections(results, names, plabels, common)
+    tuned = tuned_central(cache.get(str(features)), list(common.seeds), common.out)  # the stronger yardstick
+    config["tuned_central"] = tuned
+    sketched = [r for r in results if "sketch" in r.cell.labels]
+    results = [r for r in results if "sketch" not in r.cell.labels]
+    sections = _sections(results, names, plabels, common, tuned)
     plots = _plots(results, names, plabels, common)
+    if sketched:
+        sections.append(sketch_section(results, sketched, plabels))
+        plots.append(sketch_plot(common.out / "baselines-sketch.png", results, sketched, plabels))
+    results = results + sketched
     publish_report(
         common,
         "baselines",
@@ -150,13 +168,16 @@ def _reached(r: CellResult, key: str, digits: int) -> str:
     return s if len(got) == len(vals) else f"{s} ({len(got)}/{len(vals)} seeds)"
 
 
-def _sections(results: list[CellResult], names: list[str], plabels: list[str], common: Common) -> list[str]:
+def _sections(
+    results: list[CellResult], names: list[str], plabels: list[str], common: Common, tuned: dict
+) -> list[str]:
     by = {(r.cell.labels["method"], r.cell.labels["partition"]): r for r in results}
     return [
         _central_ratio_table(by, names, plabels, common),
         _best_ceiling_table(by, names, plabels),
-        _accuracy_table(by, names, plabels),
+        _accuracy_table(by, names, plabels, tuned),
         _client_accuracy_table(by, names, plabels),
+        yardstick_section(by, names, plabels, tuned),
         _to_99_table(by, names, plabels),
         _iid_cost_table(by, names, plabels),
         "\n".join(["## Methods", "", md_table(["method", "what"], [[m, METHODS[m][0]] for m in names]), ""]),
@@ -202,19 +223,20 @@ def _best_ceiling_table(by: dict[tuple, CellResult], names: list[str], plabels: 
     )
 
 
-def _accuracy_table(by: dict[tuple, CellResult], names: list[str], plabels: list[str]) -> str:
-    """Each method's final accuracy per partition, and its central ceiling."""
+def _accuracy_table(by: dict[tuple, CellResult], names: list[str], plabels: list[str], tuned: dict) -> str:
+    """Each method's final accuracy per partition, its central ceiling and the tuned central probe (one number)."""
+    probe = Stat.of([t["accuracy"] for t in tuned.values()]).fmt(100, 2)
     rows = [
         [m]
         + [_stat(by[(m, p)], "final_accuracy").fmt(100, 2) for p in plabels]
-        + [_stat(by[(m, plabels[0])], "central_accuracy").fmt(100, 2)]
+        + [_stat(by[(m, plabels[0])], "central_accuracy").fmt(100, 2), probe]
         for m in names
     ]
     return "\n".join(
         [
-            "## Final test accuracy (%) and the method's central ceiling",
+            "## Final test accuracy (%), the method's central ceiling and the tuned central probe",
             "",
-            md_table(["method"] + plabels + ["central"], rows),
+            md_table(["method"] + plabels + ["central", "tuned central"], rows),
             "",
         ]
     )

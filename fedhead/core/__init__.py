@@ -3,5 +3,5 @@ the local-training engine, aggregation rules, server optimisers, partitions, lab
 CCVR and the central reference. Nothing here reads a run directory or talks to a client."""
 
 # Every built-in head is registered once this package is imported: the iterative heads (fedhead.core.heads) and the
-# closed-form ones (fedhead.core.closedform, which builds on heads), whichever module of the package comes first.
-from fedhead.core import closedform  # noqa: E402,F401
+# closed-form ones (fedhead.core.closedform, which builds on heads, and fedhead.core.moments), whichever module of the package comes first.
+from fedhead.core import closedform, moments  # noqa: E402,F401

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fedhead.core.closedform import is_closed_form
 from fedhead.core.engine import evaluate
-from fedhead.core.heads import Head, LossContext
+from fedhead.core.heads import Head, LossContext, create_head
 
 LAST_ROUND = 10**9  # a round number past any schedule: two-stage heads are in their last stage
 
@@ -85,9 +86,10 @@ def central_reference(
 ) -> Central:
     """The ceiling of ``head`` on the pooled training set, evaluated on the test set."""
     if is_closed_form(head.name):
-        theta = head.solve_central(x_raw, y, num_classes).to(torch.float32)
+        theta = head.solve_central(x_raw, y, num_classes)
+        theta = theta.to(torch.float32) if theta.ndim == 2 else theta  # a quadratic head (qda) stays float64
         xt = torch.cat([x_test_raw, torch.ones(len(x_test_raw), 1, dtype=x_test_raw.dtype)], 1)
-        return Central(evaluate(theta, xt, y_test), theta, 0)
+        return Central(evaluate(theta, xt, y_test, head=None if head.linear else head), theta, 0)
     theta, it = central_head(head, x_prepared, y, num_classes, weight_decay)
     return Central(evaluate(theta, x_test_prepared, y_test), theta, it)
 
@@ -101,3 +103,41 @@ def first_reach(rows: list[dict], target: float) -> tuple[int | None, float | No
         if a == a and a >= target:
             return int(r["round"]), mb
     return None, None
+
+
+# The stronger yardstick (issue 25): the best centralised linear probe, its L2 weight chosen on held-out training data.
+TUNED_GRID = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)  # the L2 weights tried (the recipes' weight decay is 1e-4)
+TUNED_HOLDOUT = 0.1  # the share of the training split held out to choose among them
+
+
+@dataclass
+class TunedProbe:
+    accuracy: float  # test accuracy of the softmax probe refit on the whole training split with the chosen weight
+    weight_decay: float  # the chosen L2 weight
+    holdout: dict  # L2 weight -> accuracy on the held-out part
+
+
+def tuned_probe(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    x_test: torch.Tensor,
+    y_test: torch.Tensor,
+    num_classes: int,
+    seed: int,
+    grid: tuple = TUNED_GRID,
+    holdout: float = TUNED_HOLDOUT,
+) -> TunedProbe:
+    """A centralised softmax probe on prepared features ``x [N, D+1]`` (full-batch L-BFGS, :func:`central_head`),
+    its L2 weight chosen from ``grid`` by accuracy on a seeded ``holdout`` share of the training split (never the
+    test split; ties go to the larger weight), then refit on the whole training split and evaluated on the test set."""
+    head = create_head("softmax")
+    perm = torch.as_tensor(np.random.default_rng(seed).permutation(len(y)))
+    k = max(1, int(round(holdout * len(y))))
+    val, fit = perm[:k], perm[k:]
+    scores = {}
+    for wd in grid:
+        theta, _ = central_head(head, x[fit], y[fit], num_classes, wd)
+        scores[wd] = evaluate(theta, x[val], y[val])
+    best = max(sorted(grid, reverse=True), key=lambda w: scores[w])
+    theta, _ = central_head(head, x, y, num_classes, best)
+    return TunedProbe(evaluate(theta, x_test, y_test), best, scores)

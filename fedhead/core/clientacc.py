@@ -38,15 +38,17 @@ CLIENT_FIELDS = ("client_accuracy_mean", "client_accuracy_worst10", "client_accu
 
 
 def class_correct(
-    theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, num_classes: int, chunk: int = 65536
+    theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, num_classes: int, chunk: int = 65536, head=None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Correct predictions of ``argmax(x @ theta^T)`` and test samples, per class (int64 [C] each); x carries the
-    trailing 1. Their sums give the overall accuracy of :func:`fedhead.core.engine.evaluate`."""
+    """Correct predictions of ``argmax(x @ theta^T)`` (or of ``head.logits(theta, x)`` for a head not linear in
+    ``x``) and test samples, per class (int64 [C] each); x carries the trailing 1. Their sums give the overall
+    accuracy of :func:`fedhead.core.engine.evaluate`."""
     correct = torch.zeros(num_classes, dtype=torch.int64, device=y.device)
     with torch.no_grad():
         for i in range(0, len(y), chunk):
             yc = y[i : i + chunk]
-            pred = (x[i : i + chunk] @ theta.T.to(x.dtype)).argmax(1)
+            xb = x[i : i + chunk]
+            pred = (head.logits(theta, xb) if head is not None else xb @ theta.T.to(x.dtype)).argmax(1)
             correct += torch.bincount(yc[pred == yc], minlength=num_classes)[:num_classes]
         total = torch.bincount(y, minlength=num_classes)[:num_classes]
     return correct.cpu().numpy().astype(np.int64), total.cpu().numpy().astype(np.int64)

@@ -56,26 +56,42 @@ class ClientStats:
     counts: np.ndarray  # [m] int64
     sums: np.ndarray  # [m, D] float64
     gram: np.ndarray | None  # [D+1, D+1] float64 (symmetric; sent as the upper triangle)
+    second: np.ndarray | None = None  # [m, D, D] float64: sum of x x^T per held class (qda, fedpft; upper triangles)
 
     def nbytes(self) -> int:
-        return message_bytes(len(self.classes), self.sums.shape[1] if self.sums.ndim == 2 else 0, self.gram is not None)
+        dim = self.sums.shape[1] if self.sums.ndim == 2 else 0
+        return message_bytes(len(self.classes), dim, self.gram is not None, self.second is not None)
 
 
-def message_bytes(num_classes_held: int, dim: int, gram: bool) -> int:
-    """Bytes on the wire: class ids int32, counts int64, sums float64, the Gram's upper triangle float64."""
+def message_bytes(num_classes_held: int, dim: int, gram: bool, second: bool = False) -> int:
+    """Bytes on the wire: class ids int32, counts int64, sums float64, the Gram's upper triangle float64 and (``second``)
+    one upper triangle of ``sum x x^T`` per held class, float64."""
     b = num_classes_held * (4 + 8 + 8 * dim)
     if gram:
         d1 = dim + 1
         b += 8 * d1 * (d1 + 1) // 2
+    if second:
+        b += num_classes_held * 8 * dim * (dim + 1) // 2
     return b
 
 
 def client_stats(
-    x: np.ndarray | torch.Tensor, y: np.ndarray, num_classes: int, gram: bool, clip: float | None = None
+    x: np.ndarray | torch.Tensor,
+    y: np.ndarray,
+    num_classes: int,
+    gram: bool,
+    clip: float | None = None,
+    *,
+    second: bool = False,
+    lift=None,
 ) -> ClientStats:
-    """One client's message from its raw features ``x [n, D]`` and labels ``y [n]``; ``clip``: every feature
-    vector first scaled to L2 norm at most ``clip`` (differential privacy, :func:`fedhead.core.dp.clip_rows`)."""
+    """One client's message from its raw features ``x [n, D]`` and labels ``y [n]``; ``lift``: a head's feature map
+    applied first (``ridge-rf``'s random features); ``clip``: every (lifted) feature vector then scaled to L2 norm at
+    most ``clip`` (differential privacy, :func:`fedhead.core.dp.clip_rows`); ``second``: the per-class sums of
+    ``x x^T`` join the message (``qda``, ``fedpft``)."""
     xt = torch.as_tensor(np.asarray(x), dtype=F64)
+    if lift is not None:
+        xt = lift(xt)
     if clip is not None:
         xt = clip_rows(xt, clip)
     yt = torch.as_tensor(np.asarray(y), dtype=torch.int64)
@@ -88,7 +104,11 @@ def client_stats(
         g = torch.zeros(phi.shape[1], phi.shape[1], dtype=F64)
         add_gram(g, phi)
         g = g.numpy()
-    return ClientStats(held.numpy().astype(np.int64), counts[held].numpy().astype(np.int64), sums[held].numpy(), g)
+    sec = None
+    if second:
+        sec = np.stack([(xt[yt == c].T @ xt[yt == c]).numpy() for c in held.tolist()]) if len(held) else None
+        sec = sec if sec is not None else np.zeros((0, xt.shape[1], xt.shape[1]))
+    return ClientStats(held.numpy().astype(np.int64), counts[held].numpy().astype(np.int64), sums[held].numpy(), g, sec)
 
 
 def pack_upper(a: np.ndarray) -> np.ndarray:
@@ -105,6 +125,21 @@ def unpack_upper(v: np.ndarray, n: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- the server's sums
+
+# The largest per-class second moments (C x D x D float64) a server holds: 2 GiB, e.g. 100 classes at D = 1280
+# fit (1.3 GB), 200 do not (2.6 GB). The solve of qda holds about as much again (the per-class precisions).
+MOMENTS_MAX_BYTES = 2 << 30
+
+
+def check_moments_size(num_classes: int, dim: int) -> None:
+    """Refuse, in one line with the numbers, per-class second moments over :data:`MOMENTS_MAX_BYTES`."""
+    need = num_classes * dim * dim * 8
+    if need > MOMENTS_MAX_BYTES:
+        raise FedheadError(
+            f"The '--head' parameter needs one {dim}x{dim} second-moment matrix per class: {num_classes} classes x "
+            f"{dim}^2 x 8 bytes = {need / 1e9:.1f} GB, over the {MOMENTS_MAX_BYTES / 1e9:.1f} GB limit. Use --head "
+            "lda (one shared matrix) or features of lower dimension."
+        )
 
 
 def add_gram(out: torch.Tensor, x: torch.Tensor) -> None:
@@ -130,12 +165,24 @@ class StatsAccumulator:
     before the means) give FedCOF's per-class weights, so the spread of the class means streams into one
     ``D x D`` matrix."""
 
-    def __init__(self, num_classes: int, dim: int, *, gram: bool = False, cof_counts: np.ndarray | None = None):
+    def __init__(
+        self,
+        num_classes: int,
+        dim: int,
+        *,
+        gram: bool = False,
+        cof_counts: np.ndarray | None = None,
+        second: bool = False,
+    ):
         C, D = num_classes, dim
         self.C, self.D = C, D
         self.sums = torch.zeros(C, D, dtype=F64)
         self.counts = torch.zeros(C, dtype=F64)
         self.gram = torch.zeros(D + 1, D + 1, dtype=F64) if gram else None
+        self.second = None  # [C, D, D]: per-class sums of x x^T (qda, fedpft)
+        if second:
+            check_moments_size(C, D)
+            self.second = torch.zeros(C, D, D, dtype=F64)
         self.cof_w = None
         if cof_counts is not None:
             cc = np.asarray(cof_counts)
@@ -163,6 +210,8 @@ class StatsAccumulator:
         self.counts.index_add_(0, cls, n)
         if self.gram is not None:
             self.gram += torch.as_tensor(m.gram, dtype=F64)
+        if self.second is not None and len(cls):
+            self.second.index_add_(0, cls, torch.as_tensor(m.second, dtype=F64))
         if self.cof_w is not None and len(cls):
             # n mu mu^T = s s^T / n, weighted by a_c
             w = self.cof_w[cls] / n
@@ -170,15 +219,19 @@ class StatsAccumulator:
         self.bytes_up += m.nbytes()
         self.clients += 1
 
-    def add_block(self, x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray], clip: float | None = None) -> None:
+    def add_block(
+        self, x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray], clip: float | None = None, lift=None
+    ) -> None:
         """The messages of a block of clients at once: ``x [N, D]`` raw features, ``y [N]`` labels, ``parts``
-        the block's clients' sample indices, ``clip`` as in :func:`client_stats`. Sums equal adding each client's
-        :func:`client_stats`."""
+        the block's clients' sample indices, ``clip`` and ``lift`` as in :func:`client_stats`. Sums equal adding
+        each client's :func:`client_stats`."""
         C, D = self.C, self.D
         idx = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         owner = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
         it = torch.as_tensor(idx, dtype=torch.int64)
         xb = x.index_select(0, it).to(F64)
+        if lift is not None:
+            xb = lift(xb)
         if clip is not None:
             xb = clip_rows(xb, clip)
         yb = y.index_select(0, it).to(torch.int64)
@@ -192,12 +245,16 @@ class StatsAccumulator:
             self.gram[:D, D] += colsum
             self.gram[D, :D] += colsum
             self.gram[D, D] += float(len(xb))
+        if self.second is not None:
+            for c in torch.unique(yb).tolist():
+                xc = xb[yb == c]
+                self.second[c] += xc.T @ xc
         if self.cof_w is not None:
             per = torch.zeros(len(parts) * C, D, dtype=F64).index_add_(0, key, xb)  # the clients' class sums
             w = (self.cof_w.repeat(len(parts)) / cnt.clamp_min(1.0)) * (cnt > 0)
             self.spread += (per * w[:, None]).T @ per
         held = (cnt.view(len(parts), C) > 0).sum(1)
-        self.bytes_up += sum(message_bytes(int(h), D, self.gram is not None) for h in held)
+        self.bytes_up += sum(message_bytes(int(h), D, self.gram is not None, self.second is not None) for h in held)
         self.clients += len(parts)
 
 
@@ -212,19 +269,23 @@ def accumulate(
     block_rows: int = 8192,
     per_client: bool = False,
     clip: float | None = None,
+    second: bool = False,
+    lift=None,
 ) -> StatsAccumulator:
     """Stream every client's message into a :class:`StatsAccumulator`, in blocks of about ``block_rows``
     samples (``per_client``: one :func:`client_stats` message at a time, as a Flower server receives them);
-    ``clip``: the clients' per-sample feature-norm clip (differential privacy)."""
+    ``clip``: the clients' per-sample feature-norm clip (differential privacy); ``second``, ``lift``: as in
+    :func:`client_stats` (a head's :meth:`ClosedFormHead.message_kwargs` gives them)."""
     counts = None
     if cof:
         yn = y.cpu().numpy()
         counts = np.stack([np.bincount(yn[p], minlength=num_classes) for p in parts]) if parts else None
-    acc = StatsAccumulator(num_classes, x.shape[1], gram=gram, cof_counts=counts)
+    dim = x.shape[1] if lift is None else lift.dim
+    acc = StatsAccumulator(num_classes, dim, gram=gram, cof_counts=counts, second=second)
     if per_client:
         xn, yn = x.cpu().numpy(), y.cpu().numpy()
         for p in parts:
-            acc.add(client_stats(xn[p], yn[p], num_classes, gram, clip))
+            acc.add(client_stats(xn[p], yn[p], num_classes, gram, clip, second=second, lift=lift))
         return acc
     x, y = x.cpu(), y.cpu()
     # cof keeps [clients x classes, D] float64 class sums of a block: bound them to about 256 MB
@@ -234,10 +295,10 @@ def accumulate(
         block.append(p)
         rows += len(p)
         if rows >= block_rows or len(block) >= max_clients:
-            acc.add_block(x, y, block, clip)
+            acc.add_block(x, y, block, clip, lift)
             block, rows = [], 0
     if block:
-        acc.add_block(x, y, block, clip)
+        acc.add_block(x, y, block, clip, lift)
     return acc
 
 
@@ -278,6 +339,53 @@ class ClosedFormHead(Head):
     closed_form = True
     needs_gram = False
     needs_client_means = False  # cof: the spread of the clients' class means
+    needs_second = False  # qda, fedpft: per-class sums of x x^T
+    init_capable = True  # a linear head on raw features that --init can map to prepared features
+
+    def lift(self, dim: int):
+        """The head's own feature map the clients apply before their statistics (None: the raw features); it has
+        ``.dim``. ``ridge-rf``: the random features."""
+        return None
+
+    def sketch(self, dim: int):
+        """``--stats-sketch r``: the shared seeded projection of the (lifted) features to ``r`` dimensions, or None."""
+        r = int(self.params.get("stats_sketch", 0) or 0)
+        if not r:
+            return None
+        key = (dim, r)
+        if getattr(self, "_sketch", None) is None or self._sketch[0] != key:
+            self._sketch = (key, Sketch(dim, r, int(self.params.get("stats_sketch_seed", 0))))
+        return self._sketch[1]
+
+    def stats_map(self, dim: int):
+        """What the clients apply to their raw features ``[n, dim]`` before summing: the head's lift, then the
+        sketch (None: nothing)."""
+        own = self.lift(dim)
+        sk = self.sketch(own.dim if own is not None else dim)
+        if sk is None:
+            return own
+        return sk if own is None else Composed(own, sk)
+
+    def message_kwargs(self, dim: int) -> dict:
+        """What a client's message holds beyond the class sums: keywords of :func:`accumulate` / :func:`client_stats`."""
+        return {"gram": self.needs_gram, "second": self.needs_second, "lift": self.stats_map(dim)}
+
+    def unsketch(self, theta: torch.Tensor) -> torch.Tensor:
+        """A head solved in the sketch's space mapped exactly back to the (lifted) features: ``W P^T`` for a linear
+        head, ``M Q M^T`` with ``M = diag(P, 1)`` for a quadratic one (no sketch: ``theta`` itself)."""
+        sk = getattr(self, "_sketch", None)
+        if not int(self.params.get("stats_sketch", 0) or 0) or sk is None:
+            return theta
+        P = sk[1].p
+        m = torch.zeros(P.shape[0] + 1, P.shape[1] + 1, dtype=F64)
+        m[:-1, :-1] = P
+        m[-1, -1] = 1.0
+        t = theta.to(F64)
+        return t @ m.T if t.ndim == 2 else m @ t @ m.T
+
+    def solve_statistics(self, acc: StatsAccumulator) -> torch.Tensor:
+        """:meth:`solve`, mapped back from the sketch's space when ``--stats-sketch`` is given."""
+        return self.unsketch(self.solve(acc))
 
     def per_sample(self, logits, y, ctx):
         raise FedheadError(
@@ -291,8 +399,40 @@ class ClosedFormHead(Head):
 
     def solve_central(self, x: torch.Tensor, y: torch.Tensor, num_classes: int) -> torch.Tensor:
         """The same solve on the pooled training set held by one party (the head's centralised reference)."""
-        acc = accumulate(x, y, [np.arange(len(y))], num_classes, gram=self.needs_gram, cof=False)
-        return self.solve(acc)
+        kw = self.message_kwargs(x.shape[1])
+        acc = accumulate(x, y, [np.arange(len(y))], num_classes, cof=False, **kw)
+        return self.solve_statistics(acc)
+
+
+class Sketch:
+    """``x -> x P``, ``P [D, r]`` drawn ``N(0, 1/r)`` from ``torch.Generator().manual_seed(seed)`` (a Johnson-
+    Lindenstrauss projection, shared by every client through the seed)."""
+
+    def __init__(self, in_dim: int, r: int, seed: int):
+        g = torch.Generator().manual_seed(int(seed))
+        self.p = torch.randn(in_dim, r, generator=g, dtype=F64) / float(np.sqrt(r))
+        self.dim = r
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(F64) @ self.p
+
+
+class Composed:
+    """Two feature maps, one after the other (``ridge-rf``'s random features, then the sketch)."""
+
+    def __init__(self, first, then):
+        self.first, self.then, self.dim = first, then, then.dim
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.then(self.first(x))
+
+
+SKETCH_PARAMS = (
+    Param("stats_sketch", 0, Interval(0, None, integer=True),
+          "project the features to this dimension with a shared seeded random matrix before the statistics (0: no "
+          "sketch); the server solves there and maps the head back"),
+    Param("stats_sketch_seed", 0, Interval(0, None, integer=True), "seed of the --stats-sketch projection"),
+)  # fmt: skip
 
 
 def _means(acc: StatsAccumulator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,7 +442,7 @@ def _means(acc: StatsAccumulator) -> tuple[torch.Tensor, torch.Tensor]:
     return mu, held
 
 
-@register_head("ncm")
+@register_head("ncm", *SKETCH_PARAMS)
 class NCMHead(ClosedFormHead):
     """FedNCM: L2-normalised class means from per-class sums and counts; cosine scoring (closed form)."""
 
@@ -317,6 +457,7 @@ class NCMHead(ClosedFormHead):
     "ridge",
     Param("ridge_lambda", 0.01, Interval(0, None, closed="neither"), "ridge: regulariser lambda (Fed3R: 0.01)"),
     Param("ridge_normalize", False, None, "ridge: L2-normalise each solved row as Fed3R's code does"),
+    *SKETCH_PARAMS,
 )
 class RidgeHead(ClosedFormHead):
     """Fed3R: ridge regression on one-hot targets from the clients' Phi^T Phi and Phi^T Y (closed form)."""
@@ -324,13 +465,17 @@ class RidgeHead(ClosedFormHead):
     needs_gram = True
 
     def solve(self, acc):
-        D = acc.D
-        lam = float(self.params["ridge_lambda"])
-        a = acc.gram + lam * torch.eye(D + 1, dtype=F64)
-        b = torch.cat([acc.sums, acc.counts[:, None]], 1).T  # Phi^T Y  [D+1, C]
-        w = _spd_solve(a, b, "--ridge-lambda", f"Got {lam!r}; raise it, e.g. --ridge-lambda 1.").T.contiguous()
-        w[acc.counts == 0] = 0.0
-        return _normalize_rows(w) if self.params["ridge_normalize"] else w
+        return ridge_solve(acc, float(self.params["ridge_lambda"]), bool(self.params["ridge_normalize"]))
+
+
+def ridge_solve(acc: StatsAccumulator, lam: float, normalize: bool, flag: str = "--ridge-lambda") -> torch.Tensor:
+    """``(sum Phi^T Phi + lambda I)^-1 sum Phi^T Y`` from summed statistics (rows of absent classes zero)."""
+    D = acc.D
+    a = acc.gram + lam * torch.eye(D + 1, dtype=F64)
+    b = torch.cat([acc.sums, acc.counts[:, None]], 1).T  # Phi^T Y  [D+1, C]
+    w = _spd_solve(a, b, flag, f"Got {lam!r}; raise it, e.g. {flag} 1.").T.contiguous()
+    w[acc.counts == 0] = 0.0
+    return _normalize_rows(w) if normalize else w
 
 
 @register_head(
@@ -383,6 +528,7 @@ class COFHead(ClosedFormHead):
 @register_head(
     "lda",
     Param("lda_shrinkage", 1e-4, Interval(0, None), "lda: ridge on the shared covariance, times trace/D"),
+    *SKETCH_PARAMS,
 )
 class LDAHead(ClosedFormHead):
     """Shared-covariance Gaussian classifier (LDA) from class sums, counts and the pooled second moment (closed form)."""

@@ -47,6 +47,21 @@ def enabled(cfg) -> bool:
 # ---------------------------------------------------------------- validation
 
 
+def _refuse_statistics(flag: str, name: str | None) -> None:
+    """The closed-form heads whose statistics the Gaussian mechanism does not cover, refused in one line."""
+    if name == "cof":
+        raise FedheadError(
+            f"The '{flag}' parameter cof cannot be combined with --dp-noise-multiplier: FedCOF's "
+            "server needs each client's class counts and means, not only their sums, so noise "
+            "on the sum protects nothing. Got cof. Use ncm, ridge or lda."
+        )
+    if name in ("qda", "fedpft"):
+        raise FedheadError(
+            f"The '{flag}' parameter {name} cannot be combined with --dp-noise-multiplier yet: no sensitivity is "
+            f"derived for its per-class second moments. Got {name}. Use ncm, ridge, ridge-rf or lda."
+        )
+
+
 def validate_dp(c) -> None:
     """The DP options of a config being resolved (``TrainConfig.resolved``): values, presence, and what DP can be
     combined with; sets ``c.aggregate = "dp-fedavg"`` for an iterative head."""
@@ -98,12 +113,7 @@ def validate_dp(c) -> None:
             "Use a positive feature-norm bound, e.g. the median feature norm of the store.",
         )
     for flag, name in (("--head", c.head), ("--init", c.init)):
-        if name == "cof":
-            raise FedheadError(
-                f"The '{flag}' parameter cof cannot be combined with --dp-noise-multiplier: FedCOF's "
-                "server needs each client's class counts and means, not only their sums, so noise "
-                "on the sum protects nothing. Got cof. Use ncm, ridge or lda."
-            )
+        _refuse_statistics(flag, name)
     if is_closed_form(c.head):
         if c.dp_feature_clip is not None:
             raise FedheadError(
@@ -224,6 +234,11 @@ def privatize_statistics(acc, cfg, seed: int):
         raise FedheadError(
             "The 'cof' statistics cannot be privatised (FedCOF needs per-client means). Use ncm, "
             "ridge or lda with --dp-noise-multiplier."
+        )
+    if getattr(acc, "second", None) is not None:
+        raise FedheadError(
+            "The per-class second moments of 'qda' and 'fedpft' cannot be privatised yet (no sensitivity is "
+            "derived for them). Use ncm, ridge, ridge-rf or lda with --dp-noise-multiplier."
         )
     bound = feature_clip(cfg)
     v = statistics_vector(acc, bound)

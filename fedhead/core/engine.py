@@ -910,11 +910,13 @@ class Engine:
         return torch.stack(out), torch.tensor(losses, dtype=torch.float64, device=dev)
 
 
-def evaluate(theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, chunk: int = 65536) -> float:
-    """Accuracy of ``argmax(x @ theta^T)`` (x carries the trailing 1)."""
+def evaluate(theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, chunk: int = 65536, head=None) -> float:
+    """Accuracy of ``argmax(x @ theta^T)`` (x carries the trailing 1), or of ``head.logits(theta, x)`` when a
+    ``head`` is given (a head that is not linear in ``x``: ``qda``, ``ridge-rf``)."""
     correct = 0
     with torch.no_grad():
         for i in range(0, len(y), chunk):
-            pred = (x[i : i + chunk] @ theta.T.to(x.dtype)).argmax(1)
+            xb = x[i : i + chunk]
+            pred = (head.logits(theta, xb) if head is not None else xb @ theta.T.to(x.dtype)).argmax(1)
             correct += int((pred == y[i : i + chunk]).sum())
     return correct / max(1, len(y))

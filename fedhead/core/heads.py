@@ -57,6 +57,13 @@ class Head:
     def predict(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(-1)
 
+    def logits(self, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Scores ``[N, C]`` of the head ``theta`` on features ``x [N, D+1]`` (trailing 1): ``x @ theta^T`` for a
+        linear head; a head that is not linear in ``x`` (``qda``, ``ridge-rf``) overrides it."""
+        return x @ theta.T.to(x.dtype)
+
+    linear = True  # whether theta [C, D+1] acts linearly on x (an exported or --init head must)
+
     # Optional fast path: ``loss_and_grad(logits, y, mask, ctx) -> (loss [K], d sum(loss) / d logits [K, B, C])``
     # in closed form. The engine uses it when a head defines it and autograd on :meth:`loss` otherwise.
 

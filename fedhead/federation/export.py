@@ -95,6 +95,10 @@ def parse_size(text: str | None, model: Model) -> tuple[int, int]:
 
 def build_classifier(model: Model, size: tuple[int, int]) -> ImageClassifier:
     """The model as one torch module on the CPU (its encoder loaded and checked against the card)."""
+    if model.head is not None:
+        raise param_error("--model", str(model.path), f"holds a {model.card['head']['kind']!r} head, which is not "
+                          "linear in the features; export writes linear heads only",
+                          "Classify with 'fedhead predict' or fedhead.load_model, or export a linear head.")  # fmt: skip
     enc = model.load_encoder()
     enc.model.to("cpu").eval()
     return ImageClassifier(model, enc.model, enc.preprocessing, size).eval()

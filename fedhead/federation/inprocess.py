@@ -82,8 +82,8 @@ class InProcessTransport(Transport):
         t0 = time.perf_counter()
         acc = accumulate(
             self.raw_train, torch.as_tensor(self.fed.labels), [self.fed.parts[k] for k in selected], self.num_classes,
-            gram=solver.needs_gram, cof=solver.needs_client_means, per_client=self.cfg.backend == "loop",
-            clip=feature_clip(self.cfg),
+            cof=solver.needs_client_means, per_client=self.cfg.backend == "loop", clip=feature_clip(self.cfg),
+            **solver.message_kwargs(self.raw_train.shape[1]),
         )  # fmt: skip
         return Exchange(acc, 1000 * (time.perf_counter() - t0) / max(1, acc.clients))
 

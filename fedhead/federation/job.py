@@ -51,13 +51,13 @@ def _stats_of(state: dict) -> FeatureStats:
     return FeatureStats(mean, state["scale"], state["up"], state["down"])
 
 
-def evaluate(theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, num_classes: int | None = None):
+def evaluate(theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, num_classes: int | None = None, head=None):
     """The one evaluation of a head on the test split: its accuracy, or with ``num_classes`` the per-class correct
     and total counts (:func:`fedhead.core.clientacc.class_correct`, one pass: the accuracy and the per-client
-    accuracy both come from them)."""
+    accuracy both come from them). ``head``: a head not linear in the features scores through ``head.logits``."""
     if num_classes is None:
-        return overall_accuracy(theta, x, y)
-    return class_correct(theta, x, y, num_classes)
+        return overall_accuracy(theta, x, y, head=head)
+    return class_correct(theta, x, y, num_classes, head=head)
 
 
 class HeadJob(Job):
@@ -71,6 +71,7 @@ class HeadJob(Job):
         closed = is_closed_form(cfg.head)
         self.solver = create_head(cfg.head if closed else cfg.init, **cfg.head_params) if closed or cfg.init else None
         self.rounds = 1 if closed else cfg.rounds
+        self.scorer = None if self.head.linear else self.head  # qda, ridge-rf: scores not linear in the features
         self.privacy = epsilon_schedule(cfg, self.rounds)  # DP: epsilon per round ({} without DP)
         self.fields = ROUND_FIELDS + list(transport.extra_fields)
         self.extendable = not closed and transport.name == "simulation"
@@ -156,7 +157,7 @@ class HeadJob(Job):
     def _evaluate(self) -> tuple[float, dict]:
         """The global head's test accuracy and, when the clients' label counts are known, the per-client accuracy
         fields (:mod:`fedhead.core.clientacc`), from one pass over the test split."""
-        correct, totals = evaluate(self.theta, self.xt, self.y_test, self.store.info.num_classes)
+        correct, totals = evaluate(self.theta, self.xt, self.y_test, self.store.info.num_classes, head=self.scorer)
         acc = int(correct.sum()) / max(1, len(self.y_test))
         if self.client_w is None:
             return acc, {}
@@ -167,6 +168,8 @@ class HeadJob(Job):
         ex = self.transport.statistics(sel, self.solver, seed)
         t0 = time.perf_counter()
         self.theta = solve_statistics(self.solver, ex.acc, self.cfg, self.stats, self.device, seed=seed)
+        if is_closed_form(self.cfg.head):  # the solved head goes down: qda's and ridge-rf's are not [C, D+1]
+            self.head_bytes = self.theta.numel() * self.theta.element_size()
         server_s = ex.server_s + time.perf_counter() - t0
         row = statistics_row(ex.acc, ex.client_ms, server_s, self.cfg, len(sel), self.head_bytes, extra_up, stats_bytes)
         return {**row, **ex.extra}
@@ -216,7 +219,7 @@ class HeadJob(Job):
             extra.append({"seed": seed, **row, "run": name, "partition": self.variants[name][0], **cal.extra,
                           **self._evaluate()[1]})  # fmt: skip
             self.transport.after_round(seed, rnd, self.rounds, extra[-1])
-        correct = int(round(evaluate(self.theta, self.xt, self.y_test) * len(self.y_test)))
+        correct = int(round(evaluate(self.theta, self.xt, self.y_test, head=self.scorer) * len(self.y_test)))
         kept = {"head": self.theta.detach().cpu().clone(), "stats": _stats_state(self.stats), "correct": correct}
         return extra, kept
 

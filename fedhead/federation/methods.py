@@ -16,6 +16,9 @@ METHODS: dict[str, tuple[str, dict]] = {
     "ridge": ("Fed3R: ridge regression from Phi^T Phi, Phi^T Y, one exchange", {"head": "ridge"}),
     "cof": ("FedCOF: class means + covariances from their spread, one exchange", {"head": "cof"}),
     "lda": ("shared-covariance Gaussian classifier, one exchange", {"head": "lda"}),
+    "qda": ("regularised QDA (Friedman's RDA) from per-class second moments, one exchange", {"head": "qda"}),
+    "fedpft": ("FedPFT: class Gaussians, server samples and fits a softmax head, one exchange", {"head": "fedpft"}),
+    "ridge-rf": ("Fed3R on seeded random ReLU features, one exchange", {"head": "ridge-rf"}),
     "ncm+ft": ("FedNCM start, then softmax FedAvg", {"head": "softmax", "init": "ncm"}),
     "ridge+ft": ("Fed3R start, then softmax FedAvg", {"head": "softmax", "init": "ridge"}),
     "fast": (

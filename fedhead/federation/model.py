@@ -35,7 +35,7 @@ from extract import run as extraction
 from extract.encoders import Encoder, load_encoder, preprocess_batch, registry_weights
 from extract.store import Features, StoreInfo, store_content_hash
 from fedhead import __version__
-from fedhead.core.heads import HEADS, resolve_head_params
+from fedhead.core.heads import HEADS, create_head, resolve_head_params
 from fedhead.federation.clients import FeatureStats, prepare
 from fedhead.federation.config import TrainConfig
 from fedhead.infra.console import make_progress
@@ -85,8 +85,11 @@ def write_model(run_dir: Path, unit: tuple, theta: torch.Tensor, stats: FeatureS
 
     seed, name = unit
     stem = Path(run_dir) / model_stem(seed, name)
-    theta = theta.detach().to("cpu", torch.float32)
-    tensors = {"weight": theta[:, :-1].contiguous(), "bias": theta[:, -1].contiguous()}
+    if theta.ndim == 3:  # qda: one quadratic form [D+1, D+1] per class, float64
+        tensors = {"quadratic": theta.detach().to("cpu", torch.float64).contiguous()}
+    else:  # ridge-rf: weight [C, F] on the random features the card's head parameters draw again
+        theta = theta.detach().to("cpu", torch.float32)
+        tensors = {"weight": theta[:, :-1].contiguous(), "bias": theta[:, -1].contiguous()}
     if stats.mean is not None:
         tensors["feature_mean"] = torch.as_tensor(stats.mean, dtype=torch.float32).contiguous()
     weights = stem.with_suffix(".safetensors")
@@ -105,6 +108,7 @@ def write_model(run_dir: Path, unit: tuple, theta: torch.Tensor, stats: FeatureS
             "params": resolve_head_params(cfg.head, **cfg.head_params),
             "probabilities": probability_kind(cfg.head),
             "decision": "argmax of the logits",
+            "linear": bool(getattr(HEADS[cfg.head].cls, "linear", True)) if cfg.head in HEADS else True,
         },  # fmt: skip
         "features": {
             "centered": stats.mean is not None,
@@ -213,15 +217,21 @@ class Model:
     def __init__(self, card: dict, tensors: dict, path: Path):
         self.card, self.path = card, path
         self.classes_ = np.asarray(card["classes"])
-        w, b = tensors["weight"].float(), tensors["bias"].float()
-        self.theta = torch.cat([w, b[:, None]], 1).contiguous()  # [C, D+1]: the head the run evaluated
+        # a head that is not linear in the features (qda, ridge-rf) scores through its registered head
+        self.head = None if card["head"].get("linear", True) else create_head(card["head"]["kind"],
+                                                                              **card["head"]["params"])  # fmt: skip
+        if "quadratic" in tensors:  # qda: [C, D+1, D+1]
+            self.theta = tensors["quadratic"].double().contiguous()
+        else:
+            w, b = tensors["weight"].float(), tensors["bias"].float()
+            self.theta = torch.cat([w, b[:, None]], 1).contiguous()  # [C, D+1]: the head the run evaluated
         feats = card["features"]
         mean = tensors.get("feature_mean")
         self.stats = FeatureStats(None if mean is None else mean.double().numpy(), float(feats["scale"]), 0, 0)
         self.mean32 = None if mean is None else mean.float()
         self.store_dtype = feats.get("store_dtype", "float32")
         self.probabilities = card["head"]["probabilities"]
-        self.n_features_in_ = int(w.shape[1])
+        self.n_features_in_ = int(self.theta.shape[-1] - 1 if self.head is None else card["store"]["feature_dim"])
         self.encoder: Encoder | None = None
         self.batch_size = int(card["store"].get("batch_size") or 64)
 
@@ -257,8 +267,15 @@ class Model:
 
     def decision_function(self, X) -> np.ndarray:
         """Logits ``[N, C]`` (the head on the prepared features)."""
+        with torch.no_grad():  # the encoder too, as the run's extraction (the same kernels, bit for bit)
+            return self.logits(self.features(X)).numpy()
+
+    def logits(self, x: np.ndarray) -> torch.Tensor:
+        """Logits ``[N, C]`` of raw store features ``x [N, D]``: the head on the prepared features (a head that is
+        not linear in the features, ``qda`` or ``ridge-rf``, through its registered scores)."""
         with torch.no_grad():
-            return (self.prepared(self.features(X)) @ self.theta.T).numpy()
+            z = self.prepared(x)
+            return z @ self.theta.T if self.head is None else self.head.logits(self.theta, z)
 
     def predict_proba(self, X) -> np.ndarray:
         """Class probabilities ``[N, C]`` (columns in the order of ``classes_``; see :func:`probabilities`)."""

@@ -31,11 +31,12 @@ def solve_statistics(
         if seed is None:
             raise FedheadError("solve_statistics needs the run's seed to draw the DP noise of the statistics.")
         privatize_statistics(acc, cfg, seed)
-    theta = solver.solve(acc)
+    theta = solver.solve_statistics(acc)  # --stats-sketch: mapped back from the sketch's space
     if not is_closed_form(cfg.head):
         scale = cfg.init_scale if cfg.init_scale is not None else INIT_SCALE[solver.name]
         theta = to_prepared(theta, stats.mean, stats.scale) * scale
-    return theta.to(device=device, dtype=torch.float32)
+    # a quadratic head (qda) stays float64: its scores cancel large terms of the quadratic form
+    return theta.to(device=device, dtype=torch.float32 if theta.ndim == 2 else torch.float64)
 
 
 def statistics_row(

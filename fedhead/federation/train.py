@@ -14,7 +14,7 @@ import numpy as np
 from extract.store import Features, StoreInfo, load_store, open_store, store_content_hash
 from fedhead.core.closedform import closed_form_names, is_closed_form
 from fedhead.core.engine import OptimConfig
-from fedhead.core.heads import resolve_head_params
+from fedhead.core.heads import create_head, resolve_head_params
 from fedhead.core.noise import apply_noise
 from fedhead.core.partitions import PARTITIONS, create_partition, resolve_partition_params
 from fedhead.federation.clients import noise_dataset_name
@@ -117,6 +117,16 @@ def labels_store(
     )
 
 
+def _secure_statistics(cfg: TrainConfig, name: str) -> None:
+    """Secure aggregation's fixed layout carries raw class sums and the Gram only: refuse the rest in one line."""
+    head = create_head(name, **cfg.head_params)
+    if cfg.secure_aggregation and (head.needs_second or head.stats_map(1) is not None):
+        raise FedheadError(
+            f"The '--secure-aggregation' option does not carry the statistics of {name!r} yet (per-class second "
+            "moments, random features or a --stats-sketch). Drop it, or use ncm, ridge, lda or cof unsketched."
+        )
+
+
 def validate_method(cfg: TrainConfig) -> None:
     """The method options (closed form, --init, FedProx, SCAFFOLD, server optimiser, CCVR) against the head;
     a closed-form head needs no feature centring (its statistics carry the means), so it is switched off."""
@@ -137,6 +147,7 @@ def validate_method(cfg: TrainConfig) -> None:
                     "Drop it, or choose an iterative head (softmax, ova, ova2, ...)."
                 )
         cfg.center, cfg.scale = False, "none"
+        _secure_statistics(cfg, cfg.head)
     if cfg.scaffold and cfg.optimizer != "sgd":
         raise FedheadError(
             f"The '--scaffold' option needs --optimizer sgd: its control variates estimate each "
@@ -145,8 +156,15 @@ def validate_method(cfg: TrainConfig) -> None:
         )
     if cfg.init is not None and not is_closed_form(cfg.init):
         raise unknown_name("--init", cfg.init, closed_form_names(), "closed-form head")
+    if cfg.init is not None and not create_head(cfg.init, **cfg.head_params).init_capable:
+        able = ", ".join(n for n in closed_form_names() if create_head(n).init_capable)
+        raise FedheadError(
+            f"The '--init' parameter {cfg.init!r} is no linear head on raw features that an iterative head can start "
+            f"from. Use one of {able}."
+        )
     if cfg.init is not None:
         resolve_head_params(cfg.init, **cfg.head_params)
+        _secure_statistics(cfg, cfg.init)
     if cfg.server_opt != "fedavg" or any(
         v is not None for v in (cfg.server_lr, cfg.server_momentum, cfg.server_betas, cfg.server_tau)
     ):

@@ -314,8 +314,9 @@ def _hello(msg: Message, context: Context, default_store: str | None, default_st
         # the statistics exchange of a closed-form head / --init start: the simulator's client_stats
         solver = create_head(str(c["closed-form"]), **cfg.head_params)
         t0 = time.perf_counter()
+        kw = solver.message_kwargs(store.train_x.shape[1])
         m = client_stats(
-            store.train_x[ld.mine], ld.labels[ld.mine], store.info.num_classes, solver.needs_gram, feature_clip(cfg)
+            store.train_x[ld.mine], ld.labels[ld.mine], store.info.num_classes, kw.pop("gram"), feature_clip(cfg), **kw
         )
         metrics["stats-ms"] = 1000 * (time.perf_counter() - t0)
         arrays.update(client_stats_record(m))

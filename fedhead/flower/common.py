@@ -269,14 +269,23 @@ def client_stats_record(m) -> dict:
     }
     if m.gram is not None:
         out["cf-gram"] = Array(pack_upper(m.gram))
+    if m.second is not None:  # qda, fedpft: one upper triangle per held class
+        iu = np.triu_indices(m.sums.shape[1])
+        out["cf-second"] = Array(np.ascontiguousarray(np.asarray(m.second)[:, iu[0], iu[1]], dtype=np.float64))
     return out
 
 
 def client_stats_from_record(arrays, dim: int):
     """The inverse of :func:`client_stats_record`."""
+    import numpy as np
+
     gram = unpack_upper(arrays["cf-gram"].numpy(), dim + 1) if "cf-gram" in arrays else None
     sums = arrays["cf-sums"].numpy().reshape(-1, dim)
-    return ClientStats(arrays["cf-classes"].numpy(), arrays["cf-counts"].numpy(), sums, gram)
+    second = None
+    if "cf-second" in arrays:
+        second = np.stack([unpack_upper(v, dim) for v in arrays["cf-second"].numpy().reshape(len(sums), -1)])
+        second = second.reshape(len(sums), dim, dim)
+    return ClientStats(arrays["cf-classes"].numpy(), arrays["cf-counts"].numpy(), sums, gram, second)
 
 
 # ---------------------------------------------------------------- the server's log and a node's failure, in one line

@@ -543,13 +543,15 @@ class FedheadStrategy(Strategy, Transport):
         if self.secure is not None:
             return self.secure.statistics(grid, sorted(pids))
         C, D = self.store.info.num_classes, self.store.test_x.shape[1]
+        kw = self.solver.message_kwargs(D)
+        D = D if kw["lift"] is None else kw["lift"].dim  # ridge-rf: the statistics of the random features
         msgs = [client_stats_from_record(info[p].content["arrays"], D) for p in sorted(pids)]
         counts = None
         if self.solver.needs_client_means:
             counts = np.zeros((len(msgs), C), dtype=np.int64)
             for i, m in enumerate(msgs):
                 counts[i, m.classes] = m.counts
-        acc = StatsAccumulator(C, D, gram=self.solver.needs_gram, cof_counts=counts)
+        acc = StatsAccumulator(C, D, gram=kw["gram"], cof_counts=counts, second=kw["second"])
         for m in msgs:
             acc.add(m)
         return acc
