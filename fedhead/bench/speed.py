@@ -307,13 +307,22 @@ def _simulator_exchange(centers, K: int, n: int, rng) -> dict:
     y = rng.integers(0, C, K * n)
     x = torch.from_numpy(centers[y] + rng.random((K * n, D), dtype=np.float32))
     parts = np.split(np.arange(K * n), K)
+    acc_s, total_s = _ridge_exchange(x, torch.from_numpy(y), parts, C)
+    return {"closedform_sim_accumulate_s": acc_s, "closedform_sim_s": total_s}
+
+
+def _ridge_exchange(x, y, parts, num_classes: int) -> tuple[float, float]:
+    """Seconds of the simulator's statistics exchange for ridge: the clients' messages summed block by block
+    (:func:`fedhead.core.closedform.accumulate`), and that plus the solve."""
+    import torch
+
     t0 = time.perf_counter()
-    acc = accumulate(x, torch.from_numpy(y), parts, C, gram=True, cof=False)
+    acc = accumulate(x, y, parts, num_classes, gram=True, cof=False)
     t1 = time.perf_counter()
     theta = create_head("ridge").solve(acc)
     t2 = time.perf_counter()
     assert torch.isfinite(theta).all()
-    return {"closedform_sim_accumulate_s": t1 - t0, "closedform_sim_s": t2 - t0}
+    return t1 - t0, t2 - t0
 
 
 # ---------------------------------------------------------------- cross-device shape (child process)
@@ -355,13 +364,8 @@ def cross_device_speed(cfg: dict) -> dict:
     sel = np.arange(cfg["clients"])
     rec = {"crossdevice_threads": threads, "crossdevice_partition_s": part_s}
     if cfg["part"] == "closedform":
-        x = data.x[:, :-1]
-        t0 = time.perf_counter()
-        acc = accumulate(x, data.y, data.parts, data.num_classes, gram=True, cof=False)
-        theta = create_head("ridge").solve(acc)
-        rec["crossdevice_closedform_s"] = time.perf_counter() - t0
+        rec["crossdevice_closedform_s"] = _ridge_exchange(data.x[:, :-1], data.y, data.parts, data.num_classes)[1]
         rec["crossdevice_closedform_peak_mb"] = _peak_rss_mb()
-        assert torch.isfinite(theta).all()
         return rec
     optim = OptimConfig(name="sgd", lr=0.01, weight_decay=1e-4, momentum=0.9)  # the default recipe
     theta0 = torch.zeros(data.num_classes, data.x.shape[1])

@@ -29,8 +29,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import scipy.sparse as sp
 import torch
+
+from fedhead.core.engine import scores
 
 __all__ = ["ClientWeights", "class_correct", "client_weights", "client_accuracy", "client_summary", "CLIENT_FIELDS"]
 
@@ -47,8 +48,7 @@ def class_correct(
     with torch.no_grad():
         for i in range(0, len(y), chunk):
             yc = y[i : i + chunk]
-            xb = x[i : i + chunk]
-            pred = (head.logits(theta, xb) if head is not None else xb @ theta.T.to(x.dtype)).argmax(1)
+            pred = scores(theta, x[i : i + chunk], head).argmax(1)
             correct += torch.bincount(yc[pred == yc], minlength=num_classes)[:num_classes]
         total = torch.bincount(y, minlength=num_classes)[:num_classes]
     return correct.cpu().numpy().astype(np.int64), total.cpu().numpy().astype(np.int64)
@@ -58,13 +58,15 @@ class ClientWeights:
     """The clients' label proportions over the classes the test split has (sparse [K, C]) and which clients have
     any (``valid``): built once per partition, used at every evaluation."""
 
-    def __init__(self, props: sp.csr_matrix, valid: np.ndarray):
+    def __init__(self, props, valid: np.ndarray):  # props: scipy.sparse.csr_matrix [K, C]
         self.props, self.valid = props, valid
 
 
 def client_weights(counts, test_totals: np.ndarray) -> ClientWeights:
     """:class:`ClientWeights` from the clients' training label counts ``counts`` [K, C] (dense or sparse) and the
     test samples per class ``test_totals`` [C]."""
+    import scipy.sparse as sp  # here, not at import: scipy.sparse costs every command 0.14 s to start
+
     m = sp.csr_matrix(counts, dtype=np.float64)
     present = (np.asarray(test_totals) > 0).astype(np.float64)
     m = m @ sp.diags(present)  # classes the test split lacks weigh nothing

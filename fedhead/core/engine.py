@@ -910,13 +910,17 @@ class Engine:
         return torch.stack(out), torch.tensor(losses, dtype=torch.float64, device=dev)
 
 
+def scores(theta: torch.Tensor, x: torch.Tensor, head=None) -> torch.Tensor:
+    """Class scores of the rows of ``x`` (with the trailing 1): ``x @ theta^T``, or ``head.logits(theta, x)`` for a
+    head that is not linear in ``x`` (``qda``, ``ridge-rf``)."""
+    return head.logits(theta, x) if head is not None else x @ theta.T.to(x.dtype)
+
+
 def evaluate(theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, chunk: int = 65536, head=None) -> float:
-    """Accuracy of ``argmax(x @ theta^T)`` (x carries the trailing 1), or of ``head.logits(theta, x)`` when a
-    ``head`` is given (a head that is not linear in ``x``: ``qda``, ``ridge-rf``)."""
+    """Accuracy of ``argmax`` of :func:`scores` (x carries the trailing 1)."""
     correct = 0
     with torch.no_grad():
         for i in range(0, len(y), chunk):
-            xb = x[i : i + chunk]
-            pred = (head.logits(theta, xb) if head is not None else xb @ theta.T.to(x.dtype)).argmax(1)
+            pred = scores(theta, x[i : i + chunk], head).argmax(1)
             correct += int((pred == y[i : i + chunk]).sum())
     return correct / max(1, len(y))
