@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fedhead.core.aggregate import DPFedAvg
-from fedhead.core.dual import dual_pays
+from fedhead.core.dual import dual_pays, rows_times_heads
 from fedhead.core.engine import ClientSet, Engine, LocalConfig, OptimConfig, ScaffoldState
 from fedhead.core.heads import create_head, iterative_head_names
 from fedhead.infra.errors import FedheadError
@@ -75,6 +75,28 @@ def test_dual_equals_loop_in_float64(head, opt):
         assert sc_ref.c.abs().max() > 1e-3
         torch.testing.assert_close(sc_got.c, sc_ref.c, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(sc_got.ck, sc_ref.ck, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("C", [5, 64, 67, 203])
+def test_rows_times_heads_is_the_plain_product(C):
+    # 67 and 203 take the padded product (C >= 64, not a multiple of 8); 5 and 64 the plain one
+    g = torch.Generator().manual_seed(C)
+    x, w = torch.randn(40, 33, generator=g, dtype=torch.float64), torch.randn(C, 33, generator=g, dtype=torch.float64)
+    got = rows_times_heads(x, w)
+    assert got.shape == (40, C) and got.is_contiguous()
+    torch.testing.assert_close(got, x @ w.T, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("head", ["ova2", "softmax"])
+def test_dual_equals_loop_with_many_classes(head):
+    # 67 classes: the block's X theta^T goes through the padded product
+    data = toy(d=9, c=67, seed=4)
+    h = create_head(head)
+    ref, _, _ = run(data, h, "loop", "recipe")
+    got, stats, _ = run(data, h, "vectorized", "recipe", dual="on")
+    assert all(s.dual_clients == len(SIZES) for s in stats)
+    assert (ref - theta0(data)).abs().max() > 1e-2
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
 
 
 def test_losses_match_the_loop():

@@ -43,7 +43,7 @@ from fedhead.core.heads import create_head
 from fedhead.core.partitions import class_counts, create_partition
 from fedhead.federation.train import PAUSE_ENV  # test hook: pause after the k-th job
 from fedhead.infra.console import stderr_console, stdout_console
-from fedhead.infra.devices import DENORMALS_ENV, flush_denormals, resolve_device, set_cpu_threads
+from fedhead.infra.devices import DENORMALS_ENV, flush_denormals, keep_freed_memory, resolve_device, set_cpu_threads
 from fedhead.infra.errors import FedheadError, Interval, OneOf, validate
 from fedhead.infra.exits import cli_errors
 from fedhead.infra.files import atomic_write_json, atomic_write_text, check_out
@@ -176,6 +176,7 @@ def run_config(cfg: dict) -> dict:
     dev = resolve_device(cfg["device"])
     threads = set_cpu_threads(cfg.get("threads"))
     rec = {"threads": threads, "device": str(dev), "denormals_flushed": dev.type == "cpu" and flush_denormals()}
+    rec["malloc_keeps_freed"] = dev.type == "cpu" and keep_freed_memory()
     if cfg.get("machine"):
         rec.update(machine_limits(dev, cfg.get("quick", False)))
     K, C, D, E, B = cfg["clients"], cfg["classes"], cfg["dim"], cfg["epochs"], cfg["batch"]
@@ -360,9 +361,11 @@ def cross_device_speed(cfg: dict) -> dict:
 
     threads = set_cpu_threads(cfg.get("threads"))
     flush_denormals()
+    keep = keep_freed_memory()
     data, part_s = _cross_device_data(cfg)
     sel = np.arange(cfg["clients"])
     rec = {"crossdevice_threads": threads, "crossdevice_partition_s": part_s}
+    rec["crossdevice_malloc_keeps_freed"] = keep
     if cfg["part"] == "closedform":
         rec["crossdevice_closedform_s"] = _ridge_exchange(data.x[:, :-1], data.y, data.parts, data.num_classes)[1]
         rec["crossdevice_closedform_peak_mb"] = _peak_rss_mb()

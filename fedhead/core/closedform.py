@@ -38,6 +38,7 @@ import torch
 
 from fedhead.core.heads import HEADS, Head, register_head
 from fedhead.core.linalg import clip_rows, psd_part
+from fedhead.infra.devices import keep_freed_memory
 from fedhead.infra.errors import FedheadError, Interval
 from fedhead.infra.params import Param
 
@@ -281,6 +282,7 @@ def accumulate(
         yn = y.cpu().numpy()
         counts = np.stack([np.bincount(yn[p], minlength=num_classes) for p in parts]) if parts else None
     dim = x.shape[1] if lift is None else lift.dim
+    keep_freed_memory()  # each block's Gram and gathered rows reuse the last block's memory
     acc = StatsAccumulator(num_classes, dim, gram=gram, cof_counts=counts, second=second)
     if per_client:
         xn, yn = x.cpu().numpy(), y.cpu().numpy()

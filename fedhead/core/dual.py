@@ -123,7 +123,7 @@ def train_dual(
     K, n, _ = X.shape
     C = theta.shape[0]
     gram = torch.bmm(X, X.transpose(1, 2))  # [K, n, n]
-    xt = (X.reshape(K * n, -1) @ theta.to(dt).T).view(K, n, C)  # X_k theta^T
+    xt = rows_times_heads(X.reshape(K * n, -1), theta.to(dt)).view(K, n, C)  # X_k theta^T
     xd = torch.bmm(X, prob.d.transpose(1, 2)) if prob.d is not None else None  # X_k d_k^T
     st = DualState(
         a=torch.ones(K, dtype=dt, device=X.device),
@@ -137,6 +137,18 @@ def train_dual(
         j = slice(j0, min(K, j0 + T))
         _train_tile(st, j, xt[j], gram[j], xd[j] if xd is not None else None, prob, plan, head, rnd, closed_form, hyper)
     return st
+
+
+def rows_times_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for rows ``x [N, D]`` and heads ``w [C, D]``, with ``w`` padded by zero rows to a multiple of 8
+    on CPU: the BLAS product is slower when its output's width is not (measured on 2 AVX2 cores at N = 32,868,
+    D = 1,281: 117 GFLOP/s at C = 1,203, 145 padded to 1,208 including the copy out)."""
+    C = w.shape[0]
+    pad = -C % 8
+    if x.device.type != "cpu" or not pad or C < 64:
+        return x @ w.T
+    wp = torch.cat([w, w.new_zeros(pad, w.shape[1])])
+    return (x @ wp.T)[:, :C].contiguous()
 
 
 def _train_tile(st: DualState, j: slice, xt, gram, xd, prob, plan, head, rnd, closed_form, hyper) -> None:

@@ -60,7 +60,7 @@ from fedhead.core.dual import (
     train_dual,
 )
 from fedhead.core.heads import Head, LossContext
-from fedhead.infra.devices import flush_denormals
+from fedhead.infra.devices import flush_denormals, keep_freed_memory
 from fedhead.infra.errors import FedheadError, OneOf, validate
 
 BACKENDS = ("vectorized", "loop")  # local-training backends of Engine (loop: per client, for checking)
@@ -585,6 +585,7 @@ class Engine:
         self._check_scaffold(theta, scaffold)
         if self.device.type == "cpu":
             flush_denormals()  # a decaying optimizer state must not fall into slow subnormal arithmetic
+            keep_freed_memory()  # a step's large tensors reuse the last step's memory (no page faults)
         acc = Accumulator(aggregator, theta, seed=seed, rnd=rnd, sampled=len(selected))
         stats = RoundStats()
         active = [int(k) for k in selected if len(self.data.parts[k]) > 0]
@@ -633,6 +634,7 @@ class Engine:
         self._check_scaffold(theta, scaffold)
         if self.device.type == "cpu":
             flush_denormals()
+            keep_freed_memory()
         return self._block(theta, block, seed, rnd, False, prox_mu, scaffold)
 
     def dual_clients(self, clients) -> list[int]:

@@ -125,9 +125,14 @@ def _onehot(y: torch.Tensor, C: int, dtype) -> torch.Tensor:
     return F.one_hot(y, C).to(dtype)
 
 
+SOFTPLUS_LINEAR = 40.0  # softplus(s) = s past this: log1p(e^-40) = 4e-18, below float64's rounding of 40
+
+
 def softplus(s: torch.Tensor) -> torch.Tensor:
-    """Stable softplus from vectorized ops (F.softplus is scalar code on CPU, ~30x slower than sigmoid)."""
-    return s.clamp_min(0).add_(torch.exp(-s.abs()).add_(1.0).log_())
+    """``log(1 + e^s)`` in one pass of torch's vectorized kernel, exact to float64 rounding (its default threshold,
+    20, drops ``2e-9``). Measured on 2 AVX2 cores, [1000, 16, 1203] float32: 64 ms, against 179 ms for the stable
+    form ``max(s, 0) + log1p(e^-|s|)`` written from separate ops (six passes over the logits)."""
+    return F.softplus(s, threshold=SOFTPLUS_LINEAR)
 
 
 def _mean_weights(mask: torch.Tensor) -> torch.Tensor:
@@ -143,9 +148,12 @@ class SoftmaxHead(Head):
         return F.cross_entropy(logits.transpose(1, 2), y, reduction="none")
 
     def loss_and_grad(self, logits, y, mask, ctx):
+        # one log-softmax pass serves the loss (-log p_y) and the gradient (p - onehot(y)); 1.9 s of a 12.5 s
+        # round at 10,000 clients x 1,203 classes went to computing logsumexp and softmax separately
         wgt, yi = _mean_weights(mask), y.unsqueeze(2)
-        per = torch.logsumexp(logits, -1) - logits.gather(2, yi).squeeze(2)
-        g = torch.softmax(logits, -1)
+        g = torch.log_softmax(logits, -1)
+        per = -g.gather(2, yi).squeeze(2)
+        g.exp_()
         g.scatter_add_(2, yi, torch.full_like(yi, -1.0, dtype=g.dtype))
         return (per * wgt).sum(1), g.mul_(wgt.unsqueeze(2))
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
-from fedhead.infra.devices import autocast, flush_denormals, mixed_precision
+from fedhead.infra.devices import autocast, flush_denormals, keep_freed_memory, mixed_precision
 from fedhead.infra.errors import FedheadError
 from fedhead.scratch.models import DualHead, _Seq
 
@@ -588,6 +588,7 @@ def train_members(
     """
     if x_all.device.type == "cpu":
         flush_denormals()  # a decaying optimizer state must not fall into slow subnormal arithmetic
+        keep_freed_memory()
     if backend == "loop":
         return _train_loop(
             model,
