@@ -251,8 +251,12 @@ class StatsAccumulator:
                 xc = xb[yb == c]
                 self.second[c] += xc.T @ xc
         if self.cof_w is not None:
-            per = torch.zeros(len(parts) * C, D, dtype=F64).index_add_(0, key, xb)  # the clients' class sums
-            w = (self.cof_w.repeat(len(parts)) / cnt.clamp_min(1.0)) * (cnt > 0)
+            # the clients' class sums, one row per (client, class) present in the block: a client holds few of
+            # the C classes, and the absent ones' zero rows would cost a [D, clients x C] product (at 10,000
+            # clients x 1,203 classes: 83 GFLOP a block of 21 clients instead of about one Gram's)
+            held, inv = torch.unique(key, return_inverse=True)
+            per = torch.zeros(len(held), D, dtype=F64).index_add_(0, inv, xb)
+            w = self.cof_w.repeat(len(parts))[held] / cnt[held]
             self.spread += (per * w[:, None]).T @ per
         held = (cnt.view(len(parts), C) > 0).sum(1)
         self.bytes_up += sum(message_bytes(int(h), D, self.gram is not None, self.second is not None) for h in held)
@@ -290,13 +294,11 @@ def accumulate(
             acc.add(client_stats(xn[p], yn[p], num_classes, gram, clip, second=second, lift=lift))
         return acc
     x, y = x.cpu(), y.cpu()
-    # cof keeps [clients x classes, D] float64 class sums of a block: bound them to about 256 MB
-    max_clients = max(1, (256 << 20) // (8 * num_classes * x.shape[1])) if cof else len(parts) + 1
     block, rows = [], 0
     for p in parts:
         block.append(p)
         rows += len(p)
-        if rows >= block_rows or len(block) >= max_clients:
+        if rows >= block_rows:
             acc.add_block(x, y, block, clip, lift)
             block, rows = [], 0
     if block:
