@@ -601,7 +601,7 @@ class Engine:
                 torch.cuda.synchronize()
             t1 = time.perf_counter()
             stats.compute_s += t1 - t0
-            acc.add(w, sizes, holds)
+            acc.add(w, sizes, holds, ids=block)
             stats.server_s += time.perf_counter() - t1
             stats.loss_sum += float(losses.sum())
             stats.clients += len(block)
@@ -736,7 +736,7 @@ class Engine:
             if scaffold is not None:
                 steps = np.asarray(plan.steps) * self.local.plan_epochs
                 scaffold.client_update(ids_t.to(scaffold.ck.device), theta, w, steps, o.step_size)
-            acc.add(w.to(theta.dtype), sizes, holds)
+            acc.add(w.to(theta.dtype), sizes, holds, ids=ids)
         stats.compute_s += t1 - t0
         stats.server_s += time.perf_counter() - t1
         steps_t = torch.as_tensor(plan.steps, dtype=torch.float64, device=self.device) * self.local.plan_epochs
