@@ -172,23 +172,30 @@ def test_a_run_counts_the_compressed_bytes(tiny_store, tmp_path):
 
 # ---------------------------------------------------------------- the simulator
 
+# clients of unequal sizes, batches of 4: a dual block holds clients with different step counts (ordered by them)
+UNEQUAL = dict(partition="dirichlet", partition_params={"alpha": 0.5, "min_size": 5}, batch_size=4)
+
 
 @pytest.mark.parametrize("agg,extra", [("fedavg-int8", {}), ("fedavg-topk", {"topk_fraction": 0.2})])
 def test_backends_and_forms_agree(tiny_store, tmp_path, agg, extra):
     """The vectorized engine, the loop backend and the dual form give the same heads (the residuals make every
-    round depend on the ones before)."""
+    round depend on the ones before; half the clients a round, of unequal sizes (the dual form orders a block by
+    steps), so a residual given to the wrong client shows)."""
     heads = {}
     for name, kw in (
         ("vectorized", dict(dual="off")),
         ("loop", dict(backend="loop")),
         ("dual", dict(dual="on")),
     ):
-        run_training(cfg(tiny_store, aggregate=agg, rounds=4, **extra, **kw), out=tmp_path / name, progress=False)
+        c = cfg(tiny_store, aggregate=agg, rounds=4, participation=0.5, **UNEQUAL, **extra, **kw)
+        run_training(c, out=tmp_path / name, progress=False)
         heads[name] = torch.load(tmp_path / name / "head-seed0.pt")
     torch.testing.assert_close(heads["loop"], heads["vectorized"], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(heads["dual"], heads["vectorized"], atol=2e-5, rtol=1e-4)
     no_ef = run_training(
-        cfg(tiny_store, aggregate=agg, rounds=4, error_feedback=False, **extra), out=tmp_path / "noef", progress=False
+        cfg(tiny_store, aggregate=agg, rounds=4, participation=0.5, error_feedback=False, **UNEQUAL, **extra),
+        out=tmp_path / "noef",
+        progress=False,
     )
     assert (torch.load(tmp_path / "noef" / "head-seed0.pt") - heads["vectorized"]).abs().max() > 1e-4
     assert no_ef.rows[-1]["bytes_up_per_client"] == create_aggregator(agg, cfg(tiny_store, **extra)).nbytes(
