@@ -277,3 +277,40 @@ def test_flower_matches_fedhead_train(tmp_path, agg, extra):
     tags = [strat.residual_tags.tag(strat.residual_tags.accepted[p]) for p in range(c.clients)]
     assert all(h is not None and t in h for h, t in zip(held, tags))
     assert np.abs(np.stack([h[t].numpy() for h, t in zip(held, tags)])).max() > 0
+
+
+def test_flower_resume_finds_the_residuals_in_the_node_state_folder(tmp_path, monkeypatch):
+    """A server stopped after round 2 and resumed in a new Flower run (its nodes start with an empty Context.state)
+    continues exactly when the nodes keep their residuals in a state folder; nodes without one start again from
+    zero residuals (the run completes, and differs)."""
+    pytest.importorskip("flwr")
+    from test_flower_scaffold_ccvr import assert_same_rows, strategy_run
+    from test_flower_sim import LocalGrid, sim_nodes
+
+    from fedhead.core.synthetic import write_synthetic
+    from fedhead.flower.client_app import RESIDUALS, make_client_app
+    from fedhead.flower.common import STOP_ENV, ServerStopped
+    from fedhead.flower.inprocess import task_identity
+
+    store = write_synthetic(tmp_path / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
+    c = cfg(store, clients=4, rounds=4, participation=0.75, aggregate="fedavg-topk", topk_fraction=0.2)
+    ref = run_training(c, out=tmp_path / "train", progress=False)
+    heads = {}
+    for name, state_dir in (("disk", tmp_path / "node-state"), ("lost", None)):
+        nodes = [{**nc, "state-dir": str(state_dir)} if state_dir else nc for nc in sim_nodes(c.clients)]
+        with task_identity():
+            monkeypatch.setenv(STOP_ENV, "2")
+            with pytest.raises(ServerStopped):
+                strategy_run(c, tmp_path / name, LocalGrid(make_client_app(str(store)), nodes))
+            monkeypatch.delenv(STOP_ENV)
+            grid = LocalGrid(make_client_app(str(store)), nodes)
+            assert all(RESIDUALS not in ctx.state for ctx in grid.ctx.values())
+            _, res = strategy_run(c, tmp_path / name, grid, resume=True)
+        assert len(res.rows) == 4
+        heads[name] = torch.load(tmp_path / name / "head-seed0.pt")
+        if name == "disk":
+            assert_same_rows(res.rows, ref.rows)
+    ref_head = torch.load(tmp_path / "train" / "head-seed0.pt")
+    torch.testing.assert_close(heads["disk"], ref_head, atol=1e-5, rtol=1e-5)
+    assert (heads["lost"] - ref_head).abs().max() > 1e-4
+    assert len(list((tmp_path / "node-state").glob("residual-p*-*.pt"))) == c.clients
