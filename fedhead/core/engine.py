@@ -581,7 +581,8 @@ class Engine:
         ``prox_mu``: FedProx's ``mu`` (0: plain local training, no extra operation). ``scaffold``: SCAFFOLD's
         control variates, used by every local step and updated in place (the clients' ``c_k`` of the trained
         clients, then the server's ``c``); the head is aggregated by ``aggregator`` as without it. Clients with
-        no sample do not train and count as not participating."""
+        no sample do not train and count as not participating. The aggregator gets each block's client ids, so a rule
+        with per-client state (error feedback's residuals, :mod:`fedhead.core.compress`) updates the right clients'."""
         self._check_scaffold(theta, scaffold)
         if self.device.type == "cpu":
             flush_denormals()  # a decaying optimizer state must not fall into slow subnormal arithmetic

@@ -488,7 +488,8 @@ FIELD_LIST: list[Field] = [
         "aggregate",
         str,
         None,
-        "aggregation rule: fedavg (size-weighted) | grouped (per row, FedOVA style) | a registered rule",
+        "aggregation rule: fedavg (size-weighted) | grouped (per row, FedOVA style) | fedavg-int8 | fedavg-topk "
+        "(compressed updates, error feedback) | a registered rule",
         SERVER,
         constraint=Names("aggregate"),
         applies=_IT,
