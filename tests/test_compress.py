@@ -314,3 +314,26 @@ def test_flower_resume_finds_the_residuals_in_the_node_state_folder(tmp_path, mo
     torch.testing.assert_close(heads["disk"], ref_head, atol=1e-5, rtol=1e-5)
     assert (heads["lost"] - ref_head).abs().max() > 1e-4
     assert len(list((tmp_path / "node-state").glob("residual-p*-*.pt"))) == c.clients
+
+
+def test_flower_lost_reply_trains_from_the_residual_the_server_counted(tmp_path, caplog):
+    """Partition 1's reply of round 2 is lost (it trained and kept a new residual): round 3 names its round-1
+    residual, which the node still holds (two versions), so nothing is counted twice and nothing is lost."""
+    pytest.importorskip("flwr")
+    from test_flower_scaffold_ccvr import DropReply, strategy_run
+    from test_flower_sim import sim_nodes
+
+    from fedhead.core.synthetic import write_synthetic
+    from fedhead.federation.rundir import read_csv
+    from fedhead.flower.client_app import RESIDUALS, make_client_app
+    from fedhead.flower.inprocess import task_identity
+
+    store = write_synthetic(tmp_path / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
+    c = cfg(store, clients=4, rounds=4, aggregate="fedavg-int8")
+    with task_identity(), caplog.at_level("WARNING"):
+        grid = DropReply(make_client_app(str(store)), sim_nodes(c.clients))
+        strat, _ = strategy_run(c, tmp_path / "r", grid)
+    assert [r["failed_clients"] for r in read_csv(tmp_path / "r" / "rounds.csv")] == ["", "1", "", ""]
+    assert strat.residual_tags.accepted.tolist() == [4, 4, 4, 4]
+    assert "lost its error-feedback residual" not in caplog.text
+    assert len(grid.ctx[1001].state[RESIDUALS]) == 2  # the version it started from and the one it made
