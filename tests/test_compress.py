@@ -255,17 +255,18 @@ def test_options_reach_the_rule_through_every_surface(tiny_store, tmp_path):
 def test_flower_matches_fedhead_train(tmp_path, agg, extra):
     pytest.importorskip("flwr")
     from test_flower_scaffold_ccvr import assert_same_rows, strategy_run
-    from test_flower_sim import LocalGrid, sim_nodes
+    from test_flower_sim import sim_nodes
 
     from fedhead.core.synthetic import write_synthetic
     from fedhead.flower.client_app import RESIDUALS, make_client_app
-    from fedhead.flower.inprocess import task_identity
+    from fedhead.flower.inprocess import InProcessGrid, task_identity
 
     store = write_synthetic(tmp_path / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
     c = cfg(store, clients=4, rounds=3, participation=0.75, aggregate=agg, **extra)
     ref = run_training(c, out=tmp_path / "train", progress=False)
     with task_identity():
-        grid = LocalGrid(make_client_app(str(store)), sim_nodes(c.clients))
+        # wire=True: every message serialised and parsed as Flower does (the int8 codes, the int32 indices)
+        grid = InProcessGrid(make_client_app(str(store)), sim_nodes(c.clients), wire=True)
         strat, res = strategy_run(c, tmp_path / "flower", grid)
     assert_same_rows(res.rows, ref.rows)
     torch.testing.assert_close(
