@@ -36,7 +36,7 @@ from fedhead.bench.report import (
     resolve_partition,
     run_grid,
 )
-from fedhead.bench.sketch import sketch_cells, sketch_plot, sketch_section
+from fedhead.bench.sketch import sketch_cells, sketch_lines, sketch_plot, sketch_section
 from fedhead.bench.yardstick import tuned_central, yardstick_section
 from fedhead.core.plugins import load_plugins
 from fedhead.federation import plots as P
@@ -138,7 +138,7 @@ def baselines_cmd(
     sketched = [r for r in results if "sketch" in r.cell.labels]
     results = [r for r in results if "sketch" not in r.cell.labels]
     sections = _sections(results, names, plabels, common, tuned)
-    plots = _plots(results, names, plabels, common)
+    plots = _plots(results, names, plabels, common, sketched)
     if sketched:
         sections.append(sketch_section(results, sketched, plabels))
         plots.append(sketch_plot(common.out / "baselines-sketch.png", results, sketched, plabels))
@@ -303,7 +303,11 @@ def _iid_cost_table(by: dict[tuple, CellResult], names: list[str], plabels: list
     )
 
 
-def _plots(results: list[CellResult], names: list[str], plabels: list[str], common: Common) -> list[Path]:
+def _plots(
+    results: list[CellResult], names: list[str], plabels: list[str], common: Common, sketched: list[CellResult] = ()
+) -> list[Path]:
+    """The accuracy curves and the communication frontier: every method's accuracy against the cumulative MB each
+    client uploaded (compressed updates included), with the compressed statistics' points (``--sketch-dims``)."""
     by = {(r.cell.labels["method"], r.cell.labels["partition"]): r for r in results}
     acc_panels, mb_panels = [], []
     for p in plabels:
@@ -319,6 +323,7 @@ def _plots(results: list[CellResult], names: list[str], plabels: list[str], comm
             if one:  # one exchange: a flat line over the rounds for comparison
                 x, y, sd = np.array([1, common.rounds]), np.repeat(y, 2), np.repeat(sd, 2)
             ap.lines.append(P.Line(m, x, y, sd, style="--" if one else "-"))
+        mp.lines.extend(sketch_lines(results, list(sketched), p) if sketched else [])
         acc_panels.append(ap)
         mb_panels.append(mp)
     return [

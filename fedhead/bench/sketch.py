@@ -96,6 +96,17 @@ def sketch_section(full: list[CellResult], sketched: list[CellResult], plabels: 
     )
 
 
+def sketch_lines(full: list[CellResult], sketched: list[CellResult], p: str) -> list:
+    """The compressed-statistics points of partition ``p`` (final accuracy against MB per client, r ascending, the
+    unsketched run last) as dotted lines with markers, for the communication frontier of the iterative methods."""
+    return [
+        P.Line(
+            f"{m} --stats-sketch", np.array([x[1] for x in pts]), np.array([x[2] for x in pts]), style=":", marker="x"
+        )  # fmt: skip
+        for m, pts in _frontier(full, sketched, p).items()
+    ]
+
+
 def sketch_plot(path: Path, full: list[CellResult], sketched: list[CellResult], plabels: list[str]) -> Path:
     panels = []
     for p in plabels:

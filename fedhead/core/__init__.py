@@ -4,4 +4,5 @@ CCVR and the central reference. Nothing here reads a run directory or talks to a
 
 # Every built-in head is registered once this package is imported: the iterative heads (fedhead.core.heads) and the
 # closed-form ones (fedhead.core.closedform, which builds on heads, and fedhead.core.moments), whichever module of the package comes first.
-from fedhead.core import closedform, moments  # noqa: E402,F401
+# The compressed-update aggregation rules (fedhead.core.compress) register themselves the same way.
+from fedhead.core import closedform, compress, moments  # noqa: E402,F401

@@ -13,11 +13,16 @@ aggregation can compute without seeing one client's message.
   update ``W_k - theta`` clipped to L2 norm ``--dp-clip S``; the server adds ``N(0, (z S)^2 I)`` to the sum, keyed
   by (seed, round), and divides by the number of clients sampled that round (docs/privacy.md).
 
+- ``fedavg-int8`` and ``fedavg-topk`` (:mod:`fedhead.core.compress`): FedAvg of compressed updates, with error
+  feedback (per-client residuals kept across rounds); a message is sent as its compact wire form (int8 codes and
+  scales; top-k values and indices), and the server decodes it before summing.
+
 Users add rules with :func:`register_aggregator` (docs/extending.md); ``--aggregate NAME`` then
 selects one in ``fedhead train``, every bench command and Flower. Besides the message's tensors the server knows
 each client's sample count and which classes it holds (both are also sent without any rule: Flower's
 ``num-examples`` and the ``holds`` flags), summed into :class:`Totals`. The bytes a client uploads per round are
-its message's bytes (:meth:`Aggregator.nbytes`): the head's bytes for the built-in rules.
+its message's bytes (:meth:`Aggregator.nbytes`): the head's bytes for fedavg, grouped and dp-fedavg, the bytes
+of the compact wire form for the compressed rules.
 
 :func:`fedavg` and :func:`grouped` are the same rules as pure functions of the stacked heads (for tests).
 """
@@ -58,10 +63,17 @@ class Aggregator:
     (K = 1 on a Flower node) and returns a dict of tensors, each ``[K, ...]``: per-client numbers the server
     only ever sees summed (``message`` runs on the clients: it must not depend on the server's state).
     ``update(previous, totals)`` returns the new global head from :class:`Totals`. A rule may keep state across
-    rounds on the server: the round loop keeps one instance per seed and checkpoints :meth:`state_dict`."""
+    rounds on the server: the round loop keeps one instance per seed and checkpoints :meth:`state_dict`.
+
+    A rule whose clients keep state of their own across rounds (error feedback's residuals) sets
+    ``client_state = True``: its ``message`` also gets ``ids=`` (the clients' ids, ``[K]``) and reads and updates
+    the clients' state it holds (:class:`fedhead.core.compress.Residuals`: every client's in process, a node's own
+    on Flower). A rule whose message travels in another form than the dense tensors it sums overrides
+    :meth:`wire` (what a client sends) and :meth:`unwire` (the server's dense message from it)."""
 
     name = ""
     description = ""
+    client_state = False  # True: message() takes ids= and keeps per-client state (compress.CompressedFedAvg)
 
     @classmethod
     def from_config(cls, cfg) -> "Aggregator":
@@ -80,6 +92,20 @@ class Aggregator:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output (a resumed run)."""
+
+    def wire(
+        self, theta: torch.Tensor, trained: torch.Tensor, sizes: torch.Tensor, holds: torch.Tensor, ids=None
+    ) -> dict:
+        """What the clients send (``{key: [K, ...]}``): the message itself unless a rule encodes it (Flower's node
+        sends this; :meth:`unwire` on the server gives back :meth:`message`'s tensors)."""
+        if self.client_state:
+            return self.message(theta, trained, sizes, holds, ids=ids)
+        return self.message(theta, trained, sizes, holds)
+
+    def unwire(self, sent: dict, theta: torch.Tensor) -> dict:
+        """The dense message of what :meth:`wire` sent from the head ``theta`` (identity unless a rule encodes its
+        message)."""
+        return sent
 
     def nbytes(self, theta: torch.Tensor) -> int:
         """Bytes one client uploads: its message's tensors (a dry run on one client)."""
@@ -220,12 +246,16 @@ class Accumulator:
         self.holds = torch.zeros(previous.shape[0], device=dev, dtype=self.dtype)
         self.clients = 0
 
-    def message(self, trained: torch.Tensor, sizes: torch.Tensor, holds: torch.Tensor) -> dict:
-        """The messages of clients that trained ``trained [K, C, D+1]`` (what each of them sends)."""
+    def message(self, trained: torch.Tensor, sizes: torch.Tensor, holds: torch.Tensor, ids=None) -> dict:
+        """The messages of clients that trained ``trained [K, C, D+1]`` (what each of them sends, dense); ``ids``:
+        the clients' ids, which a rule with per-client state needs (:attr:`Aggregator.client_state`)."""
+        if self.agg.client_state:
+            return self.agg.message(self.previous, trained, sizes, holds, ids=ids)
         return self.agg.message(self.previous, trained, sizes, holds)
 
-    def add(self, stacked: torch.Tensor, sizes: torch.Tensor, holds: torch.Tensor) -> None:
-        self.add_message(self.message(stacked, sizes, holds), sizes, holds)
+    def add(self, stacked: torch.Tensor, sizes: torch.Tensor, holds: torch.Tensor, ids=None) -> None:
+        """Add the clients ``ids`` that trained ``stacked [K, C, D+1]`` (their messages summed at once)."""
+        self.add_message(self.message(stacked, sizes, holds, ids), sizes, holds)
 
     def add_message(self, msg: dict, sizes: torch.Tensor, holds: torch.Tensor) -> None:
         """Add messages ``{key: [K, ...]}`` of K clients with their sample counts ``[K]`` and holds ``[K, C]``."""

@@ -581,7 +581,8 @@ class Engine:
         ``prox_mu``: FedProx's ``mu`` (0: plain local training, no extra operation). ``scaffold``: SCAFFOLD's
         control variates, used by every local step and updated in place (the clients' ``c_k`` of the trained
         clients, then the server's ``c``); the head is aggregated by ``aggregator`` as without it. Clients with
-        no sample do not train and count as not participating."""
+        no sample do not train and count as not participating. The aggregator gets each block's client ids, so a rule
+        with per-client state (error feedback's residuals, :mod:`fedhead.core.compress`) updates the right clients'."""
         self._check_scaffold(theta, scaffold)
         if self.device.type == "cpu":
             flush_denormals()  # a decaying optimizer state must not fall into slow subnormal arithmetic
@@ -601,7 +602,7 @@ class Engine:
                 torch.cuda.synchronize()
             t1 = time.perf_counter()
             stats.compute_s += t1 - t0
-            acc.add(w, sizes, holds)
+            acc.add(w, sizes, holds, ids=block)
             stats.server_s += time.perf_counter() - t1
             stats.loss_sum += float(losses.sum())
             stats.clients += len(block)
@@ -736,7 +737,7 @@ class Engine:
             if scaffold is not None:
                 steps = np.asarray(plan.steps) * self.local.plan_epochs
                 scaffold.client_update(ids_t.to(scaffold.ck.device), theta, w, steps, o.step_size)
-            acc.add(w.to(theta.dtype), sizes, holds)
+            acc.add(w.to(theta.dtype), sizes, holds, ids=ids)
         stats.compute_s += t1 - t0
         stats.server_s += time.perf_counter() - t1
         steps_t = torch.as_tensor(plan.steps, dtype=torch.float64, device=self.device) * self.local.plan_epochs

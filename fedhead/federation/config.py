@@ -225,9 +225,9 @@ class _Config:
             d.pop("clients_per_round", None)  # runs from before the option keep their identity
         if not d.get("secure_aggregation"):
             d.pop("secure_aggregation", None)  # runs from before the option keep their identity
-        for k in ("dp_noise_multiplier", "dp_clip", "dp_delta", "dp_feature_clip"):
+        for k in ("dp_noise_multiplier", "dp_clip", "dp_delta", "dp_feature_clip", "topk_fraction", "error_feedback"):
             if d.get(k) is None:
-                d.pop(k, None)  # runs without DP keep the identity they had before it
+                d.pop(k, None)  # runs without DP or compression keep the identity they had before them
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------ the experiment file

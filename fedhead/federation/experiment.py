@@ -33,6 +33,7 @@ from typing import Any
 
 import fedhead.core  # noqa: F401  (registers the built-in heads: the table derives their parameters)
 from fedhead.core.aggregate import aggregator_names
+from fedhead.core.compress import COMPRESSED, DEFAULT_TOPK_FRACTION
 from fedhead.core.dual import DUAL_MODES
 from fedhead.core.engine import BACKENDS
 from fedhead.core.heads import HEADS
@@ -487,11 +488,32 @@ FIELD_LIST: list[Field] = [
         "aggregate",
         str,
         None,
-        "aggregation rule: fedavg (size-weighted) | grouped (per row, FedOVA style) | a registered rule",
+        "aggregation rule: fedavg (size-weighted) | grouped (per row, FedOVA style) | fedavg-int8 | fedavg-topk "
+        "(compressed updates, error feedback) | a registered rule",
         SERVER,
         constraint=Names("aggregate"),
         applies=_IT,
         default_text="recipe: fedavg",
+    ),
+    Field(
+        "topk_fraction",
+        float,
+        None,
+        "fedavg-topk: fraction of the head's entries each client sends (those of largest |update + residual|)",
+        SERVER,
+        constraint=Interval(0, 1, closed="right"),
+        applies=(When("aggregate", ("fedavg-topk",)),),
+        default_text=f"{DEFAULT_TOPK_FRACTION:g}",
+        fix="Use a fraction in (0, 1], e.g. 0.01.",
+    ),
+    Field(
+        "error_feedback",
+        bool,
+        None,
+        "fedavg-int8 / fedavg-topk: error feedback (a client adds what compression dropped to its next update)",
+        SERVER,
+        applies=(When("aggregate", COMPRESSED),),
+        default_text="on",
     ),
     Field(
         "center",

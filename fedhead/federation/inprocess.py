@@ -3,7 +3,7 @@
 A seed's clients are the store's training split partitioned and given label noise by
 :func:`fedhead.federation.clients.build_federation`; their local training is the engine's (``vectorized`` over
 client-stacked tensors, or the ``loop`` backend that checks it), their statistics are summed in blocks, and SCAFFOLD's
-client variates are kept here, in memory. It also holds the pooled data the central ceiling is trained on.
+client variates and error feedback's residuals are kept here, in memory. It also holds the pooled data the central ceiling is trained on.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from extract.store import Features
 from fedhead.core.ccvr import PooledStats
 from fedhead.core.central import central_reference
 from fedhead.core.closedform import accumulate, is_closed_form
+from fedhead.core.compress import Residuals
 from fedhead.core.dp import feature_clip
 from fedhead.core.engine import ClientSet, Engine, LocalConfig, OptimConfig, ScaffoldState
 from fedhead.core.heads import create_head, resolve_head_params
@@ -77,6 +78,18 @@ class InProcessTransport(Transport):
                 "free. Use fewer --clients, or run on Flower (each node keeps its own variate)."
             )
         return ScaffoldState.zeros(self.cfg.clients, shape[0], shape[1], device)
+
+    def residual_state(self, shape: tuple, device) -> Residuals:
+        """Every client's error-feedback residual, in memory (refused in one line when they cannot fit)."""
+        need, free = self.cfg.clients * shape[0] * shape[1] * 4, available_memory()
+        if free is not None and need > free:
+            raise FedheadError(
+                f"The '--aggregate {self.cfg.aggregate}' rule keeps every client's error-feedback residual in memory: "
+                f"{self.cfg.clients} clients x {shape[0]} x {shape[1]} floats = {need / 1e9:.1f} GB, but this machine "
+                f"has {free / 1e9:.1f} GB free. Use --no-error-feedback or fewer --clients, or run on Flower (each node "
+                "keeps its own residual)."
+            )
+        return Residuals.zeros(self.cfg.clients, shape[0], shape[1], device)
 
     def statistics(self, selected, solver, seed: int) -> Exchange:
         t0 = time.perf_counter()

@@ -23,6 +23,7 @@ from extract.store import Features
 from fedhead.core.aggregate import aggregator_of
 from fedhead.core.clientacc import class_correct, client_accuracy, client_summary, client_weights
 from fedhead.core.closedform import is_closed_form
+from fedhead.core.compress import keeps_residuals
 from fedhead.core.dp import epsilon_schedule
 from fedhead.core.engine import evaluate as overall_accuracy
 from fedhead.core.heads import create_head
@@ -112,7 +113,8 @@ class HeadJob(Job):
                 self.central[str(seed)] = found
         C, D1 = self.store.info.num_classes, self.store.test_x.shape[1] + 1
         scaffold = self.transport.scaffold_state((C, D1), self.device) if cfg.scaffold else None
-        self.server = ServerUpdate(cfg, (C, D1), self.device, scaffold=scaffold)
+        residuals = self.transport.residual_state((C, D1), self.device) if keeps_residuals(cfg) else None
+        self.server = ServerUpdate(cfg, (C, D1), self.device, scaffold=scaffold, residuals=residuals)
         self.theta = torch.zeros(C, D1, device=self.device)
         self.head_bytes = self.theta.numel() * self.theta.element_size()
         self.msg_bytes = aggregator_of(cfg).nbytes(self.theta)

@@ -35,6 +35,18 @@ METHODS: dict[str, tuple[str, dict]] = {
         "OvA-LP with FedAvgM, server momentum 0.9",
         {"head": "ova2", "server_opt": "fedavgm", "server_momentum": 0.9},
     ),
+    "ova2-int8": (
+        "OvA-LP, updates int8-quantised with error feedback (a quarter of the bytes)",
+        {"head": "ova2", "aggregate": "fedavg-int8"},
+    ),
+    "ova2-topk": (
+        "OvA-LP, top-1% updates with error feedback (values + int32 indices: 2% of the bytes)",
+        {"head": "ova2", "aggregate": "fedavg-topk"},
+    ),
+    "ova2-topk-noef": (
+        "OvA-LP, top-1% updates without error feedback (what error feedback buys)",
+        {"head": "ova2", "aggregate": "fedavg-topk", "error_feedback": False},
+    ),
     "fedlc": ("FedLC: logits calibrated by local class counts", {"head": "fedlc"}),
     "fedrs": ("FedRS: restricted softmax", {"head": "fedrs"}),
     "fedabc": ("FedABC binary loss", {"head": "fedabc"}),

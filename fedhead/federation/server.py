@@ -10,6 +10,7 @@ import torch
 from fedhead.core.aggregate import aggregator_of
 from fedhead.core.ccvr import retrain_head, sample_virtual
 from fedhead.core.closedform import is_closed_form, to_prepared
+from fedhead.core.compress import Residuals
 from fedhead.core.dp import enabled, privatize_statistics
 from fedhead.core.engine import ScaffoldState, evaluate
 from fedhead.core.serveropt import ServerOptConfig, ServerOptimizer
@@ -73,11 +74,24 @@ def server_opt_config(cfg: TrainConfig) -> ServerOptConfig:
 class ServerUpdate:
     """What the server does with a round's aggregate beyond FedAvg: a server optimiser (FedAvgM, FedAdam, ...)
     and SCAFFOLD's control variates; plus what the engine needs from it (FedProx's mu, the variates).
-    ``scaffold``: the variates where a transport keeps them apart (a Flower server holds ``c`` only)."""
+    ``scaffold``: the variates where a transport keeps them apart (a Flower server holds ``c`` only).
+    ``residuals``: error feedback's per-client residuals where the transport keeps them here (in process: every
+    client's, handed to the rule, whose messages read and update them, and checkpointed with the rest); None where
+    the clients keep their own (Flower)."""
 
-    def __init__(self, cfg: TrainConfig, shape: tuple, device, scaffold: ScaffoldState | None = None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        shape: tuple,
+        device,
+        scaffold: ScaffoldState | None = None,
+        residuals: Residuals | None = None,
+    ):
         self.cfg = cfg
         self.rule = aggregator_of(cfg)  # the aggregation rule: its state (if any) is the server's, kept per seed
+        self.residuals = residuals
+        if residuals is not None:
+            self.rule.residuals = residuals
         self.opt = None
         if cfg.server_opt != "fedavg":
             self.opt = ServerOptimizer(server_opt_config(cfg), shape, device)
@@ -105,6 +119,7 @@ class ServerUpdate:
             "opt": self.opt.state_dict() if self.opt is not None else None,
             "scaffold": self.scaffold.state_dict() if self.scaffold is not None else None,
             "rule": self.rule.state_dict(),
+            "residuals": self.residuals.state_dict() if self.residuals is not None else None,
         }
 
     def load_state_dict(self, d: dict, device) -> None:
@@ -114,6 +129,8 @@ class ServerUpdate:
             self.scaffold.load_state_dict(d["scaffold"])
         if d.get("rule"):
             self.rule.load_state_dict(d["rule"])
+        if self.residuals is not None and d.get("residuals") is not None:
+            self.residuals.load_state_dict(d["residuals"])
 
 
 def ccvr_calibrate(

@@ -12,7 +12,9 @@ import h5py
 import numpy as np
 
 from extract.store import Features, StoreInfo, load_store, open_store, store_content_hash
+from fedhead.core.aggregate import aggregator_names, create_aggregator
 from fedhead.core.closedform import closed_form_names, is_closed_form
+from fedhead.core.compress import CompressedFedAvg
 from fedhead.core.engine import OptimConfig
 from fedhead.core.heads import create_head, resolve_head_params
 from fedhead.core.noise import apply_noise
@@ -148,6 +150,13 @@ def validate_method(cfg: TrainConfig) -> None:
                 )
         cfg.center, cfg.scale = False, "none"
         _secure_statistics(cfg, cfg.head)
+    if cfg.secure_aggregation and not is_closed_form(cfg.head) and cfg.aggregate in aggregator_names():
+        if isinstance(create_aggregator(cfg.aggregate), CompressedFedAvg):
+            raise FedheadError(
+                f"The '--aggregate' parameter {cfg.aggregate} cannot be combined with --secure-aggregation: SecAgg+ "
+                "sums dense vectors of field elements, so a compressed update would travel dense (no bytes saved). "
+                f"Got --aggregate {cfg.aggregate} with --secure-aggregation. Drop one of them."
+            )
     if cfg.scaffold and cfg.optimizer != "sgd":
         raise FedheadError(
             f"The '--scaffold' option needs --optimizer sgd: its control variates estimate each "
@@ -173,6 +182,8 @@ def validate_method(cfg: TrainConfig) -> None:
 
 # where a run runs and where its rows go besides rounds.csv, not what it finds
 NOT_IDENTITY = ("features", "device", "block_clients", "memory_budget_mb", "dual", "plots", "log", "log_dir")
+# fields added after runs were written: left out of the identity while unset, so those runs keep theirs
+UNSET_NOT_IDENTITY = ("topk_fraction", "error_feedback")
 
 
 def identity_fields(cfg: TrainConfig, store: Features) -> dict:
@@ -180,6 +191,7 @@ def identity_fields(cfg: TrainConfig, store: Features) -> dict:
     resolved configuration without where it runs (device, block size, memory budget) and with the feature store
     named by its content, so that the same file under another path is the same run."""
     d = {k: v for k, v in cfg.to_dict().items() if k not in NOT_IDENTITY}
+    d = {k: v for k, v in d.items() if not (k in UNSET_NOT_IDENTITY and v is None)}
     d["store_sha256"] = store_content_hash(store)
     return json.loads(json.dumps(d, sort_keys=True, default=str))
 
@@ -187,6 +199,7 @@ def identity_fields(cfg: TrainConfig, store: Features) -> dict:
 def recorded_identity(record: dict) -> dict:
     """:func:`identity_fields` of the run a config.json (written by :func:`run_record`) describes."""
     d = {k: v for k, v in record["config"].items() if k not in NOT_IDENTITY}
+    d = {k: v for k, v in d.items() if not (k in UNSET_NOT_IDENTITY and v is None)}
     d["store_sha256"] = record["store"]["content_sha256"]
     return json.loads(json.dumps(d, sort_keys=True, default=str))
 

@@ -5,7 +5,8 @@ store on this machine) and Flower (:mod:`fedhead.flower.strategy`: messages over
 two transports. Each answers the same questions for a seed: describe the clients (:meth:`Transport.begin`), sum
 the sampled clients' statistics (:meth:`Transport.statistics`), train the sampled clients from a head and return
 the rule's aggregate (:meth:`Transport.train_round`), and give CCVR's class statistics (:meth:`Transport.ccvr`).
-Per-client state that must survive (SCAFFOLD's ``c_k``) lives with the transport, in memory or on the nodes.
+Per-client state that must survive (SCAFFOLD's ``c_k``, error feedback's residuals ``e_k``) lives with the
+transport, in memory or on the nodes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fedhead.core.compress import Residuals
 from fedhead.core.engine import ScaffoldState
 from fedhead.federation.clients import FeatureStats
 
@@ -76,6 +78,11 @@ class Transport:
     def scaffold_state(self, shape: tuple, device) -> ScaffoldState:
         """The SCAFFOLD variates the server side holds (``c``, and the clients' ``c_k`` where they live here)."""
         raise NotImplementedError
+
+    def residual_state(self, shape: tuple, device) -> Residuals | None:
+        """Error feedback's residuals where this side holds them (in process: every client's); None where the
+        clients keep their own (Flower's nodes)."""
+        return None
 
     def statistics(self, selected, solver, seed: int) -> Exchange:
         raise NotImplementedError

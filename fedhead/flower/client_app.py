@@ -26,7 +26,10 @@ from and the one it ended with, so the server (which names the version whose del
 agree even when a reply is lost. With a state folder the record is also written there (atomically, one file per
 partition and (config, seed)) and read back when a new Flower run starts with an empty ``Context.state``; the tags
 name the config, seed, the server's run id and SCAFFOLD's generation, so a file of another run is never taken for
-this one's. CCVR (``--calibrate ccvr``): the ``query.ccvr`` message returns :func:`fedhead.federation.train.ccvr_client_stats` of the node's prepared features (:meth:`fedhead.core.ccvr.ClassStats.to_bytes`).
+this one's. Error feedback (``--aggregate fedavg-int8`` / ``fedavg-topk``): the node keeps its residual ``e_k``
+the same way (record ``fedhead-residual``, two versions by the tags ``residual-in`` / ``residual-out``, files
+``residual-p<id>-<key>.pt``) and sends its update compressed (the rule's wire form); a node that lost the version
+the server names starts from a zero residual (nothing to restart: only what compression held back is lost). CCVR (``--calibrate ccvr``): the ``query.ccvr`` message returns :func:`fedhead.federation.train.ccvr_client_stats` of the node's prepared features (:meth:`fedhead.core.ccvr.ClassStats.to_bytes`).
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp  # noqa: E402
 
 from extract.store import Features, load_store  # noqa: E402
-from fedhead.core.aggregate import Accumulator, aggregator_of  # noqa: E402
+from fedhead.core.aggregate import aggregator_of  # noqa: E402
 from fedhead.core.closedform import client_stats  # noqa: E402
+from fedhead.core.compress import Residuals, keeps_residuals  # noqa: E402
 from fedhead.core.dp import feature_clip  # noqa: E402
 from fedhead.core.engine import ClientSet, Engine, LocalConfig, OptimConfig, ScaffoldState  # noqa: E402
 from fedhead.core.heads import create_head  # noqa: E402
@@ -75,6 +79,7 @@ LOG = logging.getLogger("flwr")
 _STORES: dict[str, Features] = {}
 _LOCAL: dict[tuple, "LocalData"] = {}
 VARIATES = "fedhead-scaffold"  # Context.state record: this node's SCAFFOLD c_k, by version tag
+RESIDUALS = "fedhead-residual"  # Context.state record: this node's error-feedback residual e_k, by version tag
 NODE_STATE = "node-state"  # simulation: the virtual nodes' state folder inside the server's run folder
 SECURE_KIND = "secure-kind"  # the config key of a secure exchange (fedhead.flower.secure.KIND)
 
@@ -381,10 +386,23 @@ def _plain_train(msg: Message, context: Context, default_store: str | None, defa
             torch.cuda.synchronize()
         ms = 1000 * (time.perf_counter() - t0)
         w, holds, loss = ws[0], hs[0], float(losses[0])
-    # the aggregation rule's message (fedavg: n_k W_k), the simulator's Accumulator.message for one client
-    sent = Accumulator(aggregator_of(cfg), theta).message(
-        w[None], torch.tensor([float(n)], device=w.device), holds[None].to(w.device)
-    )
+    # the aggregation rule's message (fedavg: n_k W_k) as it travels (a compressed rule's wire form): the
+    # simulator's Accumulator.message for one client, encoded
+    rule, lost, residuals = aggregator_of(cfg), False, None
+    if keeps_residuals(cfg):  # error feedback: this node's own residual, in the version the server names
+        rule.residuals, lost = _node_residual(msg, context, ns, cfg, seed, theta)
+        residuals = rule.residuals.e[0].clone()
+    sent = rule.wire(theta, w[None], torch.tensor([float(n)], device=w.device), holds[None].to(w.device), ids=[ns.pid])
+    if residuals is not None and n > 0:
+        _keep_variates(
+            context,
+            variates_file(ns, cfg, seed, "residual"),
+            str(c["residual-in"]) if not lost else "",
+            residuals,
+            str(c["residual-out"]),
+            rule.residuals.e[0],
+            record=RESIDUALS,
+        )
     arrays = ArrayRecord(
         {
             **{MESSAGE_PREFIX + k: Array(v[0].detach().cpu().numpy()) for k, v in sent.items()},
@@ -402,8 +420,10 @@ def _plain_train(msg: Message, context: Context, default_store: str | None, defa
             str(c["scaffold-out"]),
             scaffold.ck[0],
         )
-    metrics = MetricRecord({"partition-id": ns.pid, "num-examples": int(n), "train-loss": loss, "client-ms": ms})
-    return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+    metrics = {"partition-id": ns.pid, "num-examples": int(n), "train-loss": loss, "client-ms": ms}
+    if lost:
+        metrics["residual-lost"] = 1
+    return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
 def _secure(msg: Message, context: Context, handlers: dict, default_store: str | None) -> Message:
@@ -426,27 +446,32 @@ def _feature_stats(c) -> FeatureStats:
     return FeatureStats(mean, float(c["stats-scale"]), 0, 0)
 
 
-def variates_file(ns: NodeSettings, cfg, seed: int) -> Path | None:
-    """The node's file of SCAFFOLD variates for one (config, seed), or None without a state folder."""
+def variates_file(ns: NodeSettings, cfg, seed: int, prefix: str = "scaffold") -> Path | None:
+    """The node's file of SCAFFOLD variates (``prefix`` residual: error-feedback residuals) for one (config, seed),
+    or None without a state folder."""
     if ns.state_dir is None:
         return None
     key = hashlib.sha1(f"{cfg.identity()}/{int(seed)}".encode()).hexdigest()[:16]
-    return Path(ns.state_dir) / f"scaffold-p{ns.pid}-{key}.pt"
+    return Path(ns.state_dir) / f"{prefix}-p{ns.pid}-{key}.pt"
 
 
 def held_variates(context: Context, ns: NodeSettings, cfg, seed: int) -> ArrayRecord | None:
     """The versions of ``c_k`` this node holds: ``Context.state``'s record, else (a new Flower run) the state
     folder's file, which then becomes the record."""
-    held = context.state.get(VARIATES)
-    path = variates_file(ns, cfg, seed)
+    return _held(context, VARIATES, variates_file(ns, cfg, seed), "SCAFFOLD variates")
+
+
+def _held(context: Context, record: str, path: Path | None, what: str) -> ArrayRecord | None:
+    """The versions of a per-node state kept under ``record`` in ``Context.state``, else in the file ``path``."""
+    held = context.state.get(record)
     if held is None and path is not None and path.is_file():
         try:
             saved = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # a damaged file is a lost variate: the server restarts SCAFFOLD, as without it
-            LOG.warning("[fedhead] ignoring the SCAFFOLD variates in %s (%s): %s", path, type(exc).__name__, exc)
+        except Exception as exc:  # a damaged file is a lost state: as without a state folder
+            LOG.warning("[fedhead] ignoring the %s in %s (%s): %s", what, path, type(exc).__name__, exc)
             return None
         held = ArrayRecord({str(t): Array(v.numpy()) for t, v in saved.items()})
-        context.state[VARIATES] = held
+        context.state[record] = held
     return held
 
 
@@ -465,18 +490,41 @@ def _node_variate(msg: Message, held: ArrayRecord | None, pid: int, theta: torch
 
 
 def _keep_variates(
-    context: Context, path: Path | None, tag_in: str, start: torch.Tensor, tag_out: str, end: torch.Tensor
+    context: Context,
+    path: Path | None,
+    tag_in: str,
+    start: torch.Tensor,
+    tag_out: str,
+    end: torch.Tensor,
+    record: str = VARIATES,
 ) -> None:
     """Keep the variate the round started from and the one it ended with (older versions are dropped): the
     server's next message names the second if it applied this round's delta, the first if the reply was lost.
-    With a state folder the two are also written to ``path`` (atomically) before the reply leaves the node."""
+    With a state folder the two are also written to ``path`` (atomically) before the reply leaves the node.
+    ``record``: the ``Context.state`` record (error feedback's residuals are kept the same way)."""
     keep = {tag_out: end.detach().cpu().clone()}
     if tag_in:
         keep[tag_in] = start.detach().cpu().clone()
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_torch_save(keep, path)
-    context.state[VARIATES] = ArrayRecord({t: Array(v.numpy()) for t, v in keep.items()})
+    context.state[record] = ArrayRecord({t: Array(v.numpy()) for t, v in keep.items()})
+
+
+def _node_residual(
+    msg: Message, context: Context, ns: NodeSettings, cfg, seed: int, theta: torch.Tensor
+) -> tuple[Residuals, bool]:
+    """This node's error-feedback residual ``e_k`` in the version the server names (``residual-in``; ``''``: the
+    zero residual of a client that never sent), and whether that version was lost (then it starts from zero)."""
+    tag = str(msg.content["config"]["residual-in"])
+    held = _held(context, RESIDUALS, variates_file(ns, cfg, seed, "residual"), "error-feedback residuals")
+    e = torch.zeros((1, *theta.shape), dtype=theta.dtype, device=theta.device)
+    lost = bool(tag) and (held is None or tag not in held)
+    if tag and not lost:
+        e = torch.as_tensor(held[tag].numpy(), dtype=theta.dtype, device=theta.device)[None].clone()
+    if lost:
+        LOG.warning("[fedhead] partition %s lost its error-feedback residual %s: it starts from zero", ns.pid, tag)
+    return Residuals.held_by([ns.pid], e), lost
 
 
 def _json(v):

@@ -18,6 +18,9 @@ lends it this strategy as the transport that reaches the clients through a Flowe
   server adds with the simulator's rule (:class:`NodeVariates` keeps which version of ``c_k`` each node must train
   from; nodes with a state folder also keep ``c_k`` on disk, so a resumed server continues; a node that lost its
   ``c_k`` restarts SCAFFOLD from zero variates everywhere);
+- error feedback (``fedavg-int8``, ``fedavg-topk``): each node keeps its residual ``e_k`` as it keeps ``c_k`` (two
+  versions by tag; the server names the one its last applied reply left); replies carry the rule's compact wire
+  form, which the server expands (:meth:`fedhead.core.aggregate.Aggregator.unwire`) before summing;
 - CCVR: after the last round one ``query.ccvr`` exchange with every node (the simulator's
   :func:`fedhead.federation.clients.ccvr_client_stats` there), pooled in partition order;
 - with ``--secure-aggregation`` every sum comes from Flower's SecAgg+ (:mod:`fedhead.flower.secure`).
@@ -49,6 +52,7 @@ from extract.store import Features  # noqa: E402
 from fedhead.core.aggregate import Accumulator  # noqa: E402
 from fedhead.core.ccvr import ClassStats, PooledStats  # noqa: E402
 from fedhead.core.closedform import StatsAccumulator, is_closed_form  # noqa: E402
+from fedhead.core.compress import keeps_residuals  # noqa: E402
 from fedhead.core.dp import noisy_feature_sums  # noqa: E402
 from fedhead.core.engine import ScaffoldState  # noqa: E402
 from fedhead.core.heads import create_head, resolve_head_params  # noqa: E402
@@ -201,6 +205,7 @@ class FedheadStrategy(Strategy, Transport):
         closed = is_closed_form(cfg.head)
         self.solver = create_head(cfg.head if closed else cfg.init, **cfg.head_params) if (closed or cfg.init) else None
         self.variates: NodeVariates | None = None  # SCAFFOLD: which c_k each node trains from
+        self.residual_tags: NodeVariates | None = None  # error feedback: which e_k each node adds
         self.lost_variates: str | None = None  # SCAFFOLD: why it must restart before the next round
         self.restarts: list = []  # SCAFFOLD: the (seed, round) where it restarted
         self.stop = stop_after()
@@ -272,14 +277,15 @@ class FedheadStrategy(Strategy, Transport):
                 self.last.failed[pid] = "no connected SuperNode has this partition id"
                 continue
             rec = cfg_rec
+            tags = {}
             if scaffold is not None:  # which c_k to train from, and under which tag to keep the result
-                rec = ConfigRecord(
-                    {
-                        **dict(cfg_rec.items()),
-                        "scaffold-in": self.variates.tag(self.variates.accepted[pid]),
-                        "scaffold-out": self.variates.tag(server_round),
-                    }
-                )
+                tags["scaffold-in"] = self.variates.tag(self.variates.accepted[pid])
+                tags["scaffold-out"] = self.variates.tag(server_round)
+            if self.residual_tags is not None:  # error feedback: which e_k to add, under which tag to keep the next
+                tags["residual-in"] = self.residual_tags.tag(self.residual_tags.accepted[pid])
+                tags["residual-out"] = self.residual_tags.tag(server_round)
+            if tags:
+                rec = ConfigRecord({**dict(cfg_rec.items()), **tags})
             msgs.append(
                 Message(
                     RecordDict({"arrays": arrays, "config": rec}),
@@ -312,6 +318,8 @@ class FedheadStrategy(Strategy, Transport):
                 )
                 self.lost_variates = f"the node of partition {pid} no longer held its control variate"
                 continue
+            if int(m.get("residual-lost", 0)):
+                LOG.log(WARNING, "[fedhead] partition %s lost its error-feedback residual; it restarted from zero", pid)
             if int(m["num-examples"]) == 0:
                 continue  # an empty client is skipped, as in the simulator
             good.append((pid, r))
@@ -323,12 +331,13 @@ class FedheadStrategy(Strategy, Transport):
         good.sort(key=lambda t: t[0])  # partition order = the simulator's order
         t0 = time.perf_counter()
         keys = sorted(k for k in good[0][1].content["arrays"].keys() if k.startswith(MESSAGE_PREFIX))
-        msg = {
+        sent = {
             k[len(MESSAGE_PREFIX) :]: torch.stack(
                 [torch.as_tensor(r.content["arrays"][k].numpy()) for _, r in good]
             ).to(self.device)
             for k in keys
         }
+        msg = self.server.rule.unwire(sent, self.theta)  # a compressed rule's wire form -> its dense message
         holds = torch.stack([torch.as_tensor(r.content["arrays"]["holds"].numpy()).bool() for _, r in good]).to(
             self.device
         )
@@ -377,6 +386,9 @@ class FedheadStrategy(Strategy, Transport):
             self.server.scaffold.server_update()
             for pid in pids:
                 self.variates.accepted[pid] = server_round
+        if self.residual_tags is not None:  # the e_k each node kept after this round is the one to use next
+            for pid in pids:
+                self.residual_tags.accepted[pid] = server_round
         self.last.aggregate = aggregated  # the server update (optimiser) is the loop's, as in the simulator
         self.last.server_s = time.perf_counter() - t0
         self.last.trained = clients
@@ -568,6 +580,11 @@ class FedheadStrategy(Strategy, Transport):
             NodeVariates(cfg.identity(), seed, np.zeros(cfg.clients, dtype=np.int64)) if cfg.scaffold else None
         )
         self.lost_variates = None
+        self.residual_tags = (
+            NodeVariates("ef:" + cfg.identity(), seed, np.zeros(cfg.clients, dtype=np.int64))
+            if keeps_residuals(cfg)
+            else None
+        )
         if saved is not None:
             self.stats = saved
             return Census(saved, None)
@@ -692,11 +709,19 @@ class FedheadStrategy(Strategy, Transport):
             raise ServerStopped(f"server stopped after round {rnd} (FEDHEAD_FLOWER_STOP_AFTER)")
 
     def unit_state(self) -> dict:
-        return {"variates": self.variates.state_dict() if self.variates is not None else None}
+        return {
+            "variates": self.variates.state_dict() if self.variates is not None else None,
+            "residuals": self.residual_tags.state_dict() if self.residual_tags is not None else None,
+        }
 
     def load_unit_state(self, state: dict) -> None:
         """A resumed seed: which version of ``c_k`` each node trains from. A resumed server is a new Flower run:
-        its nodes start with an empty Context.state and find their variates only in a state folder."""
+        its nodes start with an empty Context.state and find their variates only in a state folder (error feedback's
+        residuals likewise: a node that lost its own starts from zero)."""
+        r = state.get("residuals")
+        if self.residual_tags is not None and r is not None:
+            self.residual_tags.accepted[:] = r["accepted"]
+            self.residual_tags.run = str(r.get("run", ""))
         v = state.get("variates")
         if self.variates is None or v is None:
             return
