@@ -106,3 +106,23 @@ def test_scaffold_variates_that_cannot_fit_are_refused(tiny_store, tmp_path, mon
             cfg_for(tiny_store, clients=20, scaffold=True, optimizer="sgd"), out=tmp_path / "r", progress=False
         )
     assert "\n" not in str(exc.value)
+
+
+def test_error_feedback_residuals_that_cannot_fit_are_refused(tiny_store, tmp_path, monkeypatch):
+    """A compressing rule with error feedback keeps every client's residual in process: refused in one line."""
+    import fedhead.federation.inprocess as inprocess
+
+    monkeypatch.setattr(inprocess, "available_memory", lambda: 10_000)  # bytes: less than 20 clients' residuals
+    with pytest.raises(
+        FedheadError, match=r"'--aggregate fedavg-int8'.*20 clients x 10 x 17.*--no-error-feedback"
+    ) as e:
+        run_training(
+            cfg_for(tiny_store, clients=20, aggregate="fedavg-int8", head="ova2"), out=tmp_path / "r", progress=False
+        )
+    assert "\n" not in str(e.value)
+    # without error feedback nothing is kept per client: the run goes
+    run_training(
+        cfg_for(tiny_store, clients=20, aggregate="fedavg-int8", head="ova2", error_feedback=False, rounds=1),
+        out=tmp_path / "ok",
+        progress=False,
+    )

@@ -70,26 +70,24 @@ class InProcessTransport(Transport):
 
     def scaffold_state(self, shape: tuple, device) -> ScaffoldState:
         """Every client's SCAFFOLD variate, in memory (refused in one line when they cannot fit)."""
-        need, free = self.cfg.clients * shape[0] * shape[1] * 4, available_memory()
-        if free is not None and need > free:
-            raise FedheadError(
-                f"The '--scaffold' option keeps every client's control variate in memory: {self.cfg.clients} clients "
-                f"x {shape[0]} x {shape[1]} floats = {need / 1e9:.1f} GB, but this machine has {free / 1e9:.1f} GB "
-                "free. Use fewer --clients, or run on Flower (each node keeps its own variate)."
-            )
+        self._check_per_client_state(shape, "The '--scaffold' option keeps every client's control variate", "variate")
         return ScaffoldState.zeros(self.cfg.clients, shape[0], shape[1], device)
 
     def residual_state(self, shape: tuple, device) -> Residuals:
         """Every client's error-feedback residual, in memory (refused in one line when they cannot fit)."""
+        what = f"The '--aggregate {self.cfg.aggregate}' rule keeps every client's error-feedback residual"
+        self._check_per_client_state(shape, what, "residual", "--no-error-feedback or ")
+        return Residuals.zeros(self.cfg.clients, shape[0], shape[1], device)
+
+    def _check_per_client_state(self, shape: tuple, what: str, kept: str, other_fix: str = "") -> None:
+        """Refuse, in one line, per-client state of ``shape`` (float32, every client's) that exceeds free memory."""
         need, free = self.cfg.clients * shape[0] * shape[1] * 4, available_memory()
         if free is not None and need > free:
             raise FedheadError(
-                f"The '--aggregate {self.cfg.aggregate}' rule keeps every client's error-feedback residual in memory: "
-                f"{self.cfg.clients} clients x {shape[0]} x {shape[1]} floats = {need / 1e9:.1f} GB, but this machine "
-                f"has {free / 1e9:.1f} GB free. Use --no-error-feedback or fewer --clients, or run on Flower (each node "
-                "keeps its own residual)."
+                f"{what} in memory: {self.cfg.clients} clients x {shape[0]} x {shape[1]} floats = {need / 1e9:.1f} GB, "
+                f"but this machine has {free / 1e9:.1f} GB free. Use {other_fix}fewer --clients, or run on Flower "
+                f"(each node keeps its own {kept})."
             )
-        return Residuals.zeros(self.cfg.clients, shape[0], shape[1], device)
 
     def statistics(self, selected, solver, seed: int) -> Exchange:
         t0 = time.perf_counter()
