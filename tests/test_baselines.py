@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import crash_at
 from typer.testing import CliRunner
 
 import cli
@@ -135,19 +136,10 @@ def test_resume_keeps_server_optimizer_and_scaffold_state(tiny_store, tmp_path, 
 
     kw = dict(head="ova2", rounds=4, scaffold=True, server_opt="fedyogi", participation=0.5)
     full = run_training(cfg(tiny_store, **kw), out=tmp_path / "full", progress=False)
-    calls = {"n": 0}
-    real = train.evaluate
-
-    def crashing(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(train, "evaluate", crashing)
+    restore = crash_at(monkeypatch, train, "evaluate", 3)
     with pytest.raises(KeyboardInterrupt):
         run_training(cfg(tiny_store, **kw), out=tmp_path / "cut", progress=False)
-    monkeypatch.setattr(train, "evaluate", real)
+    restore()
     res = run_training(cfg(tiny_store, **kw), out=tmp_path / "cut", resume=True, progress=False)
     assert [r["accuracy"] for r in res.rows] == [r["accuracy"] for r in full.rows]
 

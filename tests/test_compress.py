@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import crash_at
 
 from fedhead.core.aggregate import Accumulator, FedAvg, create_aggregator
 from fedhead.core.compress import (
@@ -208,19 +209,10 @@ def test_resume_keeps_the_residuals(tiny_store, tmp_path, monkeypatch):
 
     kw = dict(aggregate="fedavg-topk", topk_fraction=0.1, rounds=4, participation=0.5)
     full = run_training(cfg(tiny_store, **kw), out=tmp_path / "full", progress=False)
-    calls = {"n": 0}
-    real = job.evaluate
-
-    def crashing(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(job, "evaluate", crashing)
+    restore = crash_at(monkeypatch, job, "evaluate", 3)
     with pytest.raises(KeyboardInterrupt):
         run_training(cfg(tiny_store, **kw), out=tmp_path / "cut", progress=False)
-    monkeypatch.setattr(job, "evaluate", real)
+    restore()
     saved = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
     assert saved["current"]["server"]["residuals"]["e"].abs().max() > 0
     res = run_training(cfg(tiny_store, **kw), out=tmp_path / "cut", resume=True, progress=False)

@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import crash_at
 from typer.testing import CliRunner
 
 from cli import app
@@ -106,19 +107,10 @@ def test_resume_equals_uninterrupted(tiny_store, tmp_path, monkeypatch):
     monkeypatch.setenv("FEDHEAD_THREADS", "1")  # the uninterrupted and the interrupted run: one thread
     full = run_training(cfg_for(tiny_store, **kw), out=tmp_path / "full", progress=False)
 
-    calls = {"n": 0}
-    real = train.evaluate
-
-    def crashing(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 7:  # dies in the middle of the second run
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
-    monkeypatch.setattr(train, "evaluate", crashing)
+    restore = crash_at(monkeypatch, train, "evaluate", 7)  # dies in the middle of the second run
     with pytest.raises(KeyboardInterrupt):
         run_training(cfg_for(tiny_store, **kw), out=tmp_path / "cut", progress=False)
-    monkeypatch.setattr(train, "evaluate", real)
+    restore()
     assert (tmp_path / "cut" / "checkpoint.pt").exists()
     assert not (tmp_path / "cut" / "summary.json").exists()
     monkeypatch.setenv("FEDHEAD_THREADS", "2")  # the resumed run keeps the recorded count, not this one
