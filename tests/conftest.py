@@ -155,6 +155,24 @@ def run_example_with_plugin(example: str, plugin: str, store, tmp_path, cli_args
     return out
 
 
+def small_cfg(store, shards_per_client: int = 1, **kw):
+    """A small run on ``store`` (8 clients, shard partition, 3 rounds of one local epoch, CPU): the base's options
+    only where they apply to the case (a closed-form head takes no --rounds), the case's own ``kw`` as given."""
+    from fedhead.federation.config import TrainConfig, applicable
+
+    base = dict(
+        features=str(store),
+        clients=8,
+        rounds=3,
+        local_epochs=1,
+        batch_size=20,
+        device="cpu",
+        partition="shard",
+        partition_params={"shards_per_client": shards_per_client},
+    )
+    return TrainConfig(**{**applicable({**base, **kw}), **kw})
+
+
 def crash_at(monkeypatch, module, name: str, n: int):
     """Make the ``n``-th call of ``module.name`` raise KeyboardInterrupt (a crash mid-run; the training resume
     tests cut a run at an evaluation); returns a function that puts the real one back."""

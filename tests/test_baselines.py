@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import crash_at
+from conftest import crash_at, small_cfg
 from typer.testing import CliRunner
 
 import cli
 from extract.store import load_store
 from fedhead.core.closedform import accumulate, message_bytes
-from fedhead.federation.config import TrainConfig, applicable
+from fedhead.federation.config import TrainConfig
 from fedhead.federation.train import run_training
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,18 +29,7 @@ def _env(monkeypatch):
 
 
 def cfg(store, **kw):
-    base = dict(
-        features=str(store),
-        clients=8,
-        rounds=3,
-        local_epochs=1,
-        batch_size=20,
-        device="cpu",
-        partition="shard",
-        partition_params={"shards_per_client": 1},
-    )
-    # the base's --rounds etc. only where they apply (a closed-form head takes none); the case's own options as given
-    return TrainConfig(**{**applicable({**base, **kw}), **kw})
+    return small_cfg(store, shards_per_client=1, **kw)
 
 
 def test_closed_form_head_is_one_exchange_with_exact_bytes(tiny_store, tmp_path):

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import crash_at
+from conftest import crash_at, small_cfg
 
 from fedhead.core.aggregate import Accumulator, FedAvg, create_aggregator
 from fedhead.core.compress import (
@@ -22,23 +22,12 @@ from fedhead.core.compress import (
     topk_densify,
     topk_sparsify,
 )
-from fedhead.federation.config import TrainConfig, applicable
 from fedhead.federation.train import run_training
 from fedhead.infra.errors import FedheadError
 
 
-def cfg(store, **kw) -> TrainConfig:
-    base = dict(
-        features=str(store),
-        clients=8,
-        rounds=3,
-        local_epochs=1,
-        batch_size=20,
-        device="cpu",
-        partition="shard",
-        partition_params={"shards_per_client": 2},
-    )
-    return TrainConfig(**{**applicable({**base, **kw}), **kw})
+def cfg(store, **kw):
+    return small_cfg(store, shards_per_client=2, **kw)
 
 
 # ---------------------------------------------------------------- the compressors
