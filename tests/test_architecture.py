@@ -15,7 +15,7 @@ SOURCES = [p for d in ("fedhead", "extract") for p in sorted((REPO / d).rglob("*
 # The modules that import flwr at module level: the core CLI registers fedhead.flower.commands without the optional
 # extra, so it may import them only inside the functions that need Flower.
 FLWR_MODULES = ("fedhead.flower.client_app", "fedhead.flower.server_app", "fedhead.flower.strategy",
-                "fedhead.flower.secure", "fedhead.flower.inprocess")  # fmt: skip
+                "fedhead.flower.secure", "fedhead.flower.inprocess", "fedhead.flower.node")  # fmt: skip
 
 
 def test_import_linter_contracts_are_kept():

@@ -239,8 +239,9 @@ def test_flower_matches_fedhead_train(tmp_path, agg, extra):
     from test_flower_sim import sim_nodes
 
     from fedhead.core.synthetic import write_synthetic
-    from fedhead.flower.client_app import RESIDUALS, make_client_app
+    from fedhead.flower.client_app import make_client_app
     from fedhead.flower.inprocess import InProcessGrid, task_identity
+    from fedhead.flower.node import RESIDUALS
 
     store = write_synthetic(tmp_path / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
     c = cfg(store, clients=4, rounds=3, participation=0.75, aggregate=agg, **extra)
@@ -270,9 +271,10 @@ def test_flower_resume_finds_the_residuals_in_the_node_state_folder(tmp_path, mo
     from test_flower_sim import LocalGrid, sim_nodes
 
     from fedhead.core.synthetic import write_synthetic
-    from fedhead.flower.client_app import RESIDUALS, make_client_app
+    from fedhead.flower.client_app import make_client_app
     from fedhead.flower.common import STOP_ENV, ServerStopped
     from fedhead.flower.inprocess import task_identity
+    from fedhead.flower.node import RESIDUALS
 
     store = write_synthetic(tmp_path / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
     c = cfg(store, clients=4, rounds=4, participation=0.75, aggregate="fedavg-topk", topk_fraction=0.2)
@@ -307,8 +309,9 @@ def test_flower_lost_reply_trains_from_the_residual_the_server_counted(tmp_path,
 
     from fedhead.core.synthetic import write_synthetic
     from fedhead.federation.rundir import read_csv
-    from fedhead.flower.client_app import RESIDUALS, make_client_app
+    from fedhead.flower.client_app import make_client_app
     from fedhead.flower.inprocess import task_identity
+    from fedhead.flower.node import RESIDUALS
 
     store = write_synthetic(tmp_path / "s.h5", num_classes=6, train_per_class=20, test_per_class=10, dim=16)
     c = cfg(store, clients=4, rounds=4, aggregate="fedavg-int8")

@@ -303,3 +303,23 @@ def test_deploy_docs_show_the_commands_the_tests_run():
     for name, argv in commands.items():
         line = "fedhead " + shlex.join(argv)
         assert line in documented, f"{name}: DEPLOY.md does not show the tested command\n{line}"
+
+
+def test_the_client_app_a_supernode_loads_imports_no_torch():
+    """A deployed SuperNode starts one ClientApp process per message (Flower's subprocess isolation), and the stages
+    of a SecAgg+ exchange that only set up, share and unmask keys never reach fedhead's handlers: the module Flower
+    loads (pyproject's clientapp) imports Flower, not torch nor the handlers' module, so those processes do not pay
+    for them. A fresh interpreter, since this test process has imported torch already."""
+    import subprocess
+    import sys
+    import tomllib
+
+    ref = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["components"]["clientapp"]
+    module, attr = ref.split(":")
+    probe = (
+        f"import sys, {module} as m; assert type(getattr(m, {attr!r})).__name__ == 'ClientApp'; "
+        "print(sorted(k for k in ('torch', 'fedhead.flower.node', 'fedhead.core.engine') if k in sys.modules))"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]"

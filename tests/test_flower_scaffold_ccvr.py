@@ -21,8 +21,9 @@ from extract.store import load_store  # noqa: E402
 from fedhead.core.synthetic import write_synthetic  # noqa: E402
 from fedhead.federation.rundir import read_csv  # noqa: E402
 from fedhead.federation.train import run_training  # noqa: E402
-from fedhead.flower.client_app import VARIATES, make_client_app  # noqa: E402
+from fedhead.flower.client_app import make_client_app  # noqa: E402
 from fedhead.flower.common import CRASH_ENV, STOP_ENV, ServerStopped  # noqa: E402
+from fedhead.flower.node import VARIATES  # noqa: E402
 from fedhead.flower.strategy import FedheadStrategy, ServerSettings, validate_server_config  # noqa: E402
 
 
@@ -199,7 +200,7 @@ def test_simulation_nodes_keep_variates_in_the_run_folder():
     SuperNode's comes only from its own node config."""
     from flwr.app import Context, RecordDict
 
-    from fedhead.flower.client_app import node_settings
+    from fedhead.flower.node import node_settings
 
     def settings(nc, rc):
         return node_settings(Context(run_id=1, node_id=1, node_config=nc, state=RecordDict(), run_config=rc))

@@ -29,6 +29,7 @@ from test_flower_sim import LocalGrid, accs, cfg_of, sim_nodes, task_identity  #
 
 import fedhead  # noqa: E402
 import fedhead.flower.client_app as client_app  # noqa: E402
+import fedhead.flower.node as node_module  # noqa: E402
 import fedhead.flower.secure as secure  # noqa: E402
 from extract.store import load_store  # noqa: E402
 from fedhead.core.synthetic import write_synthetic  # noqa: E402
@@ -225,7 +226,7 @@ def test_an_exchange_that_cannot_fit_the_server_memory_is_refused_before_round_1
 
 def test_server_receives_masked_vectors_not_the_clients_messages(store, tmp_path, monkeypatch):
     true, sums = {}, []
-    reply = client_app.secure_reply
+    reply = node_module.secure_reply
 
     def spy_reply(msg, vector):  # the node side: the digits it is about to mask
         true[(msg.metadata.group_id, msg.metadata.dst_node_id)] = vector.copy()
@@ -238,7 +239,7 @@ def test_server_receives_masked_vectors_not_the_clients_messages(store, tmp_path
         sums.append((kind, str(rnd), layout, res))
         return res
 
-    monkeypatch.setattr(client_app, "secure_reply", spy_reply)
+    monkeypatch.setattr(node_module, "secure_reply", spy_reply)
     monkeypatch.setattr(secure, "secure_sum", spy_sum)
     res, grid = run(cfg_of(store, secure_aggregation=True, rounds=2), tmp_path / "r")
     assert res.rows[-1]["clients_trained"] == 4

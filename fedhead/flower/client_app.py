@@ -14,229 +14,23 @@ Node config (``flower-supernode --node-config``; Flower's simulation sets the la
                     Flower's simulation (no ``feature-store`` in the node config) it is ``<run-dir>/node-state``
                     (:data:`NODE_STATE`)
 
-Local training is the simulator's own code: ``Engine.train_block(theta, [partition-id], seed, round)``, whose
-batch order is keyed by (seed, round, client, epoch), so a Flower client reproduces the simulated client's
-update. The store is read once per process and cached (module-level cache keyed by path).
-
-SCAFFOLD (``--scaffold``): the node keeps its control variate ``c_k`` in Flower's ``Context.state`` (record
-``fedhead-scaffold``, which persists on the node between the messages of one Flower run) and trains with a
-one-client :class:`fedhead.core.engine.ScaffoldState` built from it and the server's ``c``; it replies with its head
-and its delta ``c_k+ - c_k``. It keeps two versions, by the tags the server gives: the variate the round started
-from and the one it ended with, so the server (which names the version whose delta it applied last) and the node
-agree even when a reply is lost. With a state folder the record is also written there (atomically, one file per
-partition and (config, seed)) and read back when a new Flower run starts with an empty ``Context.state``; the tags
-name the config, seed, the server's run id and SCAFFOLD's generation, so a file of another run is never taken for
-this one's. Error feedback (``--aggregate fedavg-int8`` / ``fedavg-topk``): the node keeps its residual ``e_k``
-the same way (record ``fedhead-residual``, two versions by the tags ``residual-in`` / ``residual-out``, files
-``residual-p<id>-<key>.pt``) and sends its update compressed (the rule's wire form); a node that lost the version
-the server names starts from a zero residual (nothing to restart: only what compression held back is lost). CCVR (``--calibrate ccvr``): the ``query.ccvr`` message returns :func:`fedhead.federation.train.ccvr_client_stats` of the node's prepared features (:meth:`fedhead.core.ccvr.ClassStats.to_bytes`).
+Flower starts one ClientApp process per message on a deployed SuperNode. This module is what that process loads:
+it imports Flower and nothing of torch; the handlers' work (:mod:`fedhead.flower.node`: the store, the engine)
+is imported when a message needs it, so the stages of a SecAgg+ exchange that only set up keys, share them and
+unmask start in a fraction of the time.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-
-import numpy as np
-
-from fedhead.flower.common import require_flower
+from fedhead.flower import require_flower
 
 require_flower()
 
-import torch  # noqa: E402
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import Context, Message  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 
-from extract.store import Features, load_store  # noqa: E402
-from fedhead.core.aggregate import aggregator_of  # noqa: E402
-from fedhead.core.closedform import client_stats  # noqa: E402
-from fedhead.core.compress import Residuals, keeps_residuals  # noqa: E402
-from fedhead.core.dp import feature_clip  # noqa: E402
-from fedhead.core.engine import ClientSet, Engine, LocalConfig, OptimConfig, ScaffoldState  # noqa: E402
-from fedhead.core.heads import create_head  # noqa: E402
-from fedhead.core.linalg import clip_rows  # noqa: E402
-from fedhead.core.noise import apply_noise  # noqa: E402
-from fedhead.core.partitions import class_counts  # noqa: E402
-from fedhead.federation.clients import FeatureStats, build_federation, ccvr_client_stats, noise_dataset_name, prepare  # noqa: E402
-from fedhead.flower.common import (
-    MESSAGE_PREFIX,
-    canonical_run_config,
-    check_fingerprint,
-    client_stats_record,
-    config_from_json,
-    crash_rounds,
-    store_fingerprint,
-)
-from fedhead.flower.secure import is_secure, node_values, plain_content, secure_mod, secure_reply  # noqa: E402
-from fedhead.infra.devices import resolve_device  # noqa: E402
+from fedhead.flower.masking import is_secure, secure_mod  # noqa: E402
 from fedhead.infra.errors import FedheadError  # noqa: E402
-from fedhead.infra.files import atomic_torch_save
-
-LOG = logging.getLogger("flwr")
-_STORES: dict[str, Features] = {}
-_LOCAL: dict[tuple, "LocalData"] = {}
-VARIATES = "fedhead-scaffold"  # Context.state record: this node's SCAFFOLD c_k, by version tag
-RESIDUALS = "fedhead-residual"  # Context.state record: this node's error-feedback residual e_k, by version tag
-NODE_STATE = "node-state"  # simulation: the virtual nodes' state folder inside the server's run folder
-SECURE_KIND = "secure-kind"  # the config key of a secure exchange (fedhead.flower.secure.KIND)
-
-
-@dataclass
-class NodeSettings:
-    store: str
-    pid: int
-    num_partitions: int | None
-    device: str = "auto"
-    state_dir: str | None = None  # SCAFFOLD: where the node's variates are also kept on disk
-
-
-@dataclass
-class LocalData:
-    """One node's view of the federation for one (config, seed): its slice, labels after noise, counts."""
-
-    store: Features
-    pid: int
-    parts: list  # client id -> indices; only entry ``pid`` is this node's (others empty
-    labels: np.ndarray  # in own-store mode)
-    counts: np.ndarray  # [len(parts), C]
-    device: torch.device
-    engines: dict = field(default_factory=dict)
-
-    @property
-    def mine(self) -> np.ndarray:
-        return self.parts[self.pid]
-
-    def stats_message(self, clip: float | None = None) -> tuple[np.ndarray, float, int]:
-        """Feature sum (float64), sum of squared norms and count over this node's samples (``clip``: DP's
-        per-sample feature-norm clip first, as :func:`fedhead.federation.train.federated_feature_stats` does)."""
-        xp = (
-            self.store.train_x[self.mine].astype(np.float64)
-            if clip is None
-            else clip_rows(self.store.train_x[self.mine], clip)
-        )
-        return xp.sum(0), float((xp * xp).sum()), len(self.mine)
-
-    def engine(self, cfg, stats: FeatureStats) -> Engine:
-        key = (
-            None if stats.mean is None else hashlib.sha1(stats.mean.tobytes()).hexdigest(),
-            stats.scale,
-            cfg.head,
-            tuple(sorted(cfg.head_params.items())),
-            cfg.optimizer,
-            cfg.lr,
-            cfg.weight_decay,
-            cfg.momentum,
-            cfg.local_epochs,
-            cfg.local_steps,
-            cfg.batch_size,
-            cfg.backend,
-        )
-        eng = self.engines.get(key)
-        if eng is None:
-            x = prepare(self.store.train_x, stats, self.device)
-            data = ClientSet(
-                x=x,
-                y=torch.as_tensor(self.labels, device=self.device),
-                parts=self.parts,
-                counts=self.counts,
-                num_classes=self.store.info.num_classes,
-            )
-            eng = Engine(
-                data,
-                create_head(cfg.head, **cfg.head_params),
-                OptimConfig(name=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum),
-                LocalConfig(epochs=cfg.local_epochs, batch_size=cfg.batch_size, steps=cfg.local_steps),
-                backend=cfg.backend,
-                block_clients=1,
-            )
-            self.engines = {key: eng}  # one prepared copy per process is enough
-        return eng
-
-
-def node_settings(
-    context: Context, default_store: str | None = None, default_state_dir: str | None = None
-) -> NodeSettings:
-    nc = dict(context.node_config)
-    store = nc.get("feature-store") or context.run_config.get("client-feature-store") or default_store
-    if not store and nc.get("num-partitions", "") != "":
-        # Flower's simulation: every virtual node slices the one shared store the server also uses
-        rc = canonical_run_config(dict(context.run_config))
-        store = rc.get("features", "")
-    if not store:
-        raise FedheadError(
-            "This SuperNode has no feature store. Start it with --node-config "
-            "\"feature-store='PATH' partition-id=N\" (PATH written by 'fedhead extract')."
-        )
-    if "partition-id" not in nc:
-        raise FedheadError(
-            "This SuperNode has no partition id. Start it with --node-config "
-            "\"feature-store='PATH' partition-id=N\" (N = 0 .. clients-1, unique per node)."
-        )
-    try:
-        pid = int(nc["partition-id"])
-        nparts = int(nc["num-partitions"]) if nc.get("num-partitions", "") != "" else None
-    except (TypeError, ValueError):
-        raise FedheadError(
-            f"The node config 'partition-id'/'num-partitions' must be integers. Got "
-            f"{nc.get('partition-id')!r}/{nc.get('num-partitions')!r} instead."
-        ) from None
-    state_dir = nc.get("state-dir") or None
-    if state_dir is None and not nc.get("feature-store"):  # simulation: the nodes share the server's machine
-        run_dir = canonical_run_config(dict(context.run_config)).get("out")
-        state_dir = str(Path(str(run_dir)) / NODE_STATE) if run_dir else default_state_dir
-    return NodeSettings(
-        str(store), pid, nparts, str(nc.get("device", "auto")), None if state_dir is None else str(state_dir)
-    )
-
-
-def open_node_store(path: str) -> Features:
-    key = str(Path(path).resolve())
-    if key not in _STORES:
-        _STORES[key] = load_store(path, param="feature-store (node config)")
-    return _STORES[key]
-
-
-def local_data(ns: NodeSettings, cfg, seed: int) -> LocalData:
-    key = (str(Path(ns.store).resolve()), ns.pid, ns.num_partitions, cfg.identity(), seed, ns.device)
-    if key in _LOCAL:
-        return _LOCAL[key]
-    store = open_node_store(ns.store)
-    C = store.info.num_classes
-    if ns.num_partitions is not None:
-        if ns.num_partitions != cfg.clients:
-            raise FedheadError(
-                f"The node config 'num-partitions' must equal the server's --clients "
-                f"({cfg.clients}). Got {ns.num_partitions} instead."
-            )
-        if not 0 <= ns.pid < ns.num_partitions:
-            raise FedheadError(
-                f"The node config 'partition-id' must be in [0, {ns.num_partitions}). Got {ns.pid} instead."
-            )
-        fed = build_federation(store, cfg, seed, cfg.partition, cfg.partition_params)
-        parts, labels, counts = fed.parts, fed.labels, fed.counts
-    else:
-        # own store: all of its training split is this node's data; noise keyed by (seed, partition id)
-        empty = np.zeros(0, dtype=np.int64)
-        parts = [empty] * ns.pid + [np.arange(len(store.train_y))]
-        noisy, _ = apply_noise(
-            cfg.noise,
-            cfg.noise_rate,
-            [store.train_y[p] for p in parts],
-            C,
-            dataset=noise_dataset_name(store, cfg),
-            seed=seed,
-            asym_rule=cfg.asym_map,
-        )
-        labels = noisy[ns.pid]
-        counts = class_counts(parts, labels, C)
-    if len(_LOCAL) > 8:
-        _LOCAL.clear()
-    ld = LocalData(store, ns.pid, parts, labels, counts, resolve_device(ns.device))
-    _LOCAL[key] = ld
-    return ld
 
 
 def _fedhead_errors(fn):
@@ -262,18 +56,24 @@ def make_client_app(default_store: str | None = None, default_state_dir: str | N
     @app.query()
     @_fedhead_errors
     def hello(msg: Message, context: Context) -> Message:
-        return _hello(msg, context, default_store, default_state_dir)
+        from fedhead.flower.node import hello as handle  # torch and the engine: on the first message that needs them
+
+        return handle(msg, context, default_store, default_state_dir)
 
     @app.query("ccvr")
     @_fedhead_errors
     def ccvr(msg: Message, context: Context) -> Message:
-        return _ccvr(msg, context, default_store, default_state_dir)
+        from fedhead.flower.node import ccvr as handle
+
+        return handle(msg, context, default_store, default_state_dir)
 
     @app.train(mods=[secure_mod])
     @_fedhead_errors
     def train(msg: Message, context: Context) -> Message:
         if is_secure(msg):  # a SecAgg+ exchange: the plain handler's numbers, masked
-            return _secure(
+            from fedhead.flower.node import secure_exchange
+
+            return secure_exchange(
                 msg,
                 context,
                 {"train": plain_train, "census": hello, "statistics": hello, "cof-spread": hello, "ccvr": ccvr},
@@ -282,255 +82,11 @@ def make_client_app(default_store: str | None = None, default_state_dir: str | N
         return plain_train(msg, context)
 
     def plain_train(msg: Message, context: Context) -> Message:
-        return _plain_train(msg, context, default_store, default_state_dir)
+        from fedhead.flower.node import plain_train as handle
+
+        return handle(msg, context, default_store, default_state_dir)
 
     return app
-
-
-def _hello(msg: Message, context: Context, default_store: str | None, default_state_dir: str | None) -> Message:
-    """The ``query`` handler: the node's size, class counts and flipped labels, the statistics the server asks for
-    and the SCAFFOLD variates it holds (under secure aggregation: its id and variates only; the rest goes summed)."""
-    c = msg.content["config"]
-    cfg = config_from_json(str(c["train-config"]))
-    ns = node_settings(context, default_store, default_state_dir)
-    store = open_node_store(ns.store)
-    check_fingerprint(
-        store_fingerprint(store.info),
-        _json(c["server-store"]),
-        f"The feature store {ns.store!r} of node partition {ns.pid}",
-    )
-    ld = local_data(ns, cfg, int(c["seed"]))
-    if cfg.secure_aggregation and not str(c.get(SECURE_KIND, "")):
-        # secure aggregation: sizes, class counts and statistics reach the server only summed (SecAgg+)
-        content = {"metrics": MetricRecord({"partition-id": ns.pid})}
-        if cfg.scaffold:
-            held = held_variates(context, ns, cfg, int(c["seed"]))
-            content["config"] = ConfigRecord({"scaffold-tags": " ".join(held.keys() if held is not None else [])})
-        return Message(RecordDict(content), reply_to=msg)
-    flipped = int((ld.labels[ld.mine] != store.train_y[ld.mine]).sum())
-    metrics = {"partition-id": ns.pid, "num-examples": int(len(ld.mine)), "noise-flipped": flipped}
-    arrays = {"class-counts": Array(np.asarray(ld.counts[ns.pid], dtype=np.int64))}
-    if bool(c["want-stats"]):
-        s, sq, n = ld.stats_message(feature_clip(cfg))
-        arrays["feature-sum"] = Array(s)
-        metrics["feature-sq"] = sq
-        metrics["feature-count"] = n
-    if str(c.get("closed-form", "")):
-        # the statistics exchange of a closed-form head / --init start: the simulator's client_stats
-        solver = create_head(str(c["closed-form"]), **cfg.head_params)
-        t0 = time.perf_counter()
-        kw = solver.message_kwargs(store.train_x.shape[1])
-        m = client_stats(
-            store.train_x[ld.mine], ld.labels[ld.mine], store.info.num_classes, kw.pop("gram"), feature_clip(cfg), **kw
-        )
-        metrics["stats-ms"] = 1000 * (time.perf_counter() - t0)
-        arrays.update(client_stats_record(m))
-    content = {"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics)}
-    if cfg.scaffold:  # the server checks, on (re)connecting, that the node still holds its c_k
-        held = held_variates(context, ns, cfg, int(c["seed"]))
-        content["config"] = ConfigRecord({"scaffold-tags": " ".join(held.keys() if held is not None else [])})
-    return Message(RecordDict(content), reply_to=msg)
-
-
-def _ccvr(msg: Message, context: Context, default_store: str | None, default_state_dir: str | None) -> Message:
-    """The ``query.ccvr`` handler: CCVR's class statistics of the node's prepared features."""
-    c = msg.content["config"]
-    cfg = config_from_json(str(c["train-config"]))
-    ns = node_settings(context, default_store, default_state_dir)
-    ld = local_data(ns, cfg, int(c["seed"]))
-    if int(c["round"]) in crash_rounds(ns.pid):
-        raise RuntimeError(f"injected crash of partition {ns.pid} in round {c['round']} (FEDHEAD_FLOWER_CRASH)")
-    t0 = time.perf_counter()
-    blob = b""
-    if len(ld.mine):
-        x = ld.engine(cfg, _feature_stats(c)).data.x
-        blob = ccvr_client_stats(x, ld.labels, ld.mine, ld.store.info.num_classes).to_bytes()
-    arrays = ArrayRecord({"ccvr-stats": Array(np.frombuffer(blob, dtype=np.uint8).copy())})
-    metrics = MetricRecord(
-        {"partition-id": ns.pid, "num-examples": int(len(ld.mine)), "client-ms": 1000 * (time.perf_counter() - t0)}
-    )
-    return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
-
-
-def _plain_train(msg: Message, context: Context, default_store: str | None, default_state_dir: str | None) -> Message:
-    """The ``train`` handler of a plain (not secure) exchange: the node's local training from the server's head, and
-    the aggregation rule's message of its update (SCAFFOLD: with its variate's delta, kept on the node)."""
-    c = msg.content["config"]
-    cfg = config_from_json(str(c["train-config"]))
-    seed, rnd = int(c["seed"]), int(c["round"])
-    ns = node_settings(context, default_store, default_state_dir)
-    ld = local_data(ns, cfg, seed)
-    if rnd in crash_rounds(ns.pid):
-        raise RuntimeError(f"injected crash of partition {ns.pid} in round {rnd} (FEDHEAD_FLOWER_CRASH)")
-    stats = _feature_stats(c)
-    theta = torch.as_tensor(msg.content["arrays"]["head"].numpy(), dtype=torch.float32, device=ld.device)
-    n = len(ld.mine)
-    scaffold = None
-    if cfg.scaffold and n > 0:
-        scaffold = _node_variate(msg, held_variates(context, ns, cfg, seed), ns.pid, theta)
-        if scaffold is None:  # the server names a c_k this node no longer holds (it restarted)
-            return Message(
-                RecordDict(
-                    {"metrics": MetricRecord({"partition-id": ns.pid, "num-examples": int(n), "scaffold-lost": 1})}
-                ),
-                reply_to=msg,
-            )
-        start = scaffold.ck[0].clone()
-    if n == 0:
-        w, holds, loss, ms = theta, torch.zeros(theta.shape[0], dtype=torch.bool), 0.0, 0.0
-    else:
-        eng = ld.engine(cfg, stats)
-        t0 = time.perf_counter()
-        ws, sizes, hs, losses = eng.train_block(theta, [ns.pid], seed, rnd, prox_mu=cfg.prox_mu, scaffold=scaffold)
-        if ld.device.type == "cuda":
-            torch.cuda.synchronize()
-        ms = 1000 * (time.perf_counter() - t0)
-        w, holds, loss = ws[0], hs[0], float(losses[0])
-    # the aggregation rule's message (fedavg: n_k W_k) as it travels (a compressed rule's wire form): the
-    # simulator's Accumulator.message for one client, encoded
-    rule, lost, residuals = aggregator_of(cfg), False, None
-    if keeps_residuals(cfg):  # error feedback: this node's own residual, in the version the server names
-        rule.residuals, lost = _node_residual(msg, context, ns, cfg, seed, theta)
-        residuals = rule.residuals.e[0].clone()
-    sent = rule.wire(theta, w[None], torch.tensor([float(n)], device=w.device), holds[None].to(w.device), ids=[ns.pid])
-    if residuals is not None and n > 0:
-        _keep_variates(
-            context,
-            variates_file(ns, cfg, seed, "residual"),
-            str(c["residual-in"]) if not lost else "",
-            residuals,
-            str(c["residual-out"]),
-            rule.residuals.e[0],
-            record=RESIDUALS,
-        )
-    arrays = ArrayRecord(
-        {
-            **{MESSAGE_PREFIX + k: Array(v[0].detach().cpu().numpy()) for k, v in sent.items()},
-            "holds": Array(holds.cpu().numpy().astype(np.uint8)),
-        }
-    )
-    if scaffold is not None:
-        # one client's pending sum is its delta c_k+ - c_k (float32 values, exact in float32)
-        arrays["scaffold-delta"] = Array(scaffold.pending.to(torch.float32).cpu().numpy())
-        _keep_variates(
-            context,
-            variates_file(ns, cfg, seed),
-            str(c["scaffold-in"]),
-            start,
-            str(c["scaffold-out"]),
-            scaffold.ck[0],
-        )
-    metrics = {"partition-id": ns.pid, "num-examples": int(n), "train-loss": loss, "client-ms": ms}
-    if lost:
-        metrics["residual-lost"] = 1
-    return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics)}), reply_to=msg)
-
-
-def _secure(msg: Message, context: Context, handlers: dict, default_store: str | None) -> Message:
-    """One node's part of a secure exchange (:mod:`fedhead.flower.secure`): the plain handler of the exchange runs
-    on the fedhead message the SecAgg+ one carries, and its reply becomes the vector ``secaggplus_mod`` masks."""
-    kind, content = plain_content(msg)
-    if kind not in handlers:
-        raise FedheadError(f"Unknown secure exchange {kind!r} from the server. Update this node's fedhead.")
-    msg.content = content
-    reply = handlers[kind](msg, context)
-    cfg = config_from_json(str(content["config"]["train-config"]))
-    store = open_node_store(node_settings(context, default_store).store)
-    layout, values = node_values(kind, content, reply, store.info.num_classes, store.train_x.shape[1], cfg)
-    return secure_reply(msg, layout.encode(values, f"{kind} message"))
-
-
-def _feature_stats(c) -> FeatureStats:
-    """The federated feature mean/scale a train or ccvr message carries."""
-    mean = np.asarray(c["stats-mean"], dtype=np.float64) if "stats-mean" in c else None
-    return FeatureStats(mean, float(c["stats-scale"]), 0, 0)
-
-
-def variates_file(ns: NodeSettings, cfg, seed: int, prefix: str = "scaffold") -> Path | None:
-    """The node's file of SCAFFOLD variates (``prefix`` residual: error-feedback residuals) for one (config, seed),
-    or None without a state folder."""
-    if ns.state_dir is None:
-        return None
-    key = hashlib.sha1(f"{cfg.identity()}/{int(seed)}".encode()).hexdigest()[:16]
-    return Path(ns.state_dir) / f"{prefix}-p{ns.pid}-{key}.pt"
-
-
-def held_variates(context: Context, ns: NodeSettings, cfg, seed: int) -> ArrayRecord | None:
-    """The versions of ``c_k`` this node holds: ``Context.state``'s record, else (a new Flower run) the state
-    folder's file, which then becomes the record."""
-    return _held(context, VARIATES, variates_file(ns, cfg, seed), "SCAFFOLD variates")
-
-
-def _held(context: Context, record: str, path: Path | None, what: str) -> ArrayRecord | None:
-    """The versions of a per-node state kept under ``record`` in ``Context.state``, else in the file ``path``."""
-    held = context.state.get(record)
-    if held is None and path is not None and path.is_file():
-        try:
-            saved = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # a damaged file is a lost state: as without a state folder
-            LOG.warning("[fedhead] ignoring the %s in %s (%s): %s", what, path, type(exc).__name__, exc)
-            return None
-        held = ArrayRecord({str(t): Array(v.numpy()) for t, v in saved.items()})
-        context.state[record] = held
-    return held
-
-
-def _node_variate(msg: Message, held: ArrayRecord | None, pid: int, theta: torch.Tensor) -> ScaffoldState | None:
-    """This node's one-client SCAFFOLD state: the server's ``c`` (sent with the head) and the ``c_k`` kept under
-    the tag the server names (``''``: the zero variate SCAFFOLD starts from); None when that version is gone."""
-    tag = str(msg.content["config"]["scaffold-in"])
-    c = torch.as_tensor(msg.content["arrays"]["scaffold-c"].numpy(), dtype=theta.dtype, device=theta.device)
-    if not tag:
-        ck = None
-    elif held is not None and tag in held:
-        ck = torch.as_tensor(held[tag].numpy(), dtype=theta.dtype, device=theta.device)[None]
-    else:
-        return None
-    return ScaffoldState.held_by([pid], c, ck)
-
-
-def _keep_variates(
-    context: Context,
-    path: Path | None,
-    tag_in: str,
-    start: torch.Tensor,
-    tag_out: str,
-    end: torch.Tensor,
-    record: str = VARIATES,
-) -> None:
-    """Keep the variate the round started from and the one it ended with (older versions are dropped): the
-    server's next message names the second if it applied this round's delta, the first if the reply was lost.
-    With a state folder the two are also written to ``path`` (atomically) before the reply leaves the node.
-    ``record``: the ``Context.state`` record (error feedback's residuals are kept the same way)."""
-    keep = {tag_out: end.detach().cpu().clone()}
-    if tag_in:
-        keep[tag_in] = start.detach().cpu().clone()
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_torch_save(keep, path)
-    context.state[record] = ArrayRecord({t: Array(v.numpy()) for t, v in keep.items()})
-
-
-def _node_residual(
-    msg: Message, context: Context, ns: NodeSettings, cfg, seed: int, theta: torch.Tensor
-) -> tuple[Residuals, bool]:
-    """This node's error-feedback residual ``e_k`` in the version the server names (``residual-in``; ``''``: the
-    zero residual of a client that never sent), and whether that version was lost (then it starts from zero)."""
-    tag = str(msg.content["config"]["residual-in"])
-    held = _held(context, RESIDUALS, variates_file(ns, cfg, seed, "residual"), "error-feedback residuals")
-    e = torch.zeros((1, *theta.shape), dtype=theta.dtype, device=theta.device)
-    lost = bool(tag) and (held is None or tag not in held)
-    if tag and not lost:
-        e = torch.as_tensor(held[tag].numpy(), dtype=theta.dtype, device=theta.device)[None].clone()
-    if lost:
-        LOG.warning("[fedhead] partition %s lost its error-feedback residual %s: it starts from zero", ns.pid, tag)
-    return Residuals.held_by([ns.pid], e), lost
-
-
-def _json(v):
-    import json
-
-    return json.loads(str(v))
 
 
 # ``flwr run`` / ``flower-supernode`` load this object ([tool.flwr.app.components] clientapp).

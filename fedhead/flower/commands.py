@@ -106,7 +106,8 @@ def simulate(
     require_flower()
     from flwr.simulation import run_simulation
 
-    from fedhead.flower.client_app import NODE_STATE, make_client_app
+    from fedhead.flower.client_app import make_client_app
+    from fedhead.flower.node import NODE_STATE
     from fedhead.flower.server_app import make_server_app
     from fedhead.flower.strategy import ServerSettings
 

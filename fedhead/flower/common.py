@@ -36,9 +36,9 @@ from typing import Any
 from fedhead.core.closedform import ClientStats, pack_upper, unpack_upper
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.experiment import FIELD_LIST, FIELDS, RUN_OPTIONS, parse_pair, parse_seeds
+from fedhead.flower import INSTALL_HINT, require_flower  # noqa: F401 - where the Flower modules import it
 from fedhead.infra.errors import FedheadError
 
-INSTALL_HINT = "pip install 'fedhead[flower]'"
 MESSAGE_PREFIX = "msg."  # a train reply's arrays: the aggregation rule's message tensors under "msg.<key>"
 
 # run-config keys (pyproject [tool.flwr.app.config]) <-> TrainConfig fields, by the table's rule (the field's name
@@ -97,17 +97,6 @@ def run_config_values(cfg: TrainConfig) -> dict:
 # round's checkpoint. Both read the environment of the process that runs the app.
 CRASH_ENV = "FEDHEAD_FLOWER_CRASH"  # "PID@ROUND[,PID@ROUND...]"
 STOP_ENV = "FEDHEAD_FLOWER_STOP_AFTER"  # "ROUND"
-
-
-def require_flower():
-    """Import flwr or fail with the one-line install hint."""
-    try:
-        import flwr  # noqa: F401
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.split(".")[0] == "flwr":
-            raise FedheadError(f"Flower is not installed. Install the extra: {INSTALL_HINT}") from None
-        raise
-    return flwr
 
 
 def config_to_json(cfg: TrainConfig) -> str:

@@ -44,8 +44,7 @@ from fedhead.flower.common import require_flower
 require_flower()
 
 import torch  # noqa: E402
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
-from flwr.client.mod import secaggplus_mod  # noqa: E402
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict  # noqa: E402
 from flwr.common import (
     Code,
     FitIns,
@@ -73,6 +72,7 @@ from fedhead.core.sampling import per_round as clients_per_round
 from fedhead.federation.clients import FeatureStats
 from fedhead.federation.config import SECURE_MIN_CLIENTS as MIN_CLIENTS  # noqa: E402
 from fedhead.flower.common import LOG, MESSAGE_PREFIX, client_stats_from_record, short_reason
+from fedhead.flower.masking import METRICS, is_secure, secure_mod  # noqa: F401 - the node side, light
 from fedhead.infra import devices
 from fedhead.infra.errors import FedheadError  # noqa: E402
 
@@ -83,7 +83,6 @@ MODULUS_RANGE = 1 << 62  # the masks' group Z_(2^62) (Flower's modulus_range, a 
 COMPLETE_GRAPH_UP_TO = 32  # up to this many nodes every node shares keys with every other
 KIND = "secure-kind"  # config key: which exchange a secure train message is
 ARRAY_NAMES = "secure-arrays"  # config key: the names of the FitIns parameters, in order
-METRICS = "fedhead.secagg"  # reply metric record: the node's SecAgg+ compute time (ms)
 
 
 # ---------------------------------------------------------------- fixed point
@@ -247,32 +246,6 @@ def protocol_params(n: int) -> tuple[int | float, int]:
 
 
 # ---------------------------------------------------------------- the node side
-
-
-def is_secure(msg: Message) -> bool:
-    return RECORD_KEY_CONFIGS in msg.content.config_records
-
-
-def secure_mod(msg: Message, ctxt: Context, call_next) -> Message:
-    """Flower's :func:`secaggplus_mod` for the messages of a secure exchange (they carry its configuration); any
-    other message goes straight to the handler. Adds the node's SecAgg+ compute time (keys, shares, masks; the
-    handler's own time excluded) to the reply as metric record :data:`METRICS`."""
-    if msg.metadata.message_type != MessageType.TRAIN or not is_secure(msg):
-        return call_next(msg, ctxt)
-    inner = [0.0]
-
-    def timed(m, c):
-        t = time.perf_counter()
-        try:
-            return call_next(m, c)
-        finally:
-            inner[0] += time.perf_counter() - t
-
-    t0 = time.perf_counter()
-    out = secaggplus_mod(msg, ctxt, timed)
-    if not out.has_error():
-        out.content.metric_records[METRICS] = MetricRecord({"ms": 1000 * (time.perf_counter() - t0 - inner[0])})
-    return out
 
 
 def plain_content(msg: Message) -> tuple[str, RecordDict]:
