@@ -312,7 +312,8 @@ def test_the_client_app_a_supernode_loads_imports_no_torch():
     for them. A fresh interpreter, since this test process has imported torch already."""
     import subprocess
     import sys
-    import tomllib
+
+    from fedhead.federation.config import tomllib
 
     ref = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["components"]["clientapp"]
     module, attr = ref.split(":")
@@ -323,3 +324,53 @@ def test_the_client_app_a_supernode_loads_imports_no_torch():
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]"
+
+
+def test_flwr_run_builds_the_same_fab_from_the_staged_copy(tmp_path):
+    """``fedhead flower superlink`` hands ``flwr run`` a staged copy of the app (flwr walks every file of the folder
+    it is given, a .venv included, before it filters): the FAB built from the copy is the FAB of the tree, for a tree
+    with a virtual environment, caches, an ignored folder and files outside the patterns; patterns that do not start
+    with a name are built from the tree itself. The real pyproject's patterns all start with a name."""
+    import zipfile
+    from io import BytesIO
+
+    from flwr.cli.build import build_fab_from_disk
+
+    from fedhead.federation.config import tomllib
+    from fedhead.flower.commands import stage_app
+
+    def fab(folder: Path) -> dict:
+        z = zipfile.ZipFile(BytesIO(build_fab_from_disk(folder)))
+        return {n: z.read(n) for n in z.namelist()}
+
+    app = tmp_path / "src"
+    files = {
+        "cli.py": "x = 1\n",
+        "pkg/__init__.py": "",
+        "pkg/sub/mod.py": "y = 2\n",
+        "pkg/GUIDE.md": "# guide\n",
+        "pkg/notes.txt": "not in the patterns\n",
+        "pkg/__pycache__/mod.cpython-311.pyc": "junk",
+        "pkg/ignored/gone.py": "z = 3\n",
+        ".gitignore": "pkg/ignored/\n",
+        ".venv/lib/site.py": "v = 0\n",
+        "README.md": "# readme\n",
+        "other/tool.py": "w = 1\n",
+    }
+    for name, text in files.items():
+        (app / name).parent.mkdir(parents=True, exist_ok=True)
+        (app / name).write_text(text)
+    toml = """[project]\nname = "demo"\nversion = "1.0.0"\ndependencies = []\n
+[tool.flwr.app]\npublisher = "me"\nfab-include = %s\n
+[tool.flwr.app.components]\nserverapp = "pkg.sub.mod:app"\nclientapp = "pkg.sub.mod:app"\n
+[tool.flwr.app.config]\nk = 1\n"""
+    (app / "pyproject.toml").write_text(toml % '["cli.py", "pkg/**/*.py", "pkg/GUIDE.md"]')
+    staged = stage_app(app, tmp_path / "staged")
+    assert staged != app and not (staged / ".venv").exists() and not (staged / "other").exists()
+    want = fab(app)
+    assert {"cli.py", "pkg/sub/mod.py", "pkg/GUIDE.md"} <= set(want) and "pkg/ignored/gone.py" not in want
+    assert fab(staged) == want
+    (app / "pyproject.toml").write_text(toml % '["**/*.py"]')
+    assert stage_app(app, tmp_path / "again") == app
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["fab-include"]
+    assert all(not any(c in p.split("/")[0] for c in "*?[!") for p in include)

@@ -21,7 +21,7 @@ import typer
 
 from extract.store import load_store, open_store
 from fedhead.core.synthetic import validate_synthetic, write_synthetic
-from fedhead.federation.config import TrainConfig, applicable
+from fedhead.federation.config import TrainConfig, applicable, tomllib
 from fedhead.federation.train import head_run_dir, labels_store, run_training, validate_config
 from fedhead.flower.common import require_flower, run_config_values
 from fedhead.infra.console import stdout_console
@@ -585,6 +585,27 @@ def superlink_command(
     return cmd
 
 
+def stage_app(app_dir: Path, dest: Path) -> Path:
+    """A copy of what the FAB can hold: ``pyproject.toml``, ``.gitignore`` and the top-level files and folders that
+    its ``fab-include`` patterns start with (``__pycache__`` left out; ``app_dir`` itself when a pattern does not
+    start with a name). ``flwr run`` builds the FAB by walking every
+    file under the folder it is given and filtering afterwards; a source tree with its ``.venv`` inside has some
+    70,000 files, and that walk took 7 s of every run's start."""
+    include = tomllib.loads((app_dir / "pyproject.toml").read_text())["tool"]["flwr"]["app"].get("fab-include")
+    tops = {p.lstrip("/").split("/")[0] for p in include or ["*"]}
+    if any(c in top for top in tops for c in "*?[!"):  # a pattern that may match anywhere: build from the tree
+        return app_dir
+    tops |= {"pyproject.toml", ".gitignore"}
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in sorted(tops):
+        src = app_dir / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+        elif src.is_file():
+            shutil.copy2(src, dest / name)
+    return dest
+
+
 def submit_run(home: str, rc: dict, app_dir: Path | None = None, env: dict | None = None) -> int:
     """``flwr run <fedhead> fedhead --run-config <toml> --stream`` with the connection of ``home``
     (:func:`flwr_connection`); waits for the end of the run."""
@@ -597,7 +618,8 @@ def submit_run(home: str, rc: dict, app_dir: Path | None = None, env: dict | Non
             f"none in {str(app_dir)!r}. Install fedhead from its repository (pip install -e)."
         )
     Path(home, "run.toml").write_text(tomli_w.dumps(rc))
-    cmd = [_exe("flwr"), "run", str(app_dir), "fedhead", "--run-config", str(Path(home, "run.toml")), "--stream"]
+    staged = stage_app(app_dir, Path(home, "app"))
+    cmd = [_exe("flwr"), "run", str(staged), "fedhead", "--run-config", str(Path(home, "run.toml")), "--stream"]
     e = dict(env or flower_env())
     e["FLWR_HOME"] = home
     return subprocess.call(cmd, env=e)
