@@ -186,3 +186,16 @@ def crash_at(monkeypatch, module, name: str, n: int):
 
     monkeypatch.setattr(module, name, crashing)
     return lambda: monkeypatch.setattr(module, name, real)
+
+
+if os.environ.get("FEDHEAD_TEST_TIMELINE"):  # opt-in: where the suite's wall time goes (worker, start, end, test)
+
+    @pytest.fixture(autouse=True)
+    def _timeline(request):
+        import time
+
+        t0 = time.time()
+        yield
+        with open(os.environ["FEDHEAD_TEST_TIMELINE"], "a") as f:
+            worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            f.write(f"{worker}\t{t0:.2f}\t{time.time():.2f}\t{request.node.nodeid}\n")

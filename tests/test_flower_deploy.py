@@ -374,3 +374,52 @@ def test_flwr_run_builds_the_same_fab_from_the_staged_copy(tmp_path):
     assert stage_app(app, tmp_path / "again") == app
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["fab-include"]
     assert all(not any(c in p.split("/")[0] for c in "*?[!") for p in include)
+
+
+def test_the_server_looks_for_replies_soon_and_then_less_often(monkeypatch):
+    """The deployed ServerApp's Grid (PromptGrid) returns every reply, looks again 0.05 s after sending and then ever
+    less often up to 1 s apart (Flower's own looks every 3 s), starts over when replies come, and stops at the
+    timeout with the replies it has. Checked on a fake clock: no real waiting."""
+    from types import SimpleNamespace
+
+    from fedhead.flower import server_app
+    from fedhead.flower.server_app import PromptGrid
+
+    clock = SimpleNamespace(now=0.0, sleeps=[])
+
+    def sleep(s):
+        clock.sleeps.append(s)
+        clock.now += s
+
+    monkeypatch.setattr(server_app.time, "sleep", sleep)
+    monkeypatch.setattr(server_app.time, "monotonic", lambda: clock.now)
+
+    class Fake:
+        """Replies to message i arrive at time ``arrive[i]``; each pull returns those arrived and not yet pulled."""
+
+        def __init__(self, arrive):
+            self.arrive, self.pulled, self.pulls = arrive, set(), 0
+
+        def push_messages(self, messages):
+            return [str(i) for i, _ in enumerate(messages)]
+
+        def pull_messages(self, ids):
+            self.pulls += 1
+            ready = [i for i in ids if self.arrive[int(i)] <= clock.now and i not in self.pulled]
+            self.pulled |= set(ready)
+            return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=i)) for i in ready]
+
+        def get_node_ids(self):
+            return [7]
+
+    fake = Fake([0.0, 0.3, 5.0])
+    grid = PromptGrid(fake)
+    assert grid.get_node_ids() == [7]  # the rest is the wrapped Grid's
+    got = grid.send_and_receive(["a", "b", "c"], timeout=60)
+    assert sorted(m.metadata.reply_to_message_id for m in got) == ["0", "1", "2"]
+    assert clock.sleeps[0] == PromptGrid.FIRST and max(clock.sleeps) == PromptGrid.LAST
+    assert all(b >= a or b == PromptGrid.FIRST for a, b in zip(clock.sleeps, clock.sleeps[1:]))
+    assert clock.now < 5.0 + PromptGrid.LAST + 1e-9  # the last reply was noticed within one pause
+    clock.now, clock.sleeps = 0.0, []
+    got = PromptGrid(Fake([0.0, 99.0])).send_and_receive(["a", "b"], timeout=4)
+    assert [m.metadata.reply_to_message_id for m in got] == ["0"] and clock.now == 4.0

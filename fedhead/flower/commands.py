@@ -198,9 +198,15 @@ def simulate_cmd(
 # ---------------------------------------------------------------- deployment
 
 
+TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # Flower's SuperExec: seconds between looks for new tasks
+
+
 def flower_env(flwr_home: Path | None = None) -> dict:
-    """Environment for Flower's processes: the venv's bin first on PATH (they spawn flower-superexec etc.)."""
+    """Environment for Flower's processes: the venv's bin first on PATH (they spawn flower-superexec etc.), and their
+    SuperExec looking for new tasks every 0.2 s instead of every second (a node starts a ClientApp process per message:
+    0.4 s sooner on average; ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` set by the user is kept)."""
     env = dict(os.environ)
+    env.setdefault(TASK_POLL_ENV, "0.2")
     bindir = str(Path(sys.executable).parent)
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     if flwr_home is not None:
