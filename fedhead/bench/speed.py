@@ -844,7 +844,7 @@ def speed_table(rec: dict):
     )
     row("bmm kernels GFLOP/s", "trainer_bmm_gflops", "{:.1f}", "FLOPs / profiled matmul time")
     row("machine matmul GFLOP/s", "machine_matmul_gflops", "{:.1f}", "dense fp32, same threads")
-    row("matmul fraction", "trainer_matmul_fraction", "{:.1%}", "goal >= 40%")
+    row("matmul fraction", "trainer_matmul_fraction", "{:.1%}", "goal >= 60%")
     row(
         "optimizer GB/s (round)",
         "trainer_optimizer_gb_per_s",
@@ -875,7 +875,7 @@ def speed_table(rec: dict):
         name = key[len("scale_") : -len("_s_per_round")]
         row(f"scale {name}: s/round", key, note=f"peak {rec.get(f'scale_{name}_peak_mb', 0):.0f} MB")
     for key in (k for k in rec if k.startswith("scale_") and "_vs_" in k):
-        row(key.replace("_", " "), key, "{:.2f}x", "goal <= 1.5x")
+        row(key.replace("_", " "), key, "{:.2f}x", "goal <= 1.0x: more clients, same data, no costlier")
     _closed_form_rows(row, rec)
     _cross_device_rows(row, rec)
     row("extraction images/s", "extract_images_per_sec", "{:.1f}")
