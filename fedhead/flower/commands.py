@@ -595,9 +595,9 @@ def superlink_command(
 def stage_app(app_dir: Path, dest: Path) -> Path:
     """A copy of what the FAB can hold: ``pyproject.toml``, ``.gitignore`` and the top-level files and folders that
     its ``fab-include`` patterns start with (``__pycache__`` left out; ``app_dir`` itself when a pattern does not
-    start with a name). ``flwr run`` builds the FAB by walking every
-    file under the folder it is given and filtering afterwards; a source tree with its ``.venv`` inside has some
-    70,000 files, and that walk took 7 s of every run's start."""
+    start with a name). ``flwr run`` builds the FAB by walking every file under the folder it is given and filtering
+    afterwards; a source tree with its ``.venv`` inside has some 70,000 files, and that walk took 7 s of every run's
+    start."""
     include = tomllib.loads((app_dir / "pyproject.toml").read_text())["tool"]["flwr"]["app"].get("fab-include")
     tops = {p.lstrip("/").split("/")[0] for p in include or ["*"]}
     if any(c in top for top in tops for c in "*?[!"):  # a pattern that may match anywhere: build from the tree

@@ -36,7 +36,7 @@ from typing import Any
 from fedhead.core.closedform import ClientStats, pack_upper, unpack_upper
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.experiment import FIELD_LIST, FIELDS, RUN_OPTIONS, parse_pair, parse_seeds
-from fedhead.flower import INSTALL_HINT, require_flower  # noqa: F401 - where the Flower modules import it
+from fedhead.flower import require_flower  # noqa: F401 - where the Flower modules import it
 from fedhead.infra.errors import FedheadError
 
 MESSAGE_PREFIX = "msg."  # a train reply's arrays: the aggregation rule's message tensors under "msg.<key>"

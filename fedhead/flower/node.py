@@ -57,6 +57,7 @@ from fedhead.flower.common import (
     crash_rounds,
     store_fingerprint,
 )
+from fedhead.flower.secure import KIND as SECURE_KIND  # noqa: E402
 from fedhead.flower.secure import node_values, plain_content, secure_reply  # noqa: E402
 from fedhead.infra.devices import resolve_device  # noqa: E402
 from fedhead.infra.errors import FedheadError  # noqa: E402
@@ -68,7 +69,6 @@ _LOCAL: dict[tuple, "LocalData"] = {}
 VARIATES = "fedhead-scaffold"  # Context.state record: this node's SCAFFOLD c_k, by version tag
 RESIDUALS = "fedhead-residual"  # Context.state record: this node's error-feedback residual e_k, by version tag
 NODE_STATE = "node-state"  # simulation: the virtual nodes' state folder inside the server's run folder
-SECURE_KIND = "secure-kind"  # the config key of a secure exchange (fedhead.flower.secure.KIND)
 
 
 @dataclass

@@ -8,8 +8,9 @@ flipped labels), the closed-form statistics of ncm/ridge/cof/lda and ``--init``,
 
 How SecAgg+ is driven. The protocol is Flower's, untouched: the server runs the four stages of
 :class:`flwr.server.workflow.SecAggPlusWorkflow` (``setup_stage`` ... ``unmask_stage``) against the Grid, and the
-nodes run :func:`flwr.client.mod.secaggplus_mod` around fedhead's own train handler (:func:`secure_mod` applies it
-to the messages that carry its configuration, so a node serves plain and secure runs alike). The workflow is
+nodes run :func:`flwr.client.mod.secaggplus_mod` around fedhead's own train handler
+(:func:`fedhead.flower.masking.secure_mod` applies it to the messages that carry its configuration, so a node serves
+plain and secure runs alike). The workflow is
 written for Flower's legacy fit path, so each exchange is one legacy round: a :class:`LegacyContext` whose
 strategy (:class:`_Exchange`) hands the workflow fedhead's per-node messages as ``FitIns`` and receives the
 unmasked result in ``aggregate_fit``. Every node sends weight 1 (``FitRes.num_examples = 1``, ``max_weight = 1``),
@@ -72,7 +73,7 @@ from fedhead.core.sampling import per_round as clients_per_round
 from fedhead.federation.clients import FeatureStats
 from fedhead.federation.config import SECURE_MIN_CLIENTS as MIN_CLIENTS  # noqa: E402
 from fedhead.flower.common import LOG, MESSAGE_PREFIX, client_stats_from_record, short_reason
-from fedhead.flower.masking import METRICS, is_secure, secure_mod  # noqa: F401 - the node side, light
+from fedhead.flower.masking import METRICS
 from fedhead.infra import devices
 from fedhead.infra.errors import FedheadError  # noqa: E402
 
