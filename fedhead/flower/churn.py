@@ -8,7 +8,8 @@ handler runs), and starts again the nodes it killed after the round before (a ma
 registers anew and the server learns its partition id again). After round ``--kill-server-at`` it SIGKILLs the
 SuperLink's session (the server, its ServerApp and the Flower run) and starts the same command with ``--resume``; the
 SuperLink keeps its state in memory, so the nodes find their registration gone and exit, and the bench starts them
-again as a supervisor would (counted as node exits). (A SuperLink ``--database`` would keep the registrations, but
+again as a supervisor would (counted as node exits; a node still running 20 s after its log gave up is killed and
+restarted, counted as a hang). (A SuperLink ``--database`` would keep the registrations, but
 its SQLite file refused concurrent writes from 20 nodes on 2 cores: "database is locked", replies lost.)
 The server keeps a checkpoint after every round, so the resumed run goes on from the last round it wrote; a node
 that is down when its message arrives is a failure of that round (``--round-timeout``), which the run tolerates.
@@ -41,6 +42,8 @@ from fedhead.infra.files import atomic_write_json, atomic_write_text, check_out
 from fedhead.interface.options import resolved_toml
 
 STORE = dict(num_classes=10, test_per_class=20, dim=32, spread=2.2, seed=0)  # 40 training samples per node
+GAVE_UP = "401 Unauthorized"  # a node's log: its registration is gone (the SuperLink restarted), so it shuts down
+HUNG_AFTER = 20.0  # seconds after GAVE_UP a node that still runs is taken as hung in its shutdown and killed
 
 
 def _rounds(path: Path) -> list[dict]:
@@ -63,7 +66,9 @@ class Churn:
         env.pop("FEDHEAD_FLOWER_CRASH", None)
         (out / "logs").mkdir(parents=True, exist_ok=True)
         self.d = Deployment(out / "logs", env)
-        self.kills = self.restarts = self.server_kills = self.exits = 0
+        self.kills = self.restarts = self.server_kills = self.exits = self.hung = 0
+        self.log_seen = [0] * nodes  # how far each node's log has been read (its current start's part)
+        self.gave_up: dict[int, float] = {}  # node -> when its log first showed GAVE_UP since it started
         self.down: list[int] = []
         self.peak_kb = [0] * nodes
         self.round_end: dict[int, float] = {}
@@ -83,18 +88,46 @@ class Churn:
         self.experiment, self.stores = experiment, stores
         self.link, *self.ports = free_ports(1 + self.nodes)
         for i in range(self.nodes):
-            self.d.start(f"node{i}", self.node_argv(i))
+            self._start_node(i)
         self.d.start("superlink", self.link_argv(resume=False))
         self.t0 = time.monotonic()
 
-    def _supervise(self) -> None:
+    def _start_node(self, i: int) -> None:
+        log = self.out / "logs" / f"node{i}.log"
+        self.log_seen[i] = log.stat().st_size if log.exists() else 0
+        self.gave_up.pop(i, None)
+        self.d.start(f"node{i}", self.node_argv(i))
+
+    def _gave_up_long_ago(self, i: int, now: float) -> bool:
+        """Whether node ``i``'s log showed :data:`GAVE_UP` since its start more than :data:`HUNG_AFTER` s ago."""
+        if i not in self.gave_up:
+            with open(self.out / "logs" / f"node{i}.log", "rb") as f:
+                f.seek(self.log_seen[i])
+                new = f.read()
+            cut = new.rfind(b"\n") + 1  # a line still being written is read again next time
+            self.log_seen[i] += cut
+            if GAVE_UP.encode() in new[:cut]:
+                self.gave_up[i] = now
+        return i in self.gave_up and now - self.gave_up[i] > HUNG_AFTER
+
+    def _supervise(self, now: float | None = None) -> None:
         """Restart a node that exited on its own, as a supervisor (systemd, Kubernetes) would: after the SuperLink
-        restarts with its state in memory, Flower's nodes find their registration gone (401) and exit."""
+        restarts with its state in memory, Flower's nodes find their registration gone (401) and exit. A node
+        whose log gave up more than :data:`HUNG_AFTER` s ago but still runs hung in its shutdown (Flower 1.42: a
+        second SIGINT from its heartbeat thread can interrupt the first one's handler); it is killed and restarted
+        (counted as hung)."""
+        now = time.monotonic() if now is None else now
         for i in range(self.nodes):
             p = self.d.procs.get(f"node{i}")
-            if i not in self.down and p is not None and p.poll() is not None:
-                self.d.start(f"node{i}", self.node_argv(i))
+            if i in self.down or p is None:
+                continue
+            if p.poll() is not None:
+                self._start_node(i)
                 self.exits += 1
+            elif self._gave_up_long_ago(i, now):
+                self.d.kill(f"node{i}")
+                self._start_node(i)
+                self.hung += 1
 
     def _sample_memory(self) -> None:
         for i in range(self.nodes):
@@ -105,7 +138,7 @@ class Churn:
     def _after_round(self, rnd: int) -> None:
         """Bring back the nodes killed after the round before; kill ``k`` others; the server after its round."""
         for i in self.down:
-            self.d.start(f"node{i}", self.node_argv(i))
+            self._start_node(i)
             self.restarts += 1
         if rnd == self.kill_server_at and rnd < self.rounds:  # the server alone dies this time
             self.down = []
@@ -162,6 +195,7 @@ def _report(ch: Churn, code, sim: dict) -> dict:
         "deploy_node_restarts": ch.restarts,
         "deploy_server_kills": ch.server_kills,
         "deploy_node_exits_restarted": ch.exits,
+        "deploy_node_hangs_restarted": ch.hung,
         "deploy_failed_messages": failed,
         "deploy_final_accuracy": float(rows[-1]["accuracy"]) if rows else None,
         "deploy_summary_rounds": summary.get("rounds"),
