@@ -234,6 +234,29 @@ def test_tuned_probe_chooses_its_weight_on_held_out_training_data_only():
     assert shuffled.weight_decay == p.weight_decay and shuffled.holdout == p.holdout  # the test split never counts
 
 
+def test_tuned_probe_grows_its_grid_past_an_edge_it_chooses():
+    from fedhead.core.central import tuned_probe
+
+    x, y = _data(n=300, d=6, c=4)
+    xt, yt = _data(n=100, d=6, c=4, seed=1)
+    z, zt = _z(x), _z(xt)
+    fixed = tuned_probe(z, y, zt, yt, 4, 0, grid=(1e-3, 1e-1, 10.0), bounds=(1e-3, 10.0))
+    assert set(fixed.holdout) == {1e-3, 1e-1, 10.0}  # bounds at the grid's edges: nothing grows
+    lo, hi = 1e-6, 100.0
+    for grid in [(1e-3,), (10.0,), (1e-2, 1e-1)]:
+        p = tuned_probe(z, y, zt, yt, 4, 0, grid=grid, bounds=(lo, hi))
+        tried = sorted(p.holdout)
+        assert set(grid) <= set(tried) and lo <= tried[0] and tried[-1] <= hi
+        assert p.weight_decay == max(sorted(tried, reverse=True), key=lambda w: p.holdout[w])
+        # the choice has a tried neighbour on each side, unless a bound stops the grid there
+        assert p.weight_decay != tried[0] or np.isclose(tried[0], lo)
+        assert p.weight_decay != tried[-1] or np.isclose(tried[-1], hi)
+        grown = [w for w in tried if w < min(grid) or w > max(grid)]
+        for w in grown:  # each grown weight is one decade past the previous edge
+            assert any(np.isclose(w * 10, v) or np.isclose(w / 10, v) for v in tried if v != w)
+    assert len(tuned_probe(z, y, zt, yt, 4, 0, grid=(1e-3,), bounds=(lo, hi)).holdout) >= 3  # grown both ways
+
+
 def test_bench_baselines_ranks_the_new_heads_beside_the_tuned_probe(tiny_store, tmp_path):
     import csv
 

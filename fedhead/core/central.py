@@ -106,15 +106,19 @@ def first_reach(rows: list[dict], target: float) -> tuple[int | None, float | No
 
 
 # The stronger yardstick (issue 25): the best centralised linear probe, its L2 weight chosen on held-out training data.
-TUNED_GRID = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)  # the L2 weights tried (the recipes' weight decay is 1e-4)
+TUNED_GRID = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)  # the L2 weights tried first (the recipes' weight decay is 1e-4)
 TUNED_HOLDOUT = 0.1  # the share of the training split held out to choose among them
+# While the chosen weight is the smallest (largest) one tried, the grid grows by a decade past that edge, down to
+# TUNED_BOUNDS[0] (up to TUNED_BOUNDS[1]): an optimum at the grid's edge says the grid was too narrow, not that the
+# edge is best.
+TUNED_BOUNDS = (1e-9, 10.0)
 
 
 @dataclass
 class TunedProbe:
     accuracy: float  # test accuracy of the softmax probe refit on the whole training split with the chosen weight
     weight_decay: float  # the chosen L2 weight
-    holdout: dict  # L2 weight -> accuracy on the held-out part
+    holdout: dict  # L2 weight -> accuracy on the held-out part (the grid and every decade it grew by)
 
 
 def tuned_probe(
@@ -126,18 +130,33 @@ def tuned_probe(
     seed: int,
     grid: tuple = TUNED_GRID,
     holdout: float = TUNED_HOLDOUT,
+    bounds: tuple[float, float] = TUNED_BOUNDS,
 ) -> TunedProbe:
     """A centralised softmax probe on prepared features ``x [N, D+1]`` (full-batch L-BFGS, :func:`central_head`),
     its L2 weight chosen from ``grid`` by accuracy on a seeded ``holdout`` share of the training split (never the
-    test split; ties go to the larger weight), then refit on the whole training split and evaluated on the test set."""
+    test split; ties go to the larger weight), then refit on the whole training split and evaluated on the test set.
+    While the choice sits at the smallest (largest) weight tried, one more decade below (above) it is tried, within
+    ``bounds``."""
     head = create_head("softmax")
     perm = torch.as_tensor(np.random.default_rng(seed).permutation(len(y)))
     k = max(1, int(round(holdout * len(y))))
     val, fit = perm[:k], perm[k:]
-    scores = {}
-    for wd in grid:
+    scores: dict[float, float] = {}
+
+    def score(wd: float) -> None:
         theta, _ = central_head(head, x[fit], y[fit], num_classes, wd)
         scores[wd] = evaluate(theta, x[val], y[val])
-    best = max(sorted(grid, reverse=True), key=lambda w: scores[w])
+
+    for wd in grid:
+        score(float(wd))
+    while True:
+        best = max(sorted(scores, reverse=True), key=lambda w: scores[w])
+        lo, hi = min(scores), max(scores)
+        if best == lo and lo / 10 >= bounds[0] * (1 - 1e-9):
+            score(float(f"{lo / 10:.3g}"))
+        elif best == hi and hi * 10 <= bounds[1] * (1 + 1e-9):
+            score(float(f"{hi * 10:.3g}"))
+        else:
+            break
     theta, _ = central_head(head, x, y, num_classes, best)
-    return TunedProbe(evaluate(theta, x_test, y_test), best, scores)
+    return TunedProbe(evaluate(theta, x_test, y_test), best, dict(sorted(scores.items())))
