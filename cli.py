@@ -1,4 +1,5 @@
-"""The ``fedhead`` command line. This file only registers commands; they live in their modules."""
+"""The ``fedhead`` command line. This file only registers commands; they live in their modules, and a command run
+from the shell imports only its own (:func:`main`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from fedhead import __version__
 from fedhead.infra.errors import enter_cli_names
 from fedhead.interface.usage import OneLineCommand, OneLineGroup  # click usage errors as one 'error:' line
 
-app = typer.Typer(
+_app = typer.Typer(
     name="fedhead",
     help="Federated fine-tuning of linear heads on frozen foundation-model features (OvA-LP).",
     no_args_is_help=True,
@@ -30,7 +31,7 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
+@_app.callback()
 def _root(
     ctx: typer.Context,
     version: bool = typer.Option(
@@ -41,39 +42,59 @@ def _root(
     ctx.call_on_close(enter_cli_names())
 
 
-def _register() -> None:
+# (module, attribute, command name, group): every command; a module that is missing is skipped so that the core
+# commands work while optional parts are absent.
+COMMANDS = [
+    ("extract.commands", "extract_cmd", "extract", None),
+    ("extract.commands", "info_cmd", "info", None),
+    ("fedhead.commands", "train_cmd", "train", None),
+    ("fedhead.commands", "compare_cmd", "compare", None),
+    ("fedhead.commands", "synth_cmd", "synth", None),
+    ("fedhead.commands", "demo_cmd", "demo", None),
+    ("fedhead.deploy", "predict_cmd", "predict", None),
+    ("fedhead.deploy", "export_cmd", "export", None),
+    ("fedhead.scratch.commands", "scratch_cmd", "scratch", None),
+    ("extract.bench", "bench_extract_cmd", "extract", "bench"),
+    ("fedhead.bench.commands", "ablation_cmd", "ablation", "bench"),
+    ("fedhead.bench.commands", "partitions_cmd", "partitions", "bench"),
+    ("fedhead.bench.commands", "encoders_cmd", "encoders", "bench"),
+    ("fedhead.bench.commands", "noise_cmd", "noise", "bench"),
+    ("fedhead.bench.commands", "participation_cmd", "participation", "bench"),
+    ("fedhead.bench.commands", "geometry_cmd", "geometry", "bench"),
+    ("fedhead.bench.baselines", "baselines_cmd", "baselines", "bench"),
+    ("fedhead.bench.privacy", "privacy_cmd", "privacy", "bench"),
+    ("fedhead.bench.papers", "papers_cmd", "papers", "bench"),
+    ("fedhead.bench.speed", "speed_cmd", "speed", "bench"),
+    ("fedhead.flower.commands", "simulate_cmd", "simulate", "flower"),
+    ("fedhead.flower.commands", "superlink_cmd", "superlink", "flower"),
+    ("fedhead.flower.launch", "supernode_cmd", "supernode", "flower"),
+    ("fedhead.flower.commands", "bench_cmd", "flower", "bench"),
+    ("fedhead.flower.churn", "deploy_cmd", "deploy", "bench"),
+]
+_GROUPS = {None: _app, "bench": bench_app, "flower": flower_app}
+_registered: set = set()
+
+
+def wanted(argv: list[str]) -> tuple | None:
+    """The (group, command) that ``argv`` (without the program) runs, or None when it names none of them (help,
+    --version, a group's help, a typo: then every command is registered, for the listing or the error)."""
+    if not argv or argv[0].startswith("-"):
+        return None
+    group = argv[0] if argv[0] in ("bench", "flower") else None
+    if group and (len(argv) < 2 or argv[1].startswith("-")):
+        return None
+    name = argv[1] if group else argv[0]
+    return (group, name) if any(c[3] == group and c[2] == name for c in COMMANDS) else None
+
+
+def _register(only: tuple | None = None) -> None:
+    """Register the command ``only`` (group, name), importing its module alone (a SuperNode's ``fedhead flower
+    supernode`` then starts without torch), or every command (None). Each command is registered once."""
     import importlib
 
-    # (module, attribute, command name, typer app); a module that is missing is skipped so that the
-    # core commands work while optional parts are absent.
-    commands = [
-        ("extract.commands", "extract_cmd", "extract", app),
-        ("extract.commands", "info_cmd", "info", app),
-        ("fedhead.commands", "train_cmd", "train", app),
-        ("fedhead.commands", "compare_cmd", "compare", app),
-        ("fedhead.commands", "synth_cmd", "synth", app),
-        ("fedhead.commands", "demo_cmd", "demo", app),
-        ("fedhead.deploy", "predict_cmd", "predict", app),
-        ("fedhead.deploy", "export_cmd", "export", app),
-        ("fedhead.scratch.commands", "scratch_cmd", "scratch", app),
-        ("extract.bench", "bench_extract_cmd", "extract", bench_app),
-        ("fedhead.bench.commands", "ablation_cmd", "ablation", bench_app),
-        ("fedhead.bench.commands", "partitions_cmd", "partitions", bench_app),
-        ("fedhead.bench.commands", "encoders_cmd", "encoders", bench_app),
-        ("fedhead.bench.commands", "noise_cmd", "noise", bench_app),
-        ("fedhead.bench.commands", "participation_cmd", "participation", bench_app),
-        ("fedhead.bench.commands", "geometry_cmd", "geometry", bench_app),
-        ("fedhead.bench.baselines", "baselines_cmd", "baselines", bench_app),
-        ("fedhead.bench.privacy", "privacy_cmd", "privacy", bench_app),
-        ("fedhead.bench.papers", "papers_cmd", "papers", bench_app),
-        ("fedhead.bench.speed", "speed_cmd", "speed", bench_app),
-        ("fedhead.flower.commands", "simulate_cmd", "simulate", flower_app),
-        ("fedhead.flower.commands", "superlink_cmd", "superlink", flower_app),
-        ("fedhead.flower.commands", "supernode_cmd", "supernode", flower_app),
-        ("fedhead.flower.commands", "bench_cmd", "flower", bench_app),
-        ("fedhead.flower.churn", "deploy_cmd", "deploy", bench_app),
-    ]
-    for module, attr, name, target in commands:
+    for module, attr, name, group in COMMANDS:
+        if (only is not None and (group, name) != only) or (group, name) in _registered:
+            continue
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -82,16 +103,28 @@ def _register() -> None:
             raise
         fn = getattr(mod, attr, None)
         if fn is not None:
-            target.command(name, cls=OneLineCommand)(fn)
-    app.add_typer(bench_app, name="bench")
-    app.add_typer(flower_app, name="flower")
+            _GROUPS[group].command(name, cls=OneLineCommand)(fn)
+            _registered.add((group, name))
 
 
-_register()
+_app.add_typer(bench_app, name="bench")
+_app.add_typer(flower_app, name="flower")
+
+
+def __getattr__(name: str):
+    """``cli.app``: the command line with every command registered (tests, ``typer.testing.CliRunner``)."""
+    if name == "app":
+        _register()
+        return _app
+    raise AttributeError(f"module 'cli' has no attribute {name!r}")
 
 
 def main() -> None:
-    app()
+    import sys
+
+    if sys.argv[1:] != ["--version"]:
+        _register(wanted(sys.argv[1:]))
+    _app()
 
 
 if __name__ == "__main__":

@@ -326,6 +326,40 @@ def test_the_client_app_a_supernode_loads_imports_no_torch():
     assert r.stdout.strip() == "[]"
 
 
+def test_the_supernode_command_checks_its_options_without_torch(tmp_path):
+    """``fedhead flower supernode`` checks its options and becomes ``flower-supernode``: run from the shell (``cli.main``)
+    it imports only its own module, so a node's start does not pay for torch. A fresh interpreter; a missing store
+    stops it at the last check before the exec."""
+    import subprocess
+    import sys
+
+    argv = ["flower", "supernode", "--insecure", "--superlink", "127.0.0.1:9", "--partition-id", "0", "--features"]
+    probe = (
+        f"import sys; sys.argv = ['fedhead', *{argv!r}, {str(tmp_path / 'none.h5')!r}]; import cli\n"
+        "try:\n    cli.main()\nexcept SystemExit as e:\n"
+        "    print(e.code, sorted(k for k in ('torch', 'fedhead.flower.commands') if k in sys.modules))"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.stdout.strip() == "2 []", (r.stdout, r.stderr[-2000:])
+    assert "'--features'" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_the_command_line_names_the_command_it_runs():
+    import cli
+
+    assert cli.wanted(["train", "--features", "x.h5"]) == (None, "train")
+    assert cli.wanted(["extract", "--help"]) == (None, "extract")
+    assert cli.wanted(["bench", "extract"]) == ("bench", "extract")
+    assert cli.wanted(["flower", "supernode", "--insecure"]) == ("flower", "supernode")
+    assert cli.wanted(["bench", "flower"]) == ("bench", "flower")
+    for argv in ([], ["--help"], ["bench"], ["bench", "--help"], ["trian"], ["flower", "supernodes"], ["flower"]):
+        assert cli.wanted(argv) is None, argv  # help, a group's listing or a typo: every command registered
+    root = cli.app  # every command registered
+    assert {(g, n) for *_, n, g in cli.COMMANDS} == {
+        (g, c.name) for g, t in (("bench", cli.bench_app), ("flower", cli.flower_app)) for c in t.registered_commands
+    } | {(None, c.name) for c in root.registered_commands}
+
+
 def test_flwr_run_builds_the_same_fab_from_the_staged_copy(tmp_path):
     """``fedhead flower superlink`` hands ``flwr run`` a staged copy of the app (flwr walks every file of the folder
     it is given, a .venv included, before it filters): the FAB built from the copy is the FAB of the tree, for a tree

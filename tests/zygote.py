@@ -26,7 +26,9 @@ def _context():
     global _ctx
     if _ctx is None:
         _ctx = multiprocessing.get_context("forkserver")
-        _ctx.set_forkserver_preload(["cli"])
+        import cli  # its command modules load in the forkserver, once: a command run from the shell imports its own
+
+        _ctx.set_forkserver_preload(["cli", *dict.fromkeys(module for module, *_ in cli.COMMANDS)])
     return _ctx
 
 

@@ -6,9 +6,11 @@
 - :mod:`fedhead.flower.server_app`  the ServerApp: a :class:`~fedhead.flower.strategy.FedheadStrategy` that
   aggregates with fedhead's own aggregators, samples clients with fedhead's seeded generator, evaluates
   centrally, writes the same run directory as ``fedhead train``, checkpoints and resumes.
-- :mod:`fedhead.flower.commands`    ``fedhead flower simulate|superlink|supernode`` and ``fedhead bench flower``.
+- :mod:`fedhead.flower.commands`    ``fedhead flower simulate|superlink`` and ``fedhead bench flower``.
+- :mod:`fedhead.flower.launch`      ``fedhead flower supernode``, the environment of Flower's processes and the
+  checks of TLS certificates and SuperNode keys; it imports no torch, so a SuperNode's start does not pay for it.
 
-This package's ``__init__`` and ``commands`` do not import ``flwr``, so the core CLI works without the
+This package's ``__init__``, ``commands`` and ``launch`` do not import ``flwr``, so the core CLI works without the
 extra; everything that needs Flower calls :func:`require_flower` first, which gives
 the one-line ``pip install 'fedhead[flower]'`` error when it is missing.
 """
