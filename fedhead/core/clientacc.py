@@ -18,6 +18,10 @@ classes x 120,000 training samples (2 CPU cores, load average 15): :func:`client
 0.36 ms per evaluation; :func:`client_weights` once per run unit, 19 ms from sparse counts, 0.33 s from the dense
 int64 [K, C] counts the in-process census holds.
 
+With ``--eval-unseen-clients`` the same four statistics are reported, prefixed ``unseen_``, over the clients that no
+round has sampled up to the evaluated round (:func:`unseen_summary`; under partial participation, how the global head
+serves clients that never trained), with their number, ``unseen_clients``.
+
 Reported over the clients (unweighted: every client counts once): ``client_accuracy_mean``,
 ``client_accuracy_worst10`` (the mean of the worst 10% of clients, at least one client: ceil(K / 10)),
 ``client_accuracy_best10`` (the same for the best 10%) and ``client_accuracy_std`` (the population standard
@@ -33,9 +37,19 @@ import torch
 
 from fedhead.core.engine import scores
 
-__all__ = ["ClientWeights", "class_correct", "client_weights", "client_accuracy", "client_summary", "CLIENT_FIELDS"]
+__all__ = [
+    "ClientWeights",
+    "class_correct",
+    "client_weights",
+    "client_accuracy",
+    "client_summary",
+    "unseen_summary",
+    "CLIENT_FIELDS",
+    "UNSEEN_FIELDS",
+]
 
 CLIENT_FIELDS = ("client_accuracy_mean", "client_accuracy_worst10", "client_accuracy_best10", "client_accuracy_std")
+UNSEEN_FIELDS = (*(f"unseen_{k}" for k in CLIENT_FIELDS), "unseen_clients")
 
 
 def class_correct(
@@ -77,10 +91,22 @@ def client_weights(counts, test_totals: np.ndarray) -> ClientWeights:
     return ClientWeights(sp.csr_matrix(sp.diags(inv) @ m), valid)
 
 
-def client_accuracy(weights: ClientWeights, correct: np.ndarray, totals: np.ndarray) -> np.ndarray:
-    """Each valid client's accuracy (float64 [K'], clients without test classes left out): sum_c p_k(c) acc_c."""
+def client_accuracy(
+    weights: ClientWeights, correct: np.ndarray, totals: np.ndarray, among: np.ndarray | None = None
+) -> np.ndarray:
+    """Each valid client's accuracy (float64 [K'], clients without test classes left out): sum_c p_k(c) acc_c;
+    ``among`` (bool [K]): only those clients."""
     acc_c = np.asarray(correct, np.float64) / np.maximum(np.asarray(totals, np.float64), 1.0)
-    return (weights.props @ acc_c)[weights.valid]
+    keep = weights.valid if among is None else weights.valid & np.asarray(among, dtype=bool)
+    return (weights.props @ acc_c)[keep]
+
+
+def unseen_summary(weights: ClientWeights, correct: np.ndarray, totals: np.ndarray, trained: np.ndarray) -> dict:
+    """:data:`UNSEEN_FIELDS`: :func:`client_summary` over the clients not in ``trained`` (bool [K]: sampled by some
+    round so far), and how many of them have an accuracy."""
+    acc = client_accuracy(weights, correct, totals, among=~np.asarray(trained, dtype=bool))
+    got = client_summary(acc)
+    return {**{f"unseen_{k}": v for k, v in got.items()}, "unseen_clients": int(acc.size)}
 
 
 def client_summary(acc: np.ndarray) -> dict:

@@ -223,8 +223,9 @@ class _Config:
             d.pop(k, None)
         if d.get("clients_per_round") is None:
             d.pop("clients_per_round", None)  # runs from before the option keep their identity
-        if not d.get("secure_aggregation"):
-            d.pop("secure_aggregation", None)  # runs from before the option keep their identity
+        for k in ("secure_aggregation", "eval_unseen_clients"):
+            if not d.get(k):
+                d.pop(k, None)  # runs from before the option keep their identity
         for k in ("dp_noise_multiplier", "dp_clip", "dp_delta", "dp_feature_clip", "topk_fraction", "error_feedback"):
             if d.get(k) is None:
                 d.pop(k, None)  # runs without DP or compression keep the identity they had before them

@@ -720,6 +720,14 @@ FIELD_LIST: list[Field] = [
         RUN,
         transports=("in-process",),
     ),
+    Field(
+        "eval_unseen_clients",
+        bool,
+        False,
+        "also report the per-client accuracy of the clients no round has sampled yet (partial participation: "
+        "clients that never trained), as unseen_client_accuracy_mean/worst10/best10/std and unseen_clients",
+        RUN,
+    ),
     Field("device", str, "auto", "auto | cpu | cuda (Flower: the server and simulated clients)", RUN),
     Field(
         "eval_every",

@@ -21,7 +21,7 @@ import torch
 
 from extract.store import Features
 from fedhead.core.aggregate import aggregator_of
-from fedhead.core.clientacc import class_correct, client_accuracy, client_summary, client_weights
+from fedhead.core.clientacc import class_correct, client_accuracy, client_summary, client_weights, unseen_summary
 from fedhead.core.closedform import is_closed_form
 from fedhead.core.compress import keeps_residuals
 from fedhead.core.dp import epsilon_schedule
@@ -105,6 +105,7 @@ class HeadJob(Job):
         self._census(unit, census)
         counts = census.counts  # none with secure aggregation: no per-client accuracy then
         self.client_w = None if counts is None else client_weights(np.asarray(counts), self.test_totals)
+        self.trained = None if counts is None else np.zeros(len(counts), dtype=bool)  # sampled by a round so far
         self.stats = census.stats
         self.xt = prepare(self.store.test_x, census.stats, self.device)
         if cfg.central_reference and name == "main" and str(seed) not in self.central:
@@ -124,6 +125,9 @@ class HeadJob(Job):
         self.server.load_state_dict(saved.get("server", {}), self.device)
         self.transport.load_unit_state(saved.get("transport", {}))
         done = int(saved["round"])
+        if self.trained is not None:  # the clients sampled before the checkpoint: the draws are keyed by (seed, round)
+            for r in range(1, done + 1):
+                self.trained[round_clients(cfg, seed, r)] = True
         rows = [dict(r) for r in saved["rows"] if r.get("stage") != "ccvr" and int(r["round"]) <= done]
         if rows and done % cfg.eval_every != 0:  # an extended run: its old last round is no evaluation round now
             rows[-1]["accuracy"] = float("nan")
@@ -143,6 +147,8 @@ class HeadJob(Job):
     def round(self, unit: tuple, rnd: int) -> dict:
         cfg, (seed, name) = self.cfg, unit
         sel = round_clients(cfg, seed, rnd)
+        if self.trained is not None:
+            self.trained[sel] = True
         first = rnd == 1
         extra_up = self.stats.bytes_up_per_client if first else 0
         stats_bytes = cfg.clients * (extra_up + self.stats.bytes_down_per_client) if first else 0
@@ -163,7 +169,10 @@ class HeadJob(Job):
         acc = int(correct.sum()) / max(1, len(self.y_test))
         if self.client_w is None:
             return acc, {}
-        return acc, client_summary(client_accuracy(self.client_w, correct, totals))
+        clients = client_summary(client_accuracy(self.client_w, correct, totals))
+        if self.cfg.eval_unseen_clients:
+            clients.update(unseen_summary(self.client_w, correct, totals, self.trained))
+        return acc, clients
 
     def _exchange(self, sel, seed: int, extra_up: int, stats_bytes: int) -> dict:
         """Round 1 of a closed-form head or an --init start: the clients' statistics summed, the server's solve."""

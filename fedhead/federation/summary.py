@@ -6,7 +6,7 @@ import numpy as np
 
 from fedhead import __version__
 from fedhead.core.central import first_reach
-from fedhead.core.clientacc import CLIENT_FIELDS
+from fedhead.core.clientacc import CLIENT_FIELDS, UNSEEN_FIELDS
 from fedhead.core.closedform import is_closed_form
 from fedhead.core.dp import epsilon_schedule, summary_fields
 from fedhead.federation.config import TrainConfig
@@ -61,7 +61,7 @@ def summarize(rows: list[dict], cfg: TrainConfig, realised: dict, wall_s: float,
         if main[-1].get("stage") == "ccvr" and len(main) > 1:
             rec["uncalibrated_accuracy"] = main[-2]["accuracy"]
         rec["mb_per_client"] = float(sum(r["bytes_up_per_client"] for r in main)) / 1e6
-        for k in CLIENT_FIELDS:  # the last evaluated round's per-client accuracy (fedhead.core.clientacc)
+        for k in (*CLIENT_FIELDS, *UNSEEN_FIELDS):  # the last evaluated round's per-client accuracy (clientacc)
             got = [r[k] for r in main if r.get(k) is not None and r[k] == r[k]]
             if got:
                 rec[k] = got[-1]
@@ -92,6 +92,7 @@ def summarize(rows: list[dict], cfg: TrainConfig, realised: dict, wall_s: float,
         "uncalibrated_accuracy",
         "mb_per_client",
         *CLIENT_FIELDS,
+        *UNSEEN_FIELDS,
     ]
     for k in keys:
         vals = [r.get(k) for r in per_seed]
