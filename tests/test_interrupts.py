@@ -210,9 +210,12 @@ def test_full_disk_during_training_is_one_line_and_resumes(tiny_store, tmp_path)
     rc, _, err = _run(args + ["--out", str(tmp_path / "full")])
     assert rc == 0, err
     out = tmp_path / "cut"
+    # every file written before the first checkpoint fits (config.json, the largest, holds the run's paths: its size
+    # depends on the folder); the checkpoint (about 5.5 KB) does not
+    cap = (tmp_path / "full" / "config.json").stat().st_size + 1024
     limit = (
         "import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-        "resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000)); sys.argv = ['cli'] + sys.argv[1:]; "
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({cap}, {cap})); sys.argv = ['cli'] + sys.argv[1:]; "
         "runpy.run_module('cli', run_name='__main__')"
     )
     e = {**os.environ, **ENV}
@@ -227,6 +230,7 @@ def test_full_disk_during_training_is_one_line_and_resumes(tiny_store, tmp_path)
     assert p.returncode == 2, p.stderr
     lines = _lines(p.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: No space left while writing") and "--resume" in lines[0]
+    assert "checkpoint" in lines[0], lines[0]
     assert not any(f.name.endswith(".tmp") for f in out.iterdir()) and not (out / "summary.json").exists()
     rc, _, err = _run(args + ["--out", str(out), "--resume"])
     assert rc == 0, err
