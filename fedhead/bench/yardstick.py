@@ -3,9 +3,9 @@
 Each method's own ceiling (:mod:`fedhead.core.central`) uses that method's weak regularisation; this one is a softmax
 probe on the pooled training features (centred and scaled to unit RMS, the store's clean labels) whose L2 weight is
 chosen from :data:`fedhead.core.central.TUNED_GRID` (grown by a decade past an edge while the choice sits there)
-by accuracy on a seeded 10% of the training split (:func:`fedhead.core.central.tuned_probe`), one probe per seed of the report. The report then gives, per partition,
-the best method within 3 rounds (its accuracy at the last evaluated round <= 3, mean over seeds) and its gap to
-the probe in points.
+by accuracy on a seeded 10% of the training split (:func:`fedhead.core.central.tuned_probe`), one probe per seed of
+the report. The report then gives, per partition, the best method within 3 rounds (its accuracy at the last evaluated
+round <= 3, mean over seeds) and its gap to the probe in points.
 """
 
 from __future__ import annotations
@@ -92,8 +92,9 @@ def yardstick_section(by: dict[tuple, CellResult], names: list[str], plabels: li
             f"A softmax probe on the pooled training features (centred, unit RMS; the store's clean labels), its L2 "
             f"weight chosen from {{{grid}}} (grown by a decade past an edge while the choice sits there, within "
             f"[{TUNED_BOUNDS[0]:g}, {TUNED_BOUNDS[1]:g}]) on a seeded {TUNED_HOLDOUT:.0%} of the training split, "
-            f"refit on all of it (chosen: {wds}). Per partition: the best method within {WITHIN_ROUNDS} rounds (accuracy at its last "
-            "evaluated round up to 3, mean over seeds) and its gap to the probe (points; positive: below it).",
+            f"refit on all of it (chosen: {wds}). Per partition: the best method within {WITHIN_ROUNDS} rounds "
+            "(accuracy at its last evaluated round up to 3, mean over seeds) and its gap to the probe (points; "
+            "positive: below it).",
             "",
             md_table(["partition", f"best within {WITHIN_ROUNDS} rounds", "accuracy %", "gap to probe (points)"], rows),
             "",

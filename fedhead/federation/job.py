@@ -105,7 +105,8 @@ class HeadJob(Job):
         self._census(unit, census)
         counts = census.counts  # none with secure aggregation: no per-client accuracy then
         self.client_w = None if counts is None else client_weights(np.asarray(counts), self.test_totals)
-        self.trained = None if counts is None else np.zeros(len(counts), dtype=bool)  # sampled by a round so far
+        # --eval-unseen-clients: which clients a round has sampled so far (None: not asked for, or no label counts)
+        self.trained = np.zeros(len(counts), dtype=bool) if counts is not None and cfg.eval_unseen_clients else None
         self.stats = census.stats
         self.xt = prepare(self.store.test_x, census.stats, self.device)
         if cfg.central_reference and name == "main" and str(seed) not in self.central:
@@ -170,7 +171,7 @@ class HeadJob(Job):
         if self.client_w is None:
             return acc, {}
         clients = client_summary(client_accuracy(self.client_w, correct, totals))
-        if self.cfg.eval_unseen_clients:
+        if self.trained is not None:
             clients.update(unseen_summary(self.client_w, correct, totals, self.trained))
         return acc, clients
 

@@ -93,7 +93,7 @@ class Churn:
         self.t0 = time.monotonic()
 
     def _start_node(self, i: int) -> None:
-        log = self.out / "logs" / f"node{i}.log"
+        log = self.d.log_path(f"node{i}")
         self.log_seen[i] = log.stat().st_size if log.exists() else 0
         self.gave_up.pop(i, None)
         self.d.start(f"node{i}", self.node_argv(i))
@@ -101,7 +101,7 @@ class Churn:
     def _gave_up_long_ago(self, i: int, now: float) -> bool:
         """Whether node ``i``'s log showed :data:`GAVE_UP` since its start more than :data:`HUNG_AFTER` s ago."""
         if i not in self.gave_up:
-            with open(self.out / "logs" / f"node{i}.log", "rb") as f:
+            with open(self.d.log_path(f"node{i}"), "rb") as f:
                 f.seek(self.log_seen[i])
                 new = f.read()
             cut = new.rfind(b"\n") + 1  # a line still being written is read again next time

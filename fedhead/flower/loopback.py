@@ -101,8 +101,12 @@ class Deployment:
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: list = []
 
+    def log_path(self, name: str) -> Path:
+        """The log file of ``name`` (every start of it appends there)."""
+        return self.tmp / f"{name}.log"
+
     def start(self, name: str, argv: list[str], **env: str) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "a")
+        log = open(self.log_path(name), "a")
         self.logs.append(log)
         p = subprocess.Popen(
             [FEDHEAD, *argv], env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -115,7 +119,7 @@ class Deployment:
         stop_all([self.procs[name]], signal.SIGKILL, grace=10.0)
 
     def log(self, name: str) -> str:
-        return (self.tmp / f"{name}.log").read_text(errors="replace")
+        return self.log_path(name).read_text(errors="replace")
 
     def wait(self, name: str, timeout: float) -> int | None:
         """The exit code of ``name``, or None if it still runs after ``timeout`` seconds."""
