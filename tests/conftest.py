@@ -29,9 +29,57 @@ if os.environ.get("FEDHEAD_TEST_CPU"):  # where the suite's time goes: wall and 
             f.write(f"{t1 - t0:.2f}\t{own:.2f}\t{kids:.2f}\t{item.nodeid}\n")
 
 
+# ---------------------------------------------------------------- how `make test` spreads the suite over its workers
+
+# Tests that one worker runs one after another, by node-id prefix: the tests of a module that share an expensive
+# module-scoped fixture (built once, not once per worker that runs one of them), and the in-process Flower
+# simulations that share one Ray (shared_ray). xdist's controller sees node ids only, and its xdist_group marker does
+# not group under pytest 9 (xdist 3.8 renames ``item._nodeid``, which pytest 9 no longer reads).
+SAME_WORKER = {
+    "papers": ("tests/test_bench_papers.py::",),  # quick_reports: each paper's --quick run
+    "hardening": ("tests/test_hardening.py::",),  # folders, reference: image folders and their uninterrupted stores
+    "scratch-resume": ("tests/test_scratch_resume.py::",),  # reference: the uninterrupted runs
+    "extract": ("tests/test_extract.py::",),  # data_root, tiny_clip
+    "model": ("tests/test_model.py::",),  # image_run: an extracted store and a run on it
+    "ray": (
+        "tests/test_flower_sim.py::test_simulation_engine_",
+        "tests/test_flower_scaffold_ccvr.py::test_simulation_engine_",
+    ),
+}
+
+
+def unit_of(nodeid: str) -> str:
+    """The scheduling unit of a test: its SAME_WORKER group, or the test alone."""
+    return next((name for name, prefixes in SAME_WORKER.items() if nodeid.startswith(prefixes)), nodeid)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist load`: units (:func:`unit_of`) go to the next free worker in collection order, which the workers'
+    :func:`pytest_collection_modifyitems` starts with the slow tests: the long ones start first, and the short ones
+    fill the cores around them instead of one long test ending the run on its own."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            config.option.loadscopereorder = False  # collection order, not the largest unit first
+
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return Units(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects the same order (xdist checks it)
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def shared_ray():
-    """One Ray for a worker's in-process ``flower simulate`` tests (the ``ray`` xdist group: one worker). Flower's
+    """One Ray for a worker's in-process ``flower simulate`` tests (the ``ray`` unit of SAME_WORKER: one worker). Flower's
     backend shuts Ray down after every run, and each start costs seconds of CPU; here the runs after the first reuse
     it (fedhead and Flower start Ray only where none runs), and the worker shuts it down at the end."""
     ray = pytest.importorskip("ray")

@@ -102,6 +102,7 @@ def test_unknown_or_malformed_rules_are_one_line_errors():
         acc.add(torch.zeros(1, 2, 2), torch.ones(1), torch.ones(1, 2, dtype=torch.bool))
 
 
+@pytest.mark.slow
 def test_readme_method_example_runs_as_written(tiny_store, tmp_path):
     """The aggregation-rule example of docs/extending.md, executed as a user would, then through the CLI and bench baselines
     with FEDHEAD_PLUGINS."""

@@ -133,6 +133,7 @@ def test_resume_keeps_server_optimizer_and_scaffold_state(tiny_store, tmp_path, 
     assert [r["accuracy"] for r in res.rows] == [r["accuracy"] for r in full.rows]
 
 
+@pytest.mark.slow
 def test_bench_baselines_quick(tiny_store, tmp_path):
     out = tmp_path / "bl"
     r = runner.invoke(
@@ -245,6 +246,7 @@ def test_ill_conditioned_solve_is_one_line(tmp_path):
     assert r.exit_code != 0 and "--lda-shrinkage" in r.output and "Traceback" not in r.output
 
 
+@pytest.mark.slow
 def test_readme_example_runs_as_written(tiny_store, tmp_path):
     """The example file of docs/extending.md, executed as a user would, and its head through the CLI via FEDHEAD_PLUGINS."""
     from conftest import run_example_with_plugin

@@ -229,6 +229,7 @@ def test_same_out_reuses_finished_runs_and_reruns_only_missing_ones(quick_report
     assert res.exit_code != 0 and "another configuration" in res.output
 
 
+@pytest.mark.slow
 def test_sigterm_mid_bench_then_the_same_command_resumes(quick_reports, tmp_path, data_root):
     from conftest import wait_for_pause
 

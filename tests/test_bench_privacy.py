@@ -42,6 +42,7 @@ def test_noise_for_epsilon_is_the_smallest_that_meets_the_target(head, rounds, p
         assert eps <= target < below  # meets it, and 1% less noise would not
 
 
+@pytest.mark.slow
 def test_quick_report(tiny_store, tmp_path):
     out = tmp_path / "pv"
     r = CliRunner().invoke(

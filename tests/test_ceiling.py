@@ -49,6 +49,7 @@ def test_a_run_that_does_not_repeat_its_round_is_an_error(tiny_store, monkeypatc
         C.measure_store(tiny_store, "t", clients=4, rounds=2, flower=False, methods=("ridge",))
 
 
+@pytest.mark.slow
 def test_bench_speed_prints_the_ceiling_table(tmp_path):
     out = tmp_path / "speed.json"
     argv = ["bench", "speed", "--quick", "--no-heads", "--no-extraction", "--no-scratch", "--no-ceiling-flower"]

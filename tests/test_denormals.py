@@ -116,6 +116,7 @@ def _x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _x86(), reason="flush-to-zero is an x86 mode (torch.set_flush_denormal)")
 def test_decaying_optimizer_state_holds_no_subnormal_numbers():
     kept = _run(HEAD_ENGINE, keep=True)

@@ -251,6 +251,7 @@ def test_scratch_protocols_follow_the_runner():
     }
 
 
+@pytest.mark.slow
 def test_bench_speed_scratch_cli(tmp_path):
     """The real command with one scratch model: the table on stdout, the flat record in --out; bad scratch options
     are one line and exit 2 before any measurement."""

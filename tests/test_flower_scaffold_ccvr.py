@@ -214,7 +214,6 @@ def test_simulation_nodes_keep_variates_in_the_run_folder():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray")
 def test_simulation_engine_keeps_node_variates(store, tmp_path, shared_ray):
     """On Flower's simulation engine (Ray actors) a node's Context.state persists between rounds: a SCAFFOLD run
     with CCVR gives the rows of `fedhead train` (a node that lost its c_k would fail its round instead)."""

@@ -83,7 +83,6 @@ def accs(rows):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray")
 def test_simulation_engine_matches_fedhead_train(store, tmp_path, shared_ray):
     cfg = cfg_of(store, participation=0.75)  # 3 of 4 clients per round, centred features, two stages
     ref = run_training(cfg, out=tmp_path / "train", progress=False)
@@ -106,7 +105,6 @@ def test_simulation_engine_matches_fedhead_train(store, tmp_path, shared_ray):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray")
 def test_simulation_engine_runs_closed_form_and_init(store, tmp_path, shared_ray):
     """`flower simulate` == `fedhead train` per round for the ridge head and for a Fed3R-started softmax."""
     for name, kw in (

@@ -479,6 +479,7 @@ def test_full_disk_is_found_before_encoding(tmp_path, folders, reference, monkey
     assert_same_store(out, reference["clean"])
 
 
+@pytest.mark.slow
 def test_partial_has_its_space_so_a_resume_never_grows_it(tmp_path, folders, reference):
     """The whole store is allocated and reserved when the .partial is created: resuming it under a file size
     limit equal to its size (no byte of growth allowed) still finishes."""

@@ -90,6 +90,7 @@ def test_signal_mid_training_then_resume(tiny_store, tmp_path, sig, code):
     assert _accs(out / "rounds.csv") == _accs(tmp_path / "full" / "rounds.csv")
 
 
+@pytest.mark.slow
 def test_signal_mid_bench_then_same_command_continues(tiny_store, tmp_path):
     args = [
         "bench",
@@ -160,7 +161,6 @@ def test_second_writer_is_refused_and_a_killed_holder_does_not_block(tiny_store,
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray")
 def test_signal_mid_flower_simulate_then_resume(tmp_path):
     """Ray's driver aborts on SIGTERM; fedhead's handler stops the strategy after a round's checkpoint. With
     SCAFFOLD: the resumed run is a new Flower run, whose virtual nodes find their variates in the run folder."""
@@ -319,7 +319,17 @@ def _bench_cases(store, tmp):
 
 @pytest.mark.parametrize(
     "command",
-    ["ablation", "partitions", "encoders", "noise", "participation", "baselines", "geometry", "speed", "extract"],
+    [
+        "ablation",
+        "partitions",
+        "encoders",
+        "noise",
+        "participation",
+        pytest.param("baselines", marks=pytest.mark.slow),
+        "geometry",
+        pytest.param("speed", marks=pytest.mark.slow),
+        "extract",
+    ],
 )
 def test_sigterm_during_every_bench_command(tiny_store, tmp_path, command):
     """Each bench command, paused mid-way by the test hook, then SIGTERM: exit 143, one line saying how to go

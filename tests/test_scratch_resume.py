@@ -241,6 +241,7 @@ def test_dnc_resume_keeps_split_and_prepass_state(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- real signals to a real process
 
 
+@pytest.mark.slow
 @needs_mnist
 @pytest.mark.parametrize("algo,sig,code", [("fedavg", signal.SIGINT, 130), ("fedova", signal.SIGTERM, 143)])
 def test_signal_mid_run_then_resume_equals_uninterrupted(tmp_path, reference, algo, sig, code):

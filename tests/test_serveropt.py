@@ -421,6 +421,7 @@ def test_user_server_optimizer_resumes_with_its_state(fedams, tiny_store, tmp_pa
     assert [r["accuracy"] for r in res.rows] == [r["accuracy"] for r in full.rows]
 
 
+@pytest.mark.slow
 def test_readme_server_example_runs_as_written(tiny_store, tmp_path):
     """The server-optimiser example of docs/extending.md, executed as a user would, then through the CLI and bench baselines
     with FEDHEAD_PLUGINS."""
