@@ -32,7 +32,7 @@ test: $(STAMP)
 	d=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir "$$d"; s=$$?; rm -rf "$$d"; exit $$s
 	# one worker per core plus one, the long tests first (tests/conftest.py: pytest_xdist_make_scheduler); with Python's
 	# bytecode cache on, where PYTHONDONTWRITEBYTECODE had turned it off: each of the hundreds of processes the tests
-	# start (commands, Flower nodes, Ray workers) would compile fedhead again, and each worker the tests' asserts
+	# start (commands, Flower nodes, Ray workers) would compile fedhead again, and each worker rewrite the tests' asserts
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest tests -n $$(( $$(nproc) + 1 )) --dist load
 
 clean:
