@@ -62,13 +62,10 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class Units(LoadScopeScheduling):
-        def __init__(self, config, log=None):
-            super().__init__(config, log)
-            config.option.loadscopereorder = False  # collection order, not the largest unit first
-
         def _split_scope(self, nodeid: str) -> str:
             return unit_of(nodeid)
 
+    config.option.loadscopereorder = False  # collection order, not the largest unit first
     return Units(config, log)
 
 
