@@ -25,7 +25,7 @@ from flwr.common.secure_aggregation.quantization import quantize  # noqa: E402
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key  # noqa: E402
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto  # noqa: E402
 from test_flower_deploy import TIMEOUT, deployment, free_ports, node_stores, superlink_argv, supernode_argv  # noqa: E402,F401
-from test_flower_sim import LocalGrid, accs, cfg_of, sim_nodes, task_identity  # noqa: E402,F401
+from test_flower_sim import LocalGrid, accs, cfg_of, sim_nodes, task_identity, unavailable  # noqa: E402,F401
 
 import fedhead  # noqa: E402
 import fedhead.flower.client_app as client_app  # noqa: E402
@@ -59,11 +59,12 @@ def store(tmp_path_factory):
 class WireGrid(LocalGrid):
     """LocalGrid with every message and reply serialised and parsed (as on the wire). ``seen`` keeps what the
     server received: ``(message type, stage, round, node, reply content)``; ``drop`` = {(stage, round, node)}
-    makes those messages go unanswered (a node lost at that point of the protocol)."""
+    makes those messages go unanswered (a node lost at that point of the protocol); ``gone`` (same form) makes the
+    SuperLink answer them itself, as it does once the node's heartbeats stopped (Flower's NODE_UNAVAILABLE)."""
 
-    def __init__(self, *a, drop=(), **k):
+    def __init__(self, *a, drop=(), gone=(), **k):
         super().__init__(*a, **k)
-        self.seen, self.drop = [], set(drop)
+        self.seen, self.drop, self.gone = [], set(drop), set(gone)
 
     def send_and_receive(self, messages, *, timeout=None):
         out = []
@@ -76,6 +77,9 @@ class WireGrid(LocalGrid):
             )
             node = m.metadata.dst_node_id
             if (stage, m.metadata.group_id, node) in self.drop:
+                continue
+            if (stage, m.metadata.group_id, node) in self.gone:
+                out.append(unavailable(m))
                 continue
             wire = Message(
                 content, dst_node_id=node, message_type=m.metadata.message_type, group_id=m.metadata.group_id
@@ -304,18 +308,20 @@ def test_dropouts_below_the_threshold_fail_the_round(store, tmp_path, monkeypatc
     assert sec.summary["secure_aggregation"]["exchanges"][2]["halted"] == reason
 
 
-def test_node_lost_before_masking_is_left_out_and_the_protocol_restarts(store, tmp_path, monkeypatch):
+@pytest.mark.parametrize("how, reason", [("drop", "no reply within"), ("gone", "Node Unavailable")])
+def test_node_lost_before_masking_is_left_out_and_the_protocol_restarts(store, tmp_path, monkeypatch, how, reason):
     """Flower's unmask stage cannot recover a node lost before it shared its keys (it asks the others for shares
     that were never made): fedhead restarts the round's protocol without it. The round equals a plain round
-    without that node."""
+    without that node. The node's message goes unanswered (``drop``) or the SuperLink answers it itself
+    (``gone``: the reply names the SuperLink as its sender, and the failure is still the node's)."""
     monkeypatch.setenv(CRASH_ENV, "3@2")
     plain, _ = run(cfg_of(store), tmp_path / "plain")
     monkeypatch.delenv(CRASH_ENV)
-    sec, grid = run(cfg_of(store, secure_aggregation=True), tmp_path / "secure", drop={("setup", "2", 1003)})
+    sec, grid = run(cfg_of(store, secure_aggregation=True), tmp_path / "secure", **{how: {("setup", "2", 1003)}})
     assert_same_within_quantisation(sec, plain, tmp_path / "secure", tmp_path / "plain")
     rows = read_csv(tmp_path / "secure" / "rounds.csv")
     assert [r["clients_trained"] for r in rows] == ["4", "3", "4"]
-    assert rows[1]["failed_clients"] == "3" and "no reply within" in rows[1]["failure_reason"]
+    assert rows[1]["failed_clients"] == "3" and reason in rows[1]["failure_reason"]
     assert "(SecAgg+ stage setup)" in rows[1]["failure_reason"]
     ex = sec.summary["secure_aggregation"]["exchanges"][2]
     assert (ex["round"], ex["restarts"], ex["included"]) == (2, 1, 3)

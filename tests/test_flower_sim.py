@@ -314,6 +314,15 @@ def test_bad_scaffold_and_ccvr_options_are_refused_by_the_server_app(store, tmp_
         assert not (tmp_path / flag.strip("-") / "rounds.csv").exists()
 
 
+def unavailable(m):
+    """The reply a SuperLink writes itself for message ``m`` once its node stopped sending heartbeats (Flower's own
+    function; the SuperLink is its sender), with the id ``m`` gets when it is pushed."""
+    from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+
+    m.metadata.__dict__["_message_id"] = m.object_id
+    return create_message_error_unavailable_res_message(m.metadata, "node_unavail")
+
+
 class RejoinGrid(LocalGrid):
     """A SuperLink that kept a dead node's registration (node 999: Flower answers NODE_UNAVAILABLE) and whose node
     for partition 1 joins only after the server first asked for the nodes (it was restarting)."""
@@ -331,13 +340,9 @@ class RejoinGrid(LocalGrid):
         return [*self.ctx, 999]
 
     def send_and_receive(self, messages, *, timeout=None):
-        from flwr.app import Error, Message
-        from flwr.common.constant import ErrorCode
-
         dead = [m for m in messages if m.metadata.dst_node_id == 999]
         live = [m for m in messages if m.metadata.dst_node_id != 999]
-        gone = [Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="no heartbeat"), reply_to=m) for m in dead]
-        return super().send_and_receive(live, timeout=timeout) + gone
+        return super().send_and_receive(live, timeout=timeout) + [unavailable(m) for m in dead]
 
 
 def test_a_dead_registration_is_left_out_and_a_late_partition_waited_for(store, tmp_path):
@@ -349,3 +354,31 @@ def test_a_dead_registration_is_left_out_and_a_late_partition_waited_for(store, 
     res = run_server(grid, cfg, ServerSettings(out=str(tmp_path / "rejoin"), wait_timeout=5))
     assert grid.asked > 2  # it did wait for partition 1
     assert accs(res.rows) == accs(plain.rows) and all(r["failures"] == 0 for r in res.rows)
+
+
+class DyingGrid(LocalGrid):
+    """The node of partition 2 dies after round 1: from then on the SuperLink answers its messages itself."""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        if not messages or messages[0].metadata.group_id in ("query", "1"):
+            return super().send_and_receive(messages, timeout=timeout)
+        node = next(n for n, c in self.ctx.items() if c.node_config["partition-id"] == 2)
+        live = [m for m in messages if m.metadata.dst_node_id != node]
+        return super().send_and_receive(live, timeout=timeout) + [unavailable(m) for m in messages if m not in live]
+
+
+def test_a_node_that_died_is_a_failure_of_its_partition_with_flowers_reason(store, tmp_path):
+    """The reply the SuperLink writes for a dead node names the SuperLink as its sender: the round still records
+    the failure under the node's partition, with Flower's reason, not as a reply that never came."""
+    cfg = cfg_of(store)
+    res = run_server(
+        DyingGrid(make_client_app(str(store)), sim_nodes(cfg.clients)),
+        cfg,
+        ServerSettings(out=str(tmp_path / "r"), wait_timeout=5),
+    )
+    rows = read_csv(tmp_path / "r" / "rounds.csv")
+    assert [r["failed_clients"] for r in rows] == ["", "2", "2"]
+    assert [r["clients_trained"] for r in rows] == ["4", "3", "3"]
+    assert all("Node Unavailable" in r["failure_reason"] for r in rows[1:]), rows
+    assert res.summary["failures"] == 2

@@ -282,6 +282,18 @@ def client_stats_from_record(arrays, dim: int):
 LOG = logging.getLogger("flwr")
 
 
+def destinations(messages) -> dict[str, int]:
+    """Sent message id -> the node it went to (Flower gives a message its id when it is pushed)."""
+    return {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
+
+
+def replying_node(reply, sent_to: dict[str, int]) -> int:
+    """The node a reply answers for. A node's own reply names it as the sender; a reply the SuperLink writes itself
+    (Flower's NODE_UNAVAILABLE once the node's heartbeats stopped) names the SuperLink, and only the message it
+    answers (``sent_to``: :func:`destinations` of the messages sent) says which node is meant."""
+    return sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+
+
 def marked_reason(reason: str) -> str | None:
     m = re.search(r"\[\[(.*?)\]\]", reason or "", re.S)
     return m.group(1).strip() if m else None

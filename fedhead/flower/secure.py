@@ -72,7 +72,14 @@ from fedhead.core.closedform import StatsAccumulator, pack_upper, unpack_upper
 from fedhead.core.sampling import per_round as clients_per_round
 from fedhead.federation.clients import FeatureStats
 from fedhead.federation.config import SECURE_MIN_CLIENTS as MIN_CLIENTS  # noqa: E402
-from fedhead.flower.common import LOG, MESSAGE_PREFIX, client_stats_from_record, short_reason
+from fedhead.flower.common import (
+    LOG,
+    MESSAGE_PREFIX,
+    client_stats_from_record,
+    destinations,
+    replying_node,
+    short_reason,
+)
 from fedhead.flower.masking import METRICS
 from fedhead.infra import devices
 from fedhead.infra.errors import FedheadError  # noqa: E402
@@ -386,9 +393,9 @@ class _Recorder:
         self.wait_s += time.perf_counter() - t0
         self.failed = {}
         seen = set()
-
+        sent_to = destinations(messages)
         for r in replies:
-            node = r.metadata.src_node_id
+            node = replying_node(r, sent_to)
             seen.add(node)
             if r.has_error():
                 self.failed[node] = f"{short_reason(r.error.reason)} (SecAgg+ stage {stage})"

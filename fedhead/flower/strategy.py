@@ -73,6 +73,8 @@ from fedhead.flower.common import (  # noqa: E402
     ServerStopped,
     client_stats_from_record,
     config_to_json,
+    destinations,
+    replying_node,
     short_reason,
     stop_after,
     store_fingerprint,
@@ -201,6 +203,7 @@ class FedheadStrategy(Strategy, Transport):
         self.theta: torch.Tensor | None = None
         self.server: ServerUpdate | None = None  # the loop's server update of the current round
         self.last = _Round()
+        self._sent: list = []  # the train messages of the round (configure_train)
         self._first_round: int | None = None  # the first round this process runs for the current seed
         closed = is_closed_form(cfg.head)
         self.solver = create_head(cfg.head if closed else cfg.init, **cfg.head_params) if (closed or cfg.init) else None
@@ -294,16 +297,18 @@ class FedheadStrategy(Strategy, Transport):
                     group_id=str(server_round),
                 )
             )
+        self._sent = msgs  # their ids (given when they are pushed) name the node of a reply the SuperLink wrote
         return msgs
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         pid_of = {n: p for p, n in self.node_of.items()}
+        sent_to = destinations(self._sent)
         good = []
         answered = set()
         for r in replies:
-            pid = pid_of.get(r.metadata.src_node_id)
+            pid = pid_of.get(replying_node(r, sent_to))
             if pid is None:
                 continue
             answered.add(pid)
@@ -444,9 +449,10 @@ class FedheadStrategy(Strategy, Transport):
             for n in node_ids
         ]
         replies = list(grid.send_and_receive(msgs, timeout=self.settings.wait_timeout))
+        sent_to = destinations(msgs)
         out = []
         for r in replies:
-            node = r.metadata.src_node_id
+            node = replying_node(r, sent_to)
             if r.has_error():
                 if (
                     r.error.code == ErrorCode.NODE_UNAVAILABLE
@@ -670,8 +676,10 @@ class FedheadStrategy(Strategy, Transport):
         if self.secure is not None:  # the class moments, summed by SecAgg+
             pooled, got, failed, up, client_ms = self.secure.ccvr(grid, msgs, rnd, failed)
         else:
-            for r in grid.send_and_receive(msgs, timeout=self.settings.round_timeout):
-                pid = pid_of.get(r.metadata.src_node_id)
+            replies = list(grid.send_and_receive(msgs, timeout=self.settings.round_timeout))
+            sent_to = destinations(msgs)
+            for r in replies:
+                pid = pid_of.get(replying_node(r, sent_to))
                 if pid is None:
                     continue
                 if r.has_error():
