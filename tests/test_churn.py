@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("flwr", reason="Flower is not installed (pip install 'fedhead[flower]')")
 
-from fedhead.flower.churn import GAVE_UP, HUNG_AFTER, Churn  # noqa: E402
+from fedhead.flower.churn import GAVE_UP, HUNG_AFTER, Churn, round_seconds  # noqa: E402
 
 
 class FakeProc:
@@ -17,8 +17,8 @@ class FakeProc:
         return self.code
 
 
-def _churn(tmp_path, monkeypatch, nodes=3):
-    ch = Churn(tmp_path, nodes, rounds=4, churn=0.0, kill_server_at=2, seed=0, round_timeout=10.0)
+def _churn(tmp_path, monkeypatch, nodes=3, churn=0.0, rounds=4):
+    ch = Churn(tmp_path, nodes, rounds=rounds, churn=churn, kill_server_at=2, seed=0, round_timeout=10.0)
     started, killed = [], []
 
     def start(name, argv):
@@ -68,3 +68,27 @@ def test_a_node_still_running_long_after_its_log_gave_up_is_killed_and_restarted
     _log(tmp_path, 1, f"{GAVE_UP}\n")
     ch._supervise(now=300.0)
     assert started[-1] == "node1" and ch.exits == 1 and ch.hung == 2
+
+
+def test_each_round_is_timed_under_what_it_ran(tmp_path, monkeypatch):
+    """Rounds 1-5 of 5 nodes, one killed after each round and the server after round 2: the first round, a round with
+    a node down, the round after the server's restart, then two with a node down; means by kind."""
+    ch, started, killed = _churn(tmp_path, monkeypatch, nodes=5, churn=0.2, rounds=5)
+    ch.link, ch.experiment = 0, tmp_path / "experiment.toml"
+    ch.d.start("superlink", ["superlink"])
+    for rnd, end in zip(range(1, 6), (100.0, 160.0, 300.0, 350.0, 410.0)):
+        ch.round_end[rnd] = end
+        ch._after_round(rnd)
+    assert [ch.kind[r] for r in range(1, 6)] == [
+        "first",
+        "nodes_down",
+        "after_server_restart",
+        "nodes_down",
+        "nodes_down",
+    ]
+    assert len(killed) == 1 + 1 + 1 + 1 and killed.count("superlink") == 1  # no node killed after the last round
+    got = round_seconds(ch)
+    assert got["deploy_round_seconds"] == [100.0, 60.0, 140.0, 50.0, 60.0]
+    assert got["deploy_seconds_round_first"] == 100.0 and got["deploy_seconds_round_after_server_restart"] == 140.0
+    assert got["deploy_seconds_round_nodes_down"] == pytest.approx((60.0 + 50.0 + 60.0) / 3)
+    assert got["deploy_seconds_round_all_up"] is None

@@ -17,7 +17,9 @@ that is down when its message arrives is a failure of that round (``--round-time
 Reported (``deploy.json`` and a table): rounds completed, node kills and restarts, failed client messages, the final
 accuracy and the simulator's (``fedhead train`` on the whole store, same options, no churn), whether rounds.csv
 holds every round exactly once after the server's restart, peak resident memory per node (the node and the
-ClientApp processes it starts), and seconds per round."""
+ClientApp processes it starts), and seconds per round: each round's, and their mean by what the round ran under
+(:data:`ROUND_KINDS`). A round with killed nodes ends when the SuperLink declares them unavailable (Flower's heartbeat:
+a node is offline 2 x 30 s after its last heartbeat), sooner than ``--round-timeout`` where that is longer."""
 
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ class Churn:
         self.down: list[int] = []
         self.peak_kb = [0] * nodes
         self.round_end: dict[int, float] = {}
+        self.kind: dict[int, str] = {1: "first"}  # round -> what it ran under (see ROUND_KINDS)
 
     def node_argv(self, i: int) -> list[str]:
         return ["flower", "supernode", "--insecure", "--superlink", f"127.0.0.1:{self.link}", "--features",
@@ -142,6 +145,7 @@ class Churn:
             self.restarts += 1
         if rnd == self.kill_server_at and rnd < self.rounds:  # the server alone dies this time
             self.down = []
+            self.kind[rnd + 1] = "after_server_restart"
             self.d.kill("superlink")
             self.server_kills += 1
             self.d.start("superlink", self.link_argv(resume=True))
@@ -150,6 +154,7 @@ class Churn:
         self.down = (
             sorted(self.rng.choice(up, size=min(self.k, len(up)), replace=False).tolist()) if rnd < self.rounds else []
         )
+        self.kind[rnd + 1] = "nodes_down" if self.down else "all_up"
         for i in self.down:
             self.d.kill(f"node{i}")
             self.kills += 1
@@ -174,6 +179,24 @@ class Churn:
                 return code
             time.sleep(0.5)
         return None
+
+
+# what a round ran under: "first" (from the SuperLink's start: the nodes connect, the query, round 1), "nodes_down"
+# (the nodes killed after the round before are gone: their messages wait until the SuperLink declares them
+# unavailable), "all_up", "after_server_restart" (the server's restart, the nodes' new registrations, the query)
+ROUND_KINDS = ("first", "nodes_down", "all_up", "after_server_restart")
+
+
+def round_seconds(ch: Churn) -> dict:
+    """Each round's wall time, and their mean by what the round ran under (:data:`ROUND_KINDS`; None where no
+    round of that kind ran)."""
+    rounds = sorted(ch.round_end)
+    took = dict(zip(rounds, np.diff([0.0, *(ch.round_end[r] for r in rounds)]).tolist()))
+    out: dict = {"deploy_round_seconds": [round(took[r], 1) for r in rounds]}
+    for kind in ROUND_KINDS:
+        these = [took[r] for r in rounds if ch.kind.get(r) == kind]
+        out[f"deploy_seconds_round_{kind}"] = float(np.mean(these)) if these else None
+    return out
 
 
 def _report(ch: Churn, code, sim: dict) -> dict:
@@ -201,6 +224,7 @@ def _report(ch: Churn, code, sim: dict) -> dict:
         "deploy_summary_rounds": summary.get("rounds"),
         "simulator_final_accuracy": sim["final_accuracy"],
         "deploy_seconds_per_round": per_round,
+        **round_seconds(ch),
         "deploy_wall_seconds": ends[-1] if ends else None,
         "deploy_peak_node_mb_max": max(ch.peak_kb) / 1024,
         "deploy_peak_node_mb_mean": float(np.mean(ch.peak_kb)) / 1024,
@@ -214,7 +238,8 @@ def _table(rec: dict):
     t.add_column("measure")
     t.add_column("value", justify="right")
     for k, v in rec.items():
-        t.add_row(k.removeprefix("deploy_"), f"{v:.4g}" if isinstance(v, float) else str(v))
+        shown = " ".join(f"{x:g}" for x in v) if isinstance(v, list) else "—" if v is None else str(v)
+        t.add_row(k.removeprefix("deploy_"), f"{v:.4g}" if isinstance(v, float) else shown)
     return t
 
 
