@@ -60,6 +60,7 @@ from fedhead.core.dual import (
     train_dual,
 )
 from fedhead.core.heads import Head, LossContext
+from fedhead.core.streams import PlanSeeds
 from fedhead.infra.devices import flush_denormals, keep_freed_memory
 from fedhead.infra.errors import FedheadError, OneOf, validate
 
@@ -96,6 +97,13 @@ class LocalConfig:
     def plan_epochs(self) -> int:
         """Rows of a client's batch plan: one per epoch, or one row of ``steps`` batches."""
         return 1 if self.steps else self.epochs
+
+    def epochs_drawn(self, sizes) -> int:
+        """The most epochs' generators a client of these ``sizes`` draws for its plan (:func:`step_plan` lays
+        epochs end to end until its steps are filled)."""
+        if not self.steps:
+            return self.epochs
+        return max((-(-self.steps * min(self.batch_size, int(n)) // int(n)) for n in sizes if n), default=1)
 
 
 @dataclass
@@ -263,30 +271,38 @@ class ScaffoldState:
 # ---------------------------------------------------------------- batch plan
 
 
-def client_plan(part: np.ndarray, seed: int, rnd: int, cid: int, epochs: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-epoch shuffled sample indices ``[E, n]`` and per-sample uniforms ``[E, n]`` for one client."""
+def client_plan(
+    part: np.ndarray, seed: int, rnd: int, cid: int, epochs: int, seeds: PlanSeeds | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-epoch shuffled sample indices ``[E, n]`` and per-sample uniforms ``[E, n]`` for one client; epoch ``e``
+    draws from ``np.random.default_rng([seed, rnd, cid, e])`` (``seeds``: the same generators, hashed for a whole
+    block of clients at once)."""
     n = len(part)
     idx = np.empty((epochs, n), dtype=np.int64)
     u = np.empty((epochs, n), dtype=np.float32)
     for e in range(epochs):
-        rng = np.random.default_rng([seed, rnd, cid, e])
+        rng = np.random.default_rng([seed, rnd, cid, e]) if seeds is None else seeds.rng(cid, e)
         idx[e] = part[rng.permutation(n)]
         u[e] = rng.random(n, dtype=np.float32)
     return idx, u
 
 
-def step_plan(part: np.ndarray, seed: int, rnd: int, cid: int, steps: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+def step_plan(
+    part: np.ndarray, seed: int, rnd: int, cid: int, steps: int, batch: int, seeds: PlanSeeds | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """``steps`` batches of ``min(batch, n)`` samples for one client, ``[steps, b]`` indices and uniforms: the
     per-epoch shuffles of :func:`client_plan` laid end to end and cut into batches (a batch may span two
     epochs), so every client makes the same number of steps whatever its size."""
     n = len(part)
     b = min(batch, n)
     epochs = -(-steps * b // n)
-    idx, u = client_plan(part, seed, rnd, cid, epochs)
+    idx, u = client_plan(part, seed, rnd, cid, epochs, seeds)
     return idx.reshape(-1)[: steps * b].reshape(steps, b), u.reshape(-1)[: steps * b].reshape(steps, b)
 
 
-def local_plan(part: np.ndarray, seed: int, rnd: int, cid: int, local: LocalConfig, width: int):
+def local_plan(
+    part: np.ndarray, seed: int, rnd: int, cid: int, local: LocalConfig, width: int, seeds: PlanSeeds | None = None
+):
     """One client's plan in the engine's layout ``[plan_epochs, width]`` (indices, validity mask, uniforms) and
     its number of steps per plan row; step ``t`` of a row uses columns ``t*B : (t+1)*B``."""
     B, n, E = local.batch_size, len(part), local.plan_epochs
@@ -294,12 +310,12 @@ def local_plan(part: np.ndarray, seed: int, rnd: int, cid: int, local: LocalConf
     msk = np.zeros((E, width), dtype=np.float32)
     uu = np.zeros((E, width), dtype=np.float32)
     if local.steps:
-        pi, pu = step_plan(part, seed, rnd, cid, local.steps, B)
+        pi, pu = step_plan(part, seed, rnd, cid, local.steps, B, seeds)
         b = pi.shape[1]
         cols = (np.arange(local.steps)[:, None] * B + np.arange(b)[None]).reshape(-1)
         idx[0, cols], msk[0, cols], uu[0, cols] = pi.reshape(-1), 1.0, pu.reshape(-1)
         return idx, msk, uu, local.steps
-    pi, pu = client_plan(part, seed, rnd, cid, E)
+    pi, pu = client_plan(part, seed, rnd, cid, E, seeds)
     idx[:, :n], msk[:, :n], uu[:, :n] = pi, 1.0, pu
     return idx, msk, uu, -(-n // B)
 
@@ -685,16 +701,17 @@ class Engine:
         rows = np.zeros((K, n), dtype=np.int64)
         valid = np.zeros((K, n), dtype=bool)
         ids = np.asarray(block, dtype=np.int64)[order]
+        seeds = PlanSeeds(seed, rnd, ids, self.local.epochs_drawn(sizes))
         for j, k in enumerate(ids):
             part = data.parts[k]
             m = len(part)
             rows[j, :m], valid[j, :m] = part, True
             if self.local.steps:  # the engine's plan over local positions (a permutation of range(n) either way)
-                pos[j], msk[j], uu[j], _ = local_plan(np.arange(m), seed, rnd, int(k), self.local, S * B)
+                pos[j], msk[j], uu[j], _ = local_plan(np.arange(m), seed, rnd, int(k), self.local, S * B, seeds)
                 continue
             msk[j, :, :m] = 1.0
             for e in range(E):  # client_plan's draws, written in place (the same generator and calls)
-                rng = np.random.default_rng([seed, rnd, int(k), e])
+                rng = seeds.rng(int(k), e)
                 pos[j, e, :m] = rng.permutation(m)
                 uu[j, e, :m] = rng.random(m, dtype=np.float32)
         rows_t, valid_t = torch.from_numpy(rows).to(dev), torch.from_numpy(valid).to(dev)
@@ -797,9 +814,10 @@ class Engine:
         idx = np.zeros((K, E, S * B), dtype=np.int64)
         msk = np.zeros((K, E, S * B), dtype=np.float32)
         uu = np.zeros((K, E, S * B), dtype=np.float32)
+        seeds = PlanSeeds(seed, rnd, block, self.local.epochs_drawn(sizes))
         for j, o in enumerate(order):
             k = block[o]
-            idx[j], msk[j], uu[j], _ = local_plan(self.data.parts[k], seed, rnd, k, self.local, S * B)
+            idx[j], msk[j], uu[j], _ = local_plan(self.data.parts[k], seed, rnd, k, self.local, S * B, seeds)
         # one host->device copy per block; per step only views of these
         idx_t = torch.from_numpy(idx).to(dev)
         msk_t = torch.from_numpy(msk).to(dev)
@@ -873,10 +891,11 @@ class Engine:
         out, losses = [], []
         dt = self.data.x.dtype  # float32 as a run; float64 where a test checks another path against this one
         theta0 = theta.detach().to(dt)
+        seeds = PlanSeeds(seed, rnd, block, self.local.epochs_drawn([len(self.data.parts[k]) for k in block]))
         for k in block:
             part = self.data.parts[k]
             width = (self.local.steps or -(-len(part) // B)) * B
-            pi, pm, pu, nk = local_plan(part, seed, rnd, k, self.local, width)
+            pi, pm, pu, nk = local_plan(part, seed, rnd, k, self.local, width, seeds)
             counts = torch.as_tensor(self.data.counts[k : k + 1], device=dev, dtype=torch.float32)
             wk = torch.nn.Parameter(theta.detach().clone().to(dt))
             opt = make_torch_optimizer(self.optim, [wk])
