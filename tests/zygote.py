@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -33,7 +34,8 @@ def _context():
 
 
 def _command(argv: list[str], env: dict, cwd: str, out: str, err: str) -> None:
-    """The child: what ``python -m cli ARGV`` does, in the forked interpreter."""
+    """The child: what ``python -m cli ARGV`` does, in the forked interpreter, in a process group of its own."""
+    os.setpgid(0, 0)
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(f, fd)
@@ -70,15 +72,30 @@ class FedheadProcess:
         self._p = _context().Process(
             target=_command, args=(list(args), dict(env), str(cwd), str(self.stdout.path), str(self.stderr.path))
         )
+        self._reaped = False
         self._p.start()
         self.pid = self._p.pid
 
     @property
     def returncode(self) -> int | None:
-        return self._p.exitcode
+        return self.poll()
 
     def poll(self) -> int | None:
-        return self._p.exitcode
+        code = self._p.exitcode
+        if code is not None and not self._reaped:
+            self._reaped = True
+            self._kill_leftovers()
+        return code
+
+    def _kill_leftovers(self) -> None:
+        """Kill what the command left in its process group. A forkserver's child inherits "forkserver" as its
+        start method, so a command's DataLoader workers are children of a forkserver of their own: when a test
+        kills the command (SIGKILL, as a crash), torch's watchdog never sees their parent die and, unlike under
+        ``python -m cli`` (fork), they would outlive the suite (about 550 MB each)."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def wait(self, timeout: float | None = None) -> int:
         self._p.join(timeout)
@@ -86,7 +103,7 @@ class FedheadProcess:
             import subprocess
 
             raise subprocess.TimeoutExpired(self.args, timeout)
-        return self._p.exitcode
+        return self.poll()
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         self.wait(timeout)
