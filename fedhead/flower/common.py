@@ -282,16 +282,13 @@ def client_stats_from_record(arrays, dim: int):
 LOG = logging.getLogger("flwr")
 
 
-def destinations(messages) -> dict[str, int]:
-    """Sent message id -> the node it went to (Flower gives a message its id when it is pushed)."""
-    return {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
-
-
-def replying_node(reply, sent_to: dict[str, int]) -> int:
-    """The node a reply answers for. A node's own reply names it as the sender; a reply the SuperLink writes itself
-    (Flower's NODE_UNAVAILABLE once the node's heartbeats stopped) names the SuperLink, and only the message it
-    answers (``sent_to``: :func:`destinations` of the messages sent) says which node is meant."""
-    return sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+def by_node(replies, sent) -> list[tuple[int, Any]]:
+    """``(node, reply)`` for the replies to the messages ``sent``. A node's own reply names it as the sender; a reply
+    the SuperLink writes itself (Flower's NODE_UNAVAILABLE once the node's heartbeats stopped) names the SuperLink,
+    and only the message it answers says which node is meant (by its id, which Flower gives a message when it is
+    pushed: read ``sent`` after the replies came)."""
+    dst = {m.metadata.message_id: m.metadata.dst_node_id for m in sent if m.metadata.message_id}
+    return [(dst.get(r.metadata.reply_to_message_id, r.metadata.src_node_id), r) for r in replies]
 
 
 def marked_reason(reason: str) -> str | None:

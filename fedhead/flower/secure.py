@@ -75,9 +75,8 @@ from fedhead.federation.config import SECURE_MIN_CLIENTS as MIN_CLIENTS  # noqa:
 from fedhead.flower.common import (
     LOG,
     MESSAGE_PREFIX,
+    by_node,
     client_stats_from_record,
-    destinations,
-    replying_node,
     short_reason,
 )
 from fedhead.flower.masking import METRICS
@@ -393,9 +392,7 @@ class _Recorder:
         self.wait_s += time.perf_counter() - t0
         self.failed = {}
         seen = set()
-        sent_to = destinations(messages)
-        for r in replies:
-            node = replying_node(r, sent_to)
+        for node, r in by_node(replies, messages):
             seen.add(node)
             if r.has_error():
                 self.failed[node] = f"{short_reason(r.error.reason)} (SecAgg+ stage {stage})"

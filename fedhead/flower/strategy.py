@@ -71,10 +71,9 @@ from fedhead.flower.common import (  # noqa: E402
     LOG,
     MESSAGE_PREFIX,
     ServerStopped,
+    by_node,
     client_stats_from_record,
     config_to_json,
-    destinations,
-    replying_node,
     short_reason,
     stop_after,
     store_fingerprint,
@@ -304,11 +303,10 @@ class FedheadStrategy(Strategy, Transport):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         pid_of = {n: p for p, n in self.node_of.items()}
-        sent_to = destinations(self._sent)
         good = []
         answered = set()
-        for r in replies:
-            pid = pid_of.get(replying_node(r, sent_to))
+        for node, r in by_node(replies, self._sent):
+            pid = pid_of.get(node)
             if pid is None:
                 continue
             answered.add(pid)
@@ -448,11 +446,9 @@ class FedheadStrategy(Strategy, Transport):
             Message(RecordDict({"config": cr}), dst_node_id=n, message_type=MessageType.QUERY, group_id="query")
             for n in node_ids
         ]
-        replies = list(grid.send_and_receive(msgs, timeout=self.settings.wait_timeout))
-        sent_to = destinations(msgs)
+        replies = by_node(grid.send_and_receive(msgs, timeout=self.settings.wait_timeout), msgs)
         out = []
-        for r in replies:
-            node = replying_node(r, sent_to)
+        for node, r in replies:
             if r.has_error():
                 if (
                     r.error.code == ErrorCode.NODE_UNAVAILABLE
@@ -676,10 +672,8 @@ class FedheadStrategy(Strategy, Transport):
         if self.secure is not None:  # the class moments, summed by SecAgg+
             pooled, got, failed, up, client_ms = self.secure.ccvr(grid, msgs, rnd, failed)
         else:
-            replies = list(grid.send_and_receive(msgs, timeout=self.settings.round_timeout))
-            sent_to = destinations(msgs)
-            for r in replies:
-                pid = pid_of.get(replying_node(r, sent_to))
+            for node, r in by_node(grid.send_and_receive(msgs, timeout=self.settings.round_timeout), msgs):
+                pid = pid_of.get(node)
                 if pid is None:
                     continue
                 if r.has_error():
