@@ -72,8 +72,8 @@ class PlanSeeds:
         self.seed, self.rnd, self.epochs = int(seed), int(rnd), int(epochs)
         self.row = {int(c): i for i, c in enumerate(cids)}
         self.words = None
-        lo, hi = min(self.seed, self.rnd, int(cids.min(initial=0))), max(self.seed, self.rnd, int(cids.max(initial=0)))
-        if len(cids) and self.epochs > 0 and lo >= 0 and max(hi, self.epochs) <= _MASK:
+        key_ends = (self.seed, self.rnd, self.epochs, int(cids.min()), int(cids.max())) if len(cids) else ()
+        if key_ends and self.epochs > 0 and all(0 <= v <= _MASK for v in key_ends):  # one uint32 word each
             keys = np.empty((len(cids), self.epochs, 4), dtype=np.int64)
             keys[..., 0], keys[..., 1] = self.seed, self.rnd
             keys[..., 2], keys[..., 3] = cids[:, None], np.arange(self.epochs)[None]
