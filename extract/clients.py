@@ -25,10 +25,12 @@ from pathlib import Path
 import numpy as np
 
 from extract import datasets as D
+from extract.store import check_budget
 from fedhead.infra.errors import FedheadError
 
 SOURCES = ("--client-folders", "--clients-csv", "--client-pattern")
 FOLDERS_LAYOUT = "<data-dir>/train/<client>/<class>/*.jpg and <data-dir>/test/<class>/*.jpg"
+CSV_INFLATE = 8  # memory per byte of a clients CSV once read (two strings and a dict entry per short row)
 
 
 def check_sources(folders: bool, csv_path, pattern) -> str | None:
@@ -127,19 +129,28 @@ def _read_csv(csv_path: Path) -> dict[str, str]:
             f"The '--clients-csv' parameter names {str(csv_path)!r}, which is not a file. "
             "Give a CSV file of rows 'file,client'."
         )
+    check_budget(CSV_INFLATE * Path(csv_path).stat().st_size, f"The '--clients-csv' file {str(csv_path)!r}")
     rows = {}
-    with open(csv_path, newline="", encoding="utf-8") as f:
-        for i, row in enumerate(csv.reader(f)):
-            if i == 0 and [c.strip().lower() for c in row[:2]] == ["file", "client"]:
-                continue
-            if not row or not "".join(row).strip():
-                continue
-            if len(row) < 2 or not row[0].strip() or not row[1].strip():
-                raise FedheadError(
-                    f"The '--clients-csv' parameter names {str(csv_path)!r}, whose row {i + 1} ({','.join(row)!r}) "
-                    "is not 'file,client'. Give every row as 'file,client'."
-                )
-            rows[Path(row[0].strip()).as_posix()] = row[1].strip()
+    i = 0
+    try:
+        with open(csv_path, newline="", encoding="utf-8") as f:
+            for i, row in enumerate(csv.reader(f)):
+                if i == 0 and [c.strip().lower() for c in row[:2]] == ["file", "client"]:
+                    continue
+                if not row or not "".join(row).strip():
+                    continue
+                if len(row) < 2 or not row[0].strip() or not row[1].strip() or not "".join(row[:2]).isprintable():
+                    raise FedheadError(
+                        f"The '--clients-csv' parameter names {str(csv_path)!r}, whose row {i + 1} "
+                        f"({','.join(row)!r}) is not 'file,client' (two fields of printable text). Give every row so."
+                    )
+                rows[Path(row[0].strip()).as_posix()] = row[1].strip()
+    except (UnicodeDecodeError, csv.Error, OSError) as exc:  # not UTF-8 text, a NUL byte, a field over csv's limit
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FedheadError(
+            f"The '--clients-csv' parameter names {str(csv_path)!r}, which cannot be read as UTF-8 CSV near row "
+            f"{i + 1} ({why}). Give a UTF-8 text file of rows 'file,client'."
+        ) from None
     return rows
 
 

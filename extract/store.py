@@ -56,6 +56,7 @@ import h5py
 import numpy as np
 
 from fedhead import __version__
+from fedhead.infra.devices import available_memory
 from fedhead.infra.errors import SPACE_ERRNOS, FedheadError
 from fedhead.infra.files import make_parent_dirs
 
@@ -523,6 +524,8 @@ def _decode(v: Any) -> Any:
         v = v.decode()
     if isinstance(v, np.generic):
         v = v.item()
+    if isinstance(v, np.ndarray):  # fedhead writes scalars; an array attribute compares as a list
+        v = v.tolist()
     if isinstance(v, str) and v[:1] in "{[":
         try:
             return json.loads(v)
@@ -533,6 +536,15 @@ def _decode(v: Any) -> Any:
 
 def _strings(d: h5py.Dataset) -> list[str]:
     return [n.decode() if isinstance(n, bytes) else str(n) for n in d[()]]
+
+
+def _names(f: h5py.File, name: str, p: Path, param: str) -> list[str]:
+    """The strings of dataset ``name`` (class names, client names, skipped paths), refusing anything else."""
+    d = f[name]
+    if not isinstance(d, h5py.Dataset) or d.ndim != 1 or (h5py.check_string_dtype(d.dtype) is None
+                                                          and d.dtype.kind not in "SU"):  # fmt: skip
+        raise _bad_store(param, p, f"{name} is not a list of strings")
+    return [n.decode("utf-8", "replace") if isinstance(n, bytes) else str(n) for n in d[()]]
 
 
 REMAKE = "Re-create it with 'fedhead extract --overwrite'."
@@ -633,6 +645,129 @@ def _check_values(
             )
 
 
+# ---------------------------------------------------------------- what a store may claim (a hostile file)
+
+BUDGET_ENV = "FEDHEAD_MEMORY_BUDGET"
+FALLBACK_BUDGET = 8 << 30  # where the system does not say how much memory it can give
+MAX_INFLATE = 1100  # deflate's best ratio is 1032:1: a compressed chunk may claim that much more than it holds
+MAX_CHUNK_BYTES = 64 << 20  # a chunk is read whole: HDF5 allows 4 GiB; fedhead writes 1024 rows (16 MiB at D 4096)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def memory_budget() -> tuple[int, str]:
+    """Bytes a reader may allocate for a file's arrays and where that figure comes from: ``FEDHEAD_MEMORY_BUDGET``
+    (bytes, or with a K/M/G/T suffix), else the memory the system can still give, else 8 GiB."""
+    text = os.environ.get(BUDGET_ENV, "").strip()
+    if text:
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?", text, re.IGNORECASE)
+        if m is None or float(m.group(1)) <= 0:
+            raise FedheadError(
+                f"The {BUDGET_ENV} environment variable must be a size in bytes, e.g. 8G or 512M. Got {text!r} "
+                f"instead. Set it so, or unset it to use the available memory."
+            )
+        return int(float(m.group(1)) * _UNITS[m.group(2).upper()]), f"{BUDGET_ENV}={text}"
+    free = available_memory()
+    if free is None:
+        return FALLBACK_BUDGET, f"the default {_mb(FALLBACK_BUDGET)} (the system does not say what is free)"
+    return free, f"the {_mb(free)} of memory available"
+
+
+def check_budget(need: int, what: str, fix: str = "") -> None:
+    """Refuse, before allocating, ``need`` bytes above :func:`memory_budget` (``what`` names the file and why)."""
+    budget, source = memory_budget()
+    if need > budget:
+        raise FedheadError(
+            f"{what} needs about {_mb(need)} of memory, more than {source}. {fix}If the file is trusted and the "
+            f"memory is there, raise {BUDGET_ENV} (e.g. {BUDGET_ENV}={-(-need // (1 << 30)) + 1}G)."
+        )
+
+
+def _link(f: h5py.File, name: str, p: Path, param: str) -> Any:
+    """The link of path ``name`` (None where it is absent or below something that is not a group), refusing a
+    soft or external link on the way: a store's objects are all its own."""
+    g, parts = f, name.strip("/").split("/")
+    for i, part in enumerate(parts):
+        link = g.get(part, getlink=True)
+        if link is None:
+            return None
+        if not isinstance(link, h5py.HardLink):
+            raise _bad_store(param, p, f"{'/'.join(parts[: i + 1])} links to an object outside it (external or soft "
+                             "link)")  # fmt: skip
+        if i == len(parts) - 1:
+            return link
+        g = g[part]
+        if not isinstance(g, h5py.Group):
+            return None
+    return None
+
+
+def claimed_bytes(d: h5py.Dataset) -> int:
+    """Bytes a full read of ``d`` allocates (variable-length items count their 16-byte references)."""
+    return int(np.prod(d.shape, dtype=object)) * int(d.id.get_type().get_size())
+
+
+def _check_storage(p: Path, param: str, name: str, d: Any) -> None:
+    """Refuse, from metadata, a dataset ``name`` whose shape claims more than the file holds for it: storage outside
+    the file (external or virtual), chunks not all written (they read as fill values that cost memory and were never
+    data), a chunk larger than :data:`MAX_CHUNK_BYTES`, or compressed chunks that would inflate more than deflate
+    can (:data:`MAX_INFLATE`)."""
+    if not isinstance(d, h5py.Dataset):
+        raise _bad_store(param, p, f"{name} is a {type(d).__name__.lower()}, not an array")
+    if d.is_virtual or d.external:
+        raise _bad_store(
+            param,
+            p,
+            f"{name} keeps its values in files outside it ({'virtual' if d.is_virtual else 'external'} storage)",
+        )
+    need, held = claimed_bytes(d), int(d.id.get_storage_size())
+    if d.chunks is None:  # contiguous: the values are in the file, or it reads as fill values
+        ok = held >= need
+    else:
+        item = int(d.id.get_type().get_size())
+        chunk = int(np.prod(d.chunks, dtype=object)) * item
+        if chunk > MAX_CHUNK_BYTES and chunk > need:
+            raise _bad_store(param, p, f"{name} is stored in chunks of {_mb(chunk)}, read whole, for {_mb(need)} "
+                             "of values")  # fmt: skip
+        grid = int(np.prod([-(-n // c) for n, c in zip(d.shape, d.chunks)], dtype=object))
+        have = int(d.id.get_num_chunks()) if need else 0
+        filtered = bool(d._filters)
+        ok = have >= grid and (held >= need if not filtered else held * MAX_INFLATE >= have * chunk)
+    if not ok and need:
+        raise _bad_store(param, p, f"{name} claims {d.shape} ({_mb(need)}) but the file holds {_mb(held)} for it")
+
+
+def _read_plan(f: h5py.File) -> list[str]:
+    """The datasets :func:`open_store` and :func:`load_store` read."""
+    names = ["class_names"]
+    for s in SPLITS:
+        names += [f"{s}/features", f"{s}/labels"]
+    if isinstance(f.get("train"), h5py.Group) and "clients" in f["train"]:
+        names += ["train/clients", "client_names"]
+    g = f.get("skipped")
+    if isinstance(g, h5py.Group):
+        names += [f"skipped/{k}" for k in g]
+    return names
+
+
+def _check_file(f: h5py.File, p: Path, param: str) -> None:
+    """Every dataset read: a hard link of this file, its storage in this file and covering its shape."""
+    for name in _read_plan(f):
+        if _link(f, name, p, param) is not None:
+            _check_storage(p, param, name, f[name])
+
+
+def _load_bytes(info: StoreInfo) -> int:
+    """Peak bytes of :func:`load_store`: float32 features, int64 labels and clients, and the largest array read
+    in the file's dtype before its conversion."""
+    item = 2 if info.attrs.get("dtype") == "float16" else 4
+    total, temp = 0, 0
+    for k, shape in info.shapes.items():
+        n = int(np.prod(shape, dtype=object))
+        total += n * (4 if k.endswith("features") else 8)
+        temp = max(temp, n * item if k.endswith("features") else 0)
+    return total + temp
+
+
 def open_store(path: str | os.PathLike, param: str = "--features", check_values: bool = False) -> StoreInfo:
     """Read a store's metadata, refusing missing, partial, corrupt or foreign files in one line.
 
@@ -660,18 +795,22 @@ def open_store(path: str | os.PathLike, param: str = "--features", check_values:
                     f"The '{param}' parameter names {str(p)!r}, an HDF5 file that is not a "
                     "fedhead feature store. Create one with 'fedhead extract'."
                 )
-            if not attrs.get("complete", False):
+            if attrs.get("complete") not in (True, 1):
                 raise FedheadError(
                     f"The '{param}' parameter names {str(p)!r}, a store that was never "
                     "completed. Re-run 'fedhead extract' with --overwrite."
                 )
-            names = _strings(f["class_names"])
+            _check_file(f, p, param)
+            names = _names(f, "class_names", p, param)
             _check_layout(f, p, param, attrs, names)
             shapes = {f"{s}/{k}": tuple(f[s][k].shape) for s in SPLITS for k in ("features", "labels", "clients")
                       if k in f[s]}  # fmt: skip
-            clients = _strings(f["client_names"]) if "clients" in f["train"] else []
+            clients = _names(f, "client_names", p, param) if "clients" in f["train"] else []
             g = f.get("skipped", {})
-            skipped = {s: _strings(g[s]) for s in [*[s for s in SPLITS if s in g], *[s for s in g if s not in SPLITS]]}
+            if not isinstance(g, (h5py.Group, dict)):
+                raise _bad_store(param, p, "skipped is not a group of lists of paths")
+            order = [*[s for s in SPLITS if s in g], *[s for s in g if s not in SPLITS]]
+            skipped = {s: _names(f, f"skipped/{s}", p, param) for s in order}
             if check_values:
                 for s in SPLITS:
                     x = f[s]["features"]
@@ -690,10 +829,11 @@ def open_store(path: str | os.PathLike, param: str = "--features", check_values:
                     _check_clients(p, param, f["train"]["clients"][()], len(clients))
     except FedheadError:
         raise
-    except (OSError, KeyError) as exc:
+    except (OSError, KeyError, RuntimeError, ValueError, TypeError) as exc:  # HDF5's errors on a damaged file
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FedheadError(
             f"The '{param}' parameter names {str(p)!r}, which is not a readable fedhead "
-            f"feature store ({exc}). Re-create it with 'fedhead extract --overwrite'."
+            f"feature store ({why}). Re-create it with 'fedhead extract --overwrite'."
         ) from None
     return StoreInfo(
         path=p,
@@ -710,14 +850,21 @@ def load_store(path: str | os.PathLike, param: str = "--features") -> Features:
     :func:`open_store` finds plus NaN/inf features and labels outside [0, num_classes) (a blockwise pass
     over the loaded arrays: 12.5 ms for CIFAR-10's 60,000 x 1280, next to 0.4 s to load them)."""
     info = open_store(path, param)
-    with h5py.File(info.path, "r") as f:
-        arrs = {}
-        for s in SPLITS:
-            arrs[s] = (
-                np.asarray(f[s]["features"][()], dtype=np.float32),
-                np.asarray(f[s]["labels"][()], dtype=np.int64),
-            )
-        clients = np.asarray(f["train"]["clients"][()], dtype=np.int64) if info.client_names else None
+    check_budget(_load_bytes(info), f"The '{param}' parameter names {str(info.path)!r}, a store that")
+    try:
+        with h5py.File(info.path, "r") as f:
+            arrs = {}
+            for s in SPLITS:
+                arrs[s] = (
+                    np.asarray(f[s]["features"][()], dtype=np.float32),
+                    np.asarray(f[s]["labels"][()], dtype=np.int64),
+                )
+            clients = np.asarray(f["train"]["clients"][()], dtype=np.int64) if info.client_names else None
+    except (OSError, KeyError, ValueError, RuntimeError) as exc:  # damaged after its metadata (HDF5 read errors)
+        raise FedheadError(
+            f"The '{param}' parameter names {str(info.path)!r}, whose arrays cannot be read "
+            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}). {REMAKE}"
+        ) from None
     for s in SPLITS:
         _check_values(info.path, param, s, arrs[s][0], arrs[s][1], info.num_classes, info.attrs)
     if clients is not None:

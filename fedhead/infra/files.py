@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -83,26 +84,53 @@ def check_out(path: str | os.PathLike, param: str = "--out", kind: str = "file")
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success it is renamed onto ``path`` atomically."""
+def _atomic_fd(path: str | os.PathLike) -> Iterator[tuple[int, Path]]:
+    """:func:`atomic_path` with the temporary file's descriptor: write through it (never reopen the name)."""
     path = Path(path)
     if path.is_dir():
         raise FedheadError(f"Cannot write {str(path)!r}: it is a folder. Move it or choose another output.")
     make_parent_dirs(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp)
+    # mkstemp opens O_CREAT | O_EXCL | O_NOFOLLOW (mode 0600): a name planted in the folder is never followed
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
     try:
-        yield tmp
+        yield fd, tmp
+        _still_ours(fd, tmp, path)
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
+        os.close(fd)
+        if os.path.lexists(tmp):
             tmp.unlink()
 
 
+def _still_ours(fd: int, tmp: Path, path: Path) -> None:
+    """Refuse to rename ``tmp`` onto ``path`` unless the name still holds a regular file (a symlink swapped in while
+    it was written would become the output). Writers that replace the name themselves (safetensors) are fine."""
+    if not stat.S_ISREG(os.lstat(tmp).st_mode):
+        raise FedheadError(
+            f"The temporary file {str(tmp)!r} was replaced by a symlink or another kind of file while fedhead wrote "
+            f"{str(path)!r} (someone else writes in that folder); nothing was written. Write the output to a folder "
+            "only you can write."
+        )
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` (created ``O_EXCL | O_NOFOLLOW``, mode 0600); on success it is renamed
+    onto ``path`` atomically, refused if the name no longer holds the file fedhead created."""
+    with _atomic_fd(path) as (_, tmp):
+        yield tmp
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """``data`` to ``path`` atomically, written through the temporary file's own descriptor."""
+    with _atomic_fd(path) as (fd, _):
+        with os.fdopen(os.dup(fd), "wb") as f:
+            f.write(data)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text)
+    atomic_write_bytes(path, text.encode())
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -146,8 +174,8 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     EFBIG, ...) and leaves nothing behind (the final name keeps its previous content)."""
     import torch
 
-    with atomic_path(path) as tmp:
-        with open(tmp, "wb") as f:
+    with _atomic_fd(path) as (fd, _):
+        with os.fdopen(os.dup(fd), "wb") as f:
             w = _KeepWriteError(f)
             try:
                 torch.save(obj, w)
@@ -165,3 +193,27 @@ def space_error(exc: OSError, where: str, resume: str) -> "FedheadError | None":
     return FedheadError(
         f"No space left while writing {where} ({why}); free space (or raise the file size limit) and {resume}."
     )
+
+
+def name_inside(folder: str | os.PathLike, name: Any, where: str) -> Path:
+    """``folder / name`` for a file name read from a file (a model card, a list): a relative path without ``..``
+    that stays inside ``folder`` once symlinks are resolved, else a one-line error (``where`` names the file and
+    the entry, e.g. ``"The model card 'x.json' (weights_file)"``)."""
+    folder = Path(folder)
+    bad = not isinstance(name, str) or not name or "\x00" in name
+    if not bad:
+        rel = Path(name)
+        bad = rel.is_absolute() or ".." in rel.parts or rel.drive != ""
+    if not bad:
+        try:
+            (folder / name).resolve().relative_to(folder.resolve())
+        except (ValueError, OSError, RuntimeError):
+            bad = True
+    if bad:
+        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
+        raise FedheadError(
+            f"{where} names {shown}, which is outside its folder {str(folder)!r} (absolute, '..', a symlink out, "
+            "or not a file name); fedhead reads only files inside it. Put the file in that folder and name it "
+            "relative to it."
+        )
+    return folder / name

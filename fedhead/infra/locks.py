@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 from pathlib import Path
 from typing import Iterator
 
@@ -56,6 +58,10 @@ def exclusive_writer(target: str | os.PathLike, what: str | None = None, param: 
 
     A file in the way of the lock's folder is a one-line error naming ``param``; folders created for the
     lock are removed again (if empty) when the block ends by an exception.
+
+    The lock file is opened ``O_NOFOLLOW`` without ``O_TRUNC``: a symlink planted at its name is a one-line error
+    naming it, and a file there that fedhead did not make (not a regular file, hard-linked, more than a pid) is
+    refused and left as it is, never truncated.
     """
     target = Path(target)
     lock = Path(str(target) + ".lock")
@@ -84,19 +90,42 @@ def exclusive_writer(target: str | os.PathLike, what: str | None = None, param: 
             remove_empty_dirs(created)
 
 
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+MAX_LOCK_BYTES = 32  # a lock file holds its holder's pid and a newline
+
+
+def _check_lock_file(fd: int, lock: Path, target: Path, param: str) -> None:
+    """Refuse a ``lock`` that fedhead did not make (it is truncated and removed later): not a regular file, a file
+    with other names (a hard link), or one holding more than a pid."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size > MAX_LOCK_BYTES:
+        why = ("not a regular file" if not stat.S_ISREG(st.st_mode) else
+               f"a file with {st.st_nlink} names" if st.st_nlink != 1 else f"{st.st_size} bytes, more than a pid")  # fmt: skip
+        raise FedheadError(
+            f"The lock file {str(lock)!r} of '{param}' {str(target)!r} is not a fedhead lock file ({why}); "
+            f"fedhead leaves it as it is. Remove it or choose another {param}."
+        )
+
+
 def _take_lock(lock: Path, target: Path, what: str, param: str) -> int:
     """Open and flock ``lock`` (see :func:`exclusive_writer`); returns the locked descriptor."""
     import fcntl
 
     while True:
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:  # never through a symlink, never truncated here, never blocking on a planted FIFO
+            fd = os.open(lock, _LOCK_FLAGS, 0o644)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise FedheadError(
+                    f"The lock file {str(lock)!r} of '{param}' {str(target)!r} is a symlink; fedhead does not "
+                    f"write through it. Remove it (it is not fedhead's) or choose another {param}."
+                ) from None
             raise FedheadError(
                 f"The '{param}' parameter names {str(target)!r}, beside which fedhead cannot "
                 f"create its lock file ({exc.strerror}). Choose another {param}."
             ) from None
         try:
+            _check_lock_file(fd, lock, target, param)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _lock_holder(fd)
