@@ -27,7 +27,10 @@ Grayscale images are repeated to 3 channels unless ``rgb=False``.
 
 from __future__ import annotations
 
+import codecs
 import gzip
+import io
+import math
 import os
 import pickle
 import re
@@ -38,6 +41,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from fedhead.infra.errors import FedheadError, param_error, unknown_name
+from fedhead.infra.files import name_inside
 
 SPLITS = ("train", "test")
 # the source image size (height, width) of the datasets whose images all have one size: the input size of a
@@ -201,14 +205,114 @@ def _find_inner(data_dir: Path, inner: str) -> Path:
     return data_dir / inner
 
 
+CIFAR_MAX_BYTES = 1 << 30  # one CIFAR file (CIFAR-100's train batch: 155 MB)
+_NUMERIC = set("biuf")  # the dtype kinds a CIFAR batch holds
+
+
+class _Refused(pickle.UnpicklingError):
+    """A pickle that asks for more than a CIFAR batch needs."""
+
+
+def _plain_dtype(spec, align=False, copy=True) -> np.dtype:
+    """``numpy.dtype`` for a batch: a numeric dtype by its short name, always a copy (pickle then sets its state)."""
+    if not isinstance(spec, str) or len(spec) > 4:
+        raise _Refused(f"a dtype {str(spec)[:20]!r}")
+    dtype = np.dtype(spec, bool(align), True)
+    if dtype.kind not in _NUMERIC or dtype.fields is not None or dtype.subdtype is not None:
+        raise _Refused(f"the dtype {spec!r}")
+    return dtype
+
+
+class _NdarrayName:
+    """What the name ``numpy.ndarray`` unpickles to: only :func:`_empty_array` takes it (calling the class would
+    allocate any size)."""
+
+
+def _empty_array(cls, shape, dtype):
+    """``numpy.core.multiarray._reconstruct`` as numpy pickles an array: an empty one, filled by its state (numpy
+    checks the data against the shape)."""
+    if cls is not _NdarrayName or tuple(shape) != (0,) or dtype not in ("b", b"b"):
+        raise _Refused("an array reconstructed otherwise than numpy pickles one")
+    return np.ndarray((0,), np.uint8)
+
+
+def _from_buffer(buf, dtype, shape, order):
+    """``numpy._core.numeric._frombuffer`` (protocol 5): the array over the bytes it carries."""
+    if not isinstance(buf, (bytes, bytearray)) or not isinstance(dtype, np.dtype) or dtype.kind not in _NUMERIC:
+        raise _Refused("an array from a buffer of another kind")
+    return np.frombuffer(buf, dtype).reshape(shape, order=order)
+
+
+def _scalar(dtype, data):
+    if not isinstance(dtype, np.dtype) or dtype.kind not in _NUMERIC or not isinstance(data, (bytes, str)):
+        raise _Refused("a numpy scalar of another kind")
+    core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1
+    return core.multiarray.scalar(dtype, data)
+
+
+def _latin1(text, encoding="utf-8", errors="strict"):
+    """``_codecs.encode`` as pickle writes bytes (protocol 2 under Python 3): latin-1 text to bytes, nothing else."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise _Refused(f"the codec {str(encoding)[:20]!r}")
+    return codecs.encode(text, "latin1")
+
+
+_CIFAR_GLOBALS = {
+    **{(m, "_reconstruct"): _empty_array for m in ("numpy.core.multiarray", "numpy._core.multiarray")},
+    **{(m, "scalar"): _scalar for m in ("numpy.core.multiarray", "numpy._core.multiarray")},
+    **{(m, "_frombuffer"): _from_buffer for m in ("numpy.core.numeric", "numpy._core.numeric")},
+    ("numpy", "ndarray"): _NdarrayName,
+    ("numpy", "dtype"): _plain_dtype,
+    ("_codecs", "encode"): _latin1,
+}
+
+
+class CifarUnpickler(pickle.Unpickler):
+    """The CIFAR python batches' pickles and nothing else: dicts, lists, strings, numbers and numeric numpy arrays
+    (numpy's own pickling of them, numpy 1 or 2, protocol 2 to 5); any other global is refused, so that a crafted
+    batch cannot run code."""
+
+    def find_class(self, module: str, name: str):
+        found = _CIFAR_GLOBALS.get((module, name))
+        if found is None:
+            raise _Refused(f"it calls {module}.{name}, which a CIFAR batch never does")
+        return found
+
+
+def _plain(obj, depth: int = 0) -> bool:
+    """Whether an unpickled batch holds only what a CIFAR batch does (no object arrays, no reconstruction marker)."""
+    if depth > 8:
+        return False
+    if isinstance(obj, dict):
+        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return all(_plain(v, depth + 1) for v in obj)
+    if isinstance(obj, np.ndarray):
+        return obj.dtype.kind in _NUMERIC and obj.dtype.fields is None and not obj.dtype.hasobject
+    return obj is None or isinstance(obj, (str, bytes, int, float, np.generic))
+
+
 def _unpickle(path: Path, name: str, data_dir: Path) -> dict:
+    """One CIFAR file through :class:`CifarUnpickler`, its size checked first (the file is read whole: a length in
+    the pickle cannot make a read allocate more than the file holds)."""
     try:
         with open(path, "rb") as f:
-            return pickle.load(f, encoding="latin1")
+            size = os.fstat(f.fileno()).st_size
+            if size > CIFAR_MAX_BYTES:
+                raise layout_error(name, data_dir, f"{path.name} holds {size} bytes, more than a CIFAR batch")
+            data = f.read(CIFAR_MAX_BYTES + 1)
+        obj = CifarUnpickler(io.BytesIO(data), encoding="latin1").load()
     except FileNotFoundError:
         raise layout_error(name, data_dir, f"missing {path.name}") from None
+    except FedheadError:
+        raise
+    except _Refused as exc:
+        raise layout_error(name, data_dir, f"{path.name} is not a readable CIFAR batch: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - truncated/garbage pickles
         raise layout_error(name, data_dir, f"{path.name} is not a readable CIFAR batch: {type(exc).__name__}") from None
+    if not isinstance(obj, dict) or not _plain(obj):
+        raise layout_error(name, data_dir, f"{path.name} is not a readable CIFAR batch: not a dict of arrays and lists")
+    return obj
 
 
 def _tv_download(cls_name: str, data_dir: Path, train: bool):
@@ -276,19 +380,32 @@ def _cifar100(data_dir, split, *, rgb=True, download=False):
 # ---------------------------------------------------------------- MNIST family (idx files)
 
 
-def read_idx(path: Path) -> np.ndarray:
-    """Read an idx file (optionally .gz) into a numpy array."""
+IDX_MAX_BYTES = 256 << 20  # one idx file's data (MNIST's train images: 47 MB)
+
+
+def read_idx(path: Path, max_bytes: int = IDX_MAX_BYTES) -> np.ndarray:
+    """Read an idx file (uint8 data, optionally .gz) into a numpy array: its header first (magic, dimensions), then
+    exactly the bytes it claims, at most ``max_bytes``: a gzip bomb is refused after reading its header, a file
+    with more or fewer bytes than its header claims without decompressing more than one byte past it."""
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rb") as f:
-        data = f.read()
-    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
-        raise ValueError("bad idx magic number")
-    ndim = data[3]
-    dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
-    arr = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
-    if arr.size != int(np.prod(dims)):
-        raise ValueError(f"idx size {arr.size} does not match header {dims}")
-    return arr.reshape(dims)
+        head = f.read(4)
+        if len(head) < 4 or head[:3] != b"\x00\x00\x08":
+            raise ValueError("bad idx magic number")
+        ndim = head[3]
+        raw = f.read(4 * ndim)
+        if not 1 <= ndim <= 4 or len(raw) != 4 * ndim:
+            raise ValueError(f"bad idx header ({ndim} dimensions)")
+        dims = [int.from_bytes(raw[4 * i : 4 * i + 4], "big") for i in range(ndim)]
+        size = math.prod(dims)
+        if size > max_bytes:
+            raise ValueError(f"its header claims {dims} ({size} bytes), more than the {max_bytes} an idx file may")
+        data = f.read(size)
+        if len(data) != size:
+            raise ValueError(f"{len(data)} bytes of data where its header {dims} claims {size}")
+        if f.read(1):
+            raise ValueError(f"more data than its header {dims} claims")
+    return np.frombuffer(data, dtype=np.uint8).reshape(dims)
 
 
 def _mnist_like(name: str, folder: str, tv_cls: str, names: list[str]):
@@ -306,10 +423,13 @@ def _mnist_like(name: str, folder: str, tv_cls: str, names: list[str]):
             if found is None:
                 raise layout_error(name, data_dir, f"missing {stem}")
             files[kind] = found
-        try:
-            x, y = read_idx(files["x"]), read_idx(files["y"]).astype(np.int64)
-        except (ValueError, OSError, EOFError) as exc:
-            raise layout_error(name, data_dir, f"malformed idx file: {exc}") from None
+        arrays = {}
+        for kind, path in files.items():
+            try:
+                arrays[kind] = read_idx(path)
+            except (ValueError, OSError, EOFError, gzip.BadGzipFile) as exc:
+                raise layout_error(name, data_dir, f"malformed idx file {path.name}: {exc}") from None
+        x, y = arrays["x"], arrays["y"].astype(np.int64)
         if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
             raise layout_error(name, data_dir, "image and label files do not match")
         return ImageSplit(name, split, y, list(names), images=_gray_to(x, rgb), rgb=rgb)
@@ -382,6 +502,8 @@ def _tinyimagenet(data_dir, split, *, rgb=True, download=False):
     if not wn.is_file():
         raise layout_error("tinyimagenet", data_dir, "missing wnids.txt")
     wnids = [w.strip() for w in wn.read_text().split() if w.strip()]
+    for w in wnids:  # each names a folder train/<wnid>
+        name_inside(root / "train", w, f"The TinyImageNet list {str(wn)!r}")
     index = {w: i for i, w in enumerate(wnids)}
     words = {}
     if (root / "words.txt").is_file():
@@ -408,7 +530,7 @@ def _tinyimagenet(data_dir, split, *, rgb=True, download=False):
                 continue
             if parts[1] not in index:
                 raise layout_error("tinyimagenet", data_dir, f"val annotation class {parts[1]!r} not in wnids.txt")
-            p = root / "val" / "images" / parts[0]
+            p = name_inside(root / "val" / "images", parts[0], f"The TinyImageNet list {str(ann)!r}")
             if not p.is_file():
                 raise layout_error("tinyimagenet", data_dir, f"missing val/images/{parts[0]}")
             paths.append(str(p))

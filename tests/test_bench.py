@@ -204,7 +204,7 @@ def test_resume_reruns_only_missing_and_continues_checkpoint(stores, tmp_path, m
     monkeypatch.setattr(T, "write_rounds", boom)
     res = bench(*args)
     assert res.exit_code == 130
-    assert (out / "runs" / "ova2-shard-2-default" / "checkpoint.pt").exists()
+    assert (out / "runs" / "ova2-shard-2-default" / "checkpoint.safetensors").exists()
     monkeypatch.setattr(T, "write_rounds", real)
     ok(bench(*args))
     again = {r["run_name"]: r for r in results(out)}

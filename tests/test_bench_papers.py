@@ -255,7 +255,7 @@ def test_sigterm_mid_bench_then_the_same_command_resumes(quick_reports, tmp_path
     assert p.returncode == 143, err
     last = [ln for ln in err.splitlines() if ln.strip()][-1]
     assert last.startswith("interrupted") and f"--out {out}" in last and "Traceback" not in err
-    assert (out / "runs" / "cifar10--skew95-fedavg" / "checkpoint.pt").exists()
+    assert (out / "runs" / "cifar10--skew95-fedavg" / "checkpoint.safetensors").exists()
     assert not (out / "report.md").exists() and not Path(f"{out}.lock").exists()
     env.pop("FEDHEAD_TEST_PAUSE_AFTER_ROUNDS")
     r = subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)

@@ -157,7 +157,7 @@ def test_resume_with_more_rounds_extends_a_finished_run(tiny_store, tmp_path, mo
     monkeypatch.setenv("FEDHEAD_THREADS", "1")
     ref = run_training(cfg_for(tiny_store, rounds=5, **kw), out=tmp_path / "ref", progress=False)
     short = run_training(cfg_for(tiny_store, rounds=3, **kw), out=tmp_path / "ext", progress=False)
-    assert (tmp_path / "ext" / FINAL_STATE).exists() and not (tmp_path / "ext" / "checkpoint.pt").exists()
+    assert (tmp_path / "ext" / FINAL_STATE).exists() and not (tmp_path / "ext" / "checkpoint.safetensors").exists()
     assert len(short.rows) < len(ref.rows)
     ext = run_training(cfg_for(tiny_store, rounds=5, **kw), out=tmp_path / "ext", resume=True, progress=False)
     assert same_nan(accs(ext.rows), accs(ref.rows))
@@ -189,7 +189,7 @@ def test_an_interrupted_extension_resumes(tiny_store, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run_training(cfg_for(tiny_store, rounds=4, **kw), out=tmp_path / "ext", resume=True, progress=False)
     restore()
-    assert (tmp_path / "ext" / "checkpoint.pt").exists()
+    assert (tmp_path / "ext" / "checkpoint.safetensors").exists()
     res = run_training(cfg_for(tiny_store, rounds=4, **kw), out=tmp_path / "ext", resume=True, progress=False)
     assert accs(res.rows) == accs(ref.rows)
     for s in (0, 1):

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 import cli
 import fedhead.scratch.runner as R
+from fedhead.federation.rundir import read_state
 from fedhead.scratch import algorithms as A
 from fedhead.scratch import engine as E
 from fedhead.scratch.models import DualHead, create_model, weight_layers
@@ -536,7 +537,7 @@ def test_resume_of_personal_state_equals_uninterrupted(tmp_path, monkeypatch, al
     with pytest.raises(KeyboardInterrupt):
         run_scratch(cfg_for(algo, seeds=[0, 1], **kw), cut)
     restore()
-    ck = torch.load(cut / CHECKPOINT, weights_only=False)["current"]["algo"]
+    ck = read_state(cut / CHECKPOINT)["current"]["algo"]
     if algo == "fedrep":
         assert set(ck["personal"]) == {"classifier.4.weight", "classifier.4.bias"}
         assert ck["personal"]["classifier.4.weight"].shape == (6, 10, 200)

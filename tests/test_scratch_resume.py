@@ -24,6 +24,8 @@ from zygote import fedhead_popen
 
 import cli
 import fedhead.scratch.runner as R
+from fedhead.federation.rundir import read_state
+from fedhead.infra.safestate import save_state
 from fedhead.scratch.runner import CHECKPOINT, ScratchConfig, run_scratch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -201,7 +203,7 @@ def test_resume_after_a_crash_equals_uninterrupted(tmp_path, monkeypatch, algo):
     restore()
     assert (cut / CHECKPOINT).exists() and not (cut / "summary.json").exists()
     assert len(rows(cut)) == 4 and (cut / "model-seed0.pt").exists() and not (cut / "model-seed1.pt").exists()
-    ckpt = torch.load(cut / CHECKPOINT, weights_only=False)
+    ckpt = read_state(cut / CHECKPOINT)
     assert (ckpt["index"], ckpt["seed"], ckpt["current"]["round"]) == (1, 1, 1)
     assert [r["round"] for r in ckpt["done"][0]["rows"]] == [1, 2, 3]
     assert set(ckpt["current"]["rng"]) >= {"bit_generator", "state"}  # the numpy Generator's state
@@ -223,14 +225,14 @@ def test_dnc_resume_keeps_split_and_prepass_state(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run_scratch(dnc_cfg(), cut)
     restore()
-    ckpt = torch.load(cut / CHECKPOINT, weights_only=False)
+    ckpt = read_state(cut / CHECKPOINT)
     algo_state = ckpt["current"]["algo"]
     assert algo_state["split"] is None and {r["round"] for r in algo_state["div_rows"]} == {1, 2}
     restore = cut_after(monkeypatch, 1)  # resumes, chooses the split, dies after round 3
     with pytest.raises(KeyboardInterrupt):
         run_scratch(dnc_cfg(), cut, resume=True)
     restore()
-    assert torch.load(cut / CHECKPOINT, weights_only=False)["current"]["algo"]["split"] == s_full["split_layer"]
+    assert read_state(cut / CHECKPOINT)["current"]["algo"]["split"] == s_full["split_layer"]
     s_cut = run_scratch(dnc_cfg(), cut, resume=True)
     assert_same_run(full, cut, seeds=(0,))
     assert s_cut["split_layer"] == s_full["split_layer"]
@@ -258,7 +260,7 @@ def test_signal_mid_run_then_resume_equals_uninterrupted(tmp_path, reference, al
     assert stdout == ""
     assert (out / CHECKPOINT).exists() and not (out / "summary.json").exists()
     assert len(rows(out)) == 4  # the checkpoint and rounds.csv agree
-    assert torch.load(out / CHECKPOINT, weights_only=False)["current"]["round"] == 1
+    assert read_state(out / CHECKPOINT)["current"]["round"] == 1
     assert not Path(str(out) + ".lock").exists()
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
     rc, stdout, err = _run(mnist_args(algo) + ["--out", str(out), "--resume"])
@@ -399,9 +401,9 @@ def test_resume_with_a_changed_checkpoint_configuration_is_refused(tmp_path, mon
     with pytest.raises(KeyboardInterrupt):
         run_scratch(mnist_cfg(), out)
     restore()
-    ck = torch.load(out / CHECKPOINT, weights_only=False)
+    ck = read_state(out / CHECKPOINT)
     ck["identity"] = "0" * 16  # a checkpoint of another configuration
-    torch.save(ck, out / CHECKPOINT)
+    save_state(ck, out / CHECKPOINT)
     code, lines = _invoke(mnist_args() + ["--out", str(out), "--resume"])
     assert code == 2 and len(lines) == 1 and "checkpoint" in lines[0] and "different configuration" in lines[0]
     (out / CHECKPOINT).write_bytes(b"not a checkpoint")

@@ -10,6 +10,7 @@ from conftest import crash_at
 
 from fedhead.core.aggregate import fedavg
 from fedhead.core.serveropt import SERVER_OPTS, ServerOptConfig, ServerOptimizer
+from fedhead.federation.rundir import CHECKPOINT, read_state
 from fedhead.infra.errors import FedheadError
 
 CPU = torch.device("cpu")
@@ -409,7 +410,7 @@ def _cut_and_resume(store, tmp_path, monkeypatch, **kw):
     with pytest.raises(KeyboardInterrupt):
         run_training(cfg(), out=tmp_path / "cut", progress=False)
     restore()
-    ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
+    ck = read_state(tmp_path / "cut" / CHECKPOINT)
     return full, ck, run_training(cfg(), out=tmp_path / "cut", resume=True, progress=False)
 
 

@@ -50,7 +50,7 @@ def test_contract_every_head_and_partition(tiny_store, tmp_path, head, partition
     clients = read_csv(d / "clients.csv")
     assert len(clients) == 8
     assert sum(int(c["size"]) for c in clients) <= 400
-    assert not (d / "checkpoint.pt").exists()
+    assert not (d / "checkpoint.safetensors").exists()
 
 
 def test_training_learns_and_ova2_stage1_is_one_round(tiny_store, tmp_path):
@@ -111,7 +111,7 @@ def test_resume_equals_uninterrupted(tiny_store, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run_training(cfg_for(tiny_store, **kw), out=tmp_path / "cut", progress=False)
     restore()
-    assert (tmp_path / "cut" / "checkpoint.pt").exists()
+    assert (tmp_path / "cut" / "checkpoint.safetensors").exists()
     assert not (tmp_path / "cut" / "summary.json").exists()
     monkeypatch.setenv("FEDHEAD_THREADS", "2")  # the resumed run keeps the recorded count, not this one
     resumed = run_training(cfg_for(tiny_store, **kw), out=tmp_path / "cut", resume=True, progress=False)

@@ -129,7 +129,7 @@ def _num(v: Any) -> Any:
 
 def run_status(run_dir: Path) -> str:
     """What re-running ``run_dir`` will do: reused (finished), resumed (checkpoint), stale or new."""
-    if (run_dir / CHECKPOINT).exists():
+    if (run_dir / CHECKPOINT).exists() or (run_dir / "checkpoint.pt").exists():  # .pt: an older fedhead's (pickled)
         return "resumed"
     if (run_dir / "summary.json").exists() and (run_dir / "config.json").exists():
         return "reused"

@@ -7,7 +7,7 @@ finished run by more rounds, progress on stderr and the final files (the plots a
 head federation over a transport (:class:`fedhead.federation.job.HeadJob`) or a scratch network
 (:class:`fedhead.scratch.runner.ScratchJob`).
 
-The checkpoint (``checkpoint.pt``, :data:`fedhead.federation.rundir.CHECKPOINT_FORMAT`): ``index`` and ``unit``
+The checkpoint (``checkpoint.safetensors``, :data:`fedhead.federation.rundir.CHECKPOINT_FORMAT`): ``index`` and ``unit``
 (the unit being trained) and ``seed``; ``current``: its ``round``, its ``rows`` and the job's
 :meth:`Job.unit_state`; ``done``: each finished unit's ``rows``, its ``final`` state and what
 :meth:`Job.finish_unit` returned; ``pending``: units of an extended run still to continue; ``run``: the job's

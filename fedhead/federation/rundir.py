@@ -5,8 +5,14 @@
 ``rounds.csv``      one row per (seed, round): ROUND_FIELDS, then any extra columns
 ``summary.json``    final/best accuracy, Acc@95, ratio to IID, mean and std over seeds, wall seconds
 ``clients.csv``     client id, size, number of classes, per-class counts (compact ``class:count`` form)
-``checkpoint.pt``   while the run is unfinished: everything needed to continue it (one format for every command)
-``final-state.pt``  once finished: the last state of every seed, so that ``--resume`` with more rounds extends it
+``checkpoint.safetensors``   while the run is unfinished: everything needed to continue it (one format for every
+                             command)
+``final-state.safetensors``  once finished: the last state of every seed, so that ``--resume`` with more rounds
+                             extends it
+
+Checkpoints and final states are :mod:`fedhead.infra.safestate` files (arrays and JSON: reading one runs no
+code). A run directory of an older fedhead holds them pickled (``checkpoint.pt``, ``final-state.pt``): read only
+with ``FEDHEAD_TRUST_PICKLED_RUNS=1``, by torch's weights-only unpickler (:func:`read_state`).
 
 All files are written atomically (a temporary file renamed over the final name). :class:`RunDir` is the one life
 cycle of such a directory (fresh, resumed, extended, finished and reported again), shared by ``fedhead train``,
@@ -21,6 +27,7 @@ import hashlib
 import io
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +38,8 @@ import torch
 
 from fedhead import __version__
 from fedhead.infra.errors import FedheadError
-from fedhead.infra.files import atomic_torch_save, atomic_write_json, atomic_write_text
+from fedhead.infra.files import atomic_write_json, atomic_write_text
+from fedhead.infra.safestate import load_state, save_state
 from fedhead.infra.signals import Interrupted
 
 ROUND_FIELDS = [
@@ -82,9 +90,15 @@ def read_csv(path: str | Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")  # a cell a spreadsheet would run as a formula (OWASP)
+
+
 def _fmt(v: Any) -> Any:
     if v is None:
         return ""
+    if isinstance(v, str):  # text from elsewhere (a node's error) is never a formula: a leading ' keeps it text;
+        v = "'" + v if v.startswith(FORMULA_STARTS) else v  # a bare CR (which the writer leaves unquoted) is a
+        return v.replace("\r\n", "\n").replace("\r", "\n")  # row break to readers: a quoted LF instead
     if isinstance(v, float):
         return "" if math.isnan(v) else f"{v:.6g}"
     if isinstance(v, np.floating):
@@ -167,9 +181,47 @@ def mean_std(values: Iterable[float | None]) -> tuple[float, float]:
 
 # ---------------------------------------------------------------- the life cycle of a run directory
 
-CHECKPOINT = "checkpoint.pt"
-FINAL_STATE = "final-state.pt"
-CHECKPOINT_FORMAT = 3  # 3: one format for train, Flower and scratch (the loop's); earlier ones are refused
+CHECKPOINT = "checkpoint.safetensors"
+FINAL_STATE = "final-state.safetensors"
+# 4: format 3's content as a safestate file; 3: one format for train, Flower and scratch (the loop's), pickled;
+# earlier ones are refused
+CHECKPOINT_FORMAT = 4
+PICKLED = {CHECKPOINT: "checkpoint.pt", FINAL_STATE: "final-state.pt"}  # format 3's names
+PICKLED_FORMAT = 3
+TRUST_PICKLES_ENV = "FEDHEAD_TRUST_PICKLED_RUNS"  # "1": read format 3's pickles (weights-only) of a trusted run
+
+
+def _pickle_globals() -> list:
+    """What a format-3 pickle may name besides tensors: numpy arrays, their numeric dtypes and scalars."""
+    from numpy._core.multiarray import _reconstruct, scalar
+
+    numeric = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
+               "float64")  # fmt: skip
+    return [_reconstruct, scalar, np.ndarray, np.dtype, bytes, *{type(np.dtype(n)) for n in numeric}]
+
+
+def read_state(path: str | Path, what: str = "checkpoint", param: str = "--resume", fix: str | None = None) -> Any:
+    """A checkpoint or final state (the one reader of both): a safestate file, or a format-3 pickle (``*.pt``) only
+    with ``FEDHEAD_TRUST_PICKLED_RUNS=1``, read by torch's weights-only unpickler (never ``weights_only=False``).
+    ``param``: the option that named the run; ``fix``: what to do instead (the one-line errors' end)."""
+    path = Path(path)
+    fix = fix or "Choose another run directory."
+    if path.suffix != ".pt":
+        return load_state(path, what, param, fix)
+    if os.environ.get(TRUST_PICKLES_ENV) != "1":
+        raise FedheadError(
+            f"The '{param}' option found the {what} {str(path)!r} in the pickle format of an older fedhead, which "
+            f"can run code when read. If you trust where this run directory came from, set {TRUST_PICKLES_ENV}=1 "
+            f"to read it (with torch's weights-only loader); otherwise: {fix}"
+        )
+    try:
+        with torch.serialization.safe_globals(_pickle_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable pickle is the same one-line error
+        why = (str(exc).strip().splitlines() or [""])[0][:160]
+        raise FedheadError(
+            f"The '{param}' option cannot read the pickled {what} {str(path)!r} ({type(exc).__name__}: {why}). {fix}"
+        ) from None
 
 
 def identity_hash(fields: dict) -> str:
@@ -255,6 +307,19 @@ class RunDir:
     def _again(self) -> str:
         return f"Use the same options as the interrupted run, or a new {self.out_param}."
 
+    def _state_file(self, name: str) -> Path | None:
+        """The run's ``name`` (CHECKPOINT or FINAL_STATE), else its format-3 pickle, else None."""
+        for path in (self.path / name, self.path / PICKLED[name]):
+            if path.exists():
+                return path
+        return None
+
+    def _state(self, path: Path, what: str) -> Any:
+        fix = f"Choose another {self.out_param}, or run again without {self.resume_param} into an empty one."
+        state = read_state(path, what, self.resume_param, fix)
+        wanted = PICKLED_FORMAT if path.suffix == ".pt" else CHECKPOINT_FORMAT
+        return state if isinstance(state, dict) and state.get("format") == wanted else None
+
     def _read(self, name: str, loader, what: str) -> Any:
         try:
             return loader(self.path / name)
@@ -303,15 +368,12 @@ class RunDir:
             )
         previous = self._read("config.json", lambda p: json.loads(p.read_text()), "configuration")
         same, differences = self._same_run(previous)
-        if self.checkpoint_path.exists():
+        saved = self._state_file(CHECKPOINT)
+        if saved is not None:
             if not same:
                 raise self._refuse(differences)
-            ckpt = self._read(CHECKPOINT, lambda p: torch.load(p, map_location="cpu", weights_only=False), "checkpoint")
-            if (
-                not isinstance(ckpt, dict)
-                or ckpt.get("format") != CHECKPOINT_FORMAT
-                or ckpt.get("identity") not in ({self.hash} | set(self.legacy))
-            ):
+            ckpt = self._state(saved, "checkpoint")
+            if ckpt is None or ckpt.get("identity") not in ({self.hash} | set(self.legacy)):
                 raise self._refuse([], "checkpoint")
             return Opened("resume", checkpoint=ckpt, previous=previous)
         finished = (self.path / "summary.json").exists()
@@ -331,15 +393,15 @@ class RunDir:
     def _extension(self, previous: dict, differences: list[str]) -> dict | None:
         """A finished run whose identity differs only by more rounds continues from its final state."""
         key, before = self.extendable, self._previous_identity(previous)
-        if key is None or not before or not (self.path / FINAL_STATE).exists():
+        final = self._state_file(FINAL_STATE)
+        if key is None or not before or final is None:
             return None
         others = {k: v for k, v in before.items() if k != key}
         if others != {k: v for k, v in self.identity.items() if k != key}:
             return None
         if not isinstance(before.get(key), int) or self.identity.get(key, 0) <= before[key]:
             return None
-        state = self._read(FINAL_STATE, lambda p: torch.load(p, map_location="cpu", weights_only=False), "final state")
-        return state if isinstance(state, dict) and state.get("format") == CHECKPOINT_FORMAT else None
+        return self._state(final, "final state")
 
     def prepare(self, config: dict, opened: Opened) -> None:
         """Create the folder and write config.json with this run's identity (an extended run's is its new one)."""
@@ -352,12 +414,14 @@ class RunDir:
         write_config(self.path, {**self.record, **config})
 
     def save_checkpoint(self, state: dict) -> None:
-        atomic_torch_save({"format": CHECKPOINT_FORMAT, "identity": self.hash, **state}, self.checkpoint_path)
+        save_state({"format": CHECKPOINT_FORMAT, "identity": self.hash, **state}, self.checkpoint_path)
+        (self.path / PICKLED[CHECKPOINT]).unlink(missing_ok=True)  # a format-3 run continued: its pickle is stale
 
     def finish(self, final_state: dict | None) -> None:
-        """The run is complete (its summary written): keep its final state for an extension, drop the checkpoint."""
+        """The run is complete (its summary written): keep its final state for an extension, drop the checkpoint
+        (and the pickles of a format-3 run it continued)."""
         if final_state is not None:
-            atomic_torch_save(
-                {"format": CHECKPOINT_FORMAT, "identity": self.hash, **final_state}, self.path / FINAL_STATE
-            )
+            save_state({"format": CHECKPOINT_FORMAT, "identity": self.hash, **final_state}, self.path / FINAL_STATE)
+            (self.path / PICKLED[FINAL_STATE]).unlink(missing_ok=True)
         self.checkpoint_path.unlink(missing_ok=True)
+        (self.path / PICKLED[CHECKPOINT]).unlink(missing_ok=True)

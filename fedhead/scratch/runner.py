@@ -1,7 +1,7 @@
 """The scratch round loop, written once for every algorithm, and its resolved configuration.
 
 A run writes its run directory under an exclusive lock (:func:`fedhead.infra.locks.exclusive_writer`). After every
-round the whole state of the run is saved atomically in ``checkpoint.pt`` together with ``rounds.csv`` (one
+round the whole state of the run is saved atomically in ``checkpoint.safetensors`` together with ``rounds.csv`` (one
 critical section: a SIGINT/SIGTERM waits for both): the algorithm's state (every tensor of the global model,
 FedOVA's per-class networks included, and the algorithm's own state, e.g. D&C's split and pre-pass
 divergences, the personalised algorithms' per-client tensors, SCAFFOLD's control variates), the current seed's
