@@ -16,6 +16,11 @@ aggregation can compute without seeing one client's message.
 - ``fedavg-int8`` and ``fedavg-topk`` (:mod:`fedhead.core.compress`): FedAvg of compressed updates, with error
   feedback (per-client residuals kept across rounds); a message is sent as its compact wire form (int8 codes and
   scales; top-k values and indices), and the server decodes it before summing.
+- ``median`` and ``trimmed-mean`` (robust to poisoning clients): the coordinate-wise median, or the mean after
+  dropping the ``--trim-fraction`` largest and smallest values of each coordinate, of the clients' updates
+  ``W_k - theta``, each first clipped on the server to L2 norm ``--norm-bound``; unweighted (a client's sample
+  count is its own claim). Not sums (``summable = False``): the accumulator keeps every client's message, so they
+  cannot run under SecAgg+ or DP.
 
 Users add rules with :func:`register_aggregator` (docs/extending.md); ``--aggregate NAME`` then
 selects one in ``fedhead train``, every bench command and Flower. Besides the message's tensors the server knows
@@ -29,12 +34,15 @@ of the compact wire form for the compressed rules.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fedhead.core.dp import gaussian
 from fedhead.core.plugins import class_registrar, load_plugins
+from fedhead.infra.devices import available_memory
 from fedhead.infra.errors import FedheadError, unknown_name
 
 
@@ -53,6 +61,7 @@ class Totals:
     round: int | None = None
     seed: int | None = None
     sampled: int | None = None
+    each: dict | None = None  # a rule that is no sum (summable = False): every client's message, {key: [K, ...]}
 
 
 class Aggregator:
@@ -69,11 +78,16 @@ class Aggregator:
     ``client_state = True``: its ``message`` also gets ``ids=`` (the clients' ids, ``[K]``) and reads and updates
     the clients' state it holds (:class:`fedhead.core.compress.Residuals`: every client's in process, a node's own
     on Flower). A rule whose message travels in another form than the dense tensors it sums overrides
-    :meth:`wire` (what a client sends) and :meth:`unwire` (the server's dense message from it)."""
+    :meth:`wire` (what a client sends) and :meth:`unwire` (the server's dense message from it).
+
+    A rule whose update is no function of the messages' sum (a median) sets ``summable = False``: the accumulator
+    then keeps every client's message (:attr:`Totals.each`), and secure aggregation and DP, which only ever
+    release a sum, refuse it."""
 
     name = ""
     description = ""
     client_state = False  # True: message() takes ids= and keeps per-client state (compress.CompressedFedAvg)
+    summable = True  # False: update() reads every client's message (Totals.each), not their sum
 
     @classmethod
     def from_config(cls, cfg) -> "Aggregator":
@@ -106,6 +120,12 @@ class Aggregator:
         """The dense message of what :meth:`wire` sent from the head ``theta`` (identity unless a rule encodes its
         message)."""
         return sent
+
+    def wire_shapes(self, theta: torch.Tensor) -> dict:
+        """``{key: (shape, numpy dtype)}`` of one client's :meth:`wire` form (a dry run; a Flower server checks each
+        reply against it). A rule with per-client state overrides it."""
+        msg = self.message(theta, theta[None], torch.ones(1, device=theta.device), _all_held(theta))
+        return {k: (tuple(v.shape[1:]), _numpy_dtype(v)) for k, v in msg.items()}
 
     def nbytes(self, theta: torch.Tensor) -> int:
         """Bytes one client uploads: its message's tensors (a dry run on one client)."""
@@ -194,7 +214,81 @@ class DPFedAvg(Aggregator):
         return theta.numel() * theta.element_size()  # the clipped update: one head's bytes
 
 
-AGGREGATORS: dict[str, type] = {"fedavg": FedAvg, "grouped": Grouped, "dp-fedavg": DPFedAvg}
+class Robust(Aggregator):
+    """The coordinate-wise trimmed mean of the clients' updates ``W_k - theta`` (Yin et al. 2018): per entry, the
+    ``floor(trim K)`` largest and smallest of the K values dropped (at most all but the middle one or two), the
+    rest averaged; ``trim = None`` (or 0.5) is the coordinate-wise median (the middle value, or the mean of the two
+    middle ones). ``norm_bound``: each update is
+    first scaled to L2 norm at most this (on the server, so a client cannot skip it). Unweighted: a client's sample
+    count is its own claim. One client in K moves no entry beyond the range of the others' once ``trim >= 1/K``."""
+
+    name = "trimmed-mean"
+    description = "coordinate-wise trimmed mean of the updates (--trim-fraction), each clipped to --norm-bound"
+    summable = False
+    default_trim = 0.1
+
+    def __init__(self, trim: float | None = None, norm_bound: float | None = None):
+        self.trim = self.default_trim if trim is None else float(trim)
+        self.norm_bound = None if norm_bound is None else float(norm_bound)
+        if self.trim is not None and not 0 <= self.trim <= 0.5:
+            raise FedheadError(
+                f"The '--trim-fraction' parameter must be in [0, 0.5]. Got {self.trim!r} instead. Use e.g. 0.1 "
+                "(the share of the largest and of the smallest values dropped per entry; 0.5: the median)."
+            )
+        if self.norm_bound is not None and not (math.isfinite(self.norm_bound) and self.norm_bound > 0):
+            raise FedheadError(
+                f"The '--norm-bound' parameter must be a positive number. Got {self.norm_bound!r} instead. Use e.g. "
+                "the norm of a typical client update (see a FedAvg run), or leave it out."
+            )
+
+    @classmethod
+    def from_config(cls, cfg):
+        return cls(getattr(cfg, "trim_fraction", None), getattr(cfg, "norm_bound", None))
+
+    def message(self, theta, trained, sizes, holds):
+        return {"update": trained - theta.to(trained.dtype)}
+
+    def dropped(self, k: int) -> int:
+        """Values dropped at each end of an entry's ``k`` values."""
+        if self.trim is None:
+            return (k - 1) // 2
+        return min(int(math.floor(self.trim * k)), (k - 1) // 2)
+
+    def update(self, previous, totals):
+        if totals.each is None:
+            raise FedheadError(
+                f"The aggregator {self.name!r} needs every client's update, but its Totals carry only their sum. "
+                "Feed it through an Accumulator (which keeps them for rules with summable = False)."
+            )
+        u = totals.each["update"]
+        k = u.shape[0]
+        if k == 0:
+            return previous.clone()
+        if self.norm_bound is not None:
+            norm = u.flatten(1).norm(dim=1)
+            u = u * (self.norm_bound / norm.clamp_min(1e-300)).clamp(max=1.0).view(-1, *([1] * (u.dim() - 1)))
+        t = self.dropped(k)
+        kept = torch.sort(u, dim=0).values[t : k - t]
+        return (previous.to(u.dtype) + kept.sum(0) / (k - 2 * t)).to(previous.dtype)
+
+
+class Median(Robust):
+    name = "median"
+    description = "coordinate-wise median of the updates, each clipped to --norm-bound"
+    default_trim = None
+
+    @classmethod
+    def from_config(cls, cfg):
+        return cls(None, getattr(cfg, "norm_bound", None))
+
+
+AGGREGATORS: dict[str, type] = {
+    "fedavg": FedAvg,
+    "grouped": Grouped,
+    "dp-fedavg": DPFedAvg,
+    "median": Median,
+    "trimmed-mean": Robust,
+}
 
 
 # class decorator: register an Aggregator subclass under a name (--aggregate NAME)
@@ -245,6 +339,7 @@ class Accumulator:
         self.n = torch.zeros((), device=dev, dtype=self.dtype)
         self.holds = torch.zeros(previous.shape[0], device=dev, dtype=self.dtype)
         self.clients = 0
+        self.each: dict | None = None if self.agg.summable else {}  # a rule that is no sum: every client's message
 
     def message(self, trained: torch.Tensor, sizes: torch.Tensor, holds: torch.Tensor, ids=None) -> dict:
         """The messages of clients that trained ``trained [K, C, D+1]`` (what each of them sends, dense); ``ids``:
@@ -258,24 +353,62 @@ class Accumulator:
         self.add_message(self.message(stacked, sizes, holds, ids), sizes, holds)
 
     def add_message(self, msg: dict, sizes: torch.Tensor, holds: torch.Tensor) -> None:
-        """Add messages ``{key: [K, ...]}`` of K clients with their sample counts ``[K]`` and holds ``[K, C]``."""
-        if self.sums and set(msg) != set(self.sums):
+        """Add messages ``{key: [K, ...]}`` of K clients with their sample counts ``[K]`` and holds ``[K, C]``
+        (a rule that is no sum keeps them as they are, :attr:`Totals.each`)."""
+        kept = self.each if self.each is not None else self.sums
+        if kept and set(msg) != set(kept):
             raise FedheadError(
                 f"The aggregator {self.agg.name!r} sent messages with keys {sorted(msg)} after "
-                f"{sorted(self.sums)}. Its message() must return the same keys for every client."
+                f"{sorted(kept)}. Its message() must return the same keys for every client."
             )
+        if self.each is not None:
+            self._check_memory(msg)
         for k, v in msg.items():
+            if self.each is not None:
+                self.each.setdefault(k, []).append(v.to(self.previous.device, self.dtype))
+                continue
             s = v.to(self.previous.device).sum(0, dtype=self.dtype)
             self.sums[k] = s if k not in self.sums else self.sums[k] + s
         self.n += sizes.to(self.previous.device).sum(dtype=self.dtype)
         self.holds += holds.to(self.previous.device).sum(0, dtype=self.dtype)
         self.clients += len(sizes)
 
+    def _check_memory(self, msg: dict) -> None:
+        """Refuse, in one line, a rule that keeps every client's message when the round's cannot fit in memory."""
+        if self.each:
+            return
+        per = sum(v[0].numel() for v in msg.values()) * torch.finfo(self.dtype).bits // 8
+        k, free = self.sampled or len(next(iter(msg.values()), [])), available_memory()
+        if free is not None and per * k > free:
+            raise FedheadError(
+                f"The aggregator {self.agg.name!r} keeps every client's message: {k} clients x {per / 1e6:.1f} MB = "
+                f"{per * k / 1e9:.1f} GB, but this machine has {free / 1e9:.1f} GB free. Use fewer clients a round "
+                "(--participation), or --aggregate fedavg."
+            )
+
     def finish(self) -> torch.Tensor:
+        each = None if self.each is None else {k: torch.cat(v) for k, v in self.each.items()}
         return self.agg.update(
             self.previous,
-            Totals(self.sums, self.n, self.holds, self.clients, round=self.rnd, seed=self.seed, sampled=self.sampled),
+            Totals(
+                self.sums,
+                self.n,
+                self.holds,
+                self.clients,
+                round=self.rnd,
+                seed=self.seed,
+                sampled=self.sampled,
+                each=each,
+            ),  # fmt: skip
         )
+
+
+def _all_held(theta: torch.Tensor) -> torch.Tensor:
+    return torch.ones(1, theta.shape[0], dtype=torch.bool, device=theta.device)
+
+
+def _numpy_dtype(v: torch.Tensor) -> np.dtype:
+    return np.dtype(str(v.dtype).replace("torch.", ""))
 
 
 def fedavg(stacked: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:

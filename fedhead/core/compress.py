@@ -219,6 +219,10 @@ class CompressedFedAvg(Aggregator):
     def update(self, previous, totals):
         return (previous.to(totals.sums[self.key].dtype) + totals.sums[self.key] / totals.n).to(previous.dtype)
 
+    def wire_shapes(self, theta):
+        sent = self.weigh(self.compress(torch.zeros_like(theta)[None]), torch.ones(1, device=theta.device))
+        return {k: (tuple(v.shape[1:]), np.dtype(str(v.dtype).replace("torch.", ""))) for k, v in sent.items()}
+
     def nbytes(self, theta):
         """The bytes of one client's wire form (their shapes depend only on the head's)."""
         sent = self.weigh(self.compress(torch.zeros_like(theta)[None]), torch.ones(1, device=theta.device))

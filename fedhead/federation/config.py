@@ -226,7 +226,8 @@ class _Config:
         for k in ("secure_aggregation", "eval_unseen_clients"):
             if not d.get(k):
                 d.pop(k, None)  # runs from before the option keep their identity
-        for k in ("dp_noise_multiplier", "dp_clip", "dp_delta", "dp_feature_clip", "topk_fraction", "error_feedback"):
+        for k in ("dp_noise_multiplier", "dp_clip", "dp_delta", "dp_feature_clip", "topk_fraction", "error_feedback",
+                  "trim_fraction", "norm_bound"):  # fmt: skip
             if d.get(k) is None:
                 d.pop(k, None)  # runs without DP or compression keep the identity they had before them
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -448,8 +449,9 @@ def load_experiment(path: str | Path) -> dict:
                 )
             close = difflib.get_close_matches(key, list(FIELDS), n=1)
             hint = f" Did you mean {close[0]}?" if close else ""
+            shown = f"'{key}'" if key.isprintable() else repr(key)  # a hostile key: one line, escaped
             raise FedheadError(
-                f"The '{key}' key in {where} is not an experiment field.{hint} "
+                f"The {shown} key in {where} is not an experiment field.{hint} "
                 "(fedhead train --print-config shows them all.)"
             )
         value = _typed(f, value, where)

@@ -489,7 +489,8 @@ FIELD_LIST: list[Field] = [
         str,
         None,
         "aggregation rule: fedavg (size-weighted) | grouped (per row, FedOVA style) | fedavg-int8 | fedavg-topk "
-        "(compressed updates, error feedback) | a registered rule",
+        "(compressed updates, error feedback) | median | trimmed-mean (robust to poisoning clients) | a registered "
+        "rule",
         SERVER,
         constraint=Names("aggregate"),
         applies=_IT,
@@ -514,6 +515,28 @@ FIELD_LIST: list[Field] = [
         SERVER,
         applies=(When("aggregate", COMPRESSED),),
         default_text="on",
+    ),
+    Field(
+        "trim_fraction",
+        float,
+        None,
+        "trimmed-mean: share of the largest and of the smallest client values dropped per head entry (0.5: the median)",
+        SERVER,
+        constraint=Interval(0, 0.5, closed="both"),
+        applies=(When("aggregate", ("trimmed-mean",)),),
+        default_text="0.1",
+        fix="Use a fraction in [0, 0.5], at least 1/(clients a round) to drop one poisoning client, e.g. 0.25.",
+    ),
+    Field(
+        "norm_bound",
+        float,
+        None,
+        "median / trimmed-mean: each client's update W_k - theta clipped on the server to this L2 norm",
+        SERVER,
+        constraint=_POS,
+        applies=(When("aggregate", ("median", "trimmed-mean")),),
+        default_text="no bound",
+        fix="Use a positive norm, e.g. that of a typical client update.",
     ),
     Field(
         "center",

@@ -151,6 +151,12 @@ def validate_method(cfg: TrainConfig) -> None:
         cfg.center, cfg.scale = False, "none"
         _secure_statistics(cfg, cfg.head)
     if cfg.secure_aggregation and not is_closed_form(cfg.head) and cfg.aggregate in aggregator_names():
+        if not create_aggregator(cfg.aggregate).summable:
+            raise FedheadError(
+                f"The '--aggregate' parameter {cfg.aggregate} cannot be combined with --secure-aggregation: the rule "
+                "needs every client's update, and SecAgg+ releases only their sum. Got --aggregate "
+                f"{cfg.aggregate} with --secure-aggregation. Drop one of them."
+            )
         if isinstance(create_aggregator(cfg.aggregate), CompressedFedAvg):
             raise FedheadError(
                 f"The '--aggregate' parameter {cfg.aggregate} cannot be combined with --secure-aggregation: SecAgg+ "
@@ -183,7 +189,7 @@ def validate_method(cfg: TrainConfig) -> None:
 # where a run runs and where its rows go besides rounds.csv, not what it finds
 NOT_IDENTITY = ("features", "device", "block_clients", "memory_budget_mb", "dual", "plots", "log", "log_dir")
 # fields added after runs were written: left out of the identity while unset, so those runs keep theirs
-UNSET_NOT_IDENTITY = ("topk_fraction", "error_feedback")
+UNSET_NOT_IDENTITY = ("topk_fraction", "error_feedback", "trim_fraction", "norm_bound")
 
 
 def identity_fields(cfg: TrainConfig, store: Features) -> dict:

@@ -45,7 +45,7 @@ from fedhead.flower.common import require_flower
 require_flower()
 
 import torch  # noqa: E402
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict  # noqa: E402
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict  # noqa: E402
 from flwr.common import (
     Code,
     FitIns,
@@ -55,7 +55,7 @@ from flwr.common import (
     ndarrays_to_parameters,  # noqa: E402
     parameters_to_ndarrays,
 )
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key  # noqa: E402
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage  # noqa: E402
 from flwr.compat.common import recorddict_compat as compat  # noqa: E402
 from flwr.server.compat.grid_client_proxy import GridClientProxy  # noqa: E402
 from flwr.server.compat.legacy_context import LegacyContext  # noqa: E402
@@ -80,6 +80,7 @@ from fedhead.flower.common import (
     short_reason,
 )
 from fedhead.flower.masking import METRICS
+from fedhead.flower.replies import npy_count
 from fedhead.infra import devices
 from fedhead.infra.errors import FedheadError  # noqa: E402
 
@@ -371,10 +372,12 @@ def content_bytes(rd: RecordDict) -> int:
 
 class _Recorder:
     """The Grid as the workflow sees it: forwards every call, and records per node the bytes each way, the
-    failures (error replies and missing ones) of the last stage and the nodes' SecAgg+ compute time."""
+    failures (error replies and missing ones) of the last stage and the nodes' SecAgg+ compute time. A masked
+    vector of another shape than the exchange's (``vector`` digits) becomes that node's error reply, so the
+    workflow leaves the node out as a dropout (its values are masked: only shapes and the range can be checked)."""
 
-    def __init__(self, grid, timeout: float):
-        self.grid, self.timeout = grid, timeout
+    def __init__(self, grid, timeout: float, vector: int | None = None):
+        self.grid, self.timeout, self.vector = grid, timeout, vector
         self.up: dict = {}
         self.down: dict = {}
         self.node_ms: dict = {}
@@ -390,6 +393,8 @@ class _Recorder:
         t0 = time.perf_counter()
         replies = list(self.grid.send_and_receive(messages, timeout=timeout))
         self.wait_s += time.perf_counter() - t0
+        if stage == Stage.COLLECT_MASKED_VECTORS and self.vector is not None:
+            replies = [self._checked(node, r, messages) for node, r in by_node(replies, messages)]
         self.failed = {}
         seen = set()
         for node, r in by_node(replies, messages):
@@ -405,8 +410,39 @@ class _Recorder:
                 self.failed[m.metadata.dst_node_id] = f"no reply within {self.timeout:g} s (SecAgg+ stage {stage})"
         return replies
 
+    def _checked(self, node: int, r: Message, sent: list) -> Message:
+        """``r``, or an error reply in its place when its masked vector is not the exchange's ``[1] + [vector]``
+        integers in ``[0, 2^62)``."""
+        if r.has_error():
+            return r
+        why = masked_vector_problem(r, self.vector)
+        if why is None:
+            return r
+        req = next((m for m in sent if m.metadata.dst_node_id == node), None)
+        LOG.log(WARNING, "[fedhead] SecAgg+: the masked vector of node %s is refused: %s", node, why)
+        return Message(Error(code=0, reason=f"[[bad masked vector refused: {why}]]"), reply_to=req)
+
     def __getattr__(self, name):
         return getattr(self.grid, name)
+
+
+def masked_vector_problem(r: Message, vector: int) -> str | None:
+    """Why a node's SecAgg+ stage-2 reply is no masked vector of ``vector`` digits (None: it is one). Sizes are read
+    from the ``.npy`` headers before any array is."""
+    try:
+        got = r.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]
+        if not isinstance(got, list) or len(got) != 2 or not all(isinstance(b, bytes) for b in got):
+            return "not two arrays (the weight and the vector)"
+        for b, want in zip(got, (1, vector)):
+            n, dt = npy_count(b)
+            if n != want or dt.kind not in "iu":
+                return f"an array of {n} {dt} values, expected {want} integers"
+            a = bytes_to_ndarray(b)
+            if a.size and (int(a.min()) < 0 or int(a.max()) >= MODULUS_RANGE):
+                return "values outside the masks' group"
+    except Exception as exc:  # noqa: BLE001 - any malformed reply is the node's failure
+        return f"malformed ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})"
+    return None
 
 
 class _Exchange(LegacyStrategy):
@@ -471,7 +507,7 @@ def secure_sum(grid, messages: list, kind: str, layout: Layout, rnd: int, timeou
         pending[m.metadata.dst_node_id] = FitIns(ndarrays_to_parameters([arrays[k].numpy() for k in names]), config)
     n0 = len(pending)
     shares, t = protocol_params(n0)
-    rec = _Recorder(grid, timeout)
+    rec = _Recorder(grid, timeout, layout.fmt.limbs * layout.size)
     failed: dict = {}
     out = SecureSum(None, [], failed, None, shares=shares, threshold=t)
     stages = ("setup", "share keys", "collect masked vectors", "unmask")
@@ -510,39 +546,43 @@ def secure_sum(grid, messages: list, kind: str, layout: Layout, rnd: int, timeou
         ctx.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: int(rnd)})
         ctx.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
         state = WorkflowState()
-        early = {}
-        ok = True
-        for i, step in enumerate((wf.setup_stage, wf.share_keys_stage)):  # noqa: B007 - i names the stage below
-            ok = step(rec, ctx, state)
-            early.update(rec.failed)
+        try:  # a node's malformed SecAgg+ reply stops this exchange (its round's failure), not the run
+            early = {}
+            ok = True
+            for i, step in enumerate((wf.setup_stage, wf.share_keys_stage)):  # noqa: B007 - i names the stage below
+                ok = step(rec, ctx, state)
+                early.update(rec.failed)
+                if not ok:
+                    break
+            if early:  # no mask involves these nodes yet: start again without them
+                for node, why in early.items():
+                    failed[node] = why
+                    pending.pop(node, None)
+                out.restarts += 1
+                continue
             if not ok:
-                break
-        if early:  # no mask involves these nodes yet: start again without them
-            for node, why in early.items():
-                failed[node] = why
-                pending.pop(node, None)
-            out.restarts += 1
-            continue
-        if not ok:
-            return done(f"secure aggregation stopped in SecAgg+ stage {stages[i]}")
-        ok = wf.collect_masked_vectors_stage(rec, ctx, state)
-        failed.update(rec.failed)
-        if not ok:
-            lost = "; ".join(f"node {k}: {v}" for k, v in sorted(rec.failed.items()))
-            return done(
-                f"secure aggregation stopped in SecAgg+ stage collect masked vectors: "
-                f"{len(state.active_node_ids)} of {len(pending)} nodes sent their masked vectors, fewer "
-                f"than the reconstruction threshold {t} ({lost})"
-            )
-        ok = wf.unmask_stage(rec, ctx, state)
-        if not ok or strat.mean is None:
-            return done(
-                f"secure aggregation stopped in SecAgg+ stage unmask: fewer than the reconstruction "
-                f"threshold {t} nodes returned their key shares"
-            )
-        included = strat.included
-        digit_sums = np.rint(np.asarray(strat.mean, dtype=np.float64) * len(included))
-        return done(None, layout.decode(digit_sums), included)
+                return done(f"secure aggregation stopped in SecAgg+ stage {stages[i]}")
+            ok = wf.collect_masked_vectors_stage(rec, ctx, state)
+            failed.update(rec.failed)
+            if not ok:
+                lost = "; ".join(f"node {k}: {v}" for k, v in sorted(rec.failed.items()))
+                return done(
+                    f"secure aggregation stopped in SecAgg+ stage collect masked vectors: "
+                    f"{len(state.active_node_ids)} of {len(pending)} nodes sent their masked vectors, fewer "
+                    f"than the reconstruction threshold {t} ({lost})"
+                )
+            ok = wf.unmask_stage(rec, ctx, state)
+            if not ok or strat.mean is None:
+                return done(
+                    f"secure aggregation stopped in SecAgg+ stage unmask: fewer than the reconstruction "
+                    f"threshold {t} nodes returned their key shares"
+                )
+            included = strat.included
+            digit_sums = np.rint(np.asarray(strat.mean, dtype=np.float64) * len(included))
+            return done(None, layout.decode(digit_sums), included)
+        except Exception as exc:  # noqa: BLE001
+            why = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+            return done(f"secure aggregation stopped: a SecAgg+ reply could not be used ({why})")
 
 
 # ---------------------------------------------------------------- the strategy's secure exchanges

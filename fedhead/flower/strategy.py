@@ -13,6 +13,10 @@ lends it this strategy as the transport that reaches the clients through a Flowe
 - faults: a node that raises or does not answer within ``round_timeout`` is recorded as a failure of that
   round (the ``failures`` columns of rounds.csv) and the round completes with the others; a node without a store
   or with a store from another encoder refuses the run before round 1 and the server stops with its one line;
+- untrusted replies: every reply is checked (:func:`fedhead.flower.replies.check_reply`) before it is used; a bad
+  one is its partition's failure, as a crash is; a node claiming a partition another live node holds is refused
+  (``refused_nodes`` in summary.json), and one taking over the partition of a node that left must report that
+  partition's first counts; bad statistics in a query reply leave the partition's statistics out;
 - SCAFFOLD: the server holds ``c`` (and ``N``) in the simulator's :class:`fedhead.core.engine.ScaffoldState`, sent
   with the head; each node keeps its own ``c_k`` in Flower's ``Context.state`` and returns its delta, which the
   server adds with the simulator's rule (:class:`NodeVariates` keeps which version of ``c_k`` each node must train
@@ -70,14 +74,13 @@ from fedhead.federation.transport import Calibration, Census, Exchange, RoundRes
 from fedhead.flower.common import (  # noqa: E402
     LOG,
     MESSAGE_PREFIX,
-    ServerStopped,
     by_node,
     client_stats_from_record,
     config_to_json,
     short_reason,
-    stop_after,
     store_fingerprint,
 )
+from fedhead.flower.replies import Expect, check_reply  # noqa: E402
 from fedhead.flower.secure import SecureRounds  # noqa: E402
 from fedhead.infra.devices import resolve_device  # noqa: E402
 from fedhead.infra.errors import FedheadError  # noqa: E402
@@ -210,7 +213,11 @@ class FedheadStrategy(Strategy, Transport):
         self.residual_tags: NodeVariates | None = None  # error feedback: which e_k each node adds
         self.lost_variates: str | None = None  # SCAFFOLD: why it must restart before the next round
         self.restarts: list = []  # SCAFFOLD: the (seed, round) where it restarted
-        self.stop = stop_after()
+        self.refused: dict = {}  # node id -> why its query reply was refused (it gets no message of a partition)
+        self.claimed: dict = {}  # node id -> the partition it claimed while another live node held it
+        self.bad_stats: dict = {}  # partition id -> why its statistics (query reply) were left out, this seed
+        self.refused_stats: list = []  # every seed's bad_stats, for summary.json
+        self._first: dict = {}  # partition id -> (num-examples, class counts) of its first report, this seed
         # --secure-aggregation: every sum below comes from Flower's SecAgg+ (fedhead.flower.secure)
         self.secure = SecureRounds(self) if cfg.secure_aggregation else None
 
@@ -305,13 +312,23 @@ class FedheadStrategy(Strategy, Transport):
         pid_of = {n: p for p, n in self.node_of.items()}
         good = []
         answered = set()
+        selected = set(self._selected)
+        spec = self.server.rule.wire_shapes(self.theta)  # what each reply's message must be
         for node, r in by_node(replies, self._sent):
             pid = pid_of.get(node)
-            if pid is None:
+            if pid is None or pid not in selected:
+                continue
+            if pid in answered:  # a second reply: neither is used
+                self.last.failed[pid] = "bad train reply refused: more than one reply"
+                good = [g for g in good if g[0] != pid]
                 continue
             answered.add(pid)
             if r.has_error():
                 self.last.failed[pid] = short_reason(r.error.reason)
+                continue
+            why = check_reply("train", r, self._expect(pid, message=spec))
+            if why:
+                self.last.failed[pid] = why
                 continue
             m = r.content["metrics"]
             if int(m.get("scaffold-lost", 0)):
@@ -431,7 +448,11 @@ class FedheadStrategy(Strategy, Transport):
                 )
             time.sleep(0.5)
 
-    def _query(self, grid: Grid, node_ids: list[int], want_stats: bool) -> list[tuple[int, Message]]:
+    def _query(
+        self, grid: Grid, node_ids: list[int], want_stats: bool, strict: bool = True
+    ) -> list[tuple[int, Message]]:
+        """The ``query`` exchange with ``node_ids``; a node's error reply stops the run (``strict``: before round 1)
+        or refuses that node."""
         cr = ConfigRecord(
             {
                 "train-config": self.cfg_json,
@@ -455,9 +476,44 @@ class FedheadStrategy(Strategy, Transport):
                 ):  # a registration whose node is gone (it may come back as another)
                     LOG.log(WARNING, "SuperNode %s is unavailable (no heartbeat); left out", node)
                     continue
+                if not strict:
+                    self._refuse(node, f"it refused the query: {short_reason(r.error.reason)}")
+                    continue
                 raise FedheadError(f"SuperNode {node} refused the run before round 1: {short_reason(r.error.reason)}")
             out.append((node, r))
         return out
+
+    def _refuse(self, node: int, why: str) -> None:
+        """A node whose query reply cannot be taken: it gets no message of any partition (logged, summary.json)."""
+        if self.refused.get(node) != why:
+            LOG.log(WARNING, "[fedhead] SuperNode %s refused: %s", node, why)
+        self.refused[node] = why
+
+    def _query_expect(self, want_stats: bool, **kw) -> Expect:
+        """What a query reply must hold (``want_stats``: with the statistics this server asks for)."""
+        C, D = self.store.info.num_classes, self.store.test_x.shape[1]
+        cf = gram = second = None
+        if want_stats and self.solver is not None:
+            m = self.solver.message_kwargs(D)
+            cf, gram, second = (D if m["lift"] is None else m["lift"].dim), bool(m["gram"]), bool(m["second"])
+        return Expect(
+            C, D, self.cfg.clients, secure=self.secure is not None, stats=want_stats, closed_form=cf,
+            gram=bool(gram), second=bool(second), **kw,
+        )  # fmt: skip
+
+    def _expect(self, pid: int, **kw) -> Expect:
+        """What a reply of partition ``pid`` must hold: its first report's counts, the run's shapes."""
+        n, counts = self._first.get(pid, (None, None))
+        head = tuple(self.theta.shape) if self.theta is not None else None
+        C, D = self.store.info.num_classes, self.store.test_x.shape[1]
+        return Expect(C, D, self.cfg.clients, pid=pid, num_examples=n, class_counts=counts, head=head,
+                      scaffold=self.cfg.scaffold, **kw)  # fmt: skip
+
+    def _remember_first(self, pid: int, r: Message) -> None:
+        if self.secure is None:
+            m = r.content["metrics"]
+            counts = tuple(int(v) for v in r.content["arrays"]["class-counts"].numpy())
+            self._first[pid] = (int(m["num-examples"]), counts)
 
     def connect(self, grid: Grid, need_stats: bool) -> dict:
         """Query every node: partition ids, sizes, class counts and (once) the feature statistics.
@@ -468,58 +524,87 @@ class FedheadStrategy(Strategy, Transport):
         ids = self._wait_for_nodes(grid)
         K, t0 = self.cfg.clients, time.monotonic()
         node_of, info, asked = {}, {}, set()
+        self._first, self.bad_stats = {}, {}
+        expect = self._query_expect(need_stats)
         while True:
             new = [n for n in ids if n not in asked]
             replies = self._query(grid, new, need_stats) if new else []
             asked.update(new)
             for node, r in replies:
-                pid = self._partition_of(node, r, node_of)
+                pid, why = self._partition_of(node, r, node_of, expect)
+                if why is not None:
+                    self._refuse(node, why)
+                    continue
                 node_of[pid], info[pid] = node, r
+                self._remember_first(pid, r)
             missing = sorted(set(range(K)) - set(node_of))
             if not missing:
                 break
             if time.monotonic() - t0 > self.settings.wait_timeout:
+                refused = "; ".join(f"{why}" for n, why in sorted(self.refused.items()) if n in asked)
                 raise FedheadError(
                     f"No connected SuperNode has partition-id {missing[0]} (missing: {missing}). "
-                    f"Start one node per partition id 0..{K - 1}."
+                    f"Start one node per partition id 0..{K - 1}." + (f" Refused: {refused}." if refused else "")
                 )
             time.sleep(0.5)
             ids = list(grid.get_node_ids())
         self.node_of = node_of
         return info
 
-    def _partition_of(self, node: int, r: Message, node_of: dict) -> int:
-        pid, K = int(r.content["metrics"]["partition-id"]), self.cfg.clients
-        if not 0 <= pid < K:
-            raise FedheadError(
-                f"SuperNode {node} has partition-id {pid}, but the run has --clients {K}. "
-                f"Give the nodes partition ids 0..{K - 1}."
-            )
+    def _partition_of(self, node: int, r: Message, node_of: dict, expect: Expect) -> tuple[int | None, str | None]:
+        """The partition a node's first query reply claims, or why the node is refused (a malformed reply, a
+        partition another node holds). Bad statistics in a good reply leave only the statistics out."""
+        why = check_reply("query", r, expect)
+        if why:
+            return None, f"SuperNode {node}: {why}"
+        pid = int(r.content["metrics"]["partition-id"])
         if pid in node_of:
-            raise FedheadError(
-                f"SuperNodes {node_of[pid]} and {node} both have partition-id {pid}. "
-                "Give every node its own partition id."
+            self.claimed[node] = pid
+            return None, (
+                f"SuperNodes {node_of[pid]} and {node} both have partition-id {pid}; the second was refused "
+                "(give every node its own partition id)"
             )
-        return pid
+        if expect.stats and self.secure is None:
+            bad = check_reply("stats", r, expect)
+            if bad:
+                LOG.log(WARNING, "[fedhead] the statistics of partition %s are left out: %s", pid, bad)
+                self.bad_stats[pid] = bad
+                self.refused_stats.append({"seed": int(self.seed), "partition": pid, "reason": bad})
+        return pid, None
 
     def refresh_nodes(self, grid: Grid) -> None:
         """Nodes that (re)joined since the last query: learn their partition ids (no statistics)."""
         known = set(self.node_of.values())
-        new = [n for n in grid.get_node_ids() if n not in known]
+        live = set(grid.get_node_ids())
+        # a node refused for claiming a held partition is asked again once that partition's node is gone
+        retry = {n for n, p in self.claimed.items() if n in live and self.node_of.get(p) not in live}
+        new = [n for n in live if n not in known and (n not in self.refused or n in retry)]
         if not new:
             return
-        try:
-            replies = self._query(grid, new, False)
-        except FedheadError as exc:
-            LOG.log(WARNING, "a rejoining node was refused: %s", exc)
-            return
-        lost = []
+        replies = self._query(grid, sorted(new), False, strict=False)
+        lost, expect = [], self._query_expect(False)
         for node, r in replies:
+            why = check_reply("query", r, expect)
+            if why:
+                self._refuse(node, f"SuperNode {node}: {why}")
+                continue
             pid = int(r.content["metrics"]["partition-id"])
-            if 0 <= pid < self.cfg.clients:
-                self.node_of[pid] = node
-                if self.variates is not None and self.variates.lost(pid, r):
-                    lost.append(pid)
+            holder = self.node_of.get(pid)
+            if holder is not None and holder in live:  # never re-route a partition whose node is still there
+                self.claimed[node] = pid
+                self._refuse(node, f"SuperNodes {holder} and {node} both have partition-id {pid}; the second was "
+                                   "refused (give every node its own partition id)")  # fmt: skip
+                continue
+            n, counts = self._first.get(pid, (None, None))
+            why = check_reply("query", r, replace(expect, pid=pid, num_examples=n, class_counts=counts))
+            if why:  # the partition's node left; this one is not it
+                self._refuse(node, f"SuperNode {node} claims partition {pid} of a node that left: {why}")
+                continue
+            self.refused.pop(node, None)
+            self.claimed.pop(node, None)
+            self.node_of[pid] = node
+            if self.variates is not None and self.variates.lost(pid, r):
+                lost.append(pid)
         if lost:
             self.lost_variates = f"the rejoined nodes of partitions {lost} no longer hold their control variates"
 
@@ -532,6 +617,8 @@ class FedheadStrategy(Strategy, Transport):
         total = np.zeros(d, dtype=np.float64)
         sq, n = 0.0, 0
         for pid in range(cfg.clients):
+            if pid in self.bad_stats:  # left out (logged when its reply came)
+                continue
             r = info[pid]
             total += r.content["arrays"]["feature-sum"].numpy()
             sq += float(r.content["metrics"]["feature-sq"])
@@ -614,14 +701,14 @@ class FedheadStrategy(Strategy, Transport):
         self._selected = [int(k) for k in selected]
         self._start_round(1)
         t0 = time.perf_counter()
-        acc = self.summed_statistics(self.info, self._selected, self.grid)
+        bad = {p: self.bad_stats[p] for p in self._selected if p in self.bad_stats}
+        pids = [p for p in self._selected if p not in bad]
+        acc = self.summed_statistics(self.info, pids, self.grid)
         if self.secure is not None:
             client_ms = self.secure.client_ms
         else:
-            client_ms = float(
-                np.mean([float(self.info[p].content["metrics"].get("stats-ms", 0.0)) for p in self._selected])
-            )
-        self.last = _Round(trained=acc.clients)
+            client_ms = float(np.mean([float(self.info[p].content["metrics"].get("stats-ms", 0.0)) for p in pids]))
+        self.last = _Round(trained=acc.clients, failed=bad)
         head_bytes = self._head_bytes()
         extra = {
             **self.last.failure_fields(),
@@ -678,8 +765,15 @@ class FedheadStrategy(Strategy, Transport):
                     continue
                 if r.has_error():
                     failed[pid] = short_reason(r.error.reason)
+                elif pid in got or pid in failed:  # a second reply: neither is used
+                    got.pop(pid, None)
+                    failed[pid] = "bad ccvr reply refused: more than one reply"
                 else:
-                    got[pid] = r
+                    why = check_reply("ccvr", r, self._expect(pid))
+                    if why:
+                        failed[pid] = why
+                    else:
+                        got[pid] = r
             for p in range(cfg.clients):
                 if p not in got and p not in failed:
                     failed[p] = f"no reply within {self.settings.round_timeout:g} s"
@@ -697,8 +791,8 @@ class FedheadStrategy(Strategy, Transport):
         return Calibration(pooled, up, client_ms / 1000, extra)
 
     def after_round(self, seed: int, rnd: int, last_round: int, row: dict) -> None:
-        """Log the round; a signal (``fedhead flower simulate``) or the test hook stops the server here, after the
-        round's checkpoint."""
+        """Log the round; a signal (``fedhead flower simulate``) stops the server here, after the round's
+        checkpoint."""
         failed = f", {row['failures']} failed ({row['failure_reason']})" if row.get("failures") else ""
         if row.get("stage") == "ccvr":
             LOG.log(INFO, "[fedhead] seed %s CCVR calibration: accuracy %.4f from %s nodes%s", seed,
@@ -707,8 +801,6 @@ class FedheadStrategy(Strategy, Transport):
         LOG.log(INFO, "[fedhead] seed %s round %s/%s: accuracy %.4f, %s clients trained%s", seed, rnd, last_round,
                 row["accuracy"], row.get("clients_trained", 0), failed)  # fmt: skip
         raise_if_stopped()  # a signal during `flower simulate`: stop at this consistent point
-        if self.stop is not None and rnd == self.stop:
-            raise ServerStopped(f"server stopped after round {rnd} (FEDHEAD_FLOWER_STOP_AFTER)")
 
     def unit_state(self) -> dict:
         return {
@@ -750,6 +842,10 @@ class FedheadStrategy(Strategy, Transport):
             out["scaffold_restarts"] = [{"seed": int(s), "round": int(r)} for s, r in self.restarts]
         if self.secure is not None:
             out["secure_aggregation"] = self.secure.summary()
+        if self.refused:
+            out["refused_nodes"] = [{"node": int(n), "reason": why} for n, why in sorted(self.refused.items())]
+        if self.refused_stats:
+            out["refused_statistics"] = list(self.refused_stats)
         return out
 
     # ---------------------------------------------------------------- the run: the one round loop over this transport
