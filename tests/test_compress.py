@@ -22,6 +22,7 @@ from fedhead.core.compress import (
     topk_densify,
     topk_sparsify,
 )
+from fedhead.federation.rundir import CHECKPOINT, read_state
 from fedhead.federation.train import run_training
 from fedhead.infra.errors import FedheadError
 
@@ -202,7 +203,7 @@ def test_resume_keeps_the_residuals(tiny_store, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run_training(cfg(tiny_store, **kw), out=tmp_path / "cut", progress=False)
     restore()
-    saved = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
+    saved = read_state(tmp_path / "cut" / CHECKPOINT)
     assert saved["current"]["server"]["residuals"]["e"].abs().max() > 0
     res = run_training(cfg(tiny_store, **kw), out=tmp_path / "cut", resume=True, progress=False)
     assert [r["accuracy"] for r in res.rows] == [r["accuracy"] for r in full.rows]
@@ -267,12 +268,12 @@ def test_flower_resume_finds_the_residuals_in_the_node_state_folder(tmp_path, mo
     continues exactly when the nodes keep their residuals in a state folder; nodes without one start again from
     zero residuals (the run completes, and differs)."""
     pytest.importorskip("flwr")
+    from flower_hooks import STOP_ENV, ServerStopped  # the tests' hooks, installed by the import
     from test_flower_scaffold_ccvr import assert_same_rows, strategy_run
     from test_flower_sim import LocalGrid, sim_nodes
 
     from fedhead.core.synthetic import write_synthetic
     from fedhead.flower.client_app import make_client_app
-    from fedhead.flower.common import STOP_ENV, ServerStopped
     from fedhead.flower.inprocess import task_identity
     from fedhead.flower.node import RESIDUALS
 
@@ -297,7 +298,7 @@ def test_flower_resume_finds_the_residuals_in_the_node_state_folder(tmp_path, mo
     ref_head = torch.load(tmp_path / "train" / "head-seed0.pt")
     torch.testing.assert_close(heads["disk"], ref_head, atol=1e-5, rtol=1e-5)
     assert (heads["lost"] - ref_head).abs().max() > 1e-4
-    assert len(list((tmp_path / "node-state").glob("residual-p*-*.pt"))) == c.clients
+    assert len(list((tmp_path / "node-state").glob("residual-p*-*.safetensors"))) == c.clients
 
 
 def test_flower_lost_reply_trains_from_the_residual_the_server_counted(tmp_path, caplog):

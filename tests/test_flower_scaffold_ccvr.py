@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("flwr", reason="Flower is not installed (pip install 'fedhead[flower]')")
 
 
+from flower_hooks import CRASH_ENV, STOP_ENV, ServerStopped  # noqa: E402 (the tests' hooks, installed here)
 from test_flower_sim import LocalGrid, accs, cfg_of, local_run, sim_nodes, task_identity  # noqa: E402,F401
 
 from extract.store import load_store  # noqa: E402
@@ -22,7 +23,6 @@ from fedhead.core.synthetic import write_synthetic  # noqa: E402
 from fedhead.federation.rundir import read_csv  # noqa: E402
 from fedhead.federation.train import run_training  # noqa: E402
 from fedhead.flower.client_app import make_client_app  # noqa: E402
-from fedhead.flower.common import CRASH_ENV, STOP_ENV, ServerStopped  # noqa: E402
 from fedhead.flower.node import VARIATES  # noqa: E402
 from fedhead.flower.strategy import FedheadStrategy, ServerSettings, validate_server_config  # noqa: E402
 
@@ -167,7 +167,7 @@ def test_scaffold_resume(store, tmp_path, monkeypatch):
             assert res.summary["scaffold_restarts"] == [{"seed": 0, "round": 3}]
             assert_same_rows(res.rows[:2], ref.rows[:2])
             assert strat.variates.generation == 1 and len(res.rows) == 4
-    assert len(list((tmp_path / "node-state").glob("scaffold-p*-*.pt"))) == cfg.clients  # one file a node
+    assert len(list((tmp_path / "node-state").glob("scaffold-p*-*.safetensors"))) == cfg.clients  # one file a node
 
 
 @pytest.mark.parametrize("damage", ["other-run", "corrupt"])
@@ -184,7 +184,7 @@ def test_scaffold_resume_never_takes_variates_it_did_not_make(store, tmp_path, m
         with pytest.raises(ServerStopped):
             strategy_run(cfg, tmp_path / "other", LocalGrid(make_client_app(str(store)), nodes))
     else:
-        victim = sorted(state.glob("scaffold-p1-*.pt"))[0]
+        victim = sorted(state.glob("scaffold-p1-*.safetensors"))[0]
         victim.write_bytes(victim.read_bytes()[:40])
     monkeypatch.delenv(STOP_ENV)
     grid = LocalGrid(make_client_app(str(store)), nodes)

@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("flwr", reason="Flower is not installed (pip install 'fedhead[flower]')")
 
+from flower_hooks import CRASH_ENV, crash_env  # noqa: E402 (the tests' hooks, installed here)
 from flwr.app import Message, MessageType  # noqa: E402
 from flwr.common import bytes_to_ndarray  # noqa: E402
 from flwr.common.secure_aggregation.quantization import quantize  # noqa: E402
@@ -34,7 +35,6 @@ import fedhead.flower.secure as secure  # noqa: E402
 from extract.store import load_store  # noqa: E402
 from fedhead.core.synthetic import write_synthetic  # noqa: E402
 from fedhead.federation.rundir import read_csv  # noqa: E402
-from fedhead.flower.common import CRASH_ENV  # noqa: E402
 from fedhead.flower.secure import (
     CLIPPING_RANGE,
     MODULUS_RANGE,
@@ -337,16 +337,19 @@ def test_secure_aggregation_on_a_loopback_deployment(tmp_path, deployment):  # n
     crashes in round 1 after the keys were shared and the round completes with the other two (about 3 minutes
     on 2 cores: every stage's message starts a ClientApp process on each node)."""
     server, stores = node_stores(tmp_path, 3)
-    link_port, *node_ports = free_ports(4)
+    link_port, control_port, *node_ports = free_ports(5)
     out = tmp_path / "run"
     d = deployment
     for i, (store, port) in enumerate(zip(stores, node_ports)):
         d.start(
             f"node{i}",
             supernode_argv(link_port, store, i, port, "--insecure"),
-            **({CRASH_ENV: "1@1"} if i == 1 else {}),
+            **(crash_env("1@1") if i == 1 else {}),
         )
-    d.start("superlink", superlink_argv(link_port, server, out, 3, 1, "--insecure", "--secure-aggregation"))
+    d.start(
+        "superlink",
+        superlink_argv(link_port, server, out, 3, 1, "--insecure", "--secure-aggregation", control_port=control_port),
+    )
     code = d.wait("superlink", TIMEOUT)
     assert code == 0, f"superlink run failed (exit {code}):\n{d.log('superlink')[-4000:]}"
     rows = read_csv(out / "rounds.csv")

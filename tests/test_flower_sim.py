@@ -19,6 +19,8 @@ import torch
 flwr = pytest.importorskip("flwr", reason="Flower is not installed (pip install 'fedhead[flower]')")
 
 
+from flower_hooks import CRASH_ENV, STOP_ENV, ServerStopped  # noqa: E402 (the tests' hooks, installed here)
+
 from extract.store import load_store, write_store  # noqa: E402
 from fedhead.core.synthetic import write_synthetic  # noqa: E402
 from fedhead.federation.clients import build_federation
@@ -27,7 +29,7 @@ from fedhead.federation.rundir import read_csv  # noqa: E402
 from fedhead.federation.train import run_training  # noqa: E402
 from fedhead.flower.client_app import make_client_app  # noqa: E402
 from fedhead.flower.commands import run_config_of, simulate  # noqa: E402
-from fedhead.flower.common import CRASH_ENV, STOP_ENV, ServerStopped, config_from_run_config  # noqa: E402
+from fedhead.flower.common import config_from_run_config  # noqa: E402
 from fedhead.flower.inprocess import InProcessGrid, sim_nodes  # noqa: E402
 from fedhead.flower.inprocess import task_identity as flower_task_identity  # noqa: E402
 from fedhead.flower.server_app import run_server  # noqa: E402
@@ -185,13 +187,13 @@ def test_server_restart_resumes_from_checkpoint(store, tmp_path, monkeypatch):
     monkeypatch.setenv(STOP_ENV, "2")
     with pytest.raises(ServerStopped):
         local_run(cfg, tmp_path / "r")
-    assert (tmp_path / "r" / "checkpoint.pt").exists() and len(read_csv(tmp_path / "r" / "rounds.csv")) == 2
+    assert (tmp_path / "r" / "checkpoint.safetensors").exists() and len(read_csv(tmp_path / "r" / "rounds.csv")) == 2
     monkeypatch.delenv(STOP_ENV)
     with pytest.raises(FedheadError, match="already holds files"):
         local_run(cfg, tmp_path / "r")
     res = local_run(cfg, tmp_path / "r", resume=True)
     np.testing.assert_allclose(accs(res.rows), accs(ref.rows), atol=1e-9)
-    assert not (tmp_path / "r" / "checkpoint.pt").exists()
+    assert not (tmp_path / "r" / "checkpoint.safetensors").exists()
     with pytest.raises(FedheadError, match="different configuration"):
         local_run(cfg_of(store, rounds=4), tmp_path / "r", resume=True)
 

@@ -2,7 +2,8 @@
 and a server that is killed and resumed, against the simulator's run of the same configuration.
 
 The deployment is the one of fedhead/flower/DEPLOY.md (``fedhead flower superlink --features`` and one ``fedhead
-flower supernode`` per client, each with its own share of a synthetic store, on loopback ports). While it runs, after
+flower supernode`` per client, each with its own share of a synthetic store, on loopback ports; the nodes pin
+fedhead's own app with ``--app-sha256``, the SuperLink's Control API has a loopback port of its own). While it runs, after
 each round the bench SIGKILLs the sessions of ``--churn`` x N nodes drawn at random (a machine that loses power: no
 handler runs), and starts again the nodes it killed after the round before (a machine that comes back: the node
 registers anew and the server learns its partition id again). After round ``--kill-server-at`` it SIGKILLs the
@@ -36,6 +37,7 @@ from fedhead.core.synthetic import write_synthetic
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.train import run_training
 from fedhead.flower.common import require_flower
+from fedhead.flower.launch import own_app_sha256
 from fedhead.flower.loopback import Deployment, free_ports, session_rss_kb, split_store
 from fedhead.infra.console import stderr_console, stdout_console
 from fedhead.infra.errors import FedheadError, Interval, validate
@@ -65,7 +67,6 @@ class Churn:
         self.rng = np.random.default_rng(seed)
         self.round_timeout = kw["round_timeout"]
         env = dict(os.environ, FLWR_HOME=str(out / "flwr-home"), FEDHEAD_NO_PROGRESS="1", FEDHEAD_THREADS="1")
-        env.pop("FEDHEAD_FLOWER_CRASH", None)
         (out / "logs").mkdir(parents=True, exist_ok=True)
         self.d = Deployment(out / "logs", env)
         self.kills = self.restarts = self.server_kills = self.exits = self.hung = 0
@@ -75,21 +76,26 @@ class Churn:
         self.peak_kb = [0] * nodes
         self.round_end: dict[int, float] = {}
         self.kind: dict[int, str] = {1: "first"}  # round -> what it ran under (see ROUND_KINDS)
+        self.link = self.control = 0  # the nodes' port and the Control API's (start)
+        self.app = ""  # the FAB sha256 the nodes pin (start)
 
     def node_argv(self, i: int) -> list[str]:
         return ["flower", "supernode", "--insecure", "--superlink", f"127.0.0.1:{self.link}", "--features",
-                str(self.stores[i]), "--partition-id", str(i), "--port", str(self.ports[i]), "--device", "cpu"]  # fmt: skip
+                str(self.stores[i]), "--partition-id", str(i), "--port", str(self.ports[i]), "--device", "cpu",
+                "--app-sha256", self.app]  # fmt: skip
 
     def link_argv(self, resume: bool) -> list[str]:
         return [
             "flower", "superlink", "--insecure", "--host", "127.0.0.1", "--port", str(self.link),
+            "--control-api-address", f"127.0.0.1:{self.control}",
             "--config", str(self.experiment), "--out", str(self.out / "run"),
             "--wait-timeout", "300", "--round-timeout", str(self.round_timeout), *(["--resume"] if resume else []),
         ]  # fmt: skip
 
     def start(self, experiment: Path, stores: list[Path]) -> None:
         self.experiment, self.stores = experiment, stores
-        self.link, *self.ports = free_ports(1 + self.nodes)
+        self.app = own_app_sha256()  # the nodes run fedhead's app alone (pinned: built once, not by every node)
+        self.link, self.control, *self.ports = free_ports(2 + self.nodes)
         for i in range(self.nodes):
             self._start_node(i)
         self.d.start("superlink", self.link_argv(resume=False))

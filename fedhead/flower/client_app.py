@@ -38,6 +38,9 @@ def _fedhead_errors(fn):
 
     def wrapper(msg: Message, context: Context) -> Message:
         try:
+            from fedhead.flower.node import load_plugins  # the handlers' module: every handler imports it
+
+            load_plugins()  # FEDHEAD_PLUGINS in this node's process, before the handler's module is used
             return fn(msg, context)
         except FedheadError as exc:
             if str(exc).startswith("[["):  # marked already (a handler called by another)

@@ -7,6 +7,7 @@ calls :func:`fedhead.flower.common.require_flower` first.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import signal
@@ -21,10 +22,20 @@ import typer
 
 from extract.store import load_store, open_store
 from fedhead.core.synthetic import validate_synthetic, write_synthetic
-from fedhead.federation.config import TrainConfig, applicable, tomllib
+from fedhead.federation.config import TrainConfig, applicable
 from fedhead.federation.train import head_run_dir, labels_store, run_training, validate_config
 from fedhead.flower.common import require_flower, run_config_values
-from fedhead.flower.launch import check_auth_public_keys, flower_env, flower_exe, tls_args
+from fedhead.flower.launch import (  # noqa: F401 (stage_app: where it was)
+    app_source,
+    check_auth_public_keys,
+    flower_env,
+    flower_exe,
+    is_loopback,
+    refuse_insecure_off_loopback,
+    split_address,
+    stage_app,
+    tls_args,
+)
 from fedhead.infra.console import stdout_console
 from fedhead.infra.errors import FedheadError, Interval, validate
 from fedhead.infra.exits import cli_errors
@@ -264,19 +275,21 @@ def register_supernodes(home: str, keys: list[tuple[str, bytes]], env: dict, par
 def _wait_port(host: str, port: int, timeout: float, proc: subprocess.Popen) -> None:
     import socket
 
+    host = "::1" if host in ("::", "[::]") else "127.0.0.1" if host in ("0.0.0.0", "") else host.strip("[]")
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
             raise FedheadError(
-                f"flower-superlink exited with code {proc.returncode} before listening on "
+                f"the SuperLink's process exited with code {proc.returncode} before listening on "
                 f"{host}:{port}. Is the port free?"
             )
-        with socket.socket() as s:
-            s.settimeout(0.5)
-            if s.connect_ex((host, port)) == 0:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
                 return
+        except OSError:
+            pass
         time.sleep(0.3)
-    raise FedheadError(f"flower-superlink did not listen on {host}:{port} within {timeout:g} s.")
+    raise FedheadError(f"the SuperLink did not listen on {host}:{port} within {timeout:g} s.")
 
 
 def _stop(proc: subprocess.Popen | None, grace: float = 10.0) -> None:
@@ -293,6 +306,8 @@ def _stop(proc: subprocess.Popen | None, grace: float = 10.0) -> None:
 def superlink_command(
     host: str, port: int, tls: list[str], database: Optional[str], supernode_auth: bool = False
 ) -> list[str]:
+    """Flower's SuperLink on ``host:port``, the Control API's address (loopback): Flower 1.42 serves its Control,
+    Runtime and Fleet APIs there together. An app may not install packages (``uv sync``) on this host."""
     cmd = [
         flower_exe("flower-superlink"),
         *tls,
@@ -309,25 +324,50 @@ def superlink_command(
     return cmd
 
 
-def stage_app(app_dir: Path, dest: Path) -> Path:
-    """A copy of what the FAB can hold: ``pyproject.toml``, ``.gitignore`` and the top-level files and folders that
-    its ``fab-include`` patterns start with (``__pycache__`` left out; ``app_dir`` itself when a pattern does not
-    start with a name). ``flwr run`` builds the FAB by walking every file under the folder it is given and filtering
-    afterwards; a source tree with its ``.venv`` inside has some 70,000 files, and that walk took 7 s of every run's
-    start."""
-    include = tomllib.loads((app_dir / "pyproject.toml").read_text())["tool"]["flwr"]["app"].get("fab-include")
-    tops = {p.lstrip("/").split("/")[0] for p in include or ["*"]}
-    if any(c in top for top in tops for c in "*?[!"):  # a pattern that may match anywhere: build from the tree
-        return app_dir
-    tops |= {"pyproject.toml", ".gitignore"}
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in sorted(tops):
-        src = app_dir / name
-        if src.is_dir():
-            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
-        elif src.is_file():
-            shutil.copy2(src, dest / name)
-    return dest
+def gateway_command(host: str, port: int, control: tuple[str, int], tls: list[str]) -> list[str]:
+    """fedhead's gateway (:mod:`fedhead.flower.gateway`) on ``host:port``, the nodes' port: the Fleet API of the
+    SuperLink at ``control`` and nothing else, with the SuperLink's certificate."""
+
+    def bracket(h: str) -> str:
+        return f"[{h}]" if ":" in h else h
+
+    cmd = [sys.executable, "-m", "fedhead.flower.gateway", "--listen", f"{bracket(host)}:{port}",
+           "--upstream", f"{bracket(control[0])}:{control[1]}"]  # fmt: skip
+    return cmd + [a for a in tls if a != "--insecure"]
+
+
+class Link:
+    """The SuperLink's two processes: Flower's (``link_cmd``, on the Control API's loopback address
+    ``control_at``) and the gateway (``gateway_cmd``, on the nodes' address); ``addresses``: where each listens."""
+
+    def __init__(self, link_cmd: list[str], gateway_cmd: list[str], env: dict, addresses: list[tuple[str, int]],
+                 control_at: str, insecure: bool, ca: Optional[Path]):  # fmt: skip
+        self.cmds, self.env, self.addresses = [link_cmd, gateway_cmd], env, addresses
+        self.control_at, self.insecure, self.ca = control_at, insecure, ca
+        self.procs: list[subprocess.Popen] = []
+
+    def run(self, keys: list[tuple[str, bytes]], rc: dict | None = None) -> int:
+        """Start both, register ``keys``, then submit the run of config ``rc`` and wait for its end (``flwr run``'s
+        exit code), or without one serve until either process exits (its exit code); both are stopped after, and
+        on SIGTERM."""
+        prev = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        try:
+            for cmd in self.cmds:
+                self.procs.append(subprocess.Popen(cmd, env=self.env))
+            for (host, port), proc in zip(self.addresses, self.procs):
+                _wait_port(host, port, 60.0, proc)
+            with flwr_connection(self.control_at, self.insecure, self.ca) as home:
+                if keys:
+                    register_supernodes(home, keys, self.env)
+                if rc is not None:
+                    return submit_run(home, rc, env=self.env)
+            while all(p.poll() is None for p in self.procs):
+                time.sleep(0.5)
+            return next(p.returncode for p in self.procs if p.returncode is not None)
+        finally:
+            signal.signal(signal.SIGTERM, prev)
+            for p in self.procs:
+                _stop(p)
 
 
 def submit_run(home: str, rc: dict, app_dir: Path | None = None, env: dict | None = None) -> int:
@@ -335,18 +375,39 @@ def submit_run(home: str, rc: dict, app_dir: Path | None = None, env: dict | Non
     (:func:`flwr_connection`); waits for the end of the run."""
     import tomli_w
 
-    app_dir = app_dir or Path(__file__).resolve().parents[2]
-    if not (app_dir / "pyproject.toml").exists():
-        raise FedheadError(
-            f"The fedhead Flower app needs its source tree (pyproject.toml) to build the FAB; "
-            f"none in {str(app_dir)!r}. Install fedhead from its repository (pip install -e)."
-        )
+    app_dir = app_source(app_dir)
     Path(home, "run.toml").write_text(tomli_w.dumps(rc))
     staged = stage_app(app_dir, Path(home, "app"))
+    from flwr.cli.build import build_fab_from_disk
+
+    digest = hashlib.sha256(build_fab_from_disk(staged)).hexdigest()
+    print(f"fedhead: submitting the fedhead app, FAB sha256 {digest} (what the nodes pin: --app-sha256)",
+          file=sys.stderr)  # fmt: skip
     cmd = [flower_exe("flwr"), "run", str(staged), "fedhead", "--run-config", str(Path(home, "run.toml")), "--stream"]
     e = dict(env or flower_env())
     e["FLWR_HOME"] = home
     return subprocess.call(cmd, env=e)
+
+
+def check_link_addresses(host: str, port: int, control_api_address: str, insecure: bool) -> tuple[str, int]:
+    """The nodes' port, ``--insecure`` there, and the Control API's address: loopback, another port (or the
+    one-line error); returns that address as ``(host, port)``."""
+    validate("--port", port, Interval(1, 65535, integer=True))
+    if insecure:
+        refuse_insecure_off_loopback("--host", host)
+    control = split_address("--control-api-address", control_api_address)
+    if not is_loopback(control[0]):
+        raise FedheadError(
+            f"The '--control-api-address' parameter must be a loopback address: Flower's Control API there runs "
+            f"any app it is sent (no authentication). Got {control_api_address!r} instead. Keep 127.0.0.1:PORT and "
+            "reach it from elsewhere through SSH: ssh -L 9091:127.0.0.1:9091 SERVER_HOST."
+        )
+    if control[1] == port:
+        raise FedheadError(
+            f"The '--control-api-address' parameter must name another port than --port (the nodes'). Got "
+            f"{control_api_address!r} and --port {port}. Choose another port, e.g. 127.0.0.1:9091."
+        )
+    return control
 
 
 @cli_errors
@@ -357,8 +418,18 @@ def submit_run(home: str, rc: dict, app_dir: Path | None = None, env: dict | Non
     config=True,
 )
 def superlink_cmd(
-    host: str = typer.Option("0.0.0.0", help="address the SuperLink listens on (nodes and flwr run connect)"),
-    port: int = typer.Option(9093, help="the SuperLink's HTTP port (Fleet, Control and ServerApp APIs)"),
+    host: str = typer.Option(
+        "127.0.0.1",
+        help="address the SuperNodes connect to; it carries Flower's Fleet API alone (0.0.0.0 or this machine's "
+        "address to take nodes from other machines)",
+    ),
+    port: int = typer.Option(9093, help="the SuperNodes' port (the Fleet API alone)"),
+    control_api_address: str = typer.Option(
+        "127.0.0.1:9091",
+        "--control-api-address",
+        help="loopback HOST:PORT of Flower's own SuperLink port: its Control API (flwr run, flwr supernode "
+        "register; no authentication), Runtime API and Fleet API. From elsewhere: ssh -L 9091:127.0.0.1:9091",
+    ),
     insecure: bool = typer.Option(False, "--insecure", help="no TLS (loopback and tests only)"),
     ssl_certfile: Optional[Path] = typer.Option(
         None, help="TLS certificate of the SuperLink (PEM; SANs for the address nodes use and for 127.0.0.1)"
@@ -395,9 +466,9 @@ def superlink_cmd(
         typer.echo(resolved_toml(experiment.train_config("flower", **extra)), nl=False)
         return
     # every file and option before any process starts
-    client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # where fedhead reaches it
-    connects = features is not None or bool(auth_public_keys)  # ... to submit or register
-    tls = tls_args(insecure, ssl_certfile, ssl_keyfile, ssl_ca_certfile, client_host if connects else None)
+    control = check_link_addresses(host, port, control_api_address, insecure)
+    # the gateway and fedhead (registering keys, submitting the job) reach Flower's port on loopback
+    tls = tls_args(insecure, ssl_certfile, ssl_keyfile, ssl_ca_certfile, control[0])
     keys = check_auth_public_keys(list(auth_public_keys)) if auth_public_keys else []
     if keys and insecure:
         raise FedheadError(
@@ -405,40 +476,25 @@ def superlink_cmd(
             "with --insecure). Got --insecure. Pass --ssl-certfile, --ssl-keyfile and "
             "--ssl-ca-certfile instead."
         )
-    validate("--port", port, Interval(1, 65535, integer=True))
     validate("--wait-timeout", wait_timeout, Interval(0, None, closed="neither"))
     env = flower_env()
-    cmd = superlink_command(host, port, tls, database, supernode_auth=bool(keys))
-    if features is None:
-        if not keys:
-            os.execve(cmd[0], cmd, env)  # serve in the foreground; runs come from 'flwr run'
-        proc = subprocess.Popen(cmd, env=env)  # serve, after registering the listed SuperNodes
-        try:
-            _wait_port(client_host, port, 60.0, proc)
-            with flwr_connection(f"{client_host}:{port}", False, ssl_ca_certfile) as home:
-                register_supernodes(home, keys, env)
-            code = proc.wait()
-        finally:
-            _stop(proc)
-        raise SystemExit(code)
+    cmd = superlink_command(control[0], control[1], tls, database, supernode_auth=bool(keys))
+    gateway = gateway_command(host, port, control, tls)
+    control_at = f"[{control[0]}]:{control[1]}" if ":" in control[0] else f"{control[0]}:{control[1]}"
+    if not is_loopback(host):
+        print(f"fedhead: the SuperLink's port {host}:{port} carries Flower's Fleet API alone (SuperNodes); its "
+              f"Control and Runtime APIs (flwr run, flwr supernode register) listen on {control_at} only",
+              file=sys.stderr)  # fmt: skip
+    link = Link(cmd, gateway, env, [control, (host, port)], control_at, insecure, ssl_ca_certfile)
+    if features is None:  # serve in the foreground, after registering the listed SuperNodes; runs: 'flwr run'
+        raise SystemExit(link.run(keys))
     validate("--round-timeout", round_timeout, Interval(0, None, closed="neither"))
     cfg = experiment.train_config("flower", features=str(features))
 
     open_store(cfg.features, "--features")
     cfg.resolved()
     out = out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-flower-{cfg.resolved().head}-{cfg.partition}")
-    rc = run_config_of(cfg, Path(out), resume, round_timeout, wait_timeout)
-    proc = subprocess.Popen(cmd, env=env)
-    prev = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
-        _wait_port(client_host, port, 60.0, proc)
-        with flwr_connection(f"{client_host}:{port}", insecure, ssl_ca_certfile) as home:
-            if keys:
-                register_supernodes(home, keys, env)
-            code = submit_run(home, rc, env=env)
-    finally:
-        signal.signal(signal.SIGTERM, prev)
-        _stop(proc)
+    code = link.run(keys, run_config_of(cfg, Path(out), resume, round_timeout, wait_timeout))
     summary_path = Path(out) / "summary.json"
     if code != 0 or not summary_path.exists():
         raise FedheadError(

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from typing import Any
 
@@ -91,12 +90,6 @@ def run_config_values(cfg: TrainConfig) -> dict:
         elif v is not None:
             rc[key] = _rc_value(FIELDS[name], v)
     return rc
-
-
-# The test hooks (documented in DEPLOY.md): make a client raise in a given round, stop the server after a
-# round's checkpoint. Both read the environment of the process that runs the app.
-CRASH_ENV = "FEDHEAD_FLOWER_CRASH"  # "PID@ROUND[,PID@ROUND...]"
-STOP_ENV = "FEDHEAD_FLOWER_STOP_AFTER"  # "ROUND"
 
 
 def config_to_json(cfg: TrainConfig) -> str:
@@ -221,26 +214,6 @@ def check_fingerprint(mine: dict, server: dict, where: str) -> None:
             f"{where} has {mine['num_classes']} classes, but the server's store has "
             f"{server['num_classes']}. Extract the same dataset's label space on every node."
         )
-
-
-def crash_rounds(pid: int) -> set[int]:
-    """Rounds in which this partition must crash (test hook ``FEDHEAD_FLOWER_CRASH=PID@ROUND,...``)."""
-    out = set()
-    for item in os.environ.get(CRASH_ENV, "").replace(" ", "").split(","):
-        if "@" in item:
-            p, r = item.split("@", 1)
-            if p.isdigit() and r.isdigit() and int(p) == pid:
-                out.add(int(r))
-    return out
-
-
-def stop_after() -> int | None:
-    v = os.environ.get(STOP_ENV, "")
-    return int(v) if v.isdigit() else None
-
-
-class ServerStopped(RuntimeError):
-    """Raised by the test hook ``FEDHEAD_FLOWER_STOP_AFTER``: the server 'dies' after a checkpoint."""
 
 
 # ---------------------------------------------------------------- the statistics message

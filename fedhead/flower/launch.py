@@ -7,10 +7,11 @@ uses the same checks."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -47,6 +48,108 @@ def flower_exe(name: str) -> str:
     if not found:
         raise FedheadError(f"The '{name}' program was not found. Install the extra: pip install 'fedhead[flower]'")
     return found
+
+
+# ---------------------------------------------------------------- addresses
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address, ``[v6]`` or ``localhost``) is this machine's loopback; a wildcard
+    (``0.0.0.0``, ``::``) or any other name is not."""
+    import ipaddress
+
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def split_address(param: str, address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as ``(host, port)``, or the one-line error naming ``param``."""
+    host, sep, port = address.strip().rpartition(":")
+    if (
+        not sep
+        or not host
+        or not port.isdigit()
+        or not 1 <= int(port) <= 65535
+        or host.count(":")
+        and not (host.startswith("[") and host.endswith("]"))
+    ):
+        raise FedheadError(
+            f"The '{param}' parameter must be HOST:PORT (IPv6 as [ADDRESS]:PORT, port 1-65535). Got {address!r} "
+            "instead. Pass e.g. 127.0.0.1:9091."
+        )
+    return host.strip("[]"), int(port)
+
+
+def refuse_insecure_off_loopback(param: str, host: str) -> None:
+    """``--insecure`` only where nothing crosses a network: the updates, the model and the nodes' identities
+    would travel in the clear, and anyone on the path could read or change them."""
+    if not is_loopback(host):
+        raise FedheadError(
+            f"The '--insecure' option is refused off loopback. Got '{param}' {host!r}, which is not loopback "
+            "(updates and the model would cross the network in the clear). Use TLS (DEPLOY.md step 0), or "
+            f"{param} 127.0.0.1 to stay on this machine."
+        )
+
+
+# ---------------------------------------------------------------- the app a SuperNode runs
+
+
+def stage_app(app_dir: Path, dest: Path) -> Path:
+    """A copy of what the FAB can hold: ``pyproject.toml``, ``.gitignore`` and the top-level files and folders that
+    its ``fab-include`` patterns start with (``__pycache__`` left out; ``app_dir`` itself when a pattern does not
+    start with a name). ``flwr run`` builds the FAB by walking every file under the folder it is given and filtering
+    afterwards; a source tree with its ``.venv`` inside has some 70,000 files, and that walk took 7 s of every run's
+    start."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    include = tomllib.loads((app_dir / "pyproject.toml").read_text())["tool"]["flwr"]["app"].get("fab-include")
+    tops = {p.lstrip("/").split("/")[0] for p in include or ["*"]}
+    if any(c in top for top in tops for c in "*?[!"):  # a pattern that may match anywhere: build from the tree
+        return app_dir
+    tops |= {"pyproject.toml", ".gitignore"}
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in sorted(tops):
+        src = app_dir / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+        elif src.is_file():
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+APP_DIR = Path(__file__).resolve().parents[2]  # fedhead's source tree: the Flower app (pyproject.toml)
+
+
+def app_source(app_dir: Path | None = None) -> Path:
+    """fedhead's source tree, which ``flwr run`` builds the FAB from (or the one-line error)."""
+    app_dir = app_dir or APP_DIR
+    if not (app_dir / "pyproject.toml").exists():
+        raise FedheadError(
+            f"The fedhead Flower app needs its source tree (pyproject.toml) to build the FAB; "
+            f"none in {str(app_dir)!r}. Install fedhead from its repository (pip install -e)."
+        )
+    return app_dir
+
+
+def own_app_sha256(app_dir: Path | None = None) -> str:
+    """The sha256 of the FAB that ``flwr run`` builds from fedhead's source tree: what ``fedhead flower superlink``
+    submits and what a node of the same fedhead pins by default (the FAB's zip entries carry a fixed date)."""
+    import hashlib
+    import tempfile
+
+    from flwr.cli.build import build_fab_from_disk
+
+    src = app_source(app_dir)
+    with tempfile.TemporaryDirectory(prefix="fedhead-fab-") as tmp:
+        return hashlib.sha256(build_fab_from_disk(stage_app(src, Path(tmp, "app")))).hexdigest()
 
 
 # ---------------------------------------------------------------- TLS and SuperNode authentication files
@@ -309,6 +412,37 @@ def check_auth_private_key(path: Path) -> None:
 # ---------------------------------------------------------------- fedhead flower supernode
 
 
+def check_pins(values: list[str]) -> list[str]:
+    """The ``--app-sha256`` values, lower-case hex (or the one-line error)."""
+    pins = []
+    for h in values:
+        if not re.fullmatch(r"[0-9a-fA-F]{64}", h.strip()):
+            raise FedheadError(
+                f"The '--app-sha256' parameter must be the 64 hex digits of a FAB's sha256. Got {h!r} instead. "
+                "Pass the value 'fedhead flower superlink' prints (fedhead: ... FAB sha256 ...)."
+            )
+        pins.append(h.strip().lower())
+    return pins
+
+
+def make_state_dir(state_dir: Path) -> Path:
+    """``--state-dir``, made and writable, as an absolute path (or the one-line error)."""
+    state_dir = check_out(state_dir, "--state-dir", kind="dir").resolve()
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FedheadError(
+            f"The '--state-dir' parameter names {str(state_dir)!r}, which cannot be created "
+            f"({exc.strerror}). Choose a folder this user can write."
+        ) from None
+    if not os.access(state_dir, os.W_OK | os.X_OK):
+        raise FedheadError(
+            f"The '--state-dir' parameter names {str(state_dir)!r}, which this user cannot "
+            "write. Choose a folder this user can write."
+        )
+    return state_dir
+
+
 @cli_errors
 def supernode_cmd(
     superlink: str = typer.Option(..., help="the SuperLink's address HOST:PORT"),
@@ -335,11 +469,21 @@ def supernode_cmd(
         help="folder where this node also keeps its SCAFFOLD control variates, so that a server resumed "
         "in a new Flower run continues SCAFFOLD; without it a resume restarts SCAFFOLD from zero",
     ),
+    app_sha256: Optional[List[str]] = typer.Option(
+        None,
+        "--app-sha256",
+        help="the only apps this node runs: the sha256 of their FAB, as 'fedhead flower superlink' prints it "
+        "(repeat for several) \\[default: the FAB of this fedhead's own source tree]",
+    ),
 ):
     """Start a Flower SuperNode that trains the head on this machine's own feature store."""
     require_flower()
 
     # every file and option before the node starts
+    link_host, _ = split_address("--superlink", superlink)
+    if insecure:
+        refuse_insecure_off_loopback("--superlink", link_host)
+    pins = check_pins(app_sha256 or [])
     if insecure and root_certificates is not None:
         raise FedheadError(
             "The '--insecure' option contradicts '--root-certificates'. Got both. Drop --insecure "
@@ -376,23 +520,18 @@ def supernode_cmd(
     tls = ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
     if auth_supernode_private_key is not None:
         tls += ["--auth-supernode-private-key", str(auth_supernode_private_key)]
+    flower_exe("flower-supernode")
+    if not pins:  # building the FAB takes a moment: after the other checks
+        pins = [own_app_sha256()]
     if state_dir is not None:  # last: the folder is made only when every other option is good
-        state_dir = check_out(state_dir, "--state-dir", kind="dir").resolve()
-        try:
-            state_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise FedheadError(
-                f"The '--state-dir' parameter names {str(state_dir)!r}, which cannot be created "
-                f"({exc.strerror}). Choose a folder this user can write."
-            ) from None
-        if not os.access(state_dir, os.W_OK | os.X_OK):
-            raise FedheadError(
-                f"The '--state-dir' parameter names {str(state_dir)!r}, which this user cannot "
-                "write. Choose a folder this user can write."
-            )
-        node_config += f" state-dir={str(state_dir)!r}"
+        node_config += f" state-dir={str(make_state_dir(state_dir))!r}"
+    print(f"fedhead: this node runs only the app(s) with FAB sha256 {', '.join(pins)}", file=sys.stderr)
     cmd = [
-        flower_exe("flower-supernode"),
+        sys.executable,
+        "-m",
+        "fedhead.flower.pin",
+        *[a for h in pins for a in ("--app-sha256", h)],
+        "--",
         *tls,
         "--superlink",
         superlink,

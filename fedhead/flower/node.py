@@ -16,8 +16,8 @@ partition and (config, seed)) and read back when a new Flower run starts with an
 name the config, seed, the server's run id and SCAFFOLD's generation, so a file of another run is never taken for
 this one's. Error feedback (``--aggregate fedavg-int8`` / ``fedavg-topk``): the node keeps its residual ``e_k``
 the same way (record ``fedhead-residual``, two versions by the tags ``residual-in`` / ``residual-out``, files
-``residual-p<id>-<key>.pt``) and sends its update compressed (the rule's wire form); a node that lost the version
-the server names starts from a zero residual (nothing to restart: only what compression held back is lost). CCVR (``--calibrate ccvr``): the ``query.ccvr`` message returns :func:`fedhead.federation.train.ccvr_client_stats` of the node's prepared features (:meth:`fedhead.core.ccvr.ClassStats.to_bytes`).
+``residual-p<id>-<key>.safetensors``, :mod:`fedhead.infra.safestate`) and sends its update compressed (the rule's
+wire form); a node that lost the version the server names starts from a zero residual (nothing to restart: only what compression held back is lost). CCVR (``--calibrate ccvr``): the ``query.ccvr`` message returns :func:`fedhead.federation.train.ccvr_client_stats` of the node's prepared features (:meth:`fedhead.core.ccvr.ClassStats.to_bytes`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from fedhead.core.heads import create_head  # noqa: E402
 from fedhead.core.linalg import clip_rows  # noqa: E402
 from fedhead.core.noise import apply_noise  # noqa: E402
 from fedhead.core.partitions import class_counts  # noqa: E402
+from fedhead.core.plugins import load_plugins  # noqa: E402,F401 (the ClientApp's, before a handler runs)
 from fedhead.federation.clients import FeatureStats, build_federation, ccvr_client_stats, noise_dataset_name, prepare  # noqa: E402
 from fedhead.flower.common import (
     MESSAGE_PREFIX,
@@ -54,14 +55,13 @@ from fedhead.flower.common import (
     check_fingerprint,
     client_stats_record,
     config_from_json,
-    crash_rounds,
     store_fingerprint,
 )
 from fedhead.flower.secure import KIND as SECURE_KIND  # noqa: E402
 from fedhead.flower.secure import node_values, plain_content, secure_reply  # noqa: E402
 from fedhead.infra.devices import resolve_device  # noqa: E402
 from fedhead.infra.errors import FedheadError  # noqa: E402
-from fedhead.infra.files import atomic_torch_save
+from fedhead.infra.safestate import load_state, save_state
 
 LOG = logging.getLogger("flwr")
 _STORES: dict[str, Features] = {}
@@ -277,8 +277,6 @@ def ccvr(msg: Message, context: Context, default_store: str | None, default_stat
     cfg = config_from_json(str(c["train-config"]))
     ns = node_settings(context, default_store, default_state_dir)
     ld = local_data(ns, cfg, int(c["seed"]))
-    if int(c["round"]) in crash_rounds(ns.pid):
-        raise RuntimeError(f"injected crash of partition {ns.pid} in round {c['round']} (FEDHEAD_FLOWER_CRASH)")
     t0 = time.perf_counter()
     blob = b""
     if len(ld.mine):
@@ -299,8 +297,6 @@ def plain_train(msg: Message, context: Context, default_store: str | None, defau
     seed, rnd = int(c["seed"]), int(c["round"])
     ns = node_settings(context, default_store, default_state_dir)
     ld = local_data(ns, cfg, seed)
-    if rnd in crash_rounds(ns.pid):
-        raise RuntimeError(f"injected crash of partition {ns.pid} in round {rnd} (FEDHEAD_FLOWER_CRASH)")
     stats = _feature_stats(c)
     theta = torch.as_tensor(msg.content["arrays"]["head"].numpy(), dtype=torch.float32, device=ld.device)
     n = len(ld.mine)
@@ -391,7 +387,7 @@ def variates_file(ns: NodeSettings, cfg, seed: int, prefix: str = "scaffold") ->
     if ns.state_dir is None:
         return None
     key = hashlib.sha1(f"{cfg.identity()}/{int(seed)}".encode()).hexdigest()[:16]
-    return Path(ns.state_dir) / f"{prefix}-p{ns.pid}-{key}.pt"
+    return Path(ns.state_dir) / f"{prefix}-p{ns.pid}-{key}.safetensors"
 
 
 def held_variates(context: Context, ns: NodeSettings, cfg, seed: int) -> ArrayRecord | None:
@@ -405,9 +401,11 @@ def _held(context: Context, record: str, path: Path | None, what: str) -> ArrayR
     held = context.state.get(record)
     if held is None and path is not None and path.is_file():
         try:
-            saved = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # a damaged file is a lost state: as without a state folder
-            LOG.warning("[fedhead] ignoring the %s in %s (%s): %s", what, path, type(exc).__name__, exc)
+            saved = load_state(path, what, "--state-dir")
+            if not (isinstance(saved, dict) and all(isinstance(v, torch.Tensor) for v in saved.values())):
+                raise FedheadError(f"{str(path)!r} holds no {what}")
+        except FedheadError as exc:  # a damaged file is a lost state: as without a state folder
+            LOG.warning("[fedhead] ignoring the %s in %s: %s", what, path, exc)
             return None
         held = ArrayRecord({str(t): Array(v.numpy()) for t, v in saved.items()})
         context.state[record] = held
@@ -446,7 +444,7 @@ def _keep_variates(
         keep[tag_in] = start.detach().cpu().clone()
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_torch_save(keep, path)
+        save_state(keep, path)
     context.state[record] = ArrayRecord({t: Array(v.numpy()) for t, v in keep.items()})
 
 
