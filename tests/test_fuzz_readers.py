@@ -72,7 +72,7 @@ ATTRS = ["format", "format_version", "complete", "feature_dim", "num_classes", "
          "content_sha256", "n_skipped"]  # fmt: skip
 attr_values = st.one_of(
     st.integers(-(2**63), 2**63 - 1),
-    st.floats(allow_nan=True),
+    st.floats(allow_nan=True, allow_subnormal=False),
     st.text(max_size=20),
     st.binary(max_size=20),
     st.booleans(),
@@ -100,8 +100,11 @@ store_ops = st.lists(
             st.sampled_from(["train/features", "train/labels", "train/clients"]),
             st.sampled_from([np.nan, np.inf, -1, 3, 2**40]),
         ),
-        st.tuples(st.just("truncate"), st.floats(0.05, 0.999)),
-        st.tuples(st.just("flip"), st.lists(st.tuples(st.floats(0, 0.999), st.integers(0, 255)), max_size=6)),
+        st.tuples(st.just("truncate"), st.floats(0.05, 0.999, allow_subnormal=False)),
+        st.tuples(
+            st.just("flip"),
+            st.lists(st.tuples(st.floats(0, 0.999, allow_subnormal=False), st.integers(0, 255)), max_size=6),
+        ),
     ),
     min_size=1,
     max_size=3,
@@ -206,7 +209,7 @@ json_values = st.recursive(
         st.booleans(),
         st.integers(-(2**70), 2**70),
         st.sampled_from([0, 1, -1, 3, 4, 6, 8, 2**31, 4_000_000, 10**12]),
-        st.floats(allow_nan=True, allow_infinity=True),
+        st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=False),
         st.text(max_size=12),
         st.sampled_from(["softmax", "sigmoid", "float16", "qda", "ridge-rf", "../x", "/etc/hostname", "file:/etc/x"]),
     ),
@@ -302,12 +305,12 @@ toml_scalars = st.one_of(
     st.booleans(),
     st.integers(-(2**63), 2**63 - 1),
     st.sampled_from([0, 1, -1, 2, 10, 10**9]),
-    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=False),
     st.text(max_size=12),
     st.sampled_from(["softmax", "iid", "dirichlet", "fedavg", "auto", "cpu", "0,1", "1e-3", "../x"]),
 )
 toml_values = st.one_of(toml_scalars, st.lists(st.integers(-3, 100), max_size=4),
-                        st.lists(st.floats(-1, 2), max_size=3), st.dictionaries(st.text(max_size=6), toml_scalars,
+                        st.lists(st.floats(-1, 2, allow_subnormal=False), max_size=3), st.dictionaries(st.text(max_size=6), toml_scalars,
                         max_size=3))  # fmt: skip
 
 

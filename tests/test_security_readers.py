@@ -138,7 +138,7 @@ def store_bomb(path: Path, rows: int = BOMB_ROWS, dim: int = BOMB_DIM, **create)
 
 
 BOMB_PROBE = """
-import resource, sys, time
+import sys, time
 t = time.perf_counter()
 from extract.store import load_store
 from fedhead.infra.errors import FedheadError
@@ -149,7 +149,8 @@ try:
 except FedheadError as exc:
     print("REFUSED", exc)
 print(f"SECONDS {time.perf_counter() - t:.3f}")
-print(f"MAXRSS_KB {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}")
+# this process image's own peak (VmHWM): getrusage's ru_maxrss keeps the parent's peak across fork and exec
+print("MAXRSS_KB", next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")))
 """
 
 
