@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from extract import datasets as D
-from extract.store import check_budget
+from fedhead.infra.devices import check_budget
 from fedhead.infra.errors import FedheadError
 
 SOURCES = ("--client-folders", "--clients-csv", "--client-pattern")

@@ -56,7 +56,8 @@ import h5py
 import numpy as np
 
 from fedhead import __version__
-from fedhead.infra.devices import available_memory
+from fedhead.infra.devices import check_budget
+from fedhead.infra.devices import size_text as _mb
 from fedhead.infra.errors import SPACE_ERRNOS, FedheadError
 from fedhead.infra.files import make_parent_dirs
 
@@ -69,10 +70,6 @@ METADATA_BYTES = 48 * 1024  # HDF5's own structures in a store (measured: 24-27 
 
 def partial_path(out: str | os.PathLike) -> Path:
     return Path(str(out) + ".partial")
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB" if n >= 1e6 else f"{n / 1e3:,.0f} kB"
 
 
 # ---------------------------------------------------------------- room on disk
@@ -647,39 +644,8 @@ def _check_values(
 
 # ---------------------------------------------------------------- what a store may claim (a hostile file)
 
-BUDGET_ENV = "FEDHEAD_MEMORY_BUDGET"
-FALLBACK_BUDGET = 8 << 30  # where the system does not say how much memory it can give
 MAX_INFLATE = 1100  # deflate's best ratio is 1032:1: a compressed chunk may claim that much more than it holds
 MAX_CHUNK_BYTES = 64 << 20  # a chunk is read whole: HDF5 allows 4 GiB; fedhead writes 1024 rows (16 MiB at D 4096)
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def memory_budget() -> tuple[int, str]:
-    """Bytes a reader may allocate for a file's arrays and where that figure comes from: ``FEDHEAD_MEMORY_BUDGET``
-    (bytes, or with a K/M/G/T suffix), else the memory the system can still give, else 8 GiB."""
-    text = os.environ.get(BUDGET_ENV, "").strip()
-    if text:
-        m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?", text, re.IGNORECASE)
-        if m is None or float(m.group(1)) <= 0:
-            raise FedheadError(
-                f"The {BUDGET_ENV} environment variable must be a size in bytes, e.g. 8G or 512M. Got {text!r} "
-                f"instead. Set it so, or unset it to use the available memory."
-            )
-        return int(float(m.group(1)) * _UNITS[m.group(2).upper()]), f"{BUDGET_ENV}={text}"
-    free = available_memory()
-    if free is None:
-        return FALLBACK_BUDGET, f"the default {_mb(FALLBACK_BUDGET)} (the system does not say what is free)"
-    return free, f"the {_mb(free)} of memory available"
-
-
-def check_budget(need: int, what: str, fix: str = "") -> None:
-    """Refuse, before allocating, ``need`` bytes above :func:`memory_budget` (``what`` names the file and why)."""
-    budget, source = memory_budget()
-    if need > budget:
-        raise FedheadError(
-            f"{what} needs about {_mb(need)} of memory, more than {source}. {fix}If the file is trusted and the "
-            f"memory is there, raise {BUDGET_ENV} (e.g. {BUDGET_ENV}={-(-need // (1 << 30)) + 1}G)."
-        )
 
 
 def _link(f: h5py.File, name: str, p: Path, param: str) -> Any:

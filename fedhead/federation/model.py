@@ -35,13 +35,13 @@ import torch
 from extract import datasets as D
 from extract import run as extraction
 from extract.encoders import Encoder, load_encoder, preprocess_batch, registry_weights
-from extract.store import Features, StoreInfo, check_budget, store_content_hash
+from extract.store import Features, StoreInfo, store_content_hash
 from fedhead import __version__
 from fedhead.core.heads import HEADS, create_head, resolve_head_params
 from fedhead.federation.clients import FeatureStats, prepare
 from fedhead.federation.config import TrainConfig
 from fedhead.infra.console import make_progress
-from fedhead.infra.devices import set_cpu_threads
+from fedhead.infra.devices import check_budget, set_cpu_threads
 from fedhead.infra.errors import FedheadError, param_error
 from fedhead.infra.files import atomic_path, atomic_write_json, name_inside
 

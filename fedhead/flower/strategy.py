@@ -489,6 +489,15 @@ class FedheadStrategy(Strategy, Transport):
             LOG.log(WARNING, "[fedhead] SuperNode %s refused: %s", node, why)
         self.refused[node] = why
 
+    def _second_claim(self, node: int, holder: int, pid: int) -> str:
+        """``node`` claims partition ``pid``, which the live node ``holder`` has: remembered (it is asked again once
+        ``holder`` is gone), and why it is refused."""
+        self.claimed[node] = pid
+        return (
+            f"SuperNodes {holder} and {node} both have partition-id {pid}; the second was refused (give every node "
+            "its own partition id)"
+        )
+
     def _query_expect(self, want_stats: bool, **kw) -> Expect:
         """What a query reply must hold (``want_stats``: with the statistics this server asks for)."""
         C, D = self.store.info.num_classes, self.store.test_x.shape[1]
@@ -559,11 +568,7 @@ class FedheadStrategy(Strategy, Transport):
             return None, f"SuperNode {node}: {why}"
         pid = int(r.content["metrics"]["partition-id"])
         if pid in node_of:
-            self.claimed[node] = pid
-            return None, (
-                f"SuperNodes {node_of[pid]} and {node} both have partition-id {pid}; the second was refused "
-                "(give every node its own partition id)"
-            )
+            return None, self._second_claim(node, node_of[pid], pid)
         if expect.stats and self.secure is None:
             bad = check_reply("stats", r, expect)
             if bad:
@@ -591,9 +596,7 @@ class FedheadStrategy(Strategy, Transport):
             pid = int(r.content["metrics"]["partition-id"])
             holder = self.node_of.get(pid)
             if holder is not None and holder in live:  # never re-route a partition whose node is still there
-                self.claimed[node] = pid
-                self._refuse(node, f"SuperNodes {holder} and {node} both have partition-id {pid}; the second was "
-                                   "refused (give every node its own partition id)")  # fmt: skip
+                self._refuse(node, self._second_claim(node, holder, pid))
                 continue
             n, counts = self._first.get(pid, (None, None))
             why = check_reply("query", r, replace(expect, pid=pid, num_examples=n, class_counts=counts))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 
 from fedhead.infra.errors import FedheadError
 
@@ -199,6 +200,44 @@ def available_memory() -> int | None:
         return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
     except (AttributeError, OSError, ValueError):
         return None
+
+
+def size_text(n: int) -> str:
+    """A byte count as people read it: ``12.3 MB`` (``850 kB`` below a megabyte)."""
+    return f"{n / 1e6:,.1f} MB" if n >= 1e6 else f"{n / 1e3:,.0f} kB"
+
+
+BUDGET_ENV = "FEDHEAD_MEMORY_BUDGET"
+FALLBACK_BUDGET = 8 << 30  # where the system does not say how much memory it can give
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def memory_budget() -> tuple[int, str]:
+    """Bytes a reader may allocate for a file's arrays and where that figure comes from: ``FEDHEAD_MEMORY_BUDGET``
+    (bytes, or with a K/M/G/T suffix), else the memory the system can still give, else 8 GiB."""
+    text = os.environ.get(BUDGET_ENV, "").strip()
+    if text:
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?", text, re.IGNORECASE)
+        if m is None or float(m.group(1)) <= 0:
+            raise FedheadError(
+                f"The {BUDGET_ENV} environment variable must be a size in bytes, e.g. 8G or 512M. Got {text!r} "
+                f"instead. Set it so, or unset it to use the available memory."
+            )
+        return int(float(m.group(1)) * _UNITS[m.group(2).upper()]), f"{BUDGET_ENV}={text}"
+    free = available_memory()
+    if free is None:
+        return FALLBACK_BUDGET, f"the default {size_text(FALLBACK_BUDGET)} (the system does not say what is free)"
+    return free, f"the {size_text(free)} of memory available"
+
+
+def check_budget(need: int, what: str, fix: str = "") -> None:
+    """Refuse, before allocating, ``need`` bytes above :func:`memory_budget` (``what`` names the file and why)."""
+    budget, source = memory_budget()
+    if need > budget:
+        raise FedheadError(
+            f"{what} needs about {size_text(need)} of memory, more than {source}. {fix}If the file is trusted and the "
+            f"memory is there, raise {BUDGET_ENV} (e.g. {BUDGET_ENV}={-(-need // (1 << 30)) + 1}G)."
+        )
 
 
 def set_cpu_threads(n: int | None = None) -> int:
