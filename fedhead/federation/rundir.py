@@ -39,7 +39,7 @@ import torch
 from fedhead import __version__
 from fedhead.infra.errors import FedheadError
 from fedhead.infra.files import atomic_write_json, atomic_write_text
-from fedhead.infra.safestate import load_state, save_state
+from fedhead.infra.safestate import NUMPY_DTYPES, load_state, save_state
 from fedhead.infra.signals import Interrupted
 
 ROUND_FIELDS = [
@@ -193,11 +193,9 @@ TRUST_PICKLES_ENV = "FEDHEAD_TRUST_PICKLED_RUNS"  # "1": read format 3's pickles
 
 def _pickle_globals() -> list:
     """What a format-3 pickle may name besides tensors: numpy arrays, their numeric dtypes and scalars."""
-    from numpy._core.multiarray import _reconstruct, scalar
-
-    numeric = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
-               "float64")  # fmt: skip
-    return [_reconstruct, scalar, np.ndarray, np.dtype, bytes, *{type(np.dtype(n)) for n in numeric}]
+    multiarray = (getattr(np, "_core", None) or np.core).multiarray  # numpy 2 / numpy 1
+    return [multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype, bytes,
+            *{type(np.dtype(n)) for n in NUMPY_DTYPES}]  # fmt: skip
 
 
 def read_state(path: str | Path, what: str = "checkpoint", param: str = "--resume", fix: str | None = None) -> Any:

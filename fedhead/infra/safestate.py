@@ -37,8 +37,9 @@ _ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5
              "C64": 8}  # fmt: skip
 _TORCH_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16",
                  "bfloat16", "float32", "float64", "complex64")  # fmt: skip
-_NUMPY_SCALARS = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
-                  "float32", "float64")  # fmt: skip
+# the numpy dtypes a state holds (and a format-3 pickle may: fedhead.federation.rundir)
+NUMPY_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
+                "float64")  # fmt: skip
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
@@ -66,7 +67,7 @@ class _Encoder:
             return v
         if type(v) is float:
             return v if math.isfinite(v) else {"f": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
-        if isinstance(v, (np.bool_, np.integer, np.floating)) and v.dtype.name in _NUMPY_SCALARS:
+        if isinstance(v, (np.bool_, np.integer, np.floating)) and v.dtype.name in NUMPY_DTYPES:
             return {"n": [v.dtype.name, self(v.item(), where, depth + 1)]}
         if isinstance(v, torch.dtype) and str(v).removeprefix("torch.") in _TORCH_DTYPES:
             return {"dt": str(v).removeprefix("torch.")}
@@ -80,7 +81,7 @@ class _Encoder:
             self.storages.add(t.untyped_storage().data_ptr())
             return self.array("T", t)
         if isinstance(v, np.ndarray):
-            if type(v) is not np.ndarray or v.dtype.name not in _NUMPY_SCALARS or not v.dtype.isnative:
+            if type(v) is not np.ndarray or v.dtype.name not in NUMPY_DTYPES or not v.dtype.isnative:
                 raise TypeError(f"The state cannot store {where}: a numpy array of dtype {v.dtype}")
             return self.array("A", torch.from_numpy(np.array(v, order="C", copy=True)))
         if type(v) in (list, tuple):
@@ -187,10 +188,10 @@ class _Decoder:
             return self.tensor(p)
         if tag == "A":
             t = self.tensor(p)
-            if str(t.dtype).removeprefix("torch.") not in _NUMPY_SCALARS:
+            if str(t.dtype).removeprefix("torch.") not in NUMPY_DTYPES:
                 raise _Bad(f"the numpy array {p!r} has the dtype {t.dtype}")
             return t.numpy()
-        if tag == "n" and isinstance(p, list) and len(p) == 2 and p[0] in _NUMPY_SCALARS:
+        if tag == "n" and isinstance(p, list) and len(p) == 2 and p[0] in NUMPY_DTYPES:
             value = self(p[1], sub)
             kind = np.dtype(p[0]).kind
             if not isinstance(value, {"b": bool, "i": int, "u": int, "f": (int, float)}[kind]) or (
