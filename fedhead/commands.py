@@ -53,7 +53,8 @@ COMPARE_COLUMNS = [
     ("partition", "partition"),
     ("rounds", "rounds"),
     ("final", "final"),
-    ("best", "best"),
+    ("selected_round", "selected round"),
+    ("at_selected", "at selected"),
     ("ratio_to_iid", "ratio to IID"),
     ("ratio_to_central", "ratio to central"),
     ("mb_total", "MB total"),
@@ -68,13 +69,14 @@ def compare_cmd(
     out: Path = typer.Option(Path("."), "--out", help="folder for compare.png \\[default: the current folder]"),
     metric: str = typer.Option("accuracy", "--metric", help="the rounds.csv column to compare"),
 ):
-    """Print several runs side by side (final and best --metric, ratios, bytes, wall time, the settings that differ)
+    """Print several runs side by side (--metric at the final round and at the round the run's validation selected,
+    ratios, bytes, wall time, the settings that differ)
     and plot --metric per round of every run into OUT/compare.png."""
     found = [compare.load_run(p) for p in runs]
     compare.check_metric(found, metric)
     check_out(out, kind="dir")
     rows = compare.table_rows(found, metric)
-    cols = [(k, f"{h} {metric}" if k in ("final", "best") else h) for k, h in COMPARE_COLUMNS]
+    cols = [(k, f"{h} {metric}" if k in ("final", "at_selected") else h) for k, h in COMPARE_COLUMNS]
     stdout_console().print(results_table(f"fedhead compare — {len(found)} runs", rows, cols))
     typer.echo(f"wrote {compare.write_compare_plot(found, metric, out)}")
 

@@ -141,6 +141,8 @@ def _sample(f):
         "fedabc_margins": "0.8,0.2,0.3",
         "log": "tensorboard",
         "log_dir": "tb",
+        "early_stop_metric": "loss",
+        "on_diverge": "continue",
     }
     if f.name in special:
         return special[f.name]

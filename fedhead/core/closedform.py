@@ -459,7 +459,13 @@ class NCMHead(ClosedFormHead):
 
 @register_head(
     "ridge",
-    Param("ridge_lambda", 0.01, Interval(0, None, closed="neither"), "ridge: regulariser lambda (Fed3R: 0.01)"),
+    Param(
+        "ridge_lambda",
+        0.01,
+        Interval(0, None, closed="neither"),
+        "ridge: regulariser lambda (Fed3R: 0.01)",
+        grid=(1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0),
+    ),  # fmt: skip
     Param("ridge_normalize", False, None, "ridge: L2-normalise each solved row as Fed3R's code does"),
     *SKETCH_PARAMS,
 )
@@ -484,7 +490,13 @@ def ridge_solve(acc: StatsAccumulator, lam: float, normalize: bool, flag: str = 
 
 @register_head(
     "cof",
-    Param("cof_gamma", 1.0, Interval(0, None), "cof: shrinkage gamma of the class covariances (FedCOF: 1)"),
+    Param(
+        "cof_gamma",
+        1.0,
+        Interval(0, None),
+        "cof: shrinkage gamma of the class covariances (FedCOF: 1)",
+        grid=(0.01, 0.1, 1.0, 10.0),
+    ),  # fmt: skip
 )
 class COFHead(ClosedFormHead):
     """FedCOF: class covariances estimated from the spread of client class means; ridge-like solve (closed form)."""
@@ -531,7 +543,13 @@ class COFHead(ClosedFormHead):
 
 @register_head(
     "lda",
-    Param("lda_shrinkage", 1e-4, Interval(0, None), "lda: ridge on the shared covariance, times trace/D"),
+    Param(
+        "lda_shrinkage",
+        1e-4,
+        Interval(0, None),
+        "lda: ridge on the shared covariance, times trace/D",
+        grid=(1e-6, 1e-4, 1e-2, 1e-1, 1.0),
+    ),  # fmt: skip
     *SKETCH_PARAMS,
 )
 class LDAHead(ClosedFormHead):

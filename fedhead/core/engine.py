@@ -946,3 +946,20 @@ def evaluate(theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, chunk: int =
             pred = scores(theta, x[i : i + chunk], head).argmax(1)
             correct += int((pred == y[i : i + chunk]).sum())
     return correct / max(1, len(y))
+
+
+def accuracy_and_loss(
+    theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, chunk: int = 65536, head=None
+) -> tuple[float, float]:
+    """Accuracy of ``argmax`` of :func:`scores` and the mean cross-entropy of ``softmax(scores)`` (the same loss for
+    every head, so that runs of different heads compare; NaN when the scores are not finite), over the rows of
+    ``x`` (with the trailing 1): the validation metrics of a round."""
+    correct, loss = 0, 0.0
+    with torch.no_grad():
+        for i in range(0, len(y), chunk):
+            s = scores(theta, x[i : i + chunk], head)
+            yc = y[i : i + chunk]
+            correct += int((s.argmax(1) == yc).sum())
+            loss += float(torch.nn.functional.cross_entropy(s.double(), yc, reduction="sum"))
+    n = max(1, len(y))
+    return correct / n, loss / n

@@ -58,9 +58,15 @@ def _class_covariances(acc: StatsAccumulator, unbiased: bool) -> tuple[torch.Ten
 @register_head(
     "qda",
     Param(
-        "qda_lambda", 0.5, Interval(0, 1), "qda: weight of the pooled covariance in each class's (Friedman's lambda)"
+        "qda_lambda",
+        0.5,
+        Interval(0, 1),
+        "qda: weight of the pooled covariance in each class's (Friedman's lambda)",
+        grid=(0.0, 0.5, 1.0),
     ),
-    Param("qda_gamma", 0.1, Interval(0, 1), "qda: shrinkage toward trace/D * I (Friedman's gamma)"),
+    Param(
+        "qda_gamma", 0.1, Interval(0, 1), "qda: shrinkage toward trace/D * I (Friedman's gamma)", grid=(0.01, 0.1, 0.5)
+    ),  # fmt: skip
     *SKETCH_PARAMS,
 )
 class QDAHead(ClosedFormHead):
@@ -161,7 +167,13 @@ class RandomFeatures:
 
 @register_head(
     "ridge-rf",
-    Param("rf_lambda", 0.01, Interval(0, None, closed="neither"), "ridge-rf: ridge regulariser lambda (Fed3R's 0.01)"),
+    Param(
+        "rf_lambda",
+        0.01,
+        Interval(0, None, closed="neither"),
+        "ridge-rf: ridge regulariser lambda (Fed3R's 0.01)",
+        grid=(1e-3, 1e-2, 1e-1, 1.0, 10.0),
+    ),  # fmt: skip
     Param("rf_width", 2048, Interval(1, None, integer=True), "ridge-rf: number of random ReLU features"),
     Param("rf_seed", 0, Interval(0, None, integer=True), "ridge-rf: seed of the shared random projection"),
     *SKETCH_PARAMS,

@@ -17,6 +17,7 @@ from fedhead.core.noise import apply_noise
 from fedhead.core.partitions import PARTITIONS, class_counts, create_partition
 from fedhead.core.sampling import round_clients, sample_clients  # noqa: F401  (here before fedhead.core.sampling)
 from fedhead.federation.config import TrainConfig
+from fedhead.infra.errors import FedheadError
 
 
 @dataclass
@@ -82,11 +83,51 @@ def noise_dataset_name(store: Features, cfg: TrainConfig) -> str:
 
 @dataclass
 class Federation:
-    parts: list[np.ndarray]
+    parts: list[np.ndarray]  # each client's training part (its validation part held out)
     labels: np.ndarray  # noisy training labels (per client; test labels stay clean)
-    counts: np.ndarray  # [K, C] after noise
+    counts: np.ndarray  # [K, C] of the training parts, after noise
     realised_noise: float
     stats: FeatureStats
+    val_parts: list[np.ndarray] | None = None  # each client's validation part (None: --val-fraction 0)
+
+
+HOLDOUT_KEY = 0x7A11  # keys the validation draw apart from the partition's and the noise's draws of a seed
+
+
+def holdout(
+    parts: list[np.ndarray], labels: np.ndarray, fraction: float, seed: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each client's validation part: ``floor(fraction * n_k + u_k)`` of its ``n_k`` samples (``u_k`` uniform in
+    [0, 1): fraction x n_k in expectation, so that small clients of a cross-device federation hold out their share
+    too; never all of them: a client keeps at least one training sample), stratified by (noisy) label within the
+    client (systematic sampling over its samples shuffled and then grouped by label, so each class gives the floor
+    or the ceiling of its share), seeded by ``seed``. Returns (training parts, validation parts), in the order of
+    ``parts``."""
+    rng = np.random.default_rng([int(seed), HOLDOUT_KEY])
+    train, val = [], []
+    for p in parts:
+        p = np.asarray(p, dtype=np.int64)
+        n = len(p)
+        m = min(n - 1, int(np.floor(fraction * n + rng.random()))) if n else 0
+        if m <= 0:
+            train.append(p)
+            val.append(p[:0])
+            continue
+        order = rng.permutation(n)
+        order = order[np.argsort(labels[p[order]], kind="stable")]
+        picked = order[((np.arange(m) + rng.random()) * n / m).astype(np.int64)]
+        keep = np.ones(n, dtype=bool)
+        keep[picked] = False
+        train.append(p[keep])
+        val.append(np.sort(p[picked]))
+    if fraction > 0 and not any(len(v) for v in val):
+        largest = max((len(p) for p in parts), default=0)
+        raise FedheadError(
+            f"The '--val-fraction' parameter ({fraction:g}) holds out no sample: no client could spare one (the "
+            f"largest has {largest}, and a client keeps at least one training sample). Raise it, give the clients "
+            "more data (fewer --clients), or use 0 to turn validation off."
+        )
+    return train, val
 
 
 def build_federation(store: Features, cfg: TrainConfig, seed: int, partition: str, pparams: dict) -> Federation:
@@ -113,9 +154,12 @@ def build_federation(store: Features, cfg: TrainConfig, seed: int, partition: st
     labels = store.train_y.copy()
     for p, yl in zip(parts, noisy):
         labels[p] = yl
+    val_parts = None
+    if cfg.val_fraction:
+        parts, val_parts = holdout(parts, labels, cfg.val_fraction, seed)
     counts = class_counts(parts, labels, C)
     stats = federated_feature_stats(store.train_x, parts, cfg.center, cfg.scale, cfg, seed)
-    return Federation(parts, labels, counts, realised, stats)
+    return Federation(parts, labels, counts, realised, stats, val_parts)
 
 
 def ccvr_client_stats(x: torch.Tensor, labels: np.ndarray, part: np.ndarray, num_classes: int):

@@ -132,12 +132,15 @@ def _show(v) -> str:
 
 
 def table_rows(runs: list[RunFiles], metric: str) -> list[dict]:
-    """One row per run for the table (``--metric``'s final and best, summary's ratios, bytes and wall time)."""
+    """One row per run for the table (``--metric`` at the final round and at the round the run's validation selected
+    (never the best of the curve: that would choose on what it reports), summary's ratios, bytes and wall time)."""
     diff = differing(runs)
     out = []
     for run in runs:
         s, cfg = run.summary, run.settings
         x, y = curve(run, metric)
+        sel = s.get("selected_round")
+        sel = int(round(sel)) if isinstance(sel, (int, float)) and sel == sel else None
         out.append(
             {
                 "run": run.name,
@@ -145,7 +148,10 @@ def table_rows(runs: list[RunFiles], metric: str) -> list[dict]:
                 "partition": s.get("partition") or cfg.get("partition"),
                 "rounds": int(x.max()) if x.size else None,
                 "final": float(y[-1]) if y.size else None,
-                "best": float(y.max()) if y.size else None,
+                "selected_round": sel,
+                "at_selected": s.get("test_accuracy_at_selected")
+                if metric == "accuracy"
+                else (float(y[x == sel][-1]) if sel is not None and (x == sel).any() else None),
                 "ratio_to_iid": s.get("final_ratio_to_iid"),
                 "ratio_to_central": s.get("final_ratio_to_central"),
                 "mb_total": s["bytes_total"] / 1e6 if isinstance(s.get("bytes_total"), (int, float)) else None,

@@ -175,6 +175,11 @@ class _Config:
         _check_round_size(c)
         if c.noise != "none" and c.noise_rate == 0:
             raise FedheadError(f"The '--noise-rate' parameter must be > 0 with --noise {c.noise}. Got 0.0 instead.")
+        if c.early_stop and not c.val_fraction:
+            raise FedheadError(
+                f"The '--early-stop' option ({c.early_stop}) watches the validation part, but --val-fraction is 0 "
+                f"(recipe {c.recipe}). Give --val-fraction 0.1 (or more), or drop --early-stop."
+            )
         validate_dp(c)  # DP options, and the rule: DP-FedAvg replaces fedavg (aggregate = dp-fedavg)
         if c.secure_aggregation:
             m = per_round(c)  # clients per round (fedhead.core.sampling)

@@ -56,6 +56,7 @@ SECURE_MIN_CLIENTS = 3  # fewest clients per round --secure-aggregation accepts 
 # ridge start, a closed-form head ignores it; an explicit --local-epochs replaces the 30 steps.
 _DEFAULT_RECIPE = dict(
     head="ova2",
+    val_fraction=0.1,
     optimizer="sgd",
     lr=0.01,
     weight_decay=1e-4,
@@ -65,7 +66,7 @@ _DEFAULT_RECIPE = dict(
     scale="none",
 )
 RECIPES: dict[str, dict] = {
-    "paper": dict(_DEFAULT_RECIPE, optimizer="adamw", center=False),
+    "paper": dict(_DEFAULT_RECIPE, optimizer="adamw", center=False, val_fraction=0.0),
     "default": dict(_DEFAULT_RECIPE),
     "fast": dict(_DEFAULT_RECIPE, head="softmax", init="ridge", local_steps=30),
 }
@@ -220,6 +221,12 @@ class Field:
         if isinstance(self.default, (list, tuple)):
             return ",".join(str(v) for v in self.default)
         return "none" if self.default is None else f"{self.default:g}" if self.type is float else str(self.default)
+
+
+def grid_heads() -> tuple:
+    """The heads (built-in and registered) with a parameter that declares a validation grid (Param.grid)."""
+    load_plugins()
+    return tuple(n for n, spec in HEADS.items() if any(p.grid for p in spec.params))
 
 
 def flag_of(name: str) -> str:
@@ -744,12 +751,72 @@ FIELD_LIST: list[Field] = [
         transports=("in-process",),
     ),
     Field(
+        "client_test",
+        bool,
+        True,
+        "give every client a local test set drawn from the test split in its training label proportions (FedABC's "
+        "protocol; seeded, no sample twice within a client) and report local_accuracy_mean/worst10/best10/std on "
+        "them (none under secure aggregation: the server never sees a client's label counts)",
+        RUN,
+    ),
+    Field(
         "eval_unseen_clients",
         bool,
         False,
         "also report the per-client accuracy of the clients no round has sampled yet (partial participation: "
         "clients that never trained), as unseen_client_accuracy_mean/worst10/best10/std and unseen_clients",
         RUN,
+    ),
+    Field(
+        "val_fraction",
+        float,
+        None,
+        "share of each client's training data held out as its validation part (seeded, stratified by class within "
+        "the client); everything that chooses (selected round, early stopping, Acc@95) reads it, never the test "
+        "split; 0: no validation, nothing selected",
+        RUN,
+        constraint=Interval(0, 1, closed="left"),
+        default_text="recipe: 0.1; paper: 0",
+        fix="Use a share in [0, 1), e.g. 0.1 (0 turns validation off).",
+    ),
+    Field(
+        "select_on_val",
+        bool,
+        True,
+        "closed-form heads: choose each regularisation parameter left unset from the grid its head declares, by "
+        "accuracy on the validation part (one solve per value, no extra round; off under DP)",
+        HEAD,
+        applies=(When("head", lambda: grid_heads()),),
+    ),
+    Field(
+        "early_stop",
+        int,
+        0,
+        "stop a run after this many evaluations without a better validation value (--early-stop-metric); 0: off",
+        RUN,
+        constraint=Interval(0, None, integer=True),
+        applies=_IT,
+        unit="evaluations",
+    ),
+    Field(
+        "early_stop_metric",
+        str,
+        "accuracy",
+        "what --early-stop and the selected round watch: accuracy (higher is better) | loss (the validation "
+        "cross-entropy of the head's scores, lower is better)",
+        RUN,
+        constraint=OneOf(("accuracy", "loss")),
+        applies=_IT,
+    ),
+    Field(
+        "on_diverge",
+        str,
+        "stop",
+        "a round whose training loss is not finite or 1000x the first round's: stop (one line naming the round, "
+        "non-zero exit) | continue",
+        RUN,
+        constraint=OneOf(("stop", "continue")),
+        applies=_IT,
     ),
     Field("device", str, "auto", "auto | cpu | cuda (Flower: the server and simulated clients)", RUN),
     Field(

@@ -17,13 +17,20 @@ import torch
 
 from extract.store import Features
 from fedhead.core.ccvr import PooledStats
-from fedhead.core.central import central_reference
+from fedhead.core.central import Split, tuned_ceiling
 from fedhead.core.closedform import accumulate, is_closed_form
 from fedhead.core.compress import Residuals
 from fedhead.core.dp import feature_clip
-from fedhead.core.engine import ClientSet, Engine, LocalConfig, OptimConfig, ScaffoldState
+from fedhead.core.engine import ClientSet, Engine, LocalConfig, OptimConfig, ScaffoldState, accuracy_and_loss
 from fedhead.core.heads import create_head, resolve_head_params
-from fedhead.federation.clients import FeatureStats, Federation, build_federation, ccvr_client_stats, prepare
+from fedhead.federation.clients import (
+    FeatureStats,
+    Federation,
+    build_federation,
+    ccvr_client_stats,
+    prepare,
+    with_ones,
+)
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.transport import Calibration, Census, Exchange, RoundResult, Transport
 from fedhead.infra.devices import available_memory
@@ -34,6 +41,8 @@ def central_key(store: Features, cfg: TrainConfig, fed: Federation) -> str:
     """What the centralised ceiling depends on: store, head and its parameters, feature preparation,
     regularisation and the (possibly noisy) training labels."""
     h = hashlib.sha256(np.ascontiguousarray(fed.labels).tobytes())
+    for p in fed.parts:  # the training parts: which samples the validation holds out
+        h.update(np.ascontiguousarray(p, dtype=np.int64).tobytes())
     key = [str(store.info.path), cfg.head, resolve_head_params(cfg.head, **cfg.head_params), cfg.center, cfg.scale,
            cfg.weight_decay]  # fmt: skip
     h.update(json.dumps(key, sort_keys=True, default=str).encode())
@@ -66,7 +75,17 @@ class InProcessTransport(Transport):
                 data, self.head, self.optim, self.local, backend=cfg.backend, block_clients=cfg.block_clients,
                 memory_budget_mb=cfg.memory_budget_mb, dual=cfg.dual,
             )  # fmt: skip
+        self.val = None
+        if fed.val_parts is not None:
+            idx = torch.as_tensor(np.concatenate(fed.val_parts), device=self.device)
+            self.val = (self.x.index_select(0, idx), self.labels.index_select(0, idx))
         return Census(fed.stats, fed.realised_noise, fed.counts.sum(1), fed.counts)
+
+    def validate(self, theta: torch.Tensor, scorer=None) -> dict | None:
+        if self.val is None:
+            return None
+        acc, loss = accuracy_and_loss(theta, *self.val, head=scorer)
+        return {"val_accuracy": acc, "val_loss": loss, "val_samples": len(self.val[1])}
 
     def scaffold_state(self, shape: tuple, device) -> ScaffoldState:
         """Every client's SCAFFOLD variate, in memory (refused in one line when they cannot fit)."""
@@ -115,17 +134,27 @@ class InProcessTransport(Transport):
         return Calibration(pooled, up, time.perf_counter() - t0)
 
     def central(self, head, seed: int) -> dict | None:
+        """The tuned ceiling (:func:`fedhead.core.central.tuned_ceiling`) on the pooled training parts (the
+        validation parts held out, as for the federation), chosen on the pooled validation parts when there are
+        some, reported on the test split."""
         key = central_key(self.store, self.cfg, self.fed)
         if self.central_cache is not None and key in self.central_cache:
             return dict(self.central_cache[key])
-        xt = prepare(self.store.test_x, self.fed.stats, self.device)
-        ref = central_reference(
-            head, x_prepared=self.x, x_raw=self.raw_train, y=self.labels, x_test_prepared=xt,
-            x_test_raw=torch.as_tensor(self.store.test_x, dtype=torch.float32),
-            y_test=torch.as_tensor(self.store.test_y), num_classes=self.num_classes,
-            weight_decay=self.cfg.weight_decay,
+
+        def split(x_raw: np.ndarray, idx, y: torch.Tensor) -> Split:
+            raw = torch.as_tensor(x_raw if idx is None else x_raw[idx], dtype=torch.float32)
+            return Split(prepare(raw.numpy(), self.fed.stats, self.device), with_ones(raw, self.device), y)
+
+        fit = np.sort(np.concatenate([np.asarray(p, dtype=np.int64) for p in self.fed.parts]))
+        val = None
+        if self.fed.val_parts is not None:
+            vi = np.concatenate(self.fed.val_parts)
+            val = split(self.store.train_x, vi, self.labels[torch.as_tensor(vi, device=self.device)])
+        found = tuned_ceiling(
+            head, split(self.store.train_x, fit, self.labels[torch.as_tensor(fit, device=self.device)]), val,
+            split(self.store.test_x, None, torch.as_tensor(self.store.test_y, device=self.device)), self.num_classes,
+            self.cfg.weight_decay, seed,
         )  # fmt: skip
-        found = {"accuracy": ref.accuracy, "iterations": ref.iterations}
         if self.central_cache is not None:
             self.central_cache[key] = found
         return dict(found)

@@ -12,6 +12,7 @@ checkpoint holds only the head, the server's state, the transport's and the rows
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from pathlib import Path
@@ -21,12 +22,23 @@ import torch
 
 from extract.store import Features
 from fedhead.core.aggregate import aggregator_of
-from fedhead.core.clientacc import class_correct, client_accuracy, client_summary, client_weights, unseen_summary
+from fedhead.core.clientacc import (
+    class_correct,
+    client_accuracy,
+    client_summary,
+    client_weights,
+    local_accuracy,
+    local_summary,
+    local_test_sets,
+    sample_correct,
+    unseen_summary,
+)
 from fedhead.core.closedform import is_closed_form
 from fedhead.core.compress import keeps_residuals
+from fedhead.core.dp import enabled as dp_enabled
 from fedhead.core.dp import epsilon_schedule
 from fedhead.core.engine import evaluate as overall_accuracy
-from fedhead.core.heads import create_head
+from fedhead.core.heads import HEADS, create_head
 from fedhead.core.sampling import round_clients
 from fedhead.federation import rundir
 from fedhead.federation.clients import FeatureStats, prepare
@@ -36,10 +48,37 @@ from fedhead.federation.model import model_stem, write_model
 from fedhead.federation.outputs import SECURE_NOTE, RunReport
 from fedhead.federation.rundir import ROUND_FIELDS, RunDir
 from fedhead.federation.server import ServerUpdate, ccvr_calibrate, solve_statistics, statistics_row
-from fedhead.federation.summary import summarize, with_ratios
+from fedhead.federation.summary import ceiling_note, summarize, with_ratios
 from fedhead.federation.transport import Census, Transport
+from fedhead.infra.console import stderr_console
 from fedhead.infra.devices import resolve_device
+from fedhead.infra.errors import FedheadError
 from fedhead.infra.files import atomic_torch_save
+
+VAL_FIELDS = ("val_accuracy", "val_loss", "diverged")  # rounds.csv columns after ROUND_FIELDS
+DIVERGE_FACTOR = 1000  # a training loss this many times the first round's counts as diverged
+
+
+def val_grid(cfg: TrainConfig) -> list[dict]:
+    """The grid points ``--select-on-val`` tries: the product of the declared grids (:class:`Param` ``grid``) of the
+    head's parameters the user left unset (a given value is kept); [] when there are none."""
+    given = {k for k, v in cfg.head_params.items() if v is not None}
+    axes = [(p.name, p.grid) for p in HEADS[cfg.head].params if p.grid and p.name not in given]
+    if not axes:
+        return []
+    return [dict(zip([n for n, _ in axes], vals)) for vals in itertools.product(*[g for _, g in axes])]
+
+
+def patience_spent(rows: list, patience: int, metric: str = "accuracy") -> bool:
+    """Whether the last ``patience`` validation evaluations of ``rows`` (one unit's) brought no better value of
+    ``metric`` (accuracy: higher; loss: lower) than the best before them."""
+    vals = [float(r[f"val_{metric}"]) for r in rows if r.get(f"val_{metric}") is not None]
+    vals = [v for v in vals if v == v]
+    if len(vals) <= patience:
+        return False
+    sign = -1.0 if metric == "loss" else 1.0
+    best_before = max(sign * v for v in vals[:-patience])
+    return all(sign * v <= best_before for v in vals[-patience:])
 
 
 def _stats_state(stats: FeatureStats) -> dict:
@@ -74,7 +113,7 @@ class HeadJob(Job):
         self.rounds = 1 if closed else cfg.rounds
         self.scorer = None if self.head.linear else self.head  # qda, ridge-rf: scores not linear in the features
         self.privacy = epsilon_schedule(cfg, self.rounds)  # DP: epsilon per round ({} without DP)
-        self.fields = ROUND_FIELDS + list(transport.extra_fields)
+        self.fields = ROUND_FIELDS + list(VAL_FIELDS) + list(transport.extra_fields)
         self.extendable = not closed and transport.name == "simulation"
         self.y_test = torch.as_tensor(store.test_y, device=self.device)
         self.test_totals = np.bincount(store.test_y, minlength=store.info.num_classes)[: store.info.num_classes]
@@ -105,6 +144,12 @@ class HeadJob(Job):
         self._census(unit, census)
         counts = census.counts  # none with secure aggregation: no per-client accuracy then
         self.client_w = None if counts is None else client_weights(np.asarray(counts), self.test_totals)
+        # --client-test: each client's local test set drawn from the test split in its training label proportions
+        self.local = (
+            local_test_sets(np.asarray(counts), self.store.test_y, seed)
+            if counts is not None and cfg.client_test
+            else None
+        )
         # --eval-unseen-clients: which clients a round has sampled so far (None: not asked for, or no label counts)
         self.trained = np.zeros(len(counts), dtype=bool) if counts is not None and cfg.eval_unseen_clients else None
         self.stats = census.stats
@@ -159,18 +204,28 @@ class HeadJob(Job):
             row = self._train(sel, seed, rnd, extra_up, stats_bytes)
         evaluated = rnd % cfg.eval_every == 0 or rnd == self.rounds
         acc, clients = self._evaluate() if evaluated else (float("nan"), {})
+        val = (self.transport.validate(self.theta, self.scorer) if evaluated else None) or {}
         part = self.variants[name][0]
         return {"seed": seed, "round": rnd, "accuracy": acc, **row, "ratio_to_iid": None, "run": name,
-                "partition": part, **self.privacy.get(rnd, {}), **clients}  # fmt: skip
+                "partition": part, "val_accuracy": val.get("val_accuracy", float("nan")),
+                "val_loss": val.get("val_loss", float("nan")), "diverged": 0, **self.privacy.get(rnd, {}),
+                **clients}  # fmt: skip
 
     def _evaluate(self) -> tuple[float, dict]:
         """The global head's test accuracy and, when the clients' label counts are known, the per-client accuracy
         fields (:mod:`fedhead.core.clientacc`), from one pass over the test split."""
-        correct, totals = evaluate(self.theta, self.xt, self.y_test, self.store.info.num_classes, head=self.scorer)
+        C = self.store.info.num_classes
+        if self.local is not None:  # one pass: per-sample correctness gives the class counts and the local sets
+            ok = sample_correct(self.theta, self.xt, self.y_test, head=self.scorer)
+            correct, totals = np.bincount(self.store.test_y[ok], minlength=C)[:C], self.test_totals
+        else:
+            correct, totals = evaluate(self.theta, self.xt, self.y_test, C, head=self.scorer)
         acc = int(correct.sum()) / max(1, len(self.y_test))
         if self.client_w is None:
             return acc, {}
         clients = client_summary(client_accuracy(self.client_w, correct, totals))
+        if self.local is not None:
+            clients.update(local_summary(local_accuracy(self.local, ok)))
         if self.trained is not None:
             clients.update(unseen_summary(self.client_w, correct, totals, self.trained))
         return acc, clients
@@ -180,11 +235,33 @@ class HeadJob(Job):
         ex = self.transport.statistics(sel, self.solver, seed)
         t0 = time.perf_counter()
         self.theta = solve_statistics(self.solver, ex.acc, self.cfg, self.stats, self.device, seed=seed)
+        chosen = self._select_on_val(ex.acc) if is_closed_form(self.cfg.head) else {}
         if is_closed_form(self.cfg.head):  # the solved head goes down: qda's and ridge-rf's are not [C, D+1]
             self.head_bytes = self.theta.numel() * self.theta.element_size()
         server_s = ex.server_s + time.perf_counter() - t0
         row = statistics_row(ex.acc, ex.client_ms, server_s, self.cfg, len(sel), self.head_bytes, extra_up, stats_bytes)
-        return {**row, **ex.extra}
+        return {**row, **ex.extra, **chosen}
+
+    def _select_on_val(self, acc) -> dict:
+        """``--select-on-val``: each grid point of the head's unset grid parameters (:func:`val_grid`) solved from
+        the same summed statistics and scored on the validation part; the most accurate one (the first in grid
+        order on a tie) becomes the head. Returns the row's ``selected_params`` (empty when nothing was chosen:
+        no grid, no validation part, or DP, whose accounting does not cover a choice made on the clients' data)."""
+        cfg = self.cfg
+        grid = val_grid(cfg) if cfg.select_on_val and not dp_enabled(cfg) else []
+        if not grid or self.transport.validate(self.theta, self.scorer) is None:
+            return {}
+        best = None
+        for values in grid:
+            head = create_head(cfg.head, **{**cfg.head_params, **values})
+            theta = head.solve_statistics(acc)
+            theta = theta.to(device=self.device, dtype=torch.float32 if theta.ndim == 2 else torch.float64)
+            scorer = None if head.linear else head
+            score = self.transport.validate(theta, scorer)["val_accuracy"]
+            if best is None or score > best[0]:
+                best = (score, values, theta, scorer)
+        _, values, self.theta, self.scorer = best
+        return {"selected_params": " ".join(f"{k}={v:g}" for k, v in values.items())}
 
     def _train(self, sel, seed: int, rnd: int, extra_up: int, stats_bytes: int) -> dict:
         previous = self.theta
@@ -215,6 +292,41 @@ class HeadJob(Job):
 
     def after_checkpoint(self, unit: tuple, rnd: int, row: dict) -> None:
         self.transport.after_round(unit[0], rnd, self.rounds, row)
+
+    def diverged(self, unit: tuple, rows: list) -> str | None:
+        """Why the unit's last round diverged (None if it did not): its training loss not finite, or more than
+        DIVERGE_FACTOR times the unit's first finite training loss of the same stage."""
+        last = rows[-1]
+        if self.solver is not None and int(last["round"]) == 1 or last.get("stage") in ("statistics", "ccvr"):
+            return None
+        loss = float(last["train_loss"])
+        same = [r for r in rows if r.get("stage") == last.get("stage")]  # a two-stage head's losses differ in scale
+        first = next((float(r["train_loss"]) for r in same if math.isfinite(float(r["train_loss"]))), None)
+        if not math.isfinite(loss):
+            return f"its training loss is {loss}"
+        if first is not None and first > 0 and loss > DIVERGE_FACTOR * first:
+            return f"its training loss {loss:.3g} is over {DIVERGE_FACTOR}x the first round's ({first:.3g})"
+        return None
+
+    def annotate(self, unit: tuple, rows: list) -> None:
+        """Flag the last row when its round diverged (``diverged`` = 1 in rounds.csv)."""
+        why = self.diverged(unit, rows)
+        if why is not None:
+            rows[-1]["diverged"] = 1
+            self.divergence = (int(rows[-1]["round"]), why)
+
+    def stop_after(self, unit: tuple, rows: list) -> bool:
+        """Whether the unit stops before its last round: a diverged round (--on-diverge stop), or --early-stop's
+        patience spent (read off the rows, so a resumed run stops where the interrupted one would have)."""
+        cfg = self.cfg
+        if rows and rows[-1].get("diverged") and cfg.on_diverge == "stop":
+            rnd, why = getattr(self, "divergence", None) or (int(rows[-1]["round"]), "it diverged")
+            raise FedheadError(
+                f"Round {rnd} of seed {unit[0]} ({unit[1]}) diverged: {why}. Lower --lr (now {cfg.lr:g}) and run "
+                "again in a new --out, or pass --on-diverge continue to keep going; rounds.csv holds the rounds "
+                "so far, the diverged one marked."
+            )
+        return bool(cfg.early_stop) and patience_spent(rows, cfg.early_stop, cfg.early_stop_metric)
 
     def finish_unit(self, unit: tuple, rows: list) -> tuple[list, dict]:
         """CCVR after the last round (when asked); the unit's head, feature statistics and count of correct test
@@ -254,6 +366,9 @@ class HeadJob(Job):
         """The heads and models of every unit, clients.csv and summary.json."""
         summary = summarize(with_ratios(rows, self.central), self.cfg, self.realised, wall_s, self.central)
         summary.update(self.transport.summary_fields(rows))
+        note = ceiling_note(summary)
+        if note is not None:
+            stderr_console().print(note, markup=False, highlight=False, soft_wrap=True)
         per_seed = {r["seed"]: r for r in summary["per_seed"]}
         for d in done:
             path = head_path(run.path, *d["unit"])
@@ -292,7 +407,7 @@ class HeadJob(Job):
         )
 
 
-MODEL_SUMMARY_KEYS = ("final_accuracy", "best_accuracy", "acc95_round", "iid_final_accuracy", "final_ratio_to_iid",
+MODEL_SUMMARY_KEYS = ("final_accuracy", "selected_round", "val_accuracy", "test_accuracy_at_selected", "acc95_round", "iid_final_accuracy", "final_ratio_to_iid",
                       "central_accuracy", "final_ratio_to_central", "realised_noise_rate", "mb_per_client")  # fmt: skip
 
 

@@ -61,6 +61,14 @@ class Job:
     def after_checkpoint(self, unit: tuple, rnd: int, row: dict) -> None:
         """Optional: after a round's checkpoint (Flower: log it, honour a stop request)."""
 
+    def annotate(self, unit: tuple, rows: list) -> None:
+        """Optional: mark the unit's last row before it is saved (a diverged round)."""
+
+    def stop_after(self, unit: tuple, rows: list) -> bool:
+        """Optional: whether the unit ends after its rows so far, before its last round (early stopping; read off
+        the rows, so a resumed run stops where it would have); may raise a FedheadError (a diverged round)."""
+        return False
+
     def finish_unit(self, unit: tuple, rows: list) -> tuple[list, dict]:
         """After the unit's last round: extra rows and what to keep of the unit (in ``done``)."""
         return [], {}
@@ -134,9 +142,13 @@ def run_job(job: Job, run: RunDir, opened: Opened, *, progress: bool = True) -> 
             last = job.last_round(unit)
             task = prog.add_task(job.label(unit), total=last, completed=first - 1, info="") if progress else None
             before = [r for d in done for r in d["rows"]]
+            stopped = bool(rows) and job.stop_after(unit, rows)
             for rnd in range(first, last + 1):
+                if stopped:
+                    break
                 row = job.round(unit, rnd)
                 rows.append(row)
+                job.annotate(unit, rows)
                 state = {"index": i, "unit": list(unit), "seed": unit[0], "done": done, "pending": pending,
                          "current": {"round": rnd, "rows": rows, **job.unit_state()}, "run": job.run_state(),
                          "wall_s": time.perf_counter() - wall0}  # fmt: skip
@@ -145,7 +157,8 @@ def run_job(job: Job, run: RunDir, opened: Opened, *, progress: bool = True) -> 
                 job.after_checkpoint(unit, rnd, row)
                 if task is not None:
                     prog.update(task, advance=1, info=job.progress_info(row))
-            final = {"round": last, **job.unit_state()} if job.extendable else None
+                stopped = job.stop_after(unit, rows)
+            final = {"round": int(rows[-1]["round"]) if rows else last, **job.unit_state()} if job.extendable else None
             extra, kept = job.finish_unit(unit, rows)
             done.append({"unit": list(unit), "seed": unit[0], "rows": rows + extra, "final": final, **kept})
             if task is not None:

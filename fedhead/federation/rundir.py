@@ -3,7 +3,8 @@
 ``config.json``     the full resolved configuration, the store's metadata, the fedhead version, the run's identity
 ``config.toml``     the resolved experiment as an experiment file: ``fedhead train --config RUN/config.toml`` repeats it
 ``rounds.csv``      one row per (seed, round): ROUND_FIELDS, then any extra columns
-``summary.json``    final/best accuracy, Acc@95, ratio to IID, mean and std over seeds, wall seconds
+``summary.json``    final (test) accuracy, the round validation selected and the test accuracy there, Acc@95, ratios,
+                    mean and std over seeds, wall seconds
 ``clients.csv``     client id, size, number of classes, per-class counts (compact ``class:count`` form)
 ``checkpoint.safetensors``   while the run is unfinished: everything needed to continue it (one format for every
                              command)

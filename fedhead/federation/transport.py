@@ -93,6 +93,12 @@ class Transport:
     def ccvr(self, theta: torch.Tensor, seed: int, rnd: int) -> Calibration:
         raise NotImplementedError
 
+    def validate(self, theta: torch.Tensor, scorer=None) -> dict | None:
+        """The head's accuracy and loss on the clients' validation parts, pooled (``val_accuracy``, ``val_loss``,
+        ``val_samples``); None where this transport has none (``--val-fraction 0``, or Flower, whose nodes do not
+        report validation yet). ``scorer``: a head not linear in the features."""
+        return None
+
     def central(self, head, seed: int) -> dict | None:
         """The central ceiling of this seed's training data, where the transport holds it (else None)."""
         return None

@@ -70,6 +70,13 @@ def make_client_app(default_store: str | None = None, default_state_dir: str | N
 
         return handle(msg, context, default_store, default_state_dir)
 
+    @app.query("validate")
+    @_fedhead_errors
+    def validate(msg: Message, context: Context) -> Message:
+        from fedhead.flower.node import validate as handle
+
+        return handle(msg, context, default_store, default_state_dir)
+
     @app.train(mods=[secure_mod])
     @_fedhead_errors
     def train(msg: Message, context: Context) -> Message:

@@ -23,6 +23,7 @@ wire form); a node that lost the version the server names starts from a zero res
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -42,13 +43,20 @@ from fedhead.core.aggregate import aggregator_of  # noqa: E402
 from fedhead.core.closedform import client_stats  # noqa: E402
 from fedhead.core.compress import Residuals, keeps_residuals  # noqa: E402
 from fedhead.core.dp import feature_clip  # noqa: E402
-from fedhead.core.engine import ClientSet, Engine, LocalConfig, OptimConfig, ScaffoldState  # noqa: E402
+from fedhead.core.engine import ClientSet, Engine, LocalConfig, OptimConfig, ScaffoldState, accuracy_and_loss  # noqa: E402
 from fedhead.core.heads import create_head  # noqa: E402
 from fedhead.core.linalg import clip_rows  # noqa: E402
 from fedhead.core.noise import apply_noise  # noqa: E402
 from fedhead.core.partitions import class_counts  # noqa: E402
 from fedhead.core.plugins import load_plugins  # noqa: E402,F401 (the ClientApp's, before a handler runs)
-from fedhead.federation.clients import FeatureStats, build_federation, ccvr_client_stats, noise_dataset_name, prepare  # noqa: E402
+from fedhead.federation.clients import (  # noqa: E402
+    FeatureStats,
+    build_federation,
+    ccvr_client_stats,
+    holdout,
+    noise_dataset_name,
+    prepare,
+)
 from fedhead.flower.common import (
     MESSAGE_PREFIX,
     canonical_run_config,
@@ -91,6 +99,7 @@ class LocalData:
     counts: np.ndarray  # [len(parts), C]
     device: torch.device
     engines: dict = field(default_factory=dict)
+    val: np.ndarray | None = None  # this node's validation part (--val-fraction; None: none held out)
 
     @property
     def mine(self) -> np.ndarray:
@@ -204,6 +213,7 @@ def local_data(ns: NodeSettings, cfg, seed: int) -> LocalData:
             )
         fed = build_federation(store, cfg, seed, cfg.partition, cfg.partition_params)
         parts, labels, counts = fed.parts, fed.labels, fed.counts
+        val = None if fed.val_parts is None else fed.val_parts[ns.pid]
     else:
         # own store: all of its training split is this node's data; noise keyed by (seed, partition id)
         empty = np.zeros(0, dtype=np.int64)
@@ -218,10 +228,14 @@ def local_data(ns: NodeSettings, cfg, seed: int) -> LocalData:
             asym_rule=cfg.asym_map,
         )
         labels = noisy[ns.pid]
+        val = None
+        if cfg.val_fraction:  # the node's own validation part, as build_federation holds one out of each client's
+            parts, vals = holdout(parts, labels, cfg.val_fraction, seed)
+            val = vals[ns.pid]
         counts = class_counts(parts, labels, C)
     if len(_LOCAL) > 8:
         _LOCAL.clear()
-    ld = LocalData(store, ns.pid, parts, labels, counts, resolve_device(ns.device))
+    ld = LocalData(store, ns.pid, parts, labels, counts, resolve_device(ns.device), val=val)
     _LOCAL[key] = ld
     return ld
 
@@ -287,6 +301,30 @@ def ccvr(msg: Message, context: Context, default_store: str | None, default_stat
         {"partition-id": ns.pid, "num-examples": int(len(ld.mine)), "client-ms": 1000 * (time.perf_counter() - t0)}
     )
     return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+
+
+def validate(msg: Message, context: Context, default_store: str | None, default_state_dir: str | None) -> Message:
+    """The ``query.validate`` handler: the global head's correct predictions, samples and summed cross-entropy on the
+    node's validation part (only these three numbers leave the node)."""
+    c = msg.content["config"]
+    cfg = config_from_json(str(c["train-config"]))
+    ns = node_settings(context, default_store, default_state_dir)
+    ld = local_data(ns, cfg, int(c["seed"]))
+    t0 = time.perf_counter()
+    n, correct, loss = 0, 0, 0.0
+    if ld.val is not None and len(ld.val):
+        arr = msg.content["arrays"]["head"].numpy()
+        theta = torch.as_tensor(arr, dtype=torch.float64 if arr.dtype == np.float64 else torch.float32)
+        params = json.loads(str(c["scorer-params"])) if str(c.get("scorer-params", "")) else None
+        scorer = None if params is None else create_head(cfg.head, **params)
+        x = prepare(ld.store.train_x[ld.val], _feature_stats(c), ld.device)
+        y = torch.as_tensor(ld.labels[ld.val], device=ld.device)
+        acc, mean_loss = accuracy_and_loss(theta.to(ld.device), x, y, head=scorer)
+        n = len(ld.val)
+        correct, loss = int(round(acc * n)), mean_loss * n
+    metrics = {"partition-id": ns.pid, "val-samples": n, "val-correct": correct, "val-loss": float(loss),
+               "client-ms": 1000 * (time.perf_counter() - t0)}  # fmt: skip
+    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
 def plain_train(msg: Message, context: Context, default_store: str | None, default_state_dir: str | None) -> Message:

@@ -13,6 +13,8 @@ its node (its partition's failure in rounds.csv), never the run's.
 - ``train``: ``partition-id`` and ``num-examples`` equal to the partition's first report; exactly the rule's wire
   keys (``msg.*``, shapes and dtypes of the server's own dry run), ``holds [C]`` equal to the classes its counts
   hold, SCAFFOLD's ``scaffold-delta``; floats finite; ``train-loss`` and ``client-ms`` finite numbers.
+- ``validate``: ``partition-id`` as above; ``val-samples`` a count, ``val-correct`` in ``0..val-samples``, ``val-loss`` (a sum of cross-entropies) finite
+  and >= 0, ``client-ms``.
 - ``ccvr``: ``partition-id``, ``num-examples`` as above; ``ccvr-stats`` a whole number of class records
   (:meth:`fedhead.core.ccvr.ClassStats.from_bytes`) of held classes with their counts, finite.
 
@@ -73,11 +75,11 @@ def check_reply(kind: str, reply: Any, expect: Expect) -> str | None:
     else the one-line reason to record as its node's failure. Never raises."""
     try:
         content = reply.content
-        {"query": _query, "stats": _stats, "train": _train, "ccvr": _ccvr}[kind](content, expect)
+        {"query": _query, "stats": _stats, "train": _train, "ccvr": _ccvr, "validate": _validate}[kind](content, expect)
     except BadReply as exc:
         return _reason(kind, str(exc))
     except KeyError as exc:
-        if kind not in ("query", "stats", "train", "ccvr"):
+        if kind not in ("query", "stats", "train", "ccvr", "validate"):
             return _reason(kind, f"unknown reply kind {kind!r}")
         return _reason(kind, f"missing {exc}")
     except Exception as exc:  # noqa: BLE001 - any malformed record is the node's failure
@@ -209,6 +211,15 @@ def _ccvr(content, e: Expect) -> None:
         raise BadReply("ccvr-stats hold a class without samples")
     _finite(np.asarray(s.means), "ccvr-stats means")
     _finite(np.asarray(s.covs), "ccvr-stats covariances")
+
+
+def _validate(content, e: Expect) -> None:
+    m = _metrics(content)
+    _own(m, e)
+    n = _int(m, "val-samples", 0, MAX_COUNT)
+    _int(m, "val-correct", 0, n)
+    _number(m, "val-loss", 0.0)
+    _number(m, "client-ms", 0.0)
 
 
 # ---------------------------------------------------------------- fields

@@ -740,6 +740,47 @@ class FedheadStrategy(Strategy, Transport):
         client_ms = float(np.mean(lr.client_ms)) if lr.client_ms else 0.0
         return RoundResult(lr.aggregate, lr.trained, lr.loss_sum, client_ms, lr.server_s, extra)
 
+    def validate(self, theta: torch.Tensor, scorer=None) -> dict | None:
+        """One ``query.validate`` to every node: each evaluates the head on its own validation part and returns its
+        correct predictions, samples and summed loss (checked: :func:`check_reply`), summed here in partition order.
+        A node that fails is left out of that evaluation (``val_samples`` says how many were counted). None
+        without a validation part, and under secure aggregation (per-node counts would reach the server)."""
+        cfg, grid = self.cfg, self.grid
+        if not cfg.val_fraction or self.secure is not None:
+            return None
+        cr = ConfigRecord({**dict(self._round_config(0).items()),
+                           "scorer-params": json.dumps(scorer.params) if scorer is not None else ""})  # fmt: skip
+        arrays = ArrayRecord({"head": Array(theta.detach().cpu().numpy())})
+        msgs = [
+            Message(
+                RecordDict({"arrays": arrays, "config": cr}),
+                dst_node_id=self.node_of[p],
+                message_type="query.validate",
+                group_id="validate",
+            )  # fmt: skip
+            for p in range(cfg.clients)
+            if p in self.node_of
+        ]
+        pid_of = {n: p for p, n in self.node_of.items()}
+        got: dict[int, tuple] = {}
+        bad: set = set()
+        for node, r in by_node(grid.send_and_receive(msgs, timeout=self.settings.round_timeout), msgs):
+            pid = pid_of.get(node)
+            if pid is None or r.has_error() or pid in bad:
+                continue
+            if pid in got or check_reply("validate", r, self._expect(pid)):  # a second reply: neither is used
+                got.pop(pid, None)
+                bad.add(pid)
+                continue
+            m = r.content["metrics"]
+            got[pid] = (int(m["val-samples"]), int(m["val-correct"]), float(m["val-loss"]))
+        n = sum(g[0] for g in got.values())
+        if not n:
+            return None
+        correct = sum(got[p][1] for p in sorted(got))
+        loss = sum(got[p][2] for p in sorted(got))
+        return {"val_accuracy": correct / n, "val_loss": loss / n, "val_samples": n}
+
     def ccvr(self, theta: torch.Tensor, seed: int, rnd: int) -> Calibration:
         """CCVR after the last round: one ``query.ccvr`` to every node for the class statistics of its prepared
         features (:func:`fedhead.federation.clients.ccvr_client_stats`), pooled in partition order as the simulator

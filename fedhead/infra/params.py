@@ -15,6 +15,7 @@ class Param:
     constraint: Interval | OneOf | Any | None  # or any object with ok(value) and describe()
     help: str
     flag: str = ""  # CLI flag, e.g. "--stage1-rounds"
+    grid: tuple = ()  # values tried on the validation part (--select-on-val) when the user does not give one
 
     @property
     def cli_flag(self) -> str:

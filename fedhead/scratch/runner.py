@@ -861,7 +861,6 @@ def _seed_summary(cfg: ScratchConfig, seed: int, res: dict) -> dict:
         "seed": seed,
         "final_accuracy": acc[-1],
         "last5_accuracy": _last_mean(acc),
-        "best_accuracy": max(acc),
         "acc95_round": acc95_round(acc),
         "bytes_total": int(sum(r["bytes_total"] for r in res["rows"])),
     }
