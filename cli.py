@@ -65,6 +65,7 @@ COMMANDS = [
     ("fedhead.bench.privacy", "privacy_cmd", "privacy", "bench"),
     ("fedhead.bench.papers", "papers_cmd", "papers", "bench"),
     ("fedhead.bench.speed", "speed_cmd", "speed", "bench"),
+    ("fedhead.bench.tune", "tune_cmd", "tune", "bench"),
     ("fedhead.flower.commands", "simulate_cmd", "simulate", "flower"),
     ("fedhead.flower.commands", "superlink_cmd", "superlink", "flower"),
     ("fedhead.flower.launch", "supernode_cmd", "supernode", "flower"),

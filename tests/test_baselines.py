@@ -46,9 +46,12 @@ def test_closed_form_head_is_one_exchange_with_exact_bytes(tiny_store, tmp_path)
     up = sum(message_bytes(h, D, gram=True) for h in held)
     assert res.rows[0]["bytes_total"] == up + 8 * C * (D + 1) * 4  # the solved head goes back once
     assert res.rows[0]["bytes_up_per_client"] == pytest.approx(up / 8)
-    # the federated solve is the pooled one: ratio to its central ceiling is 1 under any partition
-    assert res.summary["final_ratio_to_central"] == pytest.approx(1.0)
-    assert res.summary["rounds_to_99_central"] == 1 and res.summary["rounds"] == 1
+    # the federated solve is the pooled one (with the ridge_lambda validation chose): its own central solve gives
+    # the same accuracy under any partition; the tuned ceiling is the best of it, the probe, ridge and LDA
+    s = res.summary
+    assert s["central_own_accuracy"] == pytest.approx(s["final_accuracy"])
+    assert s["central_accuracy"] >= s["central_own_accuracy"] or s["central_method"] != "own"
+    assert s["rounds"] == 1
 
 
 def test_init_round_then_training_and_central_fields(tiny_store, tmp_path):
@@ -64,7 +67,7 @@ def test_init_round_then_training_and_central_fields(tiny_store, tmp_path):
     for k in ("central_accuracy", "final_ratio_to_central", "rounds_to_99_central", "mb_per_client_to_99_central"):
         assert k in s
     rows = list(csv.DictReader(open(tmp_path / "r" / "rounds.csv")))
-    assert float(rows[-1]["ratio_to_central"]) == pytest.approx(s["final_ratio_to_central"])
+    assert float(rows[-1]["ratio_to_central"]) == pytest.approx(s["final_ratio_to_central"], rel=1e-5)
     assert s["central_accuracy"] > 0.5
 
 
@@ -163,7 +166,8 @@ def test_bench_baselines_quick(tiny_store, tmp_path):
     rows = list(csv.DictReader(open(out / "results.csv")))
     assert len(rows) == 10
     ridge = [x for x in rows if x["bench_method"] == "ridge"]
-    assert all(float(x["res_final_ratio_to_central"]) == pytest.approx(1.0) for x in ridge)
+    # the federated ridge is its own pooled solve (with the lambda validation chose)
+    assert all(float(x["res_central_own_accuracy"]) == pytest.approx(float(x["res_final_accuracy"])) for x in ridge)
     for png in ("baselines-accuracy.png", "baselines-frontier.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     again = runner.invoke(

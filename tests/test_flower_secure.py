@@ -161,7 +161,8 @@ def test_protocol_parameters():
     ids=["ova2", "ridge", "init-ridge", "cof", "ccvr", "scaffold-grouped", "dp-ova2", "dp-ridge"],
 )
 def test_secure_run_matches_plain_run(store, tmp_path, kw):
-    plain, _ = run(cfg_of(store, **kw), tmp_path / "plain")
+    # no validation part under SecAgg+ (a node's counts would reach the server): the plain run holds none out either
+    plain, _ = run(cfg_of(store, val_fraction=0.0, **kw), tmp_path / "plain")
     sec, grid = run(cfg_of(store, secure_aggregation=True, **kw), tmp_path / "secure")
     assert_same_within_quantisation(sec, plain, tmp_path / "secure", tmp_path / "plain")
     summary = json.loads((tmp_path / "secure" / "summary.json").read_text())
@@ -285,7 +286,7 @@ def test_one_dropout_of_four_is_recovered(store, tmp_path, monkeypatch):
     """Partition 2 crashes in round 2 after the keys were shared: SecAgg+ removes its pairwise masks from the shares
     of the others (threshold 3 of 4) and the round equals a plain round without partition 2."""
     monkeypatch.setenv(CRASH_ENV, "2@2")
-    plain, _ = run(cfg_of(store), tmp_path / "plain")
+    plain, _ = run(cfg_of(store, val_fraction=0.0), tmp_path / "plain")  # SecAgg+ holds no validation part
     sec, _ = run(cfg_of(store, secure_aggregation=True), tmp_path / "secure")
     assert_same_within_quantisation(sec, plain, tmp_path / "secure", tmp_path / "plain")
     rows = read_csv(tmp_path / "secure" / "rounds.csv")
@@ -315,7 +316,7 @@ def test_node_lost_before_masking_is_left_out_and_the_protocol_restarts(store, t
     without that node. The node's message goes unanswered (``drop``) or the SuperLink answers it itself
     (``gone``: the reply names the SuperLink as its sender, and the failure is still the node's)."""
     monkeypatch.setenv(CRASH_ENV, "3@2")
-    plain, _ = run(cfg_of(store), tmp_path / "plain")
+    plain, _ = run(cfg_of(store, val_fraction=0.0), tmp_path / "plain")  # SecAgg+ holds no validation part
     monkeypatch.delenv(CRASH_ENV)
     sec, grid = run(cfg_of(store, secure_aggregation=True), tmp_path / "secure", **{how: {("setup", "2", 1003)}})
     assert_same_within_quantisation(sec, plain, tmp_path / "secure", tmp_path / "plain")

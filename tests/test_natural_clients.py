@@ -84,7 +84,9 @@ def _check_store(path: Path) -> None:
 
 def _check_natural_run(path: Path, out: Path) -> None:
     """--partition natural trains one client per recorded id: clients.csv shows the holdings."""
-    res = fedhead.run(features=str(path), head="ridge", partition="natural", clients=3, out=str(out), plots=False)
+    # no validation part: clients.csv then counts each client's whole data
+    res = fedhead.run(features=str(path), head="ridge", partition="natural", clients=3, out=str(out), plots=False,
+                      val_fraction=0.0)  # fmt: skip
     rows = read_csv(out / "clients.csv")  # client k = the k-th name in sorted order: alice, bob, carol
     got = [{int(c): int(n) for c, n in (kv.split(":") for kv in r["class_counts"].split())} for r in rows]
     assert got == [{c: n for c, n in enumerate(v) if n} for v in HOLDINGS.values()]
@@ -186,7 +188,9 @@ def test_per_client_accuracy_by_hand(tmp_path):
     clients[[0, 1, 2, 3, 20, 45]] = [1, 1, 2, 2, 0, 1]  # ...but for a few samples
     path = _store(tmp_path, clients)
     out = tmp_path / "run"
-    res = fedhead.run(features=str(path), head="ridge", partition="natural", clients=3, out=str(out), plots=False)
+    # no validation part: the hand computation reads each client's whole data (and ridge keeps its lambda)
+    res = fedhead.run(features=str(path), head="ridge", partition="natural", clients=3, out=str(out), plots=False,
+                      val_fraction=0.0)  # fmt: skip
     s = load_store(path)
     theta = torch.load(out / "head-seed0.pt").numpy()
     pred = (np.c_[s.test_x, np.ones(len(s.test_y))] @ theta.T).argmax(1)
@@ -258,7 +262,10 @@ def test_natural_partition_on_flower_matches_the_simulator(tiny_store, tmp_path)
     for key in ("accuracy", *CLIENT_FIELDS):
         assert [float(r[key]) for r in flower_rows] == pytest.approx([float(r[key]) for r in sim_rows], abs=1e-5)
     ids = load_store(tiny_store).train_clients
-    assert [int(r["size"]) for r in read_csv(out / "clients.csv")] == np.bincount(ids, minlength=8).tolist()
+    sizes = np.bincount(ids, minlength=8)  # each natural client, less the validation part it held out (10%)
+    got = np.array([int(r["size"]) for r in read_csv(out / "clients.csv")])
+    assert (got <= sizes - np.floor(0.1 * sizes)).all() and (got >= sizes - np.ceil(0.1 * sizes)).all()
+    assert [int(r["size"]) for r in read_csv(tmp_path / "sim" / "clients.csv")] == got.tolist()
     assert sim.summary["client_accuracy_worst10"] <= sim.summary["client_accuracy_mean"]
 
 

@@ -58,8 +58,8 @@ def test_small_clients_hold_out_their_share_in_expectation_and_keep_a_training_s
     assert set(held) <= {0, 1} and abs(held.mean() - 0.5) < 0.05  # floor(0.5 + u): 0 or 1, half of them
     assert min(len(t) for t in train) >= 4
     ones = [np.array([k]) for k in range(50)]
-    with pytest.raises(Exception, match="--val-fraction.*holds out no sample"):
-        holdout(ones, labels, 0.5, seed=0)  # a client keeps at least one training sample
+    train, val = holdout(ones, labels, 0.5, seed=0)  # a client keeps at least one training sample
+    assert val is None and all(np.array_equal(a, b) for a, b in zip(train, ones))
 
 
 # ---------------------------------------------------------------- no selection on the test split
@@ -253,3 +253,23 @@ def test_flower_nodes_report_the_same_validation_as_the_simulation(tiny_store, t
     assert s["test_accuracy_at_selected"] == pytest.approx(sim.summary["test_accuracy_at_selected"], abs=1e-6)
     assert s.get("selected_params") == sim.summary.get("selected_params")
     assert (head == "qda") == ("selected_params" in s)
+
+
+def test_the_ceilings_head_independent_candidates_are_computed_once_per_data(tiny_store, tmp_path, monkeypatch):
+    """A bench grid's runs share the probe, ridge and LDA of the ceiling (they do not depend on the run's head)."""
+    from fedhead.core import central
+
+    calls = []
+    real = central.central_head
+    monkeypatch.setattr(central, "central_head", lambda head, *a, **k: calls.append(head.name) or real(head, *a, **k))
+    cache: dict = {}
+    kw = dict(central_reference=True, rounds=2)
+    a = run_training(cfg_for(tiny_store, head="ova2", **kw), out=tmp_path / "a", progress=False, central_cache=cache)
+    probe_fits = calls.count("softmax")
+    assert probe_fits >= 6  # the grid of five weights (or more) and the refit
+    b = run_training(cfg_for(tiny_store, head="ova", **kw), out=tmp_path / "b", progress=False, central_cache=cache)
+    assert calls.count("softmax") == probe_fits  # reused
+    assert calls.count("ova") == 1  # the run's own head, trained centrally once
+    assert a.summary["central_method"] in ("own", "probe", "ridge", "lda")
+    fresh = run_training(cfg_for(tiny_store, head="ova", **kw), out=tmp_path / "c", progress=False)
+    assert fresh.summary["central_accuracy"] == b.summary["central_accuracy"]

@@ -86,10 +86,12 @@ def central_reference(
 ) -> Central:
     """The ceiling of ``head`` on the pooled training set, evaluated on the test set."""
     if is_closed_form(head.name):
-        theta = head.solve_central(x_raw, y, num_classes)
+        theta = head.solve_central(x_raw.cpu(), y.cpu(), num_classes)  # the statistics are summed on the CPU
         theta = theta.to(torch.float32) if theta.ndim == 2 else theta  # a quadratic head (qda) stays float64
-        xt = torch.cat([x_test_raw, torch.ones(len(x_test_raw), 1, dtype=x_test_raw.dtype)], 1)
-        return Central(evaluate(theta, xt, y_test, head=None if head.linear else head), theta, 0)
+        ones = torch.ones(len(x_test_raw), 1, dtype=x_test_raw.dtype, device=x_test_raw.device)
+        xt = torch.cat([x_test_raw, ones], 1)
+        theta = theta.to(xt.device)
+        return Central(evaluate(theta, xt, y_test.to(xt.device), head=None if head.linear else head), theta, 0)
     theta, it = central_head(head, x_prepared, y, num_classes, weight_decay)
     return Central(evaluate(theta, x_test_prepared, y_test), theta, it)
 
@@ -191,12 +193,14 @@ def tuned_ceiling(
     num_classes: int,
     weight_decay: float,
     seed: int,
+    shared: dict | None = None,
 ) -> dict:
     """The ceiling of a run: every candidate (the run's own head trained centrally, the softmax probe tuned on
     ``val``, the central closed forms) fit on ``fit`` and scored on ``val`` and ``test``; the one with the highest
     validation accuracy (the listed order breaks ties) is the ceiling: ``accuracy`` (test), ``val_accuracy``,
     ``method``, and ``candidates`` with each one's numbers. Without ``val`` the probe chooses its weight on a
-    seeded 10% of ``fit`` and is the ceiling (nothing else is chosen)."""
+    seeded 10% of ``fit`` and is the ceiling (nothing else is chosen). ``shared``: the candidates that do not depend
+    on the head (probe, ridge, LDA), computed once for the same data and kept there (a bench grid's runs)."""
     cands: dict[str, dict] = {}
     own = central_reference(
         head, x_prepared=fit.prepared, x_raw=fit.raw[:, :-1], y=fit.y, x_test_prepared=test.prepared,
@@ -205,6 +209,9 @@ def tuned_ceiling(
     closed = is_closed_form(head.name)
     cands["own"] = {"accuracy": own.accuracy, "iterations": own.iterations, "theta": own.theta, "raw": closed,
                     "scorer": None if head.linear else head}  # fmt: skip
+    _score(cands["own"], test, val)
+    if shared:
+        return _choose(cands, {k: dict(v) for k, v in shared.items()}, val is not None, own.iterations)
     softmax = create_head("softmax")
     if val is not None:
 
@@ -222,22 +229,34 @@ def tuned_ceiling(
     cands["probe"] = {"theta": theta, "raw": False, "scorer": None, "weight_decay": wd, "holdout": held}
     for name in CEILING_CLOSED_FORMS:
         cf = create_head(name)
-        th = cf.solve_central(fit.raw[:, :-1], fit.y, num_classes)
+        th = cf.solve_central(fit.raw[:, :-1].cpu(), fit.y.cpu(), num_classes)
         th = th.to(torch.float32) if th.ndim == 2 else th
         cands[name] = {"theta": th, "raw": True, "scorer": None if cf.linear else cf}
-    for c in cands.values():
-        th, scorer = c.pop("theta"), c.pop("scorer")
-        raw = c.pop("raw")
-        c["accuracy"] = evaluate(th, test.raw if raw else test.prepared, test.y, head=scorer)
-        if val is not None:
-            c["val_accuracy"] = evaluate(th, val.raw if raw else val.prepared, val.y, head=scorer)
+    for name, c in cands.items():
+        if name != "own":
+            _score(c, test, val)
+    if shared is not None:
+        shared.update({k: dict(v) for k, v in cands.items() if k != "own"})
+    return _choose({"own": cands["own"]}, {k: v for k, v in cands.items() if k != "own"}, val is not None,
+                   own.iterations)  # fmt: skip
+
+
+def _score(c: dict, test: Split, val: Split | None) -> None:
+    """A candidate's test (and validation) accuracy, in place of its head."""
+    th, scorer, raw = c.pop("theta"), c.pop("scorer"), c.pop("raw")
+    th = th.to(test.raw.device)  # a closed-form solve may come back on the CPU
+    c["accuracy"] = evaluate(th, test.raw if raw else test.prepared, test.y, head=scorer)
     if val is not None:
-        method = max(cands, key=lambda n: (cands[n]["val_accuracy"], -list(cands).index(n)))
-    else:
-        method = "probe"
-    out = {"accuracy": cands[method]["accuracy"], "method": method, "iterations": own.iterations,
+        c["val_accuracy"] = evaluate(th, val.raw if raw else val.prepared, val.y, head=scorer)
+
+
+def _choose(own: dict, others: dict, has_val: bool, iterations: int) -> dict:
+    """The ceiling among the evaluated candidates (``own`` first: it wins a tie)."""
+    cands = {**own, **others}
+    method = max(cands, key=lambda n: (cands[n]["val_accuracy"], -list(cands).index(n))) if has_val else "probe"
+    out = {"accuracy": cands[method]["accuracy"], "method": method, "iterations": iterations,
            "own_accuracy": cands["own"]["accuracy"], "candidates": cands}  # fmt: skip
-    if val is not None:
+    if has_val:
         out["val_accuracy"] = cands[method]["val_accuracy"]
         out["own_val_accuracy"] = cands["own"]["val_accuracy"]
     return out

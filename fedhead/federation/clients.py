@@ -17,7 +17,6 @@ from fedhead.core.noise import apply_noise
 from fedhead.core.partitions import PARTITIONS, class_counts, create_partition
 from fedhead.core.sampling import round_clients, sample_clients  # noqa: F401  (here before fedhead.core.sampling)
 from fedhead.federation.config import TrainConfig
-from fedhead.infra.errors import FedheadError
 
 
 @dataclass
@@ -96,13 +95,14 @@ HOLDOUT_KEY = 0x7A11  # keys the validation draw apart from the partition's and 
 
 def holdout(
     parts: list[np.ndarray], labels: np.ndarray, fraction: float, seed: int
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
+) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
     """Each client's validation part: ``floor(fraction * n_k + u_k)`` of its ``n_k`` samples (``u_k`` uniform in
     [0, 1): fraction x n_k in expectation, so that small clients of a cross-device federation hold out their share
     too; never all of them: a client keeps at least one training sample), stratified by (noisy) label within the
     client (systematic sampling over its samples shuffled and then grouped by label, so each class gives the floor
     or the ceiling of its share), seeded by ``seed``. Returns (training parts, validation parts), in the order of
-    ``parts``."""
+    ``parts``; the validation parts are None when no client could spare a sample (the run then selects nothing and
+    its summary says so)."""
     rng = np.random.default_rng([int(seed), HOLDOUT_KEY])
     train, val = [], []
     for p in parts:
@@ -120,13 +120,8 @@ def holdout(
         keep[picked] = False
         train.append(p[keep])
         val.append(np.sort(p[picked]))
-    if fraction > 0 and not any(len(v) for v in val):
-        largest = max((len(p) for p in parts), default=0)
-        raise FedheadError(
-            f"The '--val-fraction' parameter ({fraction:g}) holds out no sample: no client could spare one (the "
-            f"largest has {largest}, and a client keeps at least one training sample). Raise it, give the clients "
-            "more data (fewer --clients), or use 0 to turn validation off."
-        )
+    if fraction > 0 and not any(len(v) for v in val):  # no client could spare a sample: no validation part
+        return [np.asarray(p, dtype=np.int64) for p in parts], None
     return train, val
 
 
@@ -157,6 +152,9 @@ def build_federation(store: Features, cfg: TrainConfig, seed: int, partition: st
     val_parts = None
     if cfg.val_fraction:
         parts, val_parts = holdout(parts, labels, cfg.val_fraction, seed)
+        if val_parts is not None:  # the noise rate of what the clients train on (a Flower node counts the same)
+            train = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+            realised = float((labels[train] != store.train_y[train]).mean()) if len(train) else 0.0
     counts = class_counts(parts, labels, C)
     stats = federated_feature_stats(store.train_x, parts, cfg.center, cfg.scale, cfg, seed)
     return Federation(parts, labels, counts, realised, stats, val_parts)

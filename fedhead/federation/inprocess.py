@@ -33,20 +33,32 @@ from fedhead.federation.clients import (
 )
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.transport import Calibration, Census, Exchange, RoundResult, Transport
+from fedhead.infra.console import stderr_console
 from fedhead.infra.devices import available_memory
 from fedhead.infra.errors import FedheadError
 
 
-def central_key(store: Features, cfg: TrainConfig, fed: Federation) -> str:
-    """What the centralised ceiling depends on: store, head and its parameters, feature preparation,
-    regularisation and the (possibly noisy) training labels."""
+def central_key(store: Features, cfg: TrainConfig, fed: Federation, head=None) -> str:
+    """What the centralised ceiling depends on: store, head and its parameters (``head``'s when given: the grid
+    point --select-on-val chose), feature preparation, regularisation and the (possibly noisy) training labels."""
     h = hashlib.sha256(np.ascontiguousarray(fed.labels).tobytes())
     for p in fed.parts:  # the training parts: which samples the validation holds out
         h.update(np.ascontiguousarray(p, dtype=np.int64).tobytes())
-    key = [str(store.info.path), cfg.head, resolve_head_params(cfg.head, **cfg.head_params), cfg.center, cfg.scale,
-           cfg.weight_decay]  # fmt: skip
+    params = dict(head.params) if head is not None else resolve_head_params(cfg.head, **cfg.head_params)
+    key = [str(store.info.path), cfg.head, params, cfg.center, cfg.scale, cfg.weight_decay]
     h.update(json.dumps(key, sort_keys=True, default=str).encode())
     return h.hexdigest()
+
+
+def shared_key(store: Features, cfg: TrainConfig, fed: Federation) -> str:
+    """What the ceiling's head-independent candidates (probe, ridge, LDA) depend on: the store, the feature
+    preparation, the training labels and parts, whether there is a validation part."""
+    h = hashlib.sha256(np.ascontiguousarray(fed.labels).tobytes())
+    for p in fed.parts:
+        h.update(np.ascontiguousarray(p, dtype=np.int64).tobytes())
+    key = ["shared", str(store.info.path), cfg.center, cfg.scale, fed.val_parts is not None]
+    h.update(json.dumps(key, default=str).encode())
+    return "shared:" + h.hexdigest()
 
 
 class InProcessTransport(Transport):
@@ -76,6 +88,11 @@ class InProcessTransport(Transport):
                 memory_budget_mb=cfg.memory_budget_mb, dual=cfg.dual,
             )  # fmt: skip
         self.val = None
+        if fed.val_parts is None and cfg.val_fraction:
+            stderr_console().print(
+                f"note: --val-fraction {cfg.val_fraction:g} held out no sample (no client could spare one): nothing "
+                "is selected on validation in this run.", markup=False, highlight=False, soft_wrap=True,
+            )  # fmt: skip
         if fed.val_parts is not None:
             idx = torch.as_tensor(np.concatenate(fed.val_parts), device=self.device)
             self.val = (self.x.index_select(0, idx), self.labels.index_select(0, idx))
@@ -137,7 +154,7 @@ class InProcessTransport(Transport):
         """The tuned ceiling (:func:`fedhead.core.central.tuned_ceiling`) on the pooled training parts (the
         validation parts held out, as for the federation), chosen on the pooled validation parts when there are
         some, reported on the test split."""
-        key = central_key(self.store, self.cfg, self.fed)
+        key = central_key(self.store, self.cfg, self.fed, head)
         if self.central_cache is not None and key in self.central_cache:
             return dict(self.central_cache[key])
 
@@ -150,10 +167,13 @@ class InProcessTransport(Transport):
         if self.fed.val_parts is not None:
             vi = np.concatenate(self.fed.val_parts)
             val = split(self.store.train_x, vi, self.labels[torch.as_tensor(vi, device=self.device)])
+        shared = None
+        if self.central_cache is not None:  # the candidates that do not depend on the head: once per data
+            shared = self.central_cache.setdefault(shared_key(self.store, self.cfg, self.fed), {})
         found = tuned_ceiling(
             head, split(self.store.train_x, fit, self.labels[torch.as_tensor(fit, device=self.device)]), val,
             split(self.store.test_x, None, torch.as_tensor(self.store.test_y, device=self.device)), self.num_classes,
-            self.cfg.weight_decay, seed,
+            self.cfg.weight_decay, seed, shared=shared,
         )  # fmt: skip
         if self.central_cache is not None:
             self.central_cache[key] = found

@@ -91,12 +91,21 @@ def _stats_of(state: dict) -> FeatureStats:
     return FeatureStats(mean, state["scale"], state["up"], state["down"])
 
 
-def evaluate(theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, num_classes: int | None = None, head=None):
+def evaluate(
+    theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, num_classes: int | None = None, head=None,
+    samples: bool = False,
+):  # fmt: skip
     """The one evaluation of a head on the test split: its accuracy, or with ``num_classes`` the per-class correct
     and total counts (:func:`fedhead.core.clientacc.class_correct`, one pass: the accuracy and the per-client
-    accuracy both come from them). ``head``: a head not linear in the features scores through ``head.logits``."""
+    accuracy both come from them), and with ``samples`` each sample's correctness too (bool [N]: the local test
+    sets read it). ``head``: a head not linear in the features scores through ``head.logits``."""
     if num_classes is None:
         return overall_accuracy(theta, x, y, head=head)
+    if samples:
+        ok = sample_correct(theta, x, y, head=head)
+        yc = y.cpu().numpy()
+        totals = np.bincount(yc, minlength=num_classes)[:num_classes].astype(np.int64)
+        return np.bincount(yc[ok], minlength=num_classes)[:num_classes].astype(np.int64), totals, ok
     return class_correct(theta, x, y, num_classes, head=head)
 
 
@@ -154,10 +163,7 @@ class HeadJob(Job):
         self.trained = np.zeros(len(counts), dtype=bool) if counts is not None and cfg.eval_unseen_clients else None
         self.stats = census.stats
         self.xt = prepare(self.store.test_x, census.stats, self.device)
-        if cfg.central_reference and name == "main" and str(seed) not in self.central:
-            found = self.transport.central(self.head, seed)
-            if found is not None:
-                self.central[str(seed)] = found
+        self.chosen: dict = {}  # --select-on-val: the grid point this unit's validation chose
         C, D1 = self.store.info.num_classes, self.store.test_x.shape[1] + 1
         scaffold = self.transport.scaffold_state((C, D1), self.device) if cfg.scaffold else None
         residuals = self.transport.residual_state((C, D1), self.device) if keeps_residuals(cfg) else None
@@ -216,8 +222,7 @@ class HeadJob(Job):
         fields (:mod:`fedhead.core.clientacc`), from one pass over the test split."""
         C = self.store.info.num_classes
         if self.local is not None:  # one pass: per-sample correctness gives the class counts and the local sets
-            ok = sample_correct(self.theta, self.xt, self.y_test, head=self.scorer)
-            correct, totals = np.bincount(self.store.test_y[ok], minlength=C)[:C], self.test_totals
+            correct, totals, ok = evaluate(self.theta, self.xt, self.y_test, C, head=self.scorer, samples=True)
         else:
             correct, totals = evaluate(self.theta, self.xt, self.y_test, C, head=self.scorer)
         acc = int(correct.sum()) / max(1, len(self.y_test))
@@ -254,6 +259,7 @@ class HeadJob(Job):
         best = None
         for values in grid:
             head = create_head(cfg.head, **{**cfg.head_params, **values})
+            head.message_kwargs(self.store.test_x.shape[1])  # the same lift and sketch the clients' statistics used
             theta = head.solve_statistics(acc)
             theta = theta.to(device=self.device, dtype=torch.float32 if theta.ndim == 2 else torch.float64)
             scorer = None if head.linear else head
@@ -261,6 +267,7 @@ class HeadJob(Job):
             if best is None or score > best[0]:
                 best = (score, values, theta, scorer)
         _, values, self.theta, self.scorer = best
+        self.chosen = dict(values)
         return {"selected_params": " ".join(f"{k}={v:g}" for k, v in values.items())}
 
     def _train(self, sel, seed: int, rnd: int, extra_up: int, stats_bytes: int) -> dict:
@@ -343,6 +350,12 @@ class HeadJob(Job):
             extra.append({"seed": seed, **row, "run": name, "partition": self.variants[name][0], **cal.extra,
                           **self._evaluate()[1]})  # fmt: skip
             self.transport.after_round(seed, rnd, self.rounds, extra[-1])
+        if cfg.central_reference and name == "main" and str(seed) not in self.central:
+            # the ceiling after the rounds: a closed-form head's own candidate uses the parameters it ended with
+            head = create_head(cfg.head, **{**cfg.head_params, **self.chosen}) if self.chosen else self.head
+            found = self.transport.central(head, seed)
+            if found is not None:
+                self.central[str(seed)] = found
         correct = int(round(evaluate(self.theta, self.xt, self.y_test, head=self.scorer) * len(self.y_test)))
         kept = {"head": self.theta.detach().cpu().clone(), "stats": _stats_state(self.stats), "correct": correct}
         return extra, kept

@@ -18,7 +18,8 @@ SELECTION_TEXT = (
     "(final_accuracy) and at the selected round (test_accuracy_at_selected), never used to choose"
 )
 NO_SELECTION_TEXT = (
-    "none: no validation part (--val-fraction 0, the paper recipe's protocol, or a transport without one); nothing "
+    "none: no validation part (--val-fraction 0, the paper recipe's protocol, clients too small to spare a sample, "
+    "or secure aggregation); nothing "
     "is selected, final_accuracy is the test split at the final round, acc95_round is read off the test curve "
     "against the final round (the paper's protocol)"
 )
@@ -89,65 +90,69 @@ def selection(rows: list[dict], metric: str = "accuracy") -> dict:
     }
 
 
-def summarize(rows: list[dict], cfg: TrainConfig, realised: dict, wall_s: float, central: dict | None = None) -> dict:
-    per_seed = []
+def seed_summary(rows: list[dict], seed: int, cfg: TrainConfig, realised: dict, central: dict | None) -> dict:
+    """One seed's record of summary.json's ``per_seed``: its final test accuracy, what its validation selected, its
+    ratios to the IID reference and the ceiling, costs and per-client accuracy."""
     metric = cfg.early_stop_metric or "accuracy"
-    for seed in cfg.seeds:
-        main = [r for r in rows if r["seed"] == seed and r["run"] == "main"]
-        iid = [r for r in rows if r["seed"] == seed and r["run"] == "iid"]
-        trained = [r for r in main if r.get("stage") != "ccvr"]
-        chosen = selection(main, metric)
-        on = "val_accuracy" if chosen else "accuracy"  # without validation: the test curve (the paper's protocol)
-        rec = {
-            "seed": seed,
-            "final_accuracy": main[-1]["accuracy"],
-            **chosen,
-            "realised_noise_rate": realised.get(f"{seed}:main", 0.0),
-            "client_ms": float(np.mean([r["client_ms"] for r in main])),
-            "server_ms": float(np.mean([r["server_ms"] for r in main])),
-            "bytes_total": int(sum(r["bytes_total"] for r in main)),
-        }
-        picked = [r["selected_params"] for r in main if r.get("selected_params")]
-        if picked:  # --select-on-val: the regularisation the validation part chose
-            rec["selected_params"] = picked[-1]
-        if not chosen:
-            rec["acc95_round"] = reach_round(trained, "accuracy", float(trained[-1]["accuracy"]))
-        if len(trained) and int(trained[-1]["round"]) < (1 if is_closed_form(cfg.head) else cfg.rounds):
-            rec["stopped_round"] = int(trained[-1]["round"])  # --early-stop ended it
-        if iid:
-            iid_final = iid[-1]["accuracy"]
-            rec["iid_final_accuracy"] = iid_final
-            rec["final_ratio_to_iid"] = rec["final_accuracy"] / iid_final if iid_final else None
-            ref = iid[-1].get(on)
-            rec["acc95_round_vs_iid"] = reach_round(trained, on, float(ref)) if _finite(ref) else None
-        elif cfg.iid_reference:  # an IID run is its own reference
-            rec["iid_final_accuracy"] = rec["final_accuracy"]
-            rec["final_ratio_to_iid"] = 1.0
-            rec["acc95_round_vs_iid"] = rec["acc95_round"]
-        c = (central or {}).get(str(seed))
-        if c:
-            rec["central_accuracy"] = c["accuracy"]
-            rec["central_method"] = c.get("method", "own")
-            rec["central_own_accuracy"] = c.get("own_accuracy", c["accuracy"])
-            rec["exceeds_ceiling"] = bool(rec["final_accuracy"] > c["accuracy"] + CEILING_SLACK)
-            rec["final_ratio_to_central"] = rec["final_accuracy"] / c["accuracy"] if c["accuracy"] else None
-            ref = c.get("val_accuracy") if chosen else c["accuracy"]  # reached on validation when there is one
-            if _finite(ref):
-                rec["rounds_to_99_central"], rec["mb_per_client_to_99_central"] = first_reach(main, 0.99 * ref, on)
-            if chosen and _finite(c.get("val_accuracy")):
-                rec["central_val_accuracy"] = c["val_accuracy"]
-        if main[-1].get("stage") == "ccvr" and len(main) > 1:
-            rec["uncalibrated_accuracy"] = main[-2]["accuracy"]
-        rec["mb_per_client"] = float(sum(r["bytes_up_per_client"] for r in main)) / 1e6
-        for k in (
-            *CLIENT_FIELDS,
-            *LOCAL_FIELDS,
-            *UNSEEN_FIELDS,
-        ):  # the last evaluated round's per-client accuracy (clientacc)
-            got = [r[k] for r in main if r.get(k) is not None and r[k] == r[k]]
-            if got:
-                rec[k] = got[-1]
-        per_seed.append(rec)
+    main = [r for r in rows if r["seed"] == seed and r["run"] == "main"]
+    iid = [r for r in rows if r["seed"] == seed and r["run"] == "iid"]
+    trained = [r for r in main if r.get("stage") != "ccvr"]
+    chosen = selection(main, metric)
+    on = "val_accuracy" if chosen else "accuracy"  # without validation: the test curve (the paper's protocol)
+    rec = {
+        "seed": seed,
+        "final_accuracy": main[-1]["accuracy"],
+        **chosen,
+        "realised_noise_rate": realised.get(f"{seed}:main", 0.0),
+        "client_ms": float(np.mean([r["client_ms"] for r in main])),
+        "server_ms": float(np.mean([r["server_ms"] for r in main])),
+        "bytes_total": int(sum(r["bytes_total"] for r in main)),
+    }
+    picked = [r["selected_params"] for r in main if r.get("selected_params")]
+    if picked:  # --select-on-val: the regularisation the validation part chose
+        rec["selected_params"] = picked[-1]
+    if not chosen:
+        rec["acc95_round"] = reach_round(trained, "accuracy", float(trained[-1]["accuracy"]))
+    if len(trained) and int(trained[-1]["round"]) < (1 if is_closed_form(cfg.head) else cfg.rounds):
+        rec["stopped_round"] = int(trained[-1]["round"])  # --early-stop ended it
+    if iid:
+        iid_final = iid[-1]["accuracy"]
+        rec["iid_final_accuracy"] = iid_final
+        rec["final_ratio_to_iid"] = rec["final_accuracy"] / iid_final if iid_final else None
+        ref = iid[-1].get(on)
+        rec["acc95_round_vs_iid"] = reach_round(trained, on, float(ref)) if _finite(ref) else None
+    elif cfg.iid_reference:  # an IID run is its own reference
+        rec["iid_final_accuracy"] = rec["final_accuracy"]
+        rec["final_ratio_to_iid"] = 1.0
+        rec["acc95_round_vs_iid"] = rec["acc95_round"]
+    c = (central or {}).get(str(seed))
+    if c:
+        rec["central_accuracy"] = c["accuracy"]
+        rec["central_method"] = c.get("method", "own")
+        rec["central_own_accuracy"] = c.get("own_accuracy", c["accuracy"])
+        rec["exceeds_ceiling"] = bool(rec["final_accuracy"] > c["accuracy"] + CEILING_SLACK)
+        rec["final_ratio_to_central"] = rec["final_accuracy"] / c["accuracy"] if c["accuracy"] else None
+        ref = c.get("val_accuracy") if chosen else c["accuracy"]  # reached on validation when there is one
+        if _finite(ref):
+            rec["rounds_to_99_central"], rec["mb_per_client_to_99_central"] = first_reach(main, 0.99 * ref, on)
+        if chosen and _finite(c.get("val_accuracy")):
+            rec["central_val_accuracy"] = c["val_accuracy"]
+    if main[-1].get("stage") == "ccvr" and len(main) > 1:
+        rec["uncalibrated_accuracy"] = main[-2]["accuracy"]
+    rec["mb_per_client"] = float(sum(r["bytes_up_per_client"] for r in main)) / 1e6
+    for k in (
+        *CLIENT_FIELDS,
+        *LOCAL_FIELDS,
+        *UNSEEN_FIELDS,
+    ):  # the last evaluated round's per-client accuracy (clientacc)
+        got = [r[k] for r in main if r.get(k) is not None and r[k] == r[k]]
+        if got:
+            rec[k] = got[-1]
+    return rec
+
+
+def summarize(rows: list[dict], cfg: TrainConfig, realised: dict, wall_s: float, central: dict | None = None) -> dict:
+    per_seed = [seed_summary(rows, seed, cfg, realised, central) for seed in cfg.seeds]
     summary = {
         "head": cfg.head,
         "partition": cfg.partition,

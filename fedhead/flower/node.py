@@ -231,7 +231,7 @@ def local_data(ns: NodeSettings, cfg, seed: int) -> LocalData:
         val = None
         if cfg.val_fraction:  # the node's own validation part, as build_federation holds one out of each client's
             parts, vals = holdout(parts, labels, cfg.val_fraction, seed)
-            val = vals[ns.pid]
+            val = None if vals is None else vals[ns.pid]
         counts = class_counts(parts, labels, C)
     if len(_LOCAL) > 8:
         _LOCAL.clear()

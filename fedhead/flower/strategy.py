@@ -138,6 +138,8 @@ def validate_server_config(cfg: TrainConfig, store: Features) -> TrainConfig:
             "training features to train the ceiling on). Got True instead. Run the ceiling with "
             "'fedhead train --central-reference' on a store of the pooled features."
         )
+    if cfg.secure_aggregation:  # no validation under SecAgg+ (a node's counts would reach the server unmasked):
+        cfg = replace(cfg, val_fraction=0.0)  # the nodes, which get this config, hold nothing out
     if len(store.test_y) == 0:
         raise FedheadError(
             f"The 'features' store of the server ({cfg.features!r}) has an empty test split, "
