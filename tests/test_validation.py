@@ -23,6 +23,14 @@ SELECTING = ("selected_round", "val_accuracy", "val_loss", "final_val_accuracy",
              "acc95_round_vs_iid", "rounds_to_99_central", "central_val_accuracy")  # fmt: skip
 
 
+# the figures read off the test split (reported, never choosing): every other field must not move with the test labels
+TEST_REPORTED = {"final_accuracy", "test_accuracy_at_selected", "accuracy", "iid_final_accuracy", "final_ratio_to_iid",
+                 "ratio_to_iid", "central_accuracy", "central_own_accuracy", "final_ratio_to_central",
+                 "ratio_to_central", "exceeds_ceiling", "uncalibrated_accuracy",
+                 *(f"{p}_{s}" for p in ("client_accuracy", "local_accuracy", "unseen_client_accuracy")
+                   for s in ("mean", "worst10", "best10", "std"))}  # fmt: skip
+
+
 def cfg_for(store, **kw):
     base = dict(features=str(store), clients=8, rounds=6, local_epochs=1, batch_size=16, device="cpu")
     return TrainConfig(**{**applicable({**base, **kw}), **kw})
@@ -97,6 +105,20 @@ def test_nothing_is_chosen_on_the_test_split(tiny_store, tmp_path):
 
     def names(d):
         return [k for k in d] + [k for r in d.get("per_seed", []) for k in r]
+
+    # the walk: every field of summary.json (and of each seed's record) is either a test figure (reported) or the
+    # same on both stores; a field that chose anything on the test split would move with the test labels
+    for x, y in [(a, b), *zip(a["per_seed"], b["per_seed"])]:
+        times = {"per_seed", "wall_seconds", "client_ms", "server_ms"}  # measured times, not figures
+        moved = {k for k in set(x) | set(y) if k.removesuffix("_std") not in times and x.get(k) != y.get(k)}
+        assert moved, "the stores' test labels differ: the test figures must move"
+        bad = {k for k in moved if k not in TEST_REPORTED and k.removesuffix("_std") not in TEST_REPORTED}
+        assert not bad, bad
+    # the same for rounds.csv's columns, row by row
+    ra, rb = read_csv(tmp_path / "a" / "rounds.csv"), read_csv(tmp_path / "b" / "rounds.csv")
+    skip = {"client_ms", "server_ms"}  # times
+    moved_cols = {k for x, y in zip(ra, rb) for k in x if k not in skip and x[k] != y[k]}
+    assert moved_cols and moved_cols <= TEST_REPORTED, moved_cols - TEST_REPORTED
 
     assert not [k for k in names(a) if "best" in k.replace("best10", "")]  # best10: the best 10% of clients
     # the selected round is the best validation round of rounds.csv, and the test accuracy there is that row's
