@@ -256,16 +256,17 @@ def grid_command(command: str, clients: int = 100, clients_help: str = "", defau
 
 
 @contextlib.contextmanager
-def report_writer(out: Path):
-    """This process is the report folder's one writer; an interrupt ends with how to continue."""
-    with exclusive_writer(out, f"the report folder {str(out)!r}"):
+def report_writer(
+    out: Path, what: str = "the report folder", kept: str = "finished runs are reused, the interrupted one resumes"
+):
+    """This process is the folder's one writer (``what`` names it); an interrupt ends with how to continue and what
+    is ``kept``."""
+    with exclusive_writer(out, f"{what} {str(out)!r}"):
         try:
             yield
         except Interrupted as exc:
             raise Interrupted(
-                exc.signum,
-                f"interrupted; re-run the same command with --out {out} to continue "
-                "(finished runs are reused, the interrupted one resumes)",
+                exc.signum, f"interrupted; re-run the same command with --out {out} to continue ({kept})"
             ) from None
 
 

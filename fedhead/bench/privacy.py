@@ -383,6 +383,7 @@ def _secagg_section(features, names, partition: str, clients: int, rounds: int, 
                 partition=pname,
                 partition_params=pparams,
                 secure_aggregation=secure,
+                val_fraction=0.0,  # SecAgg+ holds no validation part: the plain run trains on the same data
                 clients=clients,
                 seeds=[common.seeds[0]],
                 **({} if is_closed_form(m) else {"rounds": rounds}),

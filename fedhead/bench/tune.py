@@ -40,7 +40,6 @@ before and after, the rankings, wall times), ``OUT/tune.csv`` (one row per metho
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import shutil
@@ -54,7 +53,7 @@ import typer
 from rich.markdown import Markdown
 
 from fedhead.bench.baselines import methods_and_partitions
-from fedhead.bench.commands import FEATURES_OPT
+from fedhead.bench.commands import FEATURES_OPT, report_writer
 from fedhead.bench.report import Stat, StoreCache, command_line, md_table, run_status
 from fedhead.core.closedform import is_closed_form
 from fedhead.core.partitions import PARTITIONS
@@ -69,8 +68,7 @@ from fedhead.infra.console import make_progress, stdout_console
 from fedhead.infra.errors import FedheadError, Interval, unknown_name, validate
 from fedhead.infra.exits import cli_errors
 from fedhead.infra.files import atomic_write_json, atomic_write_text, check_out
-from fedhead.infra.locks import exclusive_writer
-from fedhead.infra.signals import Interrupted, pause_hook, signals_deferred
+from fedhead.infra.signals import pause_hook, signals_deferred
 
 DEFAULT_METHODS = ("ncm", "ridge", "softmax", "ova2", "ova2-fedprox", "ova2-fedadam")
 DEFAULT_PARTITIONS = ("shard-1", "shard-2", "dirichlet-0.1")
@@ -627,20 +625,6 @@ def with_min_size(parts: dict, min_size: int) -> dict:
     }
 
 
-@contextlib.contextmanager
-def _tune_writer(out: Path):
-    """This process is the folder's one writer; an interrupt ends with how to continue."""
-    with exclusive_writer(out, f"the tuning folder {str(out)!r}"):
-        try:
-            yield
-        except Interrupted as exc:
-            raise Interrupted(
-                exc.signum,
-                f"interrupted; re-run the same command with --out {out} to continue (finished trials are kept, "
-                "the interrupted one resumes)",
-            ) from None
-
-
 def _optuna_or_error() -> None:
     try:
         import optuna  # noqa: F401
@@ -703,7 +687,7 @@ def tune_cmd(
     setup = Setup(Path(features), out, trials, tune_seed, final_seeds, StoreCache().get(str(features)))
     check_studies(studies, setup)
     cmd = command_line()
-    with _tune_writer(out):
+    with report_writer(out, "the tuning folder", "finished trials are kept, the interrupted one resumes"):
         out.mkdir(parents=True, exist_ok=True)
         storage = open_storage(out)
         handles = {s.name: open_study(storage, s, setup) if s.space else None for s in studies}  # protocols checked
