@@ -121,6 +121,7 @@ class TunedProbe:
     accuracy: float  # test accuracy of the softmax probe refit on the whole training split with the chosen weight
     weight_decay: float  # the chosen L2 weight
     holdout: dict  # L2 weight -> accuracy on the held-out part (the grid and every decade it grew by)
+    theta: torch.Tensor | None = None  # the refit probe [C, D+1]
 
 
 def tuned_probe(
@@ -150,7 +151,7 @@ def tuned_probe(
 
     best, scores = choose_weight(score, grid, bounds)
     theta, _ = central_head(head, x, y, num_classes, best)
-    return TunedProbe(evaluate(theta, x_test, y_test), best, scores)
+    return TunedProbe(evaluate(theta, x_test, y_test), best, scores, theta)
 
 
 def choose_weight(score, grid: tuple = TUNED_GRID, bounds: tuple[float, float] = TUNED_BOUNDS) -> tuple[float, dict]:
@@ -223,8 +224,7 @@ def tuned_ceiling(
         theta, _ = central_head(softmax, fit.prepared, fit.y, num_classes, wd)
     else:
         probe = tuned_probe(fit.prepared, fit.y, test.prepared, test.y, num_classes, seed)
-        wd, scores = probe.weight_decay, probe.holdout
-        theta, _ = central_head(softmax, fit.prepared, fit.y, num_classes, wd)
+        wd, scores, theta = probe.weight_decay, probe.holdout, probe.theta  # refit on all of fit already
     held = {f"{w:g}": a for w, a in scores.items()}  # JSON keys: the checkpoint and summary.json keep them
     cands["probe"] = {"theta": theta, "raw": False, "scorer": None, "weight_decay": wd, "holdout": held}
     for name in CEILING_CLOSED_FORMS:

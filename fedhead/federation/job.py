@@ -254,8 +254,6 @@ class HeadJob(Job):
         no grid, no validation part, or DP, whose accounting does not cover a choice made on the clients' data)."""
         cfg = self.cfg
         grid = val_grid(cfg) if cfg.select_on_val and not dp_enabled(cfg) else []
-        if not grid or self.transport.validate(self.theta, self.scorer) is None:
-            return {}
         best = None
         for values in grid:
             head = create_head(cfg.head, **{**cfg.head_params, **values})
@@ -263,9 +261,14 @@ class HeadJob(Job):
             theta = head.solve_statistics(acc)
             theta = theta.to(device=self.device, dtype=torch.float32 if theta.ndim == 2 else torch.float64)
             scorer = None if head.linear else head
-            score = self.transport.validate(theta, scorer)["val_accuracy"]
+            val = self.transport.validate(theta, scorer)
+            if val is None:  # no validation part: the solved head stays, nothing is chosen
+                return {}
+            score = val["val_accuracy"]
             if best is None or score > best[0]:
                 best = (score, values, theta, scorer)
+        if best is None:  # no grid
+            return {}
         _, values, self.theta, self.scorer = best
         self.chosen = dict(values)
         return {"selected_params": " ".join(f"{k}={v:g}" for k, v in values.items())}
