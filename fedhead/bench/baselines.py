@@ -17,7 +17,7 @@ from typing import List, Optional
 import numpy as np
 import typer
 
-from fedhead.bench.commands import (
+from fedhead.bench.grid import (
     FEATURES_OPT,
     Common,
     grid_command,

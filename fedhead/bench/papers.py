@@ -26,7 +26,7 @@ from typing import Callable, List, Optional
 import numpy as np
 import typer
 
-from fedhead.bench.commands import _print_report, begin_report, grid_seeds, parse_rates, report_writer
+from fedhead.bench.grid import _print_report, begin_report, grid_seeds, parse_rates, report_writer
 from fedhead.bench.report import Cell, CellResult, Stat, _flatten, _stack, md_table, run_cells, write_report
 from fedhead.federation import plots as P
 from fedhead.federation.rundir import read_csv, write_csv

@@ -20,7 +20,7 @@ import numpy as np
 import typer
 
 from fedhead.bench.baselines import _partition, methods_and_partitions
-from fedhead.bench.commands import (
+from fedhead.bench.grid import (
     FEATURES_OPT,
     Common,
     grid_command,

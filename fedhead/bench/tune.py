@@ -53,7 +53,7 @@ import typer
 from rich.markdown import Markdown
 
 from fedhead.bench.baselines import methods_and_partitions
-from fedhead.bench.commands import FEATURES_OPT, report_writer
+from fedhead.bench.grid import FEATURES_OPT, report_writer
 from fedhead.bench.report import Stat, StoreCache, command_line, md_table, run_status
 from fedhead.core.closedform import is_closed_form
 from fedhead.core.partitions import PARTITIONS
