@@ -38,12 +38,14 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from fedhead.core.dp import gaussian
 from fedhead.core.plugins import class_registrar, load_plugins
 from fedhead.infra.devices import available_memory
 from fedhead.infra.errors import FedheadError, unknown_name
+from fedhead.infra.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 @dataclass

@@ -44,10 +44,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from fedhead.core.heads import Head, LossContext
 from fedhead.infra.errors import FedheadError, Interval, validate
+from fedhead.infra.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 # a round after every stage of every registered head (two-stage heads are in their last stage)
 CALIBRATION_ROUND = 10**9

@@ -16,11 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from fedhead.core.closedform import is_closed_form
 from fedhead.core.engine import evaluate
 from fedhead.core.heads import Head, LossContext, create_head
+from fedhead.infra.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 LAST_ROUND = 10**9  # a round number past any schedule: two-stage heads are in their last stage
 

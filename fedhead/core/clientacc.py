@@ -59,9 +59,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 from fedhead.core.engine import scores
+from fedhead.infra.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 __all__ = [
     "ClientWeights",

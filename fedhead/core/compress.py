@@ -34,11 +34,13 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from fedhead.core.aggregate import AGGREGATORS, Aggregator, register_aggregator
 from fedhead.core.heads import HEADS
 from fedhead.infra.errors import FedheadError
+from fedhead.infra.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 INT8_MAX = 127
 DEFAULT_TOPK_FRACTION = 0.01
@@ -103,8 +105,8 @@ class Residuals:
     held: torch.Tensor | None = None
 
     @classmethod
-    def zeros(cls, num_clients: int, C: int, D1: int, device, dtype=torch.float32) -> "Residuals":
-        return cls(torch.zeros(num_clients, C, D1, device=device, dtype=dtype))
+    def zeros(cls, num_clients: int, C: int, D1: int, device, dtype=None) -> "Residuals":
+        return cls(torch.zeros(num_clients, C, D1, device=device, dtype=torch.float32 if dtype is None else dtype))
 
     @classmethod
     def held_by(cls, ids, e: torch.Tensor) -> "Residuals":

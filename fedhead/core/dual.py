@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from fedhead.core.heads import Head, LossContext
+from fedhead.infra.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 DUAL_MODES = ("auto", "on", "off")  # Engine(dual=...): auto (where it pays) | on (every SGD client) | off (primal)
 

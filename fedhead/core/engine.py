@@ -48,7 +48,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from fedhead.core.aggregate import Accumulator, Aggregator, FedAvg, Grouped
 from fedhead.core.dual import (
@@ -63,6 +62,9 @@ from fedhead.core.heads import Head, LossContext
 from fedhead.core.streams import PlanSeeds
 from fedhead.infra.devices import flush_denormals, keep_freed_memory
 from fedhead.infra.errors import FedheadError, OneOf, validate
+from fedhead.infra.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 BACKENDS = ("vectorized", "loop")  # local-training backends of Engine (loop: per client, for checking)
 
@@ -154,7 +156,8 @@ class ScaffoldState:
             self.pending = torch.zeros(self.c.shape, device=self.c.device, dtype=torch.float64)
 
     @classmethod
-    def zeros(cls, num_clients: int, C: int, D1: int, device, dtype=torch.float32) -> "ScaffoldState":
+    def zeros(cls, num_clients: int, C: int, D1: int, device, dtype=None) -> "ScaffoldState":
+        dtype = torch.float32 if dtype is None else dtype
         return cls(
             c=torch.zeros(C, D1, device=device, dtype=dtype),
             ck=torch.zeros(num_clients, C, D1, device=device, dtype=dtype),
@@ -387,7 +390,8 @@ class StackedAdamW:
     :meth:`step` updates the first ``k`` clients (the active prefix). The step counts live in the optimizer
     (one per client, reset by :meth:`bind`), as in torch.optim."""
 
-    def __init__(self, cfg: OptimConfig, shape: tuple, device, dtype=torch.float32, fused: bool | None = None):
+    def __init__(self, cfg: OptimConfig, shape: tuple, device, dtype=None, fused: bool | None = None):
+        dtype = torch.float32 if dtype is None else dtype
         self.cfg = cfg
         self.m = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -455,7 +459,8 @@ class StackedAdamW:
 class StackedSGD:
     """torch.optim.SGD (momentum, L2 weight decay, no dampening) on ``[K, ...]`` stacks, in place."""
 
-    def __init__(self, cfg: OptimConfig, shape: tuple, device, dtype=torch.float32, fused: bool | None = None):
+    def __init__(self, cfg: OptimConfig, shape: tuple, device, dtype=None, fused: bool | None = None):
+        dtype = torch.float32 if dtype is None else dtype
         self.cfg = cfg
         self.buf = torch.zeros(shape, device=device, dtype=dtype) if cfg.momentum else None
         self.fused = _fused_available("sgd", device) if fused is None else fused
@@ -786,8 +791,10 @@ class Engine:
 
     # -- vectorized backend --------------------------------------------------------------------------
 
-    def _buffer(self, name: str, shape: tuple, dtype=torch.float32) -> torch.Tensor:
-        """A workspace tensor kept across blocks and rounds (fresh large allocations page-fault on CPU)."""
+    def _buffer(self, name: str, shape: tuple, dtype=None) -> torch.Tensor:
+        """A workspace tensor kept across blocks and rounds (fresh large allocations page-fault on CPU); ``dtype``
+        None: float32."""
+        dtype = torch.float32 if dtype is None else dtype
         n = math.prod(shape)
         buf = self._work.get(name)
         if buf is None or buf.numel() < n or buf.dtype != dtype:

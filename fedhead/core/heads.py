@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-
 from fedhead.core.plugins import load_plugins
 from fedhead.infra.errors import FedheadError, Interval, unknown_name
+from fedhead.infra.lazy import lazy_module
 from fedhead.infra.params import Param, doc_line, resolve_params
+
+torch = lazy_module("torch")
+F = lazy_module("torch.nn.functional")
 
 
 @dataclass

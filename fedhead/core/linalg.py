@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
+
+from fedhead.infra.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 def clip_rows(x, bound: float):

@@ -33,12 +33,23 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 from fedhead.core.central import central_head
-from fedhead.core.closedform import F64, SKETCH_PARAMS, ClosedFormHead, StatsAccumulator, _means, ridge_solve
+from fedhead.core.closedform import SKETCH_PARAMS, ClosedFormHead, StatsAccumulator, _means, ridge_solve
 from fedhead.core.heads import Param, create_head, register_head
 from fedhead.infra.errors import FedheadError, Interval
+from fedhead.infra.lazy import lazy_module, on_import
+
+torch = lazy_module("torch")
+
+
+def _bind_torch(t) -> None:
+    """``F64 = torch.float64`` (closedform's), run once torch is imported, by whoever imports it."""
+    global F64
+    F64 = t.float64
+
+
+on_import("torch", _bind_torch)
 
 ABSENT_SCORE = -1e30  # the score of a class no client holds in a quadratic head (never the argmax)
 

@@ -53,10 +53,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-import torch
-
 from fedhead.core.plugins import class_registrar, load_plugins
 from fedhead.infra.errors import FedheadError, Interval, param_error, unknown_name, validate
+from fedhead.infra.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 _FLAGS = {"lr": "--server-lr", "momentum": "--server-momentum", "betas": "--server-betas", "tau": "--server-tau"}
 
@@ -82,7 +83,8 @@ class ServerOptimizer:
             cls = server_optimizer_class(cfg.name)
         return super().__new__(cls)
 
-    def __init__(self, cfg: ServerOptConfig, shape: tuple, device, dtype=torch.float32):
+    def __init__(self, cfg: ServerOptConfig, shape: tuple, device, dtype=None):
+        dtype = torch.float32 if dtype is None else dtype
         self.cfg = cfg.resolved()
         self.shape = tuple(shape)
         self.device = torch.device(device)

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from extract.store import Features
 from fedhead.core.ccvr import client_class_stats
@@ -17,6 +16,9 @@ from fedhead.core.noise import apply_noise
 from fedhead.core.partitions import PARTITIONS, class_counts, create_partition
 from fedhead.core.sampling import round_clients, sample_clients  # noqa: F401  (here before fedhead.core.sampling)
 from fedhead.federation.config import TrainConfig
+from fedhead.infra.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 @dataclass
@@ -58,8 +60,9 @@ def federated_feature_stats(
     return FeatureStats(mean if center else None, s, up, down)
 
 
-def prepare(x: np.ndarray, stats: FeatureStats, device, dtype=torch.float32) -> torch.Tensor:
-    """Apply the federated statistics and append the bias column of ones."""
+def prepare(x: np.ndarray, stats: FeatureStats, device, dtype=None) -> torch.Tensor:
+    """Apply the federated statistics and append the bias column of ones; in ``dtype`` (None: float32)."""
+    dtype = torch.float32 if dtype is None else dtype
     t = torch.as_tensor(x, dtype=torch.float32)
     if stats.mean is not None:
         t = t - torch.as_tensor(stats.mean, dtype=torch.float32)

@@ -18,18 +18,20 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from extract.encoders import Preprocessing, resize_geometry, resize_matrix, resize_mode
 from fedhead.federation.model import Model, portable_card, probabilities
 from fedhead.infra.errors import FedheadError, param_error
 from fedhead.infra.files import atomic_path, check_out
+from fedhead.infra.lazy import lazy_module, on_import
+
+torch = lazy_module("torch")
 
 FORMATS = ("onnx", "torchscript")
 ONNX_OPSET = 18
 
 
-class ImageClassifier(torch.nn.Module):
+class ImageClassifier:  # a torch.nn.Module: _bind_torch below makes it one once torch is imported
     """uint8 images ``[N, H, W, 3]`` -> (logits, probabilities) ``[N, C]`` (see the module docstring)."""
 
     def __init__(self, model: Model, encoder: torch.nn.Module, pre: Preprocessing, size: tuple[int, int]):
@@ -74,6 +76,18 @@ class ImageClassifier(torch.nn.Module):
         f = torch.cat([f, torch.ones(b, 1, dtype=f.dtype)], 1)
         logits = torch.matmul(f, self.theta_t)
         return logits, probabilities(logits, self.kind)
+
+
+def _bind_torch(t) -> None:
+    """``class ImageClassifier(torch.nn.Module)``, run once torch is imported, by whoever imports it (the command
+    line imports this module for its help without torch)."""
+    global ImageClassifier
+    body = ImageClassifier
+    ns = {"__module__": __name__, "__qualname__": body.__qualname__, "__doc__": body.__doc__}
+    ImageClassifier = type(body.__name__, (body, t.nn.Module), ns)
+
+
+on_import("torch", _bind_torch)
 
 
 def parse_size(text: str | None, model: Model) -> tuple[int, int]:

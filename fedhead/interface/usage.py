@@ -8,11 +8,17 @@ command code runs (so :func:`fedhead.infra.exits.cli_errors` never sees them): :
 :class:`OneLineCommand` catch them there, in ``parse_args`` (and, for a group, ``resolve_command``), and report
 them through :func:`fedhead.infra.exits.report`. Help is untouched: ``--help`` and a group called without a command
 still print the rich help.
+
+A group's commands may be lazy (:func:`lazy_group`, click's "lazy loading subcommands"): the group lists them from a
+table (name, the listing's help line, a function that builds the command) and imports a command's module only when
+the command is resolved, so that ``fedhead --help``, ``fedhead bench --help`` and ``fedhead train --help`` import
+neither the other commands nor what they need (torch).
 """
 
 from __future__ import annotations
 
 import re
+from typing import Callable, ClassVar, Mapping, Optional
 
 import click
 from typer.core import TyperCommand, TyperGroup
@@ -48,11 +54,66 @@ class OneLineCommand(_OneLineParse, TyperCommand):
     """A typer command whose usage errors are one line (see the module docstring)."""
 
 
+# name -> (the help line the group's listing shows, a function that builds the command: None where it is missing)
+LazyCommands = Mapping[str, tuple[str, Callable[[], Optional[click.Command]]]]
+
+
+class _Unloaded(click.Command):
+    """A lazy group's command before its module is imported: its name and the listing's help line."""
+
+    def __init__(self, name: str, help: str, load: Callable[[], Optional[click.Command]]):
+        super().__init__(name, help=help)
+        self.load = load
+
+    def invoke(self, ctx: click.Context):
+        raise RuntimeError(f"the command {self.name!r} was invoked before it was loaded (resolve it with get_command)")
+
+
 class OneLineGroup(_OneLineParse, TyperGroup):
-    """A typer group whose usage errors, and those of its commands, are one line (see the module docstring)."""
+    """A typer group whose usage errors, and those of its commands, are one line (see the module docstring).
+
+    Its commands may be lazy: :attr:`lazy_commands` (set by :func:`lazy_group`) names them, in the listing's order,
+    each with its help line and a function that builds it. Until one is resolved (:meth:`get_command`, which click
+    calls to run it) the group holds a stand-in that only the help's listing sees; so the listing, the suggestions
+    for a mistyped name and ``--help`` import nothing of the commands."""
+
+    lazy_commands: ClassVar[Callable[[], LazyCommands]] = staticmethod(dict)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._listing = False
+        given = dict(self.commands)  # the commands registered on the typer app (all of them for cli.app)
+        self.commands.clear()
+        for name, (text, load) in self.lazy_commands().items():
+            self.commands[name] = given.pop(name) if name in given else _Unloaded(name, text, load)
+        self.commands.update(given)  # the sub-groups (bench, flower) after the commands, as typer orders them
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> Optional[click.Command]:
+        cmd = self.commands.get(cmd_name)
+        if not isinstance(cmd, _Unloaded) or self._listing:
+            return cmd
+        real = cmd.load()  # imports the command's module
+        if real is None:  # its module is missing (an optional part not installed)
+            del self.commands[cmd_name]
+        else:
+            self.commands[cmd_name] = real
+        return real
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        self._listing = True  # the listing takes the stand-ins' help lines: no command's module is imported
+        try:
+            return super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
 
     def resolve_command(self, ctx: click.Context, args: list[str]):
         try:
             return super().resolve_command(ctx, args)
         except click.UsageError as exc:
             raise _one_line(exc) from None
+
+
+def lazy_group(commands: Callable[[], LazyCommands]) -> type[OneLineGroup]:
+    """A :class:`OneLineGroup` class (typer's ``cls=``) whose group lists ``commands()`` (called when typer builds
+    the group) and imports each only when it is resolved; a command registered on the typer app itself is kept."""
+    return type("LazyOneLineGroup", (OneLineGroup,), {"lazy_commands": staticmethod(commands)})
