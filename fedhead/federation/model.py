@@ -11,10 +11,10 @@ A run writes, for every seed (and the IID reference of a seed), the head the run
   class names, the encoder (name, weights source and sha256, preprocessing), the store (path, content hash), the
   run's key metrics (the test accuracy and count of correct the run's own evaluation gives) and fedhead's version.
 
-:func:`load_model` reads them back as a :class:`Model` with scikit-learn's conventions (``classes_``, ``predict``,
-``predict_proba``, ``decision_function``) on raw store features ``[N, D]`` or on images (paths, PIL images, uint8
-arrays), which it encodes with the card's encoder and preprocessing through the extraction pipeline
-(:mod:`extract.run`), so the features of the same images equal the store's.
+:func:`load_model` reads them back as a :class:`Model`, a fitted scikit-learn classifier (``classes_``, ``predict``,
+``predict_proba``, ``decision_function``, ``score``; pre-fitted: ``fit`` refuses) on raw store features ``[N, D]``
+or on images (paths, PIL images, uint8 arrays), which it encodes with the card's encoder and preprocessing through
+the extraction pipeline (:mod:`extract.run`), so the features of the same images equal the store's.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from pathlib import Path, PurePath
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 
 from extract import datasets as D
 from extract import run as extraction
@@ -44,6 +43,9 @@ from fedhead.infra.console import make_progress
 from fedhead.infra.devices import check_budget, set_cpu_threads
 from fedhead.infra.errors import FedheadError, param_error
 from fedhead.infra.files import atomic_path, atomic_write_json, name_inside
+from fedhead.infra.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 MODEL_FORMAT = "fedhead-model"
 MODEL_FORMAT_VERSION = 1
@@ -240,7 +242,17 @@ class Model:
     ``X`` of :meth:`predict`, :meth:`predict_proba` and :meth:`decision_function` is either a float array of raw
     store features ``[N, D]`` (the model applies its own preparation) or images: a sequence of paths, PIL images
     or uint8 arrays ``[H, W, 3]`` (or one uint8 array ``[N, H, W, 3]``), encoded with the model's encoder, which
-    is loaded on first use."""
+    is loaded on first use.
+
+    It is a fitted scikit-learn classifier over the features (docs/model.md): ``classes_`` (the class names
+    :meth:`predict` returns), ``n_features_in_``, :meth:`score`, the estimator tags (``is_classifier`` is true) and
+    ``check_is_fitted``. It is *pre-fitted*: its run trained it, so :meth:`fit` refuses (wrap it in
+    ``sklearn.frozen.FrozenEstimator`` where scikit-learn would fit) and ``clone`` returns it as it is. It follows
+    scikit-learn's protocol without deriving from ``BaseEstimator``, whose import (scipy with it, about 1.5 s) every
+    run would pay for (this module writes the runs' models); scikit-learn is imported when one of these methods
+    needs it."""
+
+    _estimator_type = "classifier"  # is_classifier of scikit-learn < 1.6 (later ones read __sklearn_tags__)
 
     def __init__(self, card: dict, tensors: dict, path: Path):
         self.card, self.path = card, path
@@ -286,10 +298,82 @@ class Model:
         return self.encoder
 
     def features(self, X, progress: bool = False) -> np.ndarray:
-        """Raw features ``[N, D]`` of images (see the class docstring) or of features (returned as float32)."""
-        if _is_features(X):
-            return np.asarray(X, dtype=np.float32)
-        return encode_images(self, as_split(X), progress=progress).features
+        """Raw features ``[N, D]`` of images (see the class docstring) or of features (returned as float32). Features
+        are a 2-D numeric array (a tensor, a DataFrame or a list of rows too) of ``n_features_in_`` finite columns;
+        anything else is refused in one line, as scikit-learn refuses a 1-D array (one sample:
+        ``x.reshape(1, -1)``)."""
+        x = _feature_array(X)
+        if x is None:
+            return encode_images(self, as_split(X), progress=progress).features
+        d = self.n_features_in_
+        if x.ndim != 2:
+            hint = "For one feature vector x, pass x.reshape(1, -1)." if x.ndim == 1 else ""
+            raise _input_error(f"must be features of shape (n_samples, {d}) or images",
+                               f"a {x.ndim}-D array of shape {tuple(x.shape)}", hint)  # fmt: skip
+        if x.shape[1] != d:
+            raise _input_error(f"must have {d} features per sample (shape (n_samples, {d})), the model's feature "
+                               f"dimension", f"{x.shape[1]} (an array of shape {tuple(x.shape)})",
+                               "Pass raw features of the model's store (its encoder's).")  # fmt: skip
+        with np.errstate(over="ignore"):  # beyond float32's range: inf, refused below
+            x = np.asarray(x, dtype=np.float32)
+        if not x.flags.writeable:  # a read-only memmap: torch wants to own writable memory
+            x = x.copy()
+        finite = np.isfinite(x).all(1)
+        if not finite.all():
+            raise _input_error("must hold finite features", f"NaN or inf in row {int(np.argmin(finite))}",
+                               "Remove or fix those rows.")  # fmt: skip
+        return x
+
+    # ---- scikit-learn's estimator protocol (a pre-fitted classifier; see the class docstring)
+
+    def __repr__(self) -> str:
+        run = self.card.get("run") if isinstance(self.card.get("run"), dict) else {}
+        variant = ", variant='iid'" if run.get("variant") == "iid" else ""
+        return (f"Model(head={self.card['head']['kind']!r}, classes={len(self.classes_)}, features="
+                f"{self.n_features_in_}, run={run.get('dir')!r}, seed={run.get('seed')!r}{variant})")  # fmt: skip
+
+    def __sklearn_tags__(self):
+        from sklearn.utils import ClassifierTags, Tags, TargetTags
+
+        return Tags(estimator_type="classifier", target_tags=TargetTags(required=True),
+                    classifier_tags=ClassifierTags(), requires_fit=True)  # fmt: skip
+
+    def __sklearn_is_fitted__(self) -> bool:
+        return True
+
+    def __sklearn_clone__(self) -> Model:
+        """The model itself (as ``FrozenEstimator``'s clone): a pre-fitted model has no unfitted copy to make."""
+        return self
+
+    def get_params(self, deep: bool = True) -> dict:
+        """No parameters: the card and weights the run wrote fix the model (nothing to tune or clone)."""
+        return {}
+
+    def set_params(self, **params) -> Model:
+        if params:
+            raise _input_error("must be empty: a fedhead model has no parameters to set", repr(sorted(params)),
+                               "Its head is the one its run trained; train a run for another.", "params")  # fmt: skip
+        return self
+
+    def fit(self, X=None, y=None, **fit_params):
+        """Refused: the model is fitted by its federated run (``fedhead train``, :func:`fedhead.run`, ``fedhead
+        flower``), on clients' data it never sees here."""
+        raise FedheadError(
+            "A fedhead model is fitted by its federated run ('fedhead train', fedhead.run or 'fedhead flower') and "
+            "cannot be refit here. Use it as a pre-fitted estimator: predict or score directly, or wrap it in "
+            "sklearn.frozen.FrozenEstimator(model) where scikit-learn fits (a pipeline, cross_val_score, "
+            "CalibratedClassifierCV)."
+        )
+
+    def score(self, X, y, sample_weight=None) -> float:
+        """Mean accuracy of :meth:`predict` on ``X`` against the class names ``y`` (scikit-learn's ``score``)."""
+        from sklearn.metrics import accuracy_score
+
+        y = np.asarray(y)
+        if self.classes_.dtype.kind == "U" and y.dtype.kind in "biu":
+            raise _input_error("must hold class names, as predict returns them (classes_)", "class indices (integers)",
+                               "Map a store's labels to names with model.classes_[y].", param="y")  # fmt: skip
+        return float(accuracy_score(y, self.predict(X), sample_weight=sample_weight))
 
     # ---- scikit-learn's conventions
 
@@ -323,8 +407,49 @@ def probabilities(logits: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.softmax(logits, -1)
 
 
-def _is_features(X) -> bool:
-    return isinstance(X, (np.ndarray, torch.Tensor)) and np.asarray(X).ndim == 2 and np.asarray(X).dtype != np.uint8
+def _feature_array(X) -> np.ndarray | None:
+    """``X`` as a numeric array when it is features, of any shape (the caller checks it): a numeric array or tensor
+    that is not images (uint8 of 2 or more dimensions, or anything of 3 or more: the image path, which refuses a
+    float image in one line), a DataFrame, a list of rows or of numbers; None when ``X`` holds images."""
+    if type(X).__module__.startswith("scipy.sparse"):
+        raise _input_error("must be a dense array of features or images", f"a sparse {type(X).__name__}",
+                           "Sparse input is not supported: pass X.toarray().")  # fmt: skip
+    if isinstance(X, torch.Tensor):
+        X = X.detach().cpu()
+        X = (X.float() if X.is_floating_point() else X).numpy()  # bfloat16 has no numpy dtype
+    elif hasattr(X, "to_numpy") and getattr(X, "ndim", None) == 2:  # a pandas (or polars) DataFrame
+        X = np.asarray(X.to_numpy())
+        if X.dtype.kind not in "biuf":
+            raise _input_error("must be numeric features", f"a table of dtype {X.dtype}", "Pass its feature columns.")
+    elif isinstance(X, (int, float, np.number)) or (isinstance(X, (list, tuple)) and X and all(map(_is_row, X))):
+        # a number, a row or rows of numbers
+        try:
+            X = np.asarray(X)
+        except ValueError as exc:
+            raise _input_error("must be features of shape (n_samples, D) or images",
+                               "rows of different lengths", str(exc).splitlines()[0]) from None  # fmt: skip
+    if isinstance(X, np.ndarray) and X.dtype.kind == "c":
+        raise _input_error("must be real features", f"an array of dtype {X.dtype}", "Complex data is not supported.")
+    if not isinstance(X, np.ndarray) or X.dtype.kind not in "biuf":
+        return None
+    if X.ndim >= 3 or (X.dtype == np.uint8 and X.ndim == 2):
+        return None
+    return X
+
+
+def _is_row(r) -> bool:
+    """A number, or a row of numbers: never an image, which is a path, a PIL image or an array of 2 or 3 dimensions."""
+    return isinstance(r, (int, float, np.number, list, tuple)) or (isinstance(r, np.ndarray) and r.ndim <= 1)
+
+
+class InvalidInput(FedheadError, ValueError):
+    """Input :class:`Model` refuses (``X`` or ``y`` of predict and score): a :class:`FedheadError` (one line) that is
+    also the ``ValueError`` scikit-learn raises, and its tools and checks expect, for invalid input."""
+
+
+def _input_error(constraint: str, got: str, fix: str = "", param: str = "X") -> InvalidInput:
+    """:func:`fedhead.infra.errors.param_error`'s one-line template, ``got`` as it is (a description, unquoted)."""
+    return InvalidInput(f"The '{param}' parameter {constraint}. Got {got} instead." + (f" {fix}" if fix else ""))
 
 
 def load_model(path: str | os.PathLike, seed: int | None = None) -> Model:
