@@ -213,6 +213,117 @@ def test_mlflow_records_every_row_and_a_rewrite_keeps_one_run_per_unit(tiny_stor
             )
 
 
+def checked_rows(run_dir: Path) -> dict:
+    """(unit, round) -> accuracy of every row of rounds.csv so far (what a tracker must hold as the run goes)."""
+    return {(u, rnd): v for (u, k, rnd), v in expected_scalars(run_dir).items() if k == "accuracy"}
+
+
+def interrupt_after(monkeypatch, k: int, check) -> list:
+    """The loop's pause hook (after each round's checkpoint and tracker row) calls ``check`` and stops the run with
+    SIGTERM's Interrupted after its ``k``-th row (``k`` = 0: never); returns the row counts it saw."""
+    import signal
+
+    from fedhead.federation import loop
+    from fedhead.infra.signals import Interrupted
+
+    seen = []
+
+    def hook(env, count):
+        seen.append(count)
+        check()
+        if count == k:
+            raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(loop, "pause_hook", hook)
+    return seen
+
+
+def test_tensorboard_gets_each_row_as_it_comes_and_a_resume_writes_each_once(tiny_store, tmp_path, monkeypatch):
+    run_dir = tmp_path / "live"
+    root = run_dir / "tensorboard"
+
+    def check():  # while the run trains: every checkpointed row is in the event files already, none twice
+        got, twice = tensorboard_scalars(root)
+        want = checked_rows(run_dir)
+        assert not twice and want and all(got[(u, "accuracy", rnd)] == pytest.approx(v) for (u, rnd), v in want.items())
+
+    seen = interrupt_after(monkeypatch, 6, check)  # seed 0: 4 rows, its IID reference: 2 of 4 when interrupted
+    kw = dict(seeds=[0], iid_reference=True, log="tensorboard", rounds=4)
+    with pytest.raises(FedheadError, match="interrupted"):  # Interrupted
+        train(tiny_store, run_dir, **kw)
+    assert seen == [1, 2, 3, 4, 5, 6] and not (run_dir / "summary.json").exists()
+    got, twice = tensorboard_scalars(root)  # what the interrupted run leaves: its rows so far, once each
+    assert not twice and {(u, rnd) for (u, k, rnd) in got if k == "accuracy"} == set(checked_rows(run_dir))
+    seen = interrupt_after(monkeypatch, 0, check)
+    train(tiny_store, run_dir, resume=True, **kw)
+    assert seen == [7, 8]  # the resumed run's rounds, each seen live with the earlier rows once
+    got, twice = tensorboard_scalars(root)
+    want = expected_scalars(run_dir)
+    assert not twice and all(got[k] == pytest.approx(v, rel=1e-5) for k, v in want.items())
+    assert {k for k in got if k[1] == "accuracy"} == {k for k in want if k[1] == "accuracy"}
+    assert not [p for p in root.parent.iterdir() if p.name.endswith(".partial")]  # no folder left half-written
+
+
+def test_live_tracker_rewrites_a_continued_unit_and_never_doubles_a_row(tmp_path):
+    pytest.importorskip("tensorboardX")
+    rows = [{"seed": 0, "round": r, "run": "main", "accuracy": r / 10, "stage": "stage1"} for r in range(1, 6)]
+    with tracking.live("tensorboard", tmp_path, None) as live:  # an interrupted run: rounds 1-3 written
+        live.begin([])
+        for n in range(1, 4):
+            live.add(rows[n - 1 : n], rows[:n])
+        got, twice = tensorboard_scalars(tmp_path / "tensorboard")
+        assert sorted(k[2] for k in got) == [1, 2, 3] and not twice  # on disk before the writer closes
+    with tracking.live("tensorboard", tmp_path, None) as live:  # its resume: checkpointed up to round 2 only
+        live.begin(rows[:2])
+        for n in range(3, 6):
+            live.add(rows[n - 1 : n], rows[:n])
+    got, twice = tensorboard_scalars(tmp_path / "tensorboard")
+    assert not twice and got == {("seed0", "accuracy", r): pytest.approx(r / 10) for r in range(1, 6)}
+    with tracking.live("none", tmp_path, None) as live:  # --log none: nothing written, nothing imported
+        live.begin(rows)
+        live.add(rows[:1], rows[:1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tensorboard"]
+
+
+def test_mlflow_gets_each_row_as_it_comes_and_a_resume_writes_each_once(tiny_store, tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    run_dir, store = tmp_path / "ml", tmp_path / "store"
+
+    def history() -> tuple[dict, list]:
+        """(unit, round) -> accuracy of the live runs of the store, and the (unit, round) logged twice."""
+        client = MlflowClient(tracking_uri=store.resolve().as_uri())
+        exp = client.get_experiment_by_name(tracking.EXPERIMENT)
+        got, twice = {}, []
+        for r in client.search_runs([exp.experiment_id]) if exp else []:
+            unit = r.data.tags["fedhead.unit"]
+            for m in client.get_metric_history(r.info.run_id, "accuracy"):
+                twice += [(unit, m.step)] if (unit, m.step) in got else []
+                got[(unit, m.step)] = m.value
+        return got, twice
+
+    def check():
+        got, twice = history()
+        want = checked_rows(run_dir)
+        assert not twice and want and all(got[k] == pytest.approx(v) for k, v in want.items())
+
+    kw = dict(seeds=[0, 1], log="mlflow", log_dir=str(store), rounds=3)
+    seen = interrupt_after(monkeypatch, 4, check)  # seed 0's 3 rows and seed 1's first
+    with pytest.raises(FedheadError, match="interrupted"):  # Interrupted
+        train(tiny_store, run_dir, **kw)
+    assert seen == [1, 2, 3, 4] and set(history()[0]) == set(checked_rows(run_dir))
+    seen = interrupt_after(monkeypatch, 0, check)
+    train(tiny_store, run_dir, resume=True, **kw)
+    assert seen == [5, 6]
+    got, twice = history()
+    assert not twice and got == pytest.approx(checked_rows(run_dir))
+    client = MlflowClient(tracking_uri=store.resolve().as_uri())
+    runs = client.search_runs([client.get_experiment_by_name(tracking.EXPERIMENT).experiment_id])
+    assert sorted(r.data.tags["fedhead.unit"] for r in runs) == ["seed0", "seed1"]  # the end's rewrite, one each
+    assert all(r.info.status == "FINISHED" and r.data.params.get("rounds") == "3" for r in runs)
+
+
 def test_missing_extra_and_log_dir_without_log_are_one_line(tiny_store, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as if the extra were not installed
     with pytest.raises(FedheadError, match=r"pip install 'fedhead\[tensorboard\]'"):
@@ -242,6 +353,7 @@ def test_compare_prints_and_plots_runs_side_by_side(tiny_store, tmp_path, drawin
     assert "lr=0.01" in res.output and "lr=0.05" in res.output and "rounds=4" in res.output
     assert "partition=" not in res.output  # equal settings are not listed
     is_png(tmp_path / "cmp" / "compare.png")
+    assert f"wrote {tmp_path / 'cmp' / 'compare.csv'}" in res.output and (tmp_path / "cmp" / "compare.json").is_file()
     final_b = float(rounds_csv(b)[-1]["accuracy"])
     assert f"{final_b:.4f}" in res.output
     for args, needle in (

@@ -4,6 +4,7 @@ Each run is read from its files (rounds.csv, and summary.json / config.json when
 (head or algorithm, partition, rounds, final and best value of the metric, ratios to IID / the central ceiling when
 the run has them, bytes, wall time, and the settings that differ between the runs), and one curve per run in
 ``compare.png`` (the metric per round, the mean over the run's seeds; an IID reference run's rows are left out).
+The table is also written beside it as ``compare.csv`` and ``compare.json`` (the columns of :func:`table_rows`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from pathlib import Path
 import numpy as np
 
 from fedhead.federation.plots import Line, Panel, write_curves
-from fedhead.federation.rundir import read_csv
+from fedhead.federation.rundir import read_csv, write_csv
 from fedhead.infra.errors import FedheadError
+from fedhead.infra.files import atomic_write_json
 
 COMPARE_PNG = "compare.png"
+COMPARE_CSV, COMPARE_JSON = "compare.csv", "compare.json"  # the table, beside compare.png
 # settings that never explain a difference in results (where a run ran, how it was written)
 IGNORED = {"out", "features", "device", "block_clients", "memory_budget_mb", "dual", "plots", "log", "log_dir",
            "data_dir", "device_resolved", "cpu_threads", "torch_version", "identity", "fedhead_version"}  # fmt: skip
@@ -169,3 +172,21 @@ def write_compare_plot(runs: list[RunFiles], metric: str, out: Path) -> Path:
         x, y = curve(run, metric)
         panel.lines.append(Line(run.name, x, y))
     return write_curves(Path(out) / COMPARE_PNG, [panel], "round", metric, integer_x=True)
+
+
+def _json_value(v):
+    """A table cell for JSON: a number that is not finite (NaN, inf) as null (JSON has no NaN)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def write_compare_table(rows: list[dict], metric: str, out: Path) -> tuple[Path, Path]:
+    """compare.csv and compare.json in ``out`` (atomically): the table's rows (:func:`table_rows`), one per run;
+    the JSON also names ``metric`` (what ``final`` and ``at_selected`` are)."""
+    out = Path(out)
+    csv_path, json_path = out / COMPARE_CSV, out / COMPARE_JSON
+    write_csv(csv_path, rows, list(rows[0]) if rows else [])
+    table = [{k: _json_value(v) for k, v in r.items()} for r in rows]
+    atomic_write_json(json_path, {"metric": metric, "rows": table})
+    return csv_path, json_path

@@ -3,7 +3,7 @@
 
 The loop owns what every run shares: the order of units and rounds, one checkpoint after every round written
 together with ``rounds.csv`` (a SIGINT/SIGTERM waits for both), resume from that checkpoint, extension of a
-finished run by more rounds, progress on stderr and the final files (the plots and trackers of :mod:`fedhead.federation.outputs` included). A job owns what its rounds compute: the
+finished run by more rounds, progress on stderr, each row to the tracker (``--log``) as it comes, and the final files (the plots and trackers of :mod:`fedhead.federation.outputs` included). A job owns what its rounds compute: the
 head federation over a transport (:class:`fedhead.federation.job.HeadJob`) or a scratch network
 (:class:`fedhead.scratch.runner.ScratchJob`).
 
@@ -20,7 +20,7 @@ import contextlib
 import time
 from pathlib import Path
 
-from fedhead.federation import outputs, rundir
+from fedhead.federation import outputs, rundir, tracking
 from fedhead.federation.outputs import RunReport
 from fedhead.federation.rundir import Opened, RunDir
 from fedhead.infra.console import make_progress
@@ -60,6 +60,13 @@ class Job:
 
     def after_checkpoint(self, unit: tuple, rnd: int, row: dict) -> None:
         """Optional: after a round's checkpoint (Flower: log it, honour a stop request)."""
+
+    def live_log(self) -> tuple[str, str | None]:
+        """Optional: the tracker each row goes to as it comes, after its round's checkpoint (``--log``,
+        ``--log-dir``; :class:`fedhead.federation.tracking.Live`): by default the job's ``cfg.log`` and
+        ``cfg.log_dir`` (none without them). The run's end rewrites the tracker whole, from :meth:`report`."""
+        cfg = getattr(self, "cfg", None)
+        return getattr(cfg, "log", None) or "none", getattr(cfg, "log_dir", None)
 
     def annotate(self, unit: tuple, rows: list) -> None:
         """Optional: mark the unit's last row before it is saved (a diverged round)."""
@@ -129,7 +136,8 @@ def run_job(job: Job, run: RunDir, opened: Opened, *, progress: bool = True) -> 
         job.load_run_state(ckpt["run"])
     wall0 = time.perf_counter() - (float(ckpt["wall_s"]) if ckpt else 0.0)
     units = job.units()
-    with make_progress() as prog:
+    log, log_dir = job.live_log()
+    with make_progress() as prog, tracking.live(log, run.path, log_dir, job.table) as live:  # closed before the end
         outer = prog.add_task("runs", total=len(units), info="") if progress and len(units) > 1 else None
         for i, unit in enumerate(units):
             if i < len(done):
@@ -139,6 +147,7 @@ def run_job(job: Job, run: RunDir, opened: Opened, *, progress: bool = True) -> 
             saved = ckpt["current"] if ckpt is not None and ckpt["index"] == i else None
             saved = saved or (pending[i] if i < len(pending) else None)
             first, rows = job.start(unit, saved)
+            live.begin(rows)  # a continued unit's tracker rows afresh from its rows so far
             last = job.last_round(unit)
             task = prog.add_task(job.label(unit), total=last, completed=first - 1, info="") if progress else None
             before = [r for d in done for r in d["rows"]]
@@ -153,6 +162,7 @@ def run_job(job: Job, run: RunDir, opened: Opened, *, progress: bool = True) -> 
                          "current": {"round": rnd, "rows": rows, **job.unit_state()}, "run": job.run_state(),
                          "wall_s": time.perf_counter() - wall0}  # fmt: skip
                 _save(job, run, state, before + rows)
+                live.add([row], rows)  # the round's row to the tracker (--log) as it comes
                 pause_hook(PAUSE_ENV, len(before) + len(rows))
                 job.after_checkpoint(unit, rnd, row)
                 if task is not None:
@@ -160,6 +170,7 @@ def run_job(job: Job, run: RunDir, opened: Opened, *, progress: bool = True) -> 
                 stopped = job.stop_after(unit, rows)
             final = {"round": int(rows[-1]["round"]) if rows else last, **job.unit_state()} if job.extendable else None
             extra, kept = job.finish_unit(unit, rows)
+            live.add(extra, rows + extra)
             done.append({"unit": list(unit), "seed": unit[0], "rows": rows + extra, "final": final, **kept})
             if task is not None:
                 prog.remove_task(task)

@@ -1,10 +1,12 @@
 """What a run leaves besides its CSV and JSON files, written by the round loop when the run ends (and again, whole,
 when a resumed or extended run ends): ``curves.png`` and ``partition.png`` (``--plots``, on by default), and the
-rows in TensorBoard or MLflow (``--log``).
+rows in TensorBoard or MLflow (``--log``; each row also goes there as it comes:
+:class:`fedhead.federation.tracking.Live`, which the loop owns; this end-of-run rewrite is the final truth).
 
 ``curves.png``: accuracy and training loss per round; with several seeds the mean with a ±std band; the IID
 reference run (``--iid-reference``) dashed, the central ceiling (``--central-reference``) as a horizontal line,
-stage boundaries (OvA-LP's stage 1 / 2, the statistics round of a closed-form start) as dotted marks.
+stage boundaries (OvA-LP's stage 1 / 2, the statistics round of a closed-form start) as dotted marks; the loss
+breaks at each stage boundary (one line per stage: the stages' losses differ in scale).
 ``partition.png``: the first seed's label counts per client (:class:`~fedhead.federation.plots.LabelCounts`); with
 secure aggregation the server never sees a client's counts, and the figure says so instead.
 
@@ -80,20 +82,43 @@ def stage_marks(rows: list[dict]) -> list[tuple[float, str]]:
     return marks
 
 
+def stage_segments(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    """``rows`` (one run's, any seeds) cut where the stage changes along the rounds: ``(stage, rows)`` per stretch of
+    consecutive rounds in one stage (a round's stage is its first row's); one stretch when the rows have no
+    ``stage``."""
+    stage_of: dict[int, str] = {}
+    for r in rows:
+        stage_of.setdefault(int(r["round"]), str(r.get("stage", "")))
+    segments: list[tuple[str, set]] = []
+    for rnd in sorted(stage_of):
+        if not segments or segments[-1][0] != stage_of[rnd]:
+            segments.append((stage_of[rnd], set()))
+        segments[-1][1].add(rnd)
+    return [(stage, [r for r in rows if int(r["round"]) in rounds]) for stage, rounds in segments]
+
+
 def curve_panels(rows: list[dict], central: dict | None = None) -> list[Panel]:
     """The panels of curves.png: accuracy and training loss per round (the run's lines, the IID reference's
-    dashed, the central ceiling as a horizontal line, stage boundaries as marks)."""
+    dashed, the central ceiling as a horizontal line, stage boundaries as marks). The loss is one line per stage
+    (OvA-LP's stage 1 and 2 losses differ about tenfold in scale; a line through the boundary would join them), in
+    the run's colour, labelled with the stage; the accuracy one line."""
     seeds = {r["seed"] for r in rows}
     acc, loss = Panel("accuracy", ylabel="test accuracy"), Panel("training loss", ylabel="mean local loss")
-    for run, style in (("main", "-"), ("iid", "--")):
+    for run, style, color in (("main", "-", "C0"), ("iid", "--", "C1")):
         part = [r for r in rows if r.get("run", "main") == run]
         if not part:
             continue
         name = "run" if run == "main" else "IID reference"
         label = f"{name} (mean ± std, {len(seeds)} seeds)" if len(seeds) > 1 else name
-        for panel, key in ((acc, "accuracy"), (loss, "train_loss")):
-            x, m, s = _series(part, key)
-            panel.lines.append(Line(label, x, m, err=s if len(seeds) > 1 else None, style=style))
+        x, m, s = _series(part, "accuracy")
+        acc.lines.append(Line(label, x, m, err=s if len(seeds) > 1 else None, style=style, color=color))
+        segments = stage_segments(part)
+        for stage, seg in segments:
+            x, m, s = _series(seg, "train_loss")
+            if len(segments) > 1 and not len(x):  # a stage without a loss (a statistics round): no empty line
+                continue
+            seg_label = f"{label}, {stage}" if len(segments) > 1 else label
+            loss.lines.append(Line(seg_label, x, m, err=s if len(seeds) > 1 else None, style=style, color=color))
     ceilings = [c["accuracy"] for c in (central or {}).values() if c and _finite(c.get("accuracy"))]
     if ceilings:
         acc.hlines.append((float(np.mean(ceilings)), "central ceiling"))

@@ -9,6 +9,7 @@ counts) is built without matplotlib, so that it can be checked without drawing (
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -153,6 +154,34 @@ def _save(fig, path: Path) -> Path:
 
 BAR_CLIENTS = 50  # up to this many clients (and BAR_LABELS labels) as stacked bars; beyond, a heatmap
 BAR_LABELS = 20
+# tab20 in an order where no label sits next to its own hue's other shade: dark i, light i+3, dark i+1, ...
+# (the smallest RGB distance between neighbours is 0.43, tab10's is 0.45; tab20's own order puts each dark
+# shade next to its light one)
+TAB20_ORDER = [j for i in range(10) for j in (2 * i, 2 * ((i + 3) % 10) + 1)]
+SPREAD_MAP = "turbo"  # beyond 20 labels: sampled at a stride, so that neighbouring labels get distant hues
+
+
+def _stride(n: int) -> int:
+    """A step near 0.382 n (the golden section) that is coprime with ``n``: label j takes position j * step mod n of
+    the map, so every label gets its own colour and neighbours sit about 0.38 of the map apart."""
+    step = max(1, round(0.382 * n))
+    while math.gcd(step, n) != 1:
+        step += 1
+    return step
+
+
+def label_colors(n: int) -> list[tuple[float, float, float, float]]:
+    """A colour (RGBA) per label for ``n`` labels, neighbouring labels clearly apart (stacked bars put label j next
+    to label j + 1): tab10 up to 10 labels, tab20 (:data:`TAB20_ORDER`) up to 20, beyond that :data:`SPREAD_MAP`
+    sampled at the stride :func:`_stride`. Needs matplotlib's colour maps only, not a figure."""
+    from matplotlib import colormaps
+
+    if n <= 10:
+        return [tuple(colormaps["tab10"](j)) for j in range(n)]
+    if n <= 20:
+        return [tuple(colormaps["tab20"](j)) for j in TAB20_ORDER[:n]]
+    cmap, step = colormaps[SPREAD_MAP], _stride(n)
+    return [tuple(cmap((j * step % n) / (n - 1))) for j in range(n)]
 
 
 @dataclass
@@ -185,8 +214,9 @@ class LabelCounts:
 
 
 def write_label_counts(path: Path, spec: LabelCounts) -> Path:
-    """partition.png: stacked bars of each client's label counts (client id on x, a colour per label, as
-    flwr-datasets' ``plot_label_distributions(plot_type="bar")``), a heatmap of labels x clients (counts as colour,
+    """partition.png: stacked bars of each client's label counts (client id on x, a colour per label from
+    :func:`label_colors`, neighbouring labels in distant colours; as flwr-datasets'
+    ``plot_label_distributions(plot_type="bar")``), a heatmap of labels x clients (counts as colour,
     as its ``plot_type="heatmap"``) beyond BAR_CLIENTS clients or BAR_LABELS labels, or the note alone."""
     spec.check()
     plt = _plt()
@@ -202,10 +232,10 @@ def write_label_counts(path: Path, spec: LabelCounts) -> Path:
     names = [str(x) for x in spec.labels] if len(spec.labels) == c else [str(j) for j in range(c)]
     if kind == "bars":
         fig, ax = plt.subplots(figsize=(6.4 + 0.04 * k, 4.2))
-        cmap = plt.get_cmap("RdYlGn")
+        colors = label_colors(c)
         bottom = np.zeros(k)
         for j in range(c):
-            ax.bar(np.arange(k), counts[:, j], bottom=bottom, color=cmap(j / max(1, c - 1)), label=names[j])
+            ax.bar(np.arange(k), counts[:, j], bottom=bottom, color=colors[j], label=names[j])
             bottom += counts[:, j]
         ax.set_xlabel("client")
         ax.set_ylabel("count")
