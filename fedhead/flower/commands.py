@@ -410,6 +410,76 @@ def check_link_addresses(host: str, port: int, control_api_address: str, insecur
     return control
 
 
+def check_link_keys(auth_public_keys: Optional[List[Path]], insecure: bool) -> list[tuple[str, bytes]]:
+    """The SuperNode keys of ``--auth-public-keys`` (none without it), refused with ``--insecure``."""
+    keys = check_auth_public_keys(list(auth_public_keys)) if auth_public_keys else []
+    if keys and insecure:
+        raise FedheadError(
+            "The '--auth-public-keys' option needs TLS (Flower refuses SuperNode authentication "
+            "with --insecure). Got --insecure. Pass --ssl-certfile, --ssl-keyfile and "
+            "--ssl-ca-certfile instead."
+        )
+    return keys
+
+
+def build_link(
+    host: str,
+    port: int,
+    control_api_address: str,
+    insecure: bool,
+    ssl_certfile: Optional[Path],
+    ssl_keyfile: Optional[Path],
+    ssl_ca_certfile: Optional[Path],
+    auth_public_keys: Optional[List[Path]],
+    database: Optional[str],
+    wait_timeout: float,
+) -> tuple[Link, list[tuple[str, bytes]]]:
+    """Check every SuperLink file and option before any process starts; return the Link and the keys to register."""
+    control = check_link_addresses(host, port, control_api_address, insecure)
+    # the gateway and fedhead (registering keys, submitting the job) reach Flower's port on loopback
+    tls = tls_args(insecure, ssl_certfile, ssl_keyfile, ssl_ca_certfile, control[0])
+    keys = check_link_keys(auth_public_keys, insecure)
+    validate("--wait-timeout", wait_timeout, Interval(0, None, closed="neither"))
+    env = flower_env()
+    cmd = superlink_command(control[0], control[1], tls, database, supernode_auth=bool(keys))
+    gateway = gateway_command(host, port, control, tls)
+    control_at = f"[{control[0]}]:{control[1]}" if ":" in control[0] else f"{control[0]}:{control[1]}"
+    if not is_loopback(host):
+        print(f"fedhead: the SuperLink's port {host}:{port} carries Flower's Fleet API alone (SuperNodes); its "
+              f"Control and Runtime APIs (flwr run, flwr supernode register) listen on {control_at} only",
+              file=sys.stderr)  # fmt: skip
+    return Link(cmd, gateway, env, [control, (host, port)], control_at, insecure, ssl_ca_certfile), keys
+
+
+def run_link_job(
+    link: Link,
+    keys: list[tuple[str, bytes]],
+    experiment: ExperimentArgs,
+    features: Path | str,
+    out: Optional[Path],
+    resume: bool,
+    round_timeout: float,
+    wait_timeout: float,
+) -> None:
+    """Run the training job of ``experiment`` on ``link``'s SuperNodes (``flwr run``) and print its summary."""
+    validate("--round-timeout", round_timeout, Interval(0, None, closed="neither"))
+    cfg = experiment.train_config("flower", features=str(features))
+
+    open_store(cfg.features, "--features")
+    cfg.resolved()
+    out = out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-flower-{cfg.resolved().head}-{cfg.partition}")
+    code = link.run(keys, run_config_of(cfg, Path(out), resume, round_timeout, wait_timeout))
+    summary_path = Path(out) / "summary.json"
+    if code != 0 or not summary_path.exists():
+        raise FedheadError(
+            f"The Flower run failed (flwr run exit code {code}); its log is above. "
+            f"Partial results and the checkpoint are in {str(out)!r} (resume with --resume)."
+        )
+    import json
+
+    _print_summary(f"fedhead flower superlink — {out}", json.loads(summary_path.read_text()))
+
+
 @cli_errors
 @with_experiment_options(
     exclude=("features",),
@@ -465,48 +535,109 @@ def superlink_cmd(
         extra = {"features": str(features)} if features is not None else {}
         typer.echo(resolved_toml(experiment.train_config("flower", **extra)), nl=False)
         return
-    # every file and option before any process starts
-    control = check_link_addresses(host, port, control_api_address, insecure)
-    # the gateway and fedhead (registering keys, submitting the job) reach Flower's port on loopback
-    tls = tls_args(insecure, ssl_certfile, ssl_keyfile, ssl_ca_certfile, control[0])
-    keys = check_auth_public_keys(list(auth_public_keys)) if auth_public_keys else []
-    if keys and insecure:
-        raise FedheadError(
-            "The '--auth-public-keys' option needs TLS (Flower refuses SuperNode authentication "
-            "with --insecure). Got --insecure. Pass --ssl-certfile, --ssl-keyfile and "
-            "--ssl-ca-certfile instead."
-        )
-    validate("--wait-timeout", wait_timeout, Interval(0, None, closed="neither"))
-    env = flower_env()
-    cmd = superlink_command(control[0], control[1], tls, database, supernode_auth=bool(keys))
-    gateway = gateway_command(host, port, control, tls)
-    control_at = f"[{control[0]}]:{control[1]}" if ":" in control[0] else f"{control[0]}:{control[1]}"
-    if not is_loopback(host):
-        print(f"fedhead: the SuperLink's port {host}:{port} carries Flower's Fleet API alone (SuperNodes); its "
-              f"Control and Runtime APIs (flwr run, flwr supernode register) listen on {control_at} only",
-              file=sys.stderr)  # fmt: skip
-    link = Link(cmd, gateway, env, [control, (host, port)], control_at, insecure, ssl_ca_certfile)
+    link, keys = build_link(
+        host,
+        port,
+        control_api_address,
+        insecure,
+        ssl_certfile,
+        ssl_keyfile,
+        ssl_ca_certfile,
+        auth_public_keys,
+        database,
+        wait_timeout,
+    )
     if features is None:  # serve in the foreground, after registering the listed SuperNodes; runs: 'flwr run'
         raise SystemExit(link.run(keys))
-    validate("--round-timeout", round_timeout, Interval(0, None, closed="neither"))
-    cfg = experiment.train_config("flower", features=str(features))
-
-    open_store(cfg.features, "--features")
-    cfg.resolved()
-    out = out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-flower-{cfg.resolved().head}-{cfg.partition}")
-    code = link.run(keys, run_config_of(cfg, Path(out), resume, round_timeout, wait_timeout))
-    summary_path = Path(out) / "summary.json"
-    if code != 0 or not summary_path.exists():
-        raise FedheadError(
-            f"The Flower run failed (flwr run exit code {code}); its log is above. "
-            f"Partial results and the checkpoint are in {str(out)!r} (resume with --resume)."
-        )
-    import json
-
-    _print_summary(f"fedhead flower superlink — {out}", json.loads(summary_path.read_text()))
+    run_link_job(link, keys, experiment, features, out, resume, round_timeout, wait_timeout)
 
 
 # ---------------------------------------------------------------- benchmark
+
+
+def bench_config(
+    clients: int,
+    rounds: int,
+    num_classes: int,
+    train_per_class: int,
+    head: str,
+    partition: str,
+    local_epochs: int,
+    batch_size: int,
+) -> TrainConfig:
+    """The benchmark's TrainConfig (no store yet), checked against the labels of the synthetic store it will use."""
+    import numpy as np
+
+    cfg = TrainConfig(
+        **applicable(
+            dict(
+                features="",
+                head=head,
+                partition=partition,
+                clients=clients,
+                rounds=rounds,
+                local_epochs=local_epochs,
+                batch_size=batch_size,
+                device="cpu",
+            )
+        )
+    )
+    validate_config(
+        cfg,
+        labels_store(np.repeat(np.arange(num_classes), train_per_class), [f"class{c:03d}" for c in range(num_classes)]),
+    )
+    return cfg
+
+
+def check_bench_out(out: Path) -> Path:
+    """``--out`` of ``fedhead bench flower``: a folder that is absent or empty (or the one-line error)."""
+    out = check_out(Path(out), kind="dir")
+    if out.exists() and any(out.iterdir()):
+        raise FedheadError(f"The '--out' parameter names {str(out)!r}, which already holds files. Choose another.")
+    return out
+
+
+def time_train_and_flower(cfg: TrainConfig, out: Path, num_cpus: Optional[int]) -> dict:
+    """Run ``cfg`` in 'fedhead train' then in Flower's simulation; their wall times and how their accuracies compare."""
+    import numpy as np
+
+    t0 = time.perf_counter()
+    a = run_training(cfg, out=out / "train", progress=False)
+    t_train = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    b = simulate(cfg, out / "flower", num_cpus=num_cpus)
+    t_flower = time.perf_counter() - t0
+    acc_a = np.array([r["accuracy"] for r in a.rows], dtype=float)
+    acc_b = np.array([r["accuracy"] for r in b.rows], dtype=float)
+    return {
+        "train_wall_s": t_train,
+        "flower_wall_s": t_flower,
+        "ratio_flower_over_train": t_flower / t_train,
+        "final_accuracy_train": float(acc_a[-1]),
+        "final_accuracy_flower": float(acc_b[-1]),
+        "max_round_accuracy_diff": float(np.abs(acc_a - acc_b).max()),
+    }
+
+
+def print_bench(result: dict) -> None:
+    """The benchmark's table, then its result as one JSON line, on stdout."""
+    import json
+
+    stdout_console().print(
+        results_table(
+            f"fedhead bench flower — {result['clients']} clients, {result['rounds']} rounds",
+            [result],
+            [
+                ("train_wall_s", "fedhead train s"),
+                ("flower_wall_s", "Flower simulation s"),
+                ("ratio_flower_over_train", "ratio"),
+                ("final_accuracy_train", "acc train"),
+                ("final_accuracy_flower", "acc flower"),
+                ("max_round_accuracy_diff", "max |Δacc|"),
+            ],
+        )
+    )
+    typer.echo(json.dumps(result))
 
 
 @cli_errors
@@ -526,47 +657,17 @@ def bench_cmd(
     """Time the same job in 'fedhead train' and in Flower's simulation engine; print both wall times."""
     require_flower()
     import dataclasses
-    import json
-
-    import numpy as np
 
     # every option first (nothing is written on bad input): the store's sizes, the run (against the store's
     # labels), Ray's CPUs and --out
     sizes = dict(num_classes=num_classes, train_per_class=train_per_class, test_per_class=20, dim=dim)
     validate_synthetic(**sizes, spread=2.2, seed=0)
-    cfg = TrainConfig(
-        **applicable(
-            dict(
-                features="",
-                head=head,
-                partition=partition,
-                clients=clients,
-                rounds=rounds,
-                local_epochs=local_epochs,
-                batch_size=batch_size,
-                device="cpu",
-            )
-        )
-    )
-    validate_config(
-        cfg,
-        labels_store(np.repeat(np.arange(num_classes), train_per_class), [f"class{c:03d}" for c in range(num_classes)]),
-    )
+    cfg = bench_config(clients, rounds, num_classes, train_per_class, head, partition, local_epochs, batch_size)
     if num_cpus is not None:
         validate("--num-cpus", num_cpus, Interval(1, None, integer=True))
-    out = check_out(Path(out), kind="dir")
-    if out.exists() and any(out.iterdir()):
-        raise FedheadError(f"The '--out' parameter names {str(out)!r}, which already holds files. Choose another.")
+    out = check_bench_out(out)
     store = write_synthetic(out / "store.h5", **sizes)
     cfg = dataclasses.replace(cfg, features=str(store))
-    t0 = time.perf_counter()
-    a = run_training(cfg, out=out / "train", progress=False)
-    t_train = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    b = simulate(cfg, out / "flower", num_cpus=num_cpus)
-    t_flower = time.perf_counter() - t0
-    acc_a = np.array([r["accuracy"] for r in a.rows], dtype=float)
-    acc_b = np.array([r["accuracy"] for r in b.rows], dtype=float)
     result = {
         "clients": clients,
         "rounds": rounds,
@@ -575,28 +676,8 @@ def bench_cmd(
         "head": head,
         "partition": partition,
         "local_epochs": local_epochs,
-        "train_wall_s": t_train,
-        "flower_wall_s": t_flower,
-        "ratio_flower_over_train": t_flower / t_train,
-        "final_accuracy_train": float(acc_a[-1]),
-        "final_accuracy_flower": float(acc_b[-1]),
-        "max_round_accuracy_diff": float(np.abs(acc_a - acc_b).max()),
+        **time_train_and_flower(cfg, out, num_cpus),
         "cpus": os.cpu_count(),
     }
     atomic_write_json(out / "bench.json", result)
-
-    stdout_console().print(
-        results_table(
-            f"fedhead bench flower — {clients} clients, {rounds} rounds",
-            [result],
-            [
-                ("train_wall_s", "fedhead train s"),
-                ("flower_wall_s", "Flower simulation s"),
-                ("ratio_flower_over_train", "ratio"),
-                ("final_accuracy_train", "acc train"),
-                ("final_accuracy_flower", "acc flower"),
-                ("max_round_accuracy_diff", "max |Δacc|"),
-            ],
-        )
-    )
-    typer.echo(json.dumps(result))
+    print_bench(result)

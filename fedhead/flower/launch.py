@@ -443,6 +443,84 @@ def make_state_dir(state_dir: Path) -> Path:
     return state_dir
 
 
+def check_node_connection(
+    superlink: str,
+    insecure: bool,
+    root_certificates: Optional[Path],
+    auth_supernode_private_key: Optional[Path],
+    app_sha256: Optional[List[str]],
+) -> tuple[list[str], list[str]]:
+    """Check the SuperLink address, TLS, node key and app pins; return the pins and flower-supernode's TLS options."""
+    link_host, _ = split_address("--superlink", superlink)
+    if insecure:
+        refuse_insecure_off_loopback("--superlink", link_host)
+    pins = check_pins(app_sha256 or [])
+    if insecure and root_certificates is not None:
+        raise FedheadError(
+            "The '--insecure' option contradicts '--root-certificates'. Got both. Drop --insecure "
+            "to connect with TLS, or drop --root-certificates (loopback/tests only)."
+        )
+    if not insecure and root_certificates is None:
+        raise FedheadError(
+            "The '--insecure' option is off but no --root-certificates was given. Pass the "
+            "SuperLink's CA certificate, or --insecure (loopback/tests only)."
+        )
+    if root_certificates is not None:
+        check_certificates(
+            "--root-certificates",
+            root_certificates,
+            "Pass the CA certificate (ca.pem) that signed the SuperLink's certificate.",
+        )
+    if auth_supernode_private_key is not None:
+        if insecure:
+            raise FedheadError(
+                "The '--auth-supernode-private-key' option needs TLS (Flower's SuperLink refuses "
+                "SuperNode authentication without it). Got --insecure. Pass --root-certificates "
+                "instead."
+            )
+        check_auth_private_key(auth_supernode_private_key)
+    tls = ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
+    if auth_supernode_private_key is not None:
+        tls += ["--auth-supernode-private-key", str(auth_supernode_private_key)]
+    return pins, tls
+
+
+def node_config_of(features: Path, partition_id: int, num_partitions: Optional[int], port: int, device: str) -> str:
+    """Check the node's store, partition and port; returns its ``--node-config`` (without ``state-dir``)."""
+    info = open_store(features, "--features")  # refuse a missing/partial/foreign file right here
+    validate("--partition-id", partition_id, Interval(0, None, integer=True))
+    if num_partitions is not None:
+        validate("--num-partitions", num_partitions, Interval(1, None, integer=True))
+        validate("--partition-id", partition_id, Interval(0, num_partitions - 1, integer=True))
+    validate("--port", port, Interval(1, 65535, integer=True))
+    node_config = f"feature-store={str(Path(info.path).resolve())!r} partition-id={partition_id} device={device!r}"
+    if num_partitions is not None:
+        node_config += f" num-partitions={num_partitions}"
+    return node_config
+
+
+def supernode_command(
+    pins: list[str], tls: list[str], superlink: str, host: str, port: int, node_config: str
+) -> list[str]:
+    """The node's command: :mod:`fedhead.flower.pin` (only the pinned apps) wrapping ``flower-supernode``."""
+    return [
+        sys.executable,
+        "-m",
+        "fedhead.flower.pin",
+        *[a for h in pins for a in ("--app-sha256", h)],
+        "--",
+        *tls,
+        "--superlink",
+        superlink,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--node-config",
+        node_config,
+    ]
+
+
 @cli_errors
 def supernode_cmd(
     superlink: str = typer.Option(..., help="the SuperLink's address HOST:PORT"),
@@ -480,66 +558,13 @@ def supernode_cmd(
     require_flower()
 
     # every file and option before the node starts
-    link_host, _ = split_address("--superlink", superlink)
-    if insecure:
-        refuse_insecure_off_loopback("--superlink", link_host)
-    pins = check_pins(app_sha256 or [])
-    if insecure and root_certificates is not None:
-        raise FedheadError(
-            "The '--insecure' option contradicts '--root-certificates'. Got both. Drop --insecure "
-            "to connect with TLS, or drop --root-certificates (loopback/tests only)."
-        )
-    if not insecure and root_certificates is None:
-        raise FedheadError(
-            "The '--insecure' option is off but no --root-certificates was given. Pass the "
-            "SuperLink's CA certificate, or --insecure (loopback/tests only)."
-        )
-    if root_certificates is not None:
-        check_certificates(
-            "--root-certificates",
-            root_certificates,
-            "Pass the CA certificate (ca.pem) that signed the SuperLink's certificate.",
-        )
-    if auth_supernode_private_key is not None:
-        if insecure:
-            raise FedheadError(
-                "The '--auth-supernode-private-key' option needs TLS (Flower's SuperLink refuses "
-                "SuperNode authentication without it). Got --insecure. Pass --root-certificates "
-                "instead."
-            )
-        check_auth_private_key(auth_supernode_private_key)
-    info = open_store(features, "--features")  # refuse a missing/partial/foreign file right here
-    validate("--partition-id", partition_id, Interval(0, None, integer=True))
-    if num_partitions is not None:
-        validate("--num-partitions", num_partitions, Interval(1, None, integer=True))
-        validate("--partition-id", partition_id, Interval(0, num_partitions - 1, integer=True))
-    validate("--port", port, Interval(1, 65535, integer=True))
-    node_config = f"feature-store={str(Path(info.path).resolve())!r} partition-id={partition_id} device={device!r}"
-    if num_partitions is not None:
-        node_config += f" num-partitions={num_partitions}"
-    tls = ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
-    if auth_supernode_private_key is not None:
-        tls += ["--auth-supernode-private-key", str(auth_supernode_private_key)]
+    pins, tls = check_node_connection(superlink, insecure, root_certificates, auth_supernode_private_key, app_sha256)
+    node_config = node_config_of(features, partition_id, num_partitions, port, device)
     flower_exe("flower-supernode")
     if not pins:  # building the FAB takes a moment: after the other checks
         pins = [own_app_sha256()]
     if state_dir is not None:  # last: the folder is made only when every other option is good
         node_config += f" state-dir={str(make_state_dir(state_dir))!r}"
     print(f"fedhead: this node runs only the app(s) with FAB sha256 {', '.join(pins)}", file=sys.stderr)
-    cmd = [
-        sys.executable,
-        "-m",
-        "fedhead.flower.pin",
-        *[a for h in pins for a in ("--app-sha256", h)],
-        "--",
-        *tls,
-        "--superlink",
-        superlink,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--node-config",
-        node_config,
-    ]
+    cmd = supernode_command(pins, tls, superlink, host, port, node_config)
     os.execve(cmd[0], cmd, flower_env())

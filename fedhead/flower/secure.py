@@ -493,10 +493,8 @@ class SecureSum:
     threshold: int = 0
 
 
-def secure_sum(grid, messages: list, kind: str, layout: Layout, rnd: int, timeout: float) -> SecureSum:
-    """The sum over the nodes of ``messages`` (fedhead's messages of a plain exchange, one per node) of the
-    vectors their handlers make for ``kind``, by Flower's SecAgg+ (see the module docstring)."""
-    t0 = time.perf_counter()
+def _fit_ins(messages: list, kind: str) -> dict:
+    """Each node's plain-exchange message as the workflow's ``FitIns`` (its arrays in order, ``kind`` in its config)."""
     pending = {}
     for m in messages:
         content = m.content
@@ -505,12 +503,86 @@ def secure_sum(grid, messages: list, kind: str, layout: Layout, rnd: int, timeou
         config = dict(content["config"])
         config.update({KIND: kind, ARRAY_NAMES: names})
         pending[m.metadata.dst_node_id] = FitIns(ndarrays_to_parameters([arrays[k].numpy() for k in names]), config)
+    return pending
+
+
+def _workflow(shares: int | float, t: int, nodes: int, timeout: float) -> SecAggPlusWorkflow:
+    """Flower's SecAgg+ workflow for ``nodes`` nodes, its ranges set so that its quantiser is exact on the digits."""
+    return SecAggPlusWorkflow(
+        shares if isinstance(shares, float) else min(shares, nodes),
+        t,
+        max_weight=1.0,
+        clipping_range=CLIPPING_RANGE,
+        quantization_range=QUANTIZATION_RANGE,
+        modulus_range=MODULUS_RANGE,
+        timeout=timeout,
+    )
+
+
+def _legacy_context(strat: _Exchange, rnd: int) -> LegacyContext:
+    """The legacy round ``rnd`` the workflow runs, with ``strat`` as its strategy."""
+    ctx = LegacyContext(
+        Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+        config=ServerConfig(num_rounds=max(1, rnd)),
+        strategy=strat,
+    )
+    ctx.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: int(rnd)})
+    ctx.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
+    return ctx
+
+
+def _key_stages(
+    wf: SecAggPlusWorkflow, rec: _Recorder, ctx: LegacyContext, state: WorkflowState
+) -> tuple[dict, str | None]:
+    """Run SecAgg+'s setup and share-keys stages; return the nodes that failed there and why the protocol stopped."""
+    early: dict = {}
+    for name, step in (("setup", wf.setup_stage), ("share keys", wf.share_keys_stage)):
+        ok = step(rec, ctx, state)
+        early.update(rec.failed)
+        if not ok:
+            return early, f"secure aggregation stopped in SecAgg+ stage {name}"
+    return early, None
+
+
+def _masked_stages(
+    wf: SecAggPlusWorkflow,
+    rec: _Recorder,
+    ctx: LegacyContext,
+    state: WorkflowState,
+    strat: _Exchange,
+    failed: dict,
+    asked: int,
+    t: int,
+) -> str | None:
+    """Run SecAgg+'s collect-masked-vectors and unmask stages; return why the protocol stopped (None: it did not)."""
+    ok = wf.collect_masked_vectors_stage(rec, ctx, state)
+    failed.update(rec.failed)
+    if not ok:
+        lost = "; ".join(f"node {k}: {v}" for k, v in sorted(rec.failed.items()))
+        return (
+            f"secure aggregation stopped in SecAgg+ stage collect masked vectors: "
+            f"{len(state.active_node_ids)} of {asked} nodes sent their masked vectors, fewer "
+            f"than the reconstruction threshold {t} ({lost})"
+        )
+    ok = wf.unmask_stage(rec, ctx, state)
+    if not ok or strat.mean is None:
+        return (
+            f"secure aggregation stopped in SecAgg+ stage unmask: fewer than the reconstruction "
+            f"threshold {t} nodes returned their key shares"
+        )
+    return None
+
+
+def secure_sum(grid, messages: list, kind: str, layout: Layout, rnd: int, timeout: float) -> SecureSum:
+    """The sum over the nodes of ``messages`` (fedhead's messages of a plain exchange, one per node) of the
+    vectors their handlers make for ``kind``, by Flower's SecAgg+ (see the module docstring)."""
+    t0 = time.perf_counter()
+    pending = _fit_ins(messages, kind)
     n0 = len(pending)
     shares, t = protocol_params(n0)
     rec = _Recorder(grid, timeout, layout.fmt.limbs * layout.size)
     failed: dict = {}
     out = SecureSum(None, [], failed, None, shares=shares, threshold=t)
-    stages = ("setup", "share keys", "collect masked vectors", "unmask")
 
     def done(halted=None, sums=None, included=()):
         out.halted, out.sums, out.included = halted, sums, list(included)
@@ -528,55 +600,23 @@ def secure_sum(grid, messages: list, kind: str, layout: Layout, rnd: int, timeou
                 f"secure aggregation stopped: {len(pending)} of {n0} nodes left before masking, fewer "
                 f"than the reconstruction threshold {t}"
             )
-        wf = SecAggPlusWorkflow(
-            shares if isinstance(shares, float) else min(shares, len(pending)),
-            t,
-            max_weight=1.0,
-            clipping_range=CLIPPING_RANGE,
-            quantization_range=QUANTIZATION_RANGE,
-            modulus_range=MODULUS_RANGE,
-            timeout=timeout,
-        )
+        wf = _workflow(shares, t, len(pending), timeout)
         strat = _Exchange(rec, dict(pending))
-        ctx = LegacyContext(
-            Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}),
-            config=ServerConfig(num_rounds=max(1, rnd)),
-            strategy=strat,
-        )
-        ctx.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: int(rnd)})
-        ctx.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
+        ctx = _legacy_context(strat, rnd)
         state = WorkflowState()
         try:  # a node's malformed SecAgg+ reply stops this exchange (its round's failure), not the run
-            early = {}
-            ok = True
-            for i, step in enumerate((wf.setup_stage, wf.share_keys_stage)):  # noqa: B007 - i names the stage below
-                ok = step(rec, ctx, state)
-                early.update(rec.failed)
-                if not ok:
-                    break
+            early, halted = _key_stages(wf, rec, ctx, state)
             if early:  # no mask involves these nodes yet: start again without them
                 for node, why in early.items():
                     failed[node] = why
                     pending.pop(node, None)
                 out.restarts += 1
                 continue
-            if not ok:
-                return done(f"secure aggregation stopped in SecAgg+ stage {stages[i]}")
-            ok = wf.collect_masked_vectors_stage(rec, ctx, state)
-            failed.update(rec.failed)
-            if not ok:
-                lost = "; ".join(f"node {k}: {v}" for k, v in sorted(rec.failed.items()))
-                return done(
-                    f"secure aggregation stopped in SecAgg+ stage collect masked vectors: "
-                    f"{len(state.active_node_ids)} of {len(pending)} nodes sent their masked vectors, fewer "
-                    f"than the reconstruction threshold {t} ({lost})"
-                )
-            ok = wf.unmask_stage(rec, ctx, state)
-            if not ok or strat.mean is None:
-                return done(
-                    f"secure aggregation stopped in SecAgg+ stage unmask: fewer than the reconstruction "
-                    f"threshold {t} nodes returned their key shares"
-                )
+            if halted is not None:
+                return done(halted)
+            halted = _masked_stages(wf, rec, ctx, state, strat, failed, len(pending), t)
+            if halted is not None:
+                return done(halted)
             included = strat.included
             digit_sums = np.rint(np.asarray(strat.mean, dtype=np.float64) * len(included))
             return done(None, layout.decode(digit_sums), included)
@@ -730,7 +770,7 @@ class SecureRounds:
 
     def census(self, grid):
         """Before round 1, every node: the class counts, flipped labels and feature sums, summed. Returns the
-        :class:`fedhead.federation.train.FeatureStats` and the realised noise rate."""
+        :class:`fedhead.federation.clients.FeatureStats` and the realised noise rate."""
         s, (C, D) = self.s, self.dims
         features = bool(s.cfg.center or s.cfg.scale != "none")
         pids = list(range(s.cfg.clients))
