@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 DEMO_DIR ?= runs/demo
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-fast clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,14 @@ test: $(STAMP)
 	# bytecode cache on, where PYTHONDONTWRITEBYTECODE had turned it off: each of the hundreds of processes the tests
 	# start (commands, Flower nodes, Ray workers) would compile fedhead again, and each worker rewrite the tests' asserts
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest tests -n $$(( $$(nproc) + 1 )) --dist load
+
+# The fast tier while editing (about 3 minutes on 2 cores): ruff, then the suite without the tests marked slow (Flower
+# deployments, Ray simulations, commands signalled mid-way, bench commands and examples end to end: tests/conftest.py's
+# SLOW). No import-linter, no documentation build: `make test` (what CI runs) runs those and every test.
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest tests -m "not slow" -n $$(( $$(nproc) + 1 )) --dist load
 
 clean:
 	rm -rf $(VENV) runs reports

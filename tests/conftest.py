@@ -69,9 +69,104 @@ def pytest_xdist_make_scheduler(config, log):
     return Units(config, log)
 
 
+# ---------------------------------------------------------------- the long tests, which `make test-fast` leaves out
+
+# Marked ``slow`` here, besides the tests decorated with it: `make test-fast` runs ``-m "not slow"`` (about 3 minutes
+# on 2 cores), `make test` runs everything. Chosen from a timed run of the whole suite (``--durations``,
+# FEDHEAD_TEST_CPU): each took over about 10 s, or shares a module fixture that does. An entry is a module
+# (``...py::``), a test with all its parameters, or the start of a parameter id (``...[ridge-rf-``).
+SLOW = {
+    "a Flower deployment: a SuperLink and SuperNodes as processes": (
+        "tests/test_flower_deploy.py::",
+        "tests/test_flower_secure.py::test_secure_aggregation_on_a_loopback_deployment",
+        "tests/test_robust_aggregate.py::test_one_lying_node_moves_fedavg_not_the_trimmed_mean_over_flower",
+    ),
+    "Flower runs over in-process grids: SecAgg+, SCAFFOLD / CCVR, the simulation's parity checks": (
+        "tests/test_flower_secure.py::",
+        "tests/test_flower_scaffold_ccvr.py::",
+        "tests/test_flower_sim.py::",
+        "tests/test_validation.py::test_flower_nodes_report_the_same_validation_as_the_simulation",
+    ),
+    "a command signalled, killed or out of disk mid-way, and resumed (subprocesses)": (
+        "tests/test_interrupts.py::",
+        "tests/test_hardening.py::",
+        "tests/test_scratch_resume.py::",
+        "tests/test_extract.py::test_resume_after_kill_gives_same_store",
+        "tests/test_compress.py::test_flower_resume_finds_the_residuals_in_the_node_state_folder",
+        "tests/test_loop.py::test_resume_with_more_rounds_extends_a_finished_run",
+        "tests/test_scratch_baselines.py::test_resume_of_personal_state_equals_uninterrupted",
+    ),
+    "a documented example or a bench command run end to end": (
+        "tests/test_docs.py::test_readme_quickstart_runs_as_written",
+        "tests/test_aggregators.py::test_readme_method_example_runs_as_written",
+        "tests/test_baselines.py::test_readme_example_runs_as_written",
+        "tests/test_serveropt.py::test_readme_server_example_runs_as_written",
+        "tests/test_baselines.py::test_bench_baselines_quick",
+        "tests/test_moments.py::test_bench_baselines_ranks_the_new_heads_beside_the_tuned_probe",
+        "tests/test_natural_clients.py::test_bench_baselines_runs_natural_and_reports_per_client_accuracy",
+        "tests/test_bench.py::test_ablation_report_numbers_come_from_runs",
+        "tests/test_bench.py::test_resume_reruns_only_missing_and_continues_checkpoint",
+        "tests/test_bench.py::test_partitions_five_patterns",
+        "tests/test_bench.py::test_encoders_side_by_side_and_dataset_mismatch",
+        "tests/test_bench.py::test_noise_table_declines_from_runs",
+        "tests/test_bench.py::test_noise_rate_zero_is_the_clean_run_and_no_clean_skips_it",
+        "tests/test_bench_privacy.py::",
+        "tests/test_ceiling.py::",
+        "tests/test_engine_speed.py::test_bench_speed_scratch_cli",
+        "tests/test_experiment.py::test_bench_partitions_and_privacy_delta_still_work_with_one_line_each",
+        "tests/test_experiment.py::test_bench_grid_passes_each_run_what_applies",
+        "tests/test_scratch_cli.py::test_dnc_color_skew_end_to_end",
+        "tests/test_scratch_cli.py::test_kws_end_to_end",
+        "tests/test_extract.py::test_cifar10_probe_with_pretrained_lite0",
+        "tests/test_bench.py::test_participation_sweep",
+        "tests/test_first_week.py::test_a_plugin_parameter_is_a_flag_a_toml_key_and_listed_in_help",
+    ),
+    "many training runs, or a long one": (
+        "tests/test_validation.py::test_the_ceilings_head_independent_candidates_are_computed_once_per_data",
+        "tests/test_validation.py::test_nothing_is_chosen_on_the_test_split",
+        "tests/test_validation.py::test_closed_form_regularisation_is_chosen_on_validation",
+        "tests/test_train.py::test_contract_every_head_and_partition[ridge-rf-",
+        "tests/test_compress.py::test_backends_and_forms_agree",
+        "tests/test_baselines.py::test_closed_form_head_is_one_exchange_with_exact_bytes",
+        "tests/test_robust_aggregate.py::test_one_poisoning_client_moves_fedavg_not_the_trimmed_mean_in_the_simulator",
+        "tests/test_model.py::test_train_then_predict_features_gives_the_summarys_count_of_correct[ridge-rf]",
+        "tests/test_model.py::test_predict_images_equals_the_runs_evaluation_and_the_stores_features",
+        "tests/test_tracking.py::test_train_writes_curves_and_partition_pngs",
+        "tests/test_tracking.py::test_mlflow_records_every_row_and_a_rewrite_keeps_one_run_per_unit",
+        "tests/test_denormals.py::",
+        "tests/test_fuzz_readers.py::",
+    ),
+}
+# ... and every test that uses one of these fixtures
+SLOW_FIXTURES = {
+    "shared_ray": "a Ray simulation (Flower's simulation engine)",
+    "quick_reports": "each paper's `bench papers --quick` run (tests/test_bench_papers.py)",
+    "tuned": "a `bench tune` search (tests/test_tune.py)",
+}
+
+
+def _names(nodeid: str, entry: str) -> bool:
+    """Whether a SLOW entry names the test ``nodeid``: a module or a parameter prefix by prefix, a test by name."""
+    if entry.endswith(("::", "[", "-")):
+        return nodeid.startswith(entry)
+    return nodeid == entry or nodeid.startswith(entry + "[")
+
+
+def slow_reason(nodeid: str, fixtures=()) -> str | None:
+    """Why the test ``nodeid`` (using ``fixtures``) is one of the long ones (SLOW, SLOW_FIXTURES), or None."""
+    reason = next((why for why, entries in SLOW.items() if any(_names(nodeid, e) for e in entries)), None)
+    return reason or next((why for name, why in SLOW_FIXTURES.items() if name in fixtures), None)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's -m selection reads the markers
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects the same order (xdist checks it)
+        # the decorated slow tests first (the order of `make test`; the ones SLOW marks keep their place)
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    for item in items:
+        reason = slow_reason(item.nodeid, getattr(item, "fixturenames", ()))
+        if reason and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow(reason=reason))
 
 
 @pytest.fixture(scope="session")

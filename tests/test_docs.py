@@ -161,3 +161,38 @@ def test_mkdocs_nav_names_every_page():
     present = {p.name for p in (REPO / "docs").glob("*.md")}
     assert present <= listed, present - listed  # no page left out of the navigation
     assert {"model.md", "tracking.md"} <= listed  # the pages of `fedhead predict`/`export` and of tracking
+
+
+def test_sphinx_roles_become_markdown_code_spans():
+    """The API reference renders the docstrings as Markdown: docs/hooks.py rewrites their Sphinx roles (which would
+    show as raw ``:func:`` text) into code spans, linked (mkdocs-autorefs, optional) where the target resolves."""
+    md = _hooks().roles_to_markdown
+    assert md("see :func:`~fedhead.core.linalg.clip_rows` and :class:`Head`.") == "see `clip_rows` and `Head`."
+    assert md(":meth:`the solve <ClosedFormHead.solve>`, :attr:`!closed_form`, :py:mod:`.engine`") == (
+        "`the solve`, `closed_form`, `engine`"
+    )
+    assert md(":data:`DRAW_ENV` :exc:`ValueError`", lambda target: None) == "`DRAW_ENV` `ValueError`"
+    linked = md(":func:`~a.b.f`", lambda target: f"x.{target}")
+    assert linked == '<autoref identifier="x.a.b.f" optional><code>f</code></autoref>'
+    assert md("``literal`` and `code`") == "``literal`` and `code`"
+
+
+def test_api_reference_docstrings_keep_no_sphinx_role():
+    """Every docstring of the package as the API reference loads it (Griffe, with mkdocs.yml's extension): no role
+    left, names resolved in the docstring's own scope."""
+    griffe = pytest.importorskip("griffe")
+    hooks = _hooks()
+    assert "docs/hooks.py:SphinxRoles" in (REPO / "mkdocs.yml").read_text()
+    pkg = griffe.load("fedhead", search_paths=[str(REPO)], extensions=griffe.load_extensions(hooks.SphinxRoles))
+    left, todo, seen = [], [pkg], 0
+    while todo:
+        obj = todo.pop()
+        if obj.docstring is not None:
+            seen += 1
+            left += [f"{obj.path}: {m.group(0)}" for m in hooks.ROLE.finditer(obj.docstring.value)]
+        todo += [m for m in obj.members.values() if not m.is_alias]
+    assert seen > 500 and not left, left
+    doc = pkg["core.closedform.ClosedFormHead"].docstring.value
+    assert '<autoref identifier="fedhead.core.closedform.ClosedFormHead.closed_form" optional>' in doc
+    doc = pkg["scratch.algorithms"].docstring.value
+    assert '<autoref identifier="fedhead.scratch.engine" optional><code>engine</code></autoref>' in doc

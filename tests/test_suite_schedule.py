@@ -34,3 +34,15 @@ def test_the_tests_that_share_ray_run_on_one_worker():
     assert len(shared) >= 3
     assert {unit_of(i) for i in shared} == {"ray"}, shared
     assert {i for i in tests if unit_of(i) == "ray"} == set(shared)  # and only those
+
+
+def test_every_slow_entry_names_tests_of_the_suite():
+    """`make test-fast` leaves out what conftest's SLOW names: a renamed test must not move into the fast tier
+    unnoticed (an entry naming nothing fails here)."""
+    from conftest import SLOW
+
+    ids = list(_tests())
+    for why, entries in SLOW.items():
+        for e in entries:
+            base = e.split("[")[0].rstrip(":")
+            assert any(i == base or i.startswith(base + "::") or i.startswith(e) for i in ids), (why, e)

@@ -6,7 +6,7 @@ Node config (``flower-supernode --node-config``; Flower's simulation sets the la
 ``partition-id``    this node's client id (the server samples participation by it)
 ``num-partitions``  optional: the store is shared and this node takes slice ``partition-id`` of
                     ``num-partitions``, made with the same partitioner, seed and label noise as
-                    ``fedhead train`` (:func:`fedhead.federation.train.build_federation`). Without it the node's whole
+                    ``fedhead train`` (:func:`fedhead.federation.clients.build_federation`). Without it the node's whole
                     training split is its local data.
 ``device``          optional: auto | cpu | cuda (default auto)
 ``state-dir``       optional: a folder where the node also keeps its SCAFFOLD variates on disk, so that a server

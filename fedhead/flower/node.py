@@ -17,7 +17,7 @@ name the config, seed, the server's run id and SCAFFOLD's generation, so a file 
 this one's. Error feedback (``--aggregate fedavg-int8`` / ``fedavg-topk``): the node keeps its residual ``e_k``
 the same way (record ``fedhead-residual``, two versions by the tags ``residual-in`` / ``residual-out``, files
 ``residual-p<id>-<key>.safetensors``, :mod:`fedhead.infra.safestate`) and sends its update compressed (the rule's
-wire form); a node that lost the version the server names starts from a zero residual (nothing to restart: only what compression held back is lost). CCVR (``--calibrate ccvr``): the ``query.ccvr`` message returns :func:`fedhead.federation.train.ccvr_client_stats` of the node's prepared features (:meth:`fedhead.core.ccvr.ClassStats.to_bytes`).
+wire form); a node that lost the version the server names starts from a zero residual (nothing to restart: only what compression held back is lost). CCVR (``--calibrate ccvr``): the ``query.ccvr`` message returns :func:`fedhead.federation.clients.ccvr_client_stats` of the node's prepared features (:meth:`fedhead.core.ccvr.ClassStats.to_bytes`).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class LocalData:
 
     def stats_message(self, clip: float | None = None) -> tuple[np.ndarray, float, int]:
         """Feature sum (float64), sum of squared norms and count over this node's samples (``clip``: DP's
-        per-sample feature-norm clip first, as :func:`fedhead.federation.train.federated_feature_stats` does)."""
+        per-sample feature-norm clip first, as :func:`fedhead.federation.clients.federated_feature_stats` does)."""
         xp = (
             self.store.train_x[self.mine].astype(np.float64)
             if clip is None
