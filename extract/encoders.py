@@ -25,6 +25,7 @@ model's interpolation, centre crop ``image_size``, normalise with mean/std; open
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -32,7 +33,7 @@ import os
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from fedhead.infra.errors import FedheadError, param_error, unknown_name
 
@@ -361,6 +362,52 @@ REGISTRY_PACKAGES = {
 }
 
 
+def _hub_host() -> str:
+    from urllib.parse import urlparse
+
+    return urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the weights hub answers a TCP connection within ``timeout`` seconds (no request is made)."""
+    import socket
+
+    try:
+        with socket.create_connection((_hub_host(), 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _hub_or_cache(kind: str) -> Iterator[None]:
+    """Hub weights on a machine that cannot reach the hub: the hub library in offline mode for the load, so cached
+    weights load and missing ones fail at once (instead of five retries, about a minute, per file)."""
+    try:
+        import huggingface_hub.constants as hub
+    except ImportError:
+        hub = None
+    if kind != "hub" or hub is None or hub.HF_HUB_OFFLINE or hub_reachable():
+        yield
+        return
+    hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        hub.HF_HUB_OFFLINE = False
+
+
+def _hub_error(cfg, exc: BaseException) -> FedheadError:
+    """The one line of hub weights that did not load: why, and what loads without the hub."""
+    installed = registry_weights(cfg.name) is not None
+    offline = "" if hub_reachable() else f" {_hub_host()} cannot be reached from this machine."
+    fix = "--weights registry (its checkpoint is installed), --weights FILE" if installed else "--weights FILE"
+    return FedheadError(
+        f"Could not load the pretrained weights of {cfg.name!r} ({_first_line(exc)}).{offline} Pass {fix} or "
+        "--no-pretrained."
+    )
+
+
 def registry_weights(encoder_name: str) -> Path | None:
     """The checkpoint installed by a registry weights package for ``encoder_name`` (None if none)."""
     import importlib
@@ -478,7 +525,7 @@ class TimmFamily(EncoderFamily):
         else:
             source = "state_dict"
         try:
-            with _quiet():
+            with _quiet(), _hub_or_cache(kind):
                 model = _seeded_build(
                     lambda: timm.create_model(cfg.arch, pretrained=kind in ("file", "hub"), **kwargs),
                     seeded=kind in ("random", "state_dict"),
@@ -494,10 +541,7 @@ class TimmFamily(EncoderFamily):
                     _first_line(exc).rstrip(":.") + ".",
                 ) from None
             if kind == "hub":
-                raise FedheadError(
-                    f"Could not load the pretrained weights of {cfg.name!r} ({_first_line(exc)}). "
-                    "Offline? Pass --weights FILE or --no-pretrained."
-                ) from None
+                raise _hub_error(cfg, exc) from None
             raise param_error(
                 "--image-size" if cfg.image_size else "--encoder",
                 cfg.image_size or cfg.name,
@@ -506,10 +550,7 @@ class TimmFamily(EncoderFamily):
             ) from None
         except Exception as exc:  # noqa: BLE001 - hub/network failures come in many types
             if kind == "hub":
-                raise FedheadError(
-                    f"Could not load the pretrained weights of {cfg.name!r} ({_first_line(exc)}). "
-                    "Offline? Pass --weights FILE or --no-pretrained."
-                ) from None
+                raise _hub_error(cfg, exc) from None
             raise
         if kind == "state_dict":
             sd = dict(cfg.state_dict)
@@ -615,7 +656,7 @@ class ClipFamily(EncoderFamily):
         if kind == "file":
             read_checkpoint(cfg.file)  # one-line error for unreadable files before open_clip sees it
         try:
-            with _quiet():
+            with _quiet(), _hub_or_cache(kind):
                 model = _seeded_build(
                     lambda: open_clip.create_model(cfg.arch, pretrained=pretrained, **kwargs),
                     seeded=kind in ("random", "state_dict"),
@@ -631,10 +672,7 @@ class ClipFamily(EncoderFamily):
                     _first_line(exc).rstrip(":.") + ".",
                 ) from None
             if kind == "hub":
-                raise FedheadError(
-                    f"Could not load the pretrained weights of {cfg.name!r} ({_first_line(exc)}). "
-                    "Offline? Pass --weights FILE or --no-pretrained."
-                ) from None
+                raise _hub_error(cfg, exc) from None
             raise param_error(
                 "--image-size", cfg.image_size, f"must be accepted by {cfg.arch!r}", _first_line(exc)
             ) from None

@@ -753,6 +753,13 @@ def open_store(path: str | os.PathLike, param: str = "--features", check_values:
         raise FedheadError(
             f"The '{param}' parameter names {str(p)!r}, which does not exist. Create it with 'fedhead extract'."
         )
+    if p.is_dir():
+        found = sorted(q.name for q in p.glob("*.h5"))[:3]
+        hint = f" It holds {', '.join(found)}: name one of them." if found else ""
+        raise FedheadError(
+            f"The '{param}' parameter names {str(p)!r}, a folder, not a feature store (the .h5 file 'fedhead "
+            f"extract' writes).{hint or ' Name the store file, e.g. cache/cifar10/<encoder>.h5.'}"
+        )
     try:
         with h5py.File(p, "r") as f:
             attrs = {k: _decode(v) for k, v in f.attrs.items()}
@@ -762,6 +769,11 @@ def open_store(path: str | os.PathLike, param: str = "--features", check_values:
                     "fedhead feature store. Create one with 'fedhead extract'."
                 )
             if attrs.get("complete") not in (True, 1):
+                if p.name.endswith(".partial"):  # the store an extraction is writing (or was, when stopped)
+                    raise FedheadError(
+                        f"The '{param}' parameter names {str(p)!r}, a store still being written. Re-run the same "
+                        f"'fedhead extract' to finish it (it resumes), then name {p.name[: -len('.partial')]!r}."
+                    )
                 raise FedheadError(
                     f"The '{param}' parameter names {str(p)!r}, a store that was never "
                     "completed. Re-run 'fedhead extract' with --overwrite."

@@ -5,7 +5,9 @@ The Python API (imported on first use, so ``import fedhead`` stays light):
 - :func:`run` (``fedhead.federation.api.run``): run a :class:`TrainConfig` (or its fields as keywords, or an
   experiment file), get the summary and per-round rows;
 - :func:`register_head`, :class:`Head`, :class:`ClosedFormHead`, :class:`Param`, :class:`LossContext`:
-  a head of one's own (a local loss, or a closed-form solve from client statistics);
+  a head of one's own (a local loss, or a closed-form solve from client statistics); :class:`Interval` and
+  :class:`OneOf`, the constraints a :class:`Param` declares; :class:`StatsAccumulator`, what a closed-form head's
+  ``solve`` receives;
 - :func:`register_aggregator`, :class:`Aggregator`, :class:`Totals`: an aggregation rule of one's own (what a
   client sends after local training, and what the server makes of the sum), ``--aggregate NAME``;
 - :func:`register_server_optimizer`, :class:`ServerOptimizer`: a server update of one's own that keeps state
@@ -25,6 +27,9 @@ _API = {
     "LossContext": ("fedhead.core.heads", "LossContext"),
     "ClosedFormHead": ("fedhead.core.closedform", "ClosedFormHead"),
     "Param": ("fedhead.infra.params", "Param"),
+    "Interval": ("fedhead.infra.errors", "Interval"),
+    "OneOf": ("fedhead.infra.errors", "OneOf"),
+    "StatsAccumulator": ("fedhead.core.closedform", "StatsAccumulator"),
     "register_method": ("fedhead.federation.methods", "register_method"),
     "register_aggregator": ("fedhead.core.aggregate", "register_aggregator"),
     "Aggregator": ("fedhead.core.aggregate", "Aggregator"),

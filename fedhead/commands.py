@@ -17,7 +17,7 @@ from extract.store import load_store, open_store
 from fedhead.core.synthetic import LATENT, probe_accuracy, synthetic_request, validate_synthetic, write_synthetic
 from fedhead.examples import onnx_classify
 from fedhead.federation import compare
-from fedhead.federation.api import run
+from fedhead.federation.api import run, run_experiment_file
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.export import export_model
 from fedhead.federation.model import load_model, predict_images
@@ -33,16 +33,18 @@ from fedhead.interface.tables import SUMMARY_COLUMNS, results_table
 
 
 @cli_errors
-@with_experiment_options(run_options=("out", "resume"), config=True)
-def train_cmd(*, experiment: ExperimentArgs, out: Optional[Path] = None, resume: bool = False):
+@with_experiment_options(run_options=("out", "resume", "overwrite"), config=True)
+def train_cmd(*, experiment: ExperimentArgs, out: Optional[Path] = None, resume: bool = False, overwrite: bool = False):
     """Run federated rounds of a linear head over cached features and print the final numbers."""
+    if resume and out is None:
+        raise FedheadError("The '--resume' option needs --out naming the interrupted run's directory. Got none.")
+    if resume and experiment.config is None and "features" not in experiment.given:
+        experiment.config = run_experiment_file(out)  # --resume --out DIR alone: the run's own config.toml
     cfg = experiment.train_config("in-process")
     if experiment.print_config:
         typer.echo(resolved_toml(cfg), nl=False)
         return
-    if resume and out is None:
-        raise FedheadError("The '--resume' option needs --out naming the interrupted run's directory. Got none.")
-    res = run(cfg, out=out, resume=resume, progress=True)  # also writes the run's config.toml
+    res = run(cfg, out=out, resume=resume, overwrite=overwrite, progress=True)  # also writes the run's config.toml
     con = stdout_console()
     con.print(results_table(f"fedhead train — {res.run_dir}", [res.summary], SUMMARY_COLUMNS))
 
@@ -66,12 +68,12 @@ COMPARE_COLUMNS = [
 @cli_errors
 def compare_cmd(
     runs: list[Path] = typer.Argument(..., help="run directories (--out of train, flower simulate or scratch)"),
-    out: Path = typer.Option(Path("."), "--out", help="folder for compare.png \\[default: the current folder]"),
+    out: Path = typer.Option(Path("."), "--out", help="folder for the compare.* files \\[default: the current folder]"),
     metric: str = typer.Option("accuracy", "--metric", help="the rounds.csv column to compare"),
 ):
     """Print several runs side by side (--metric at the final round and at the round the run's validation selected,
     ratios, bytes, wall time, the settings that differ)
-    and plot --metric per round of every run into OUT/compare.png."""
+    and plot --metric per round of every run into OUT/compare.png (the table beside it: compare.csv, compare.json)."""
     found = [compare.load_run(p) for p in runs]
     compare.check_metric(found, metric)
     check_out(out, kind="dir")
@@ -79,6 +81,8 @@ def compare_cmd(
     cols = [(k, f"{h} {metric}" if k in ("final", "at_selected") else h) for k, h in COMPARE_COLUMNS]
     stdout_console().print(results_table(f"fedhead compare — {len(found)} runs", rows, cols))
     typer.echo(f"wrote {compare.write_compare_plot(found, metric, out)}")
+    for path in compare.write_compare_table(rows, metric, out):  # the table beside it: compare.csv, compare.json
+        typer.echo(f"wrote {path}")
 
 
 @cli_errors

@@ -256,7 +256,7 @@ CASES = [
     Case(TRAIN, "--head ova2 --fedlc-tau 1", "'--fedlc-tau'"),
     Case(TRAIN, "--head softmax --stage1-rounds 2", "'--stage1-rounds'"),
     Case(TRAIN, "--head ova2 --ridge-lambda 1", "'--ridge-lambda'"),
-    Case(TRAIN, "--head ridge", "'--rounds'", name="--rounds with a closed-form head"),
+    Case(TRAIN, "--head ridge --rounds 5", "'--rounds'", name="--rounds with a closed-form head"),
     Case(TRAIN, "--head ridge --local-epochs 2", "'--local-epochs'"),
     Case(TRAIN, "--head lda --recipe paper --center", "'--center'"),
     Case(TRAIN, "--partition iid --shards-per-client 2", "'--shards-per-client'"),
@@ -661,7 +661,7 @@ CASES = [
     Case(SIMULATE, "--iid-reference", "'--iid-reference'", name="--iid-reference (fedhead train only)"),
     Case(SIMULATE, "--block-clients 2", "'--block-clients'", name="--block-clients (fedhead train only)"),
     Case(SIMULATE, "--head ova2 --fedlc-tau 1", "'--fedlc-tau'"),
-    Case(SIMULATE, "--head ridge", "'--rounds'", name="--rounds with a closed-form head"),
+    Case(SIMULATE, "--head ridge --rounds 5", "'--rounds'", name="--rounds with a closed-form head"),
     Case(SIMULATE, "--config {missing}", "'--config'"),
 ]
 

@@ -48,7 +48,8 @@ def test_train_flower_and_scratch_run_the_same_loop_function():
     pytest.importorskip("flwr")
     import fedhead.flower.strategy as S
 
-    assert T.run_job is loop.run_job and S.run_job is loop.run_job and R.run_job is loop.run_job
+    # train and Flower enter through the same head run (run_head), which runs the loop's one function
+    assert T.run_job is loop.run_job and S.run_head is T.run_head and R.run_job is loop.run_job
     from fedhead.federation.transport import Transport
 
     assert issubclass(S.FedheadStrategy, Transport) and issubclass(R.ScratchJob, loop.Job)

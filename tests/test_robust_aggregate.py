@@ -88,7 +88,7 @@ def test_the_accumulator_keeps_each_message_of_a_rule_that_is_no_sum():
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(aggregate="median", secure_aggregation=True), r"median cannot be combined with --secure-aggregation"),
+        (dict(aggregate="median", secure_aggregation=True), r"median cannot be combined with (--)?secure.aggregation"),
         (dict(aggregate="trimmed-mean", dp_noise_multiplier=1.0, dp_clip=0.5, dp_delta=1e-5), r"cannot be combined"),
         (dict(aggregate="trimmed-mean", trim_fraction=0.6), r"trim.fraction"),
         (dict(aggregate="median", norm_bound=-1.0), r"norm.bound"),

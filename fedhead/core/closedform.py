@@ -34,15 +34,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from fedhead.core.heads import HEADS, Head, register_head
 from fedhead.core.linalg import clip_rows, psd_part
-from fedhead.infra.devices import keep_freed_memory
+from fedhead.infra.devices import BUDGET_ENV, keep_freed_memory, memory_budget, size_text
 from fedhead.infra.errors import FedheadError, Interval
+from fedhead.infra.lazy import lazy_module, on_import
 from fedhead.infra.params import Param
 
-F64 = torch.float64
+torch = lazy_module("torch")
+
+
+def _bind_torch(t) -> None:
+    """``F64 = torch.float64``, run once torch is imported, by whoever imports it (no tensor exists before)."""
+    global F64
+    F64 = t.float64
+
+
+on_import("torch", _bind_torch)
 
 
 # ---------------------------------------------------------------- the client's message
@@ -88,7 +97,7 @@ def client_stats(
 ) -> ClientStats:
     """One client's message from its raw features ``x [n, D]`` and labels ``y [n]``; ``lift``: a head's feature map
     applied first (``ridge-rf``'s random features); ``clip``: every (lifted) feature vector then scaled to L2 norm at
-    most ``clip`` (differential privacy, :func:`fedhead.core.dp.clip_rows`); ``second``: the per-class sums of
+    most ``clip`` (differential privacy, :func:`fedhead.core.linalg.clip_rows`); ``second``: the per-class sums of
     ``x x^T`` join the message (``qda``, ``fedpft``)."""
     xt = torch.as_tensor(np.asarray(x), dtype=F64)
     if lift is not None:
@@ -127,19 +136,19 @@ def unpack_upper(v: np.ndarray, n: int) -> np.ndarray:
 
 # ---------------------------------------------------------------- the server's sums
 
-# The largest per-class second moments (C x D x D float64) a server holds: 2 GiB, e.g. 100 classes at D = 1280
-# fit (1.3 GB), 200 do not (2.6 GB). The solve of qda holds about as much again (the per-class precisions).
-MOMENTS_MAX_BYTES = 2 << 30
-
 
 def check_moments_size(num_classes: int, dim: int) -> None:
-    """Refuse, in one line with the numbers, per-class second moments over :data:`MOMENTS_MAX_BYTES`."""
-    need = num_classes * dim * dim * 8
-    if need > MOMENTS_MAX_BYTES:
+    """Refuse, in one line with the numbers, per-class second moments (C x D x D float64, about as much again for
+    the solve) beyond the memory this machine can give (:func:`fedhead.infra.devices.memory_budget`: what is
+    available, or ``FEDHEAD_MEMORY_BUDGET``), not a fixed size: a 24 GB machine holds 200 classes at D = 1280."""
+    need = 2 * num_classes * dim * dim * 8
+    budget, source = memory_budget()
+    if need > budget:
         raise FedheadError(
-            f"The '--head' parameter needs one {dim}x{dim} second-moment matrix per class: {num_classes} classes x "
-            f"{dim}^2 x 8 bytes = {need / 1e9:.1f} GB, over the {MOMENTS_MAX_BYTES / 1e9:.1f} GB limit. Use --head "
-            "lda (one shared matrix) or features of lower dimension."
+            f"The '--head' parameter needs one {dim}x{dim} second-moment matrix per class, twice (the sums and the "
+            f"solve): 2 x {num_classes} classes x {dim}^2 x 8 bytes = {size_text(need)}, more than {source}. Use "
+            f"--head lda (one shared matrix), a --stats-sketch below {dim}, or a machine with more memory (or raise "
+            f"{BUDGET_ENV} if the memory is there)."
         )
 
 
@@ -160,11 +169,38 @@ def add_gram(out: torch.Tensor, x: torch.Tensor) -> None:
 
 
 class StatsAccumulator:
-    """Server-side float64 sums of the clients' messages (any order, client by client or block by block).
+    """Server-side float64 sums of the clients' messages (any order, client by client or block by block): what a
+    closed-form head's :meth:`ClosedFormHead.solve` receives once every client's message is in (and, with
+    differential privacy, its noise). A head reads the attributes below and returns ``theta [C, D+1]``; what a
+    message holds beyond the class sums and counts follows the head's ``needs_gram`` / ``needs_second`` /
+    ``needs_client_means`` (None where not asked for).
 
     ``cof_counts [K, C]``: the clients' class counts (every message carries them; the server reads them
     before the means) give FedCOF's per-class weights, so the spread of the class means streams into one
-    ``D x D`` matrix."""
+    ``D x D`` matrix.
+
+    Attributes:
+        C: The number of classes: the rows of ``theta``.
+        D: The dimension of the summed features: the raw features', or the output of the head's
+            :meth:`ClosedFormHead.stats_map` (its lift, then the ``--stats-sketch`` projection).
+        sums: ``[C, D]``: per class, the sum of the clients' (clipped, mapped) feature vectors.
+        counts: ``[C]``: per class, the number of samples; 0 for a class no client holds (its row of ``theta``
+            should stay zero).
+        gram: ``[D+1, D+1]``: ``sum Phi^T Phi`` over every sample, ``Phi = [x, 1]`` (its last row and column
+            hold the feature sums and the sample count); None unless the head sets ``needs_gram``.
+        second: ``[C, D, D]``: per class, the sum of ``x x^T``; None unless the head sets ``needs_second``.
+        cof_w: ``[C]``: FedCOF's class weights ``a_c`` (:meth:`set_cof_weights`); None unless the head sets
+            ``needs_client_means``.
+        cof_k: ``[C]``: the number of clients holding each class (set with ``cof_w``).
+        spread: ``[D, D]``: ``sum_k sum_c a_c n_kc mu_kc mu_kc^T``, the weighted spread of the clients' class
+            means (set with ``cof_w``).
+        bytes_up: The bytes of the clients' messages on the wire, summed.
+        clients: The number of clients whose messages were added.
+        noisy: True once differential privacy added its noise to the sums
+            (:func:`fedhead.core.dp.privatize_statistics`; the Gram is then projected to the positive semidefinite
+            cone, and a head's own estimates may need the same).
+
+    Every tensor is float64 on the CPU."""
 
     def __init__(
         self,
@@ -345,6 +381,7 @@ class ClosedFormHead(Head):
     needs_client_means = False  # cof: the spread of the clients' class means
     needs_second = False  # qda, fedpft: per-class sums of x x^T
     init_capable = True  # a linear head on raw features that --init can map to prepared features
+    init_scale = 1.0  # what an --init start is multiplied by unless --init-scale says (docs: "Baselines")
 
     def lift(self, dim: int):
         """The head's own feature map the clients apply before their statistics (None: the raw features); it has
@@ -389,7 +426,15 @@ class ClosedFormHead(Head):
 
     def solve_statistics(self, acc: StatsAccumulator) -> torch.Tensor:
         """:meth:`solve`, mapped back from the sketch's space when ``--stats-sketch`` is given."""
-        return self.unsketch(self.solve(acc))
+        theta = self.solve(acc)
+        if not isinstance(theta, torch.Tensor) or theta.ndim < 2 or tuple(theta.shape[:2]) != (acc.C, acc.D + 1):
+            shape = tuple(theta.shape) if isinstance(theta, torch.Tensor) else type(theta).__name__
+            raise FedheadError(
+                f"The '--head' parameter {self.name!r} solved to a head of shape {shape}, not ({acc.C}, {acc.D + 1}): "
+                "solve(acc) must return one row per class over the features and a trailing bias column (see "
+                "fedhead.StatsAccumulator)."
+            )
+        return self.unsketch(theta)
 
     def per_sample(self, logits, y, ctx):
         raise FedheadError(
@@ -473,6 +518,7 @@ class RidgeHead(ClosedFormHead):
     """Fed3R: ridge regression on one-hot targets from the clients' Phi^T Phi and Phi^T Y (closed form)."""
 
     needs_gram = True
+    init_scale = 10.0  # measured: ridge's start is too flat for softmax fine-tuning at 1 (docs "Baselines")
 
     def solve(self, acc):
         return ridge_solve(acc, float(self.params["ridge_lambda"]), bool(self.params["ridge_normalize"]))

@@ -28,12 +28,15 @@ import logging
 import math
 
 import numpy as np
-import torch
 
 from fedhead.core.closedform import is_closed_form
+from fedhead.core.heads import HEADS
 from fedhead.core.linalg import psd_part
 from fedhead.core.sampling import per_round
 from fedhead.infra.errors import FedheadError, Interval, validate
+from fedhead.infra.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 INSTALL_HINT = "pip install 'fedhead[dp]'"
 # one stream per kind of release, so the noises of a seed never share draws
@@ -47,18 +50,32 @@ def enabled(cfg) -> bool:
 # ---------------------------------------------------------------- validation
 
 
+def _covered() -> str:
+    """The closed-form heads whose statistics the mechanism covers (from what each head needs, a plugin's too)."""
+    ok = [n for n, spec in HEADS.items() if getattr(spec.cls, "closed_form", False) and not _uncovered(spec.cls)]
+    return ", ".join(sorted(ok))
+
+
+def _uncovered(cls) -> str:
+    """Why DP's Gaussian mechanism on the summed statistics does not cover a head's (a capability of the head:
+    what its solve needs), or "" when it does."""
+    if getattr(cls, "needs_client_means", False):
+        return "its server needs each client's class counts and means, not only their sums, so noise on the sum " \
+               "protects nothing"  # fmt: skip
+    if getattr(cls, "needs_second", False):
+        return "no sensitivity is derived for its per-class second moments yet"
+    return ""
+
+
 def _refuse_statistics(flag: str, name: str | None) -> None:
     """The closed-form heads whose statistics the Gaussian mechanism does not cover, refused in one line."""
-    if name == "cof":
+    if name is None or name not in HEADS:
+        return
+    why = _uncovered(HEADS[name].cls)
+    if why:
         raise FedheadError(
-            f"The '{flag}' parameter cof cannot be combined with --dp-noise-multiplier: FedCOF's "
-            "server needs each client's class counts and means, not only their sums, so noise "
-            "on the sum protects nothing. Got cof. Use ncm, ridge or lda."
-        )
-    if name in ("qda", "fedpft"):
-        raise FedheadError(
-            f"The '{flag}' parameter {name} cannot be combined with --dp-noise-multiplier yet: no sensitivity is "
-            f"derived for its per-class second moments. Got {name}. Use ncm, ridge, ridge-rf or lda."
+            f"The '{flag}' parameter {name} cannot be combined with --dp-noise-multiplier: {why}. Got {name}. Use "
+            f"{_covered()}."
         )
 
 
@@ -225,7 +242,7 @@ def _set_statistics_vector(acc, v: torch.Tensor, bound: float) -> None:
 
 def privatize_statistics(acc, cfg, seed: int):
     """The Gaussian mechanism on the summed statistics of a closed-form head or ``--init`` start (the server, once
-    per seed, after the sum; both runners call it through :func:`fedhead.federation.train.solve_statistics`). The noisy Gram
+    per seed, after the sum; both runners call it through :func:`fedhead.federation.server.solve_statistics`). The noisy Gram
     is projected onto the positive semidefinite cone (post-processing: no privacy cost) so that ``ridge``'s
     ``G + lambda I`` stays invertible (and ``lda`` projects its covariance estimate). No-op without DP."""
     if not enabled(cfg):
@@ -252,7 +269,7 @@ def privatize_statistics(acc, cfg, seed: int):
 
 def noisy_feature_sums(total: np.ndarray, sq: float, n, cfg, seed: int):
     """The Gaussian mechanism on the summed feature statistics of ``--center`` / ``--scale rms`` (the server, once
-    per seed, after the sum; :func:`fedhead.federation.train.federated_feature_stats` and the Flower strategy's
+    per seed, after the sum; :func:`fedhead.federation.clients.federated_feature_stats` and the Flower strategy's
     ``combine_stats``): returns noisy ``(total [D], sq, n)``; the clients clipped their features to
     ``--dp-feature-clip`` before summing. No-op without DP."""
     if not enabled(cfg):

@@ -379,14 +379,12 @@ def dirichlet(labels, num_clients, rng, features=None, *, alpha, min_size, max_t
     classes, n_c = np.unique(labels, return_counts=True)
     chance = _first_client_chance(float(alpha), n_c, k, min_size)
     if chance * max_tries < _HOPELESS:
-        raise param_error(
-            "--min-size",
-            min_size,
-            f"cannot be met with --alpha {alpha:g} and {k} clients ({n} samples, {n / k:.1f} per client): client 0 "
-            f"gets floor(n_c p) of each class's n_c samples, p ~ Beta({alpha:g}, {(k - 1) * alpha:g}), so it reaches "
-            f"{min_size} samples with probability below {_power_of_ten(chance)} a draw, "
-            f"{_power_of_ten(chance * max_tries)} in all {max_tries} draws",
-            "Use a smaller --min-size (0: no floor), a larger --alpha or fewer --clients.",
+        raise FedheadError(
+            f"The '--min-size' parameter ({min_size}) cannot be met with --alpha {alpha:g} and {k} clients ({n} "
+            f"samples, {n / k:.1f} per client): client 0 gets floor(n_c p) of each class's n_c samples, p ~ "
+            f"Beta({alpha:g}, {(k - 1) * alpha:g}), so it reaches {min_size} samples with probability below "
+            f"{_power_of_ten(chance)} a draw, {_power_of_ten(chance * max_tries)} in all {max_tries} draws. Use a "
+            "smaller --min-size (0: no floor), a larger --alpha or fewer --clients."
         )
     under, best = 0, -1  # clients under min_size summed over the failed draws; the largest smallest client
     for t in range(1, max_tries + 1):
@@ -397,19 +395,17 @@ def dirichlet(labels, num_clients, rng, features=None, *, alpha, min_size, max_t
         best = max(best, int(sizes.min()))
         why = _dirichlet_hopeless(under, t, k, min_size, max_tries)
         if why:
-            raise param_error(
-                "--min-size",
-                min_size,
-                f"cannot be met with --alpha {alpha:g} and {k} clients ({n} samples, {n / k:.1f} per client): {why}",
-                f"Use --min-size {best}{' (no floor)' if best == 0 else ' or lower (met by this seed: same draws)'}, "
-                "a larger --alpha or fewer --clients.",
+            raise FedheadError(
+                f"The '--min-size' parameter ({min_size}) cannot be met with --alpha {alpha:g} and {k} clients ({n} "
+                f"samples, {n / k:.1f} per client): {why}. Use --min-size {best}"
+                f"{' (no floor)' if best == 0 else ' or lower (met by this seed: same draws)'}, a larger --alpha or "
+                "fewer --clients."
             )
     else:
-        raise param_error(
-            "--min-size",
-            min_size,
-            f"could not be met by any of {max_tries} Dirichlet draws (alpha {alpha:g}, {k} clients)",
-            "Use a lower --min-size or a larger --alpha.",
+        raise FedheadError(
+            f"The '--min-size' parameter ({min_size}) was not met by any of {max_tries} Dirichlet draws (alpha "
+            f"{alpha:g}, {k} clients): the smallest client of the best draw had {best} samples. Use --min-size "
+            f"{best} or lower, a larger --alpha or fewer --clients."
         )
     owner = np.empty(n, dtype=np.int64)
     for idx, (clients, counts) in zip(_by_class(labels)[1], cuts):

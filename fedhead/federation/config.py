@@ -24,29 +24,37 @@ from typing import Any, Optional
 
 import tomli_w
 
+from fedhead.core.aggregate import aggregator_names, create_aggregator
+from fedhead.core.closedform import closed_form_names, is_closed_form
+from fedhead.core.compress import CompressedFedAvg
 from fedhead.core.dp import validate_dp
-from fedhead.core.heads import HEADS
-from fedhead.core.partitions import PARTITIONS
+from fedhead.core.engine import OptimConfig
+from fedhead.core.heads import HEADS, create_head, resolve_head_params
+from fedhead.core.partitions import PARTITIONS, resolve_partition_params
 from fedhead.core.sampling import per_round
+from fedhead.core.serveropt import ServerOptConfig
 from fedhead.federation.experiment import (
     DEPRECATED_KEYWORDS,
     FIELD_LIST,
     FIELDS,
     GROUPS,
     LOCAL_EPOCHS,
+    NOT_IDENTITY,
     PAPER_SEEDS,
     RECIPES,
     SECURE_MIN_CLIENTS,
     applies,
     check_given,
     check_value,
+    field_help,
     is_given,
     only_applicable,
     parse_pair,
     parse_seeds,
+    plugin_field,
     python_api,
 )
-from fedhead.infra.errors import FedheadError, python_spelling
+from fedhead.infra.errors import FedheadError, python_spelling, unknown_name
 
 try:
     import tomllib
@@ -86,6 +94,7 @@ class _Config:
                 if new in kw:
                     raise TypeError(f"TrainConfig() got both {old!r} and its new name {new!r}")
                 kw[new] = kw.pop(old)
+        plugin = {k: kw.pop(k) for k in [k for k in kw if k not in names] if plugin_field(k) is not None}
         unknown = [k for k in kw if k not in names]
         if unknown:
             raise TypeError(f"TrainConfig() got an unexpected keyword argument {unknown[0]!r}")
@@ -99,7 +108,8 @@ class _Config:
             else:
                 raise TypeError(f"TrainConfig() missing required argument: {f.name!r}")
             setattr(self, f.name, value)
-        self.plugin_params = dict(self.plugin_params or {})
+        given = {k: v for k, v in plugin.items() if v is not None}  # None: the head's own default, as for a field
+        self.plugin_params = {**dict(self.plugin_params or {}), **given}  # a plugin's parameter as a keyword
         for group in (partition_params, head_params):
             self._merge(group or {})
 
@@ -158,6 +168,12 @@ class _Config:
         if not seeds:
             raise FedheadError("The '--seeds' parameter needs at least one value. Got [] instead.")
         c = dataclasses.replace(self, seeds=[_int(s, "--seeds") for s in seeds], plugin_params=dict(self.plugin_params))
+        twice = sorted({s for s in c.seeds if c.seeds.count(s) > 1})
+        if twice:  # one run reported as several, with a std of 0
+            raise FedheadError(
+                f"The '--seeds' parameter names seed {twice[0]} more than once. Got {c.seeds} instead. Give each seed "
+                "once."
+            )
         if is_given(FIELDS["local_epochs"], self.local_epochs, self.recipe) and self.local_steps is not None:
             raise FedheadError(
                 f"The '--local-steps' parameter ({self.local_steps}) and '--local-epochs' "
@@ -170,6 +186,10 @@ class _Config:
             c.local_epochs = LOCAL_EPOCHS
         for f in FIELD_LIST:
             check_value(f, getattr(c, f.name), cfg=c)
+        for k, v in c.plugin_params.items():  # a plugin's parameters against their declarations
+            pf = plugin_field(k)
+            if pf is not None:
+                check_value(pf, v, cfg=c)
         if c.server_betas is not None:
             c.server_betas = parse_pair(c.server_betas)
         _check_round_size(c)
@@ -192,6 +212,10 @@ class _Config:
                     "or drop --secure-aggregation."
                 )
         check_given(self, c)
+        for f in FIELD_LIST:  # a value consistent with a method the field does not apply to (--rounds 1, ridge)
+            if f.consistent and f.applies and not applies(f, c) and getattr(c, f.name) in f.consistent:
+                setattr(c, f.name, f.default)
+        check_method(c)  # the method against the head; a closed-form head's switches set
         return c
 
     def recipe_view(self) -> "TrainConfig":
@@ -224,8 +248,9 @@ class _Config:
         """Hash of everything that determines the results (for --resume checks)."""
         d = self.to_dict()
         d["asym_rule"] = d.pop("asym_map")  # the field's name before the rename: earlier runs keep their identity
-        for k in ("device", "block_clients", "memory_budget_mb", "dual", "plots", "log", "log_dir"):
-            d.pop(k, None)
+        for k in NOT_IDENTITY:
+            if k != "features":  # the identity of earlier fedhead versions named the store by its path
+                d.pop(k, None)
         if d.get("clients_per_round") is None:
             d.pop("clients_per_round", None)  # runs from before the option keep their identity
         for k in ("secure_aggregation", "eval_unseen_clients"):
@@ -247,6 +272,79 @@ class _Config:
 
     def to_toml(self) -> str:
         return experiment_toml(self)
+
+
+def _secure_statistics(cfg, name: str) -> None:
+    """Secure aggregation's fixed layout carries raw class sums and the Gram only: refuse the rest in one line."""
+    head = create_head(name, **cfg.head_params)
+    if cfg.secure_aggregation and (head.needs_second or head.stats_map(1) is not None):
+        raise FedheadError(
+            f"The '--secure-aggregation' option does not carry the statistics of {name!r} yet (per-class second "
+            "moments, random features or a --stats-sketch). Drop it, or use ncm, ridge, lda or cof unsketched."
+        )
+
+
+def check_method(cfg) -> None:
+    """The method options (closed form, --init, FedProx, SCAFFOLD, server optimiser, CCVR) against the head, and
+    the head's and partition's parameters against their declarations (part of :meth:`TrainConfig.resolved`); a
+    closed-form head needs no feature centring (its statistics carry the means), so it is switched off."""
+    resolve_head_params(cfg.head, **cfg.head_params)
+    resolve_partition_params(cfg.partition, **cfg.partition_params)
+    if cfg.optimizer is not None:  # None: a configuration not resolved yet (the recipe fills it in)
+        OptimConfig(name=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum)
+    if is_closed_form(cfg.head) and cfg.init is not None and cfg.init == RECIPES[cfg.recipe].get("init"):
+        cfg.init = None  # the recipe's closed-form start does not apply to a closed-form head
+    if is_closed_form(cfg.head):
+        for flag, given in (
+            ("--init", cfg.init),
+            ("--prox-mu", cfg.prox_mu),
+            ("--scaffold", cfg.scaffold),
+            ("--server-opt", cfg.server_opt != "fedavg" and cfg.server_opt),
+            ("--calibrate", cfg.calibrate != "none" and cfg.calibrate),
+        ):
+            if given:
+                raise FedheadError(
+                    f"The '{flag}' parameter does not apply to the closed-form head {cfg.head!r} "
+                    f"(solved once from statistics, no local training). Got {given!r} instead. "
+                    "Drop it, or choose an iterative head (softmax, ova, ova2, ...)."
+                )
+        cfg.center, cfg.scale = False, "none"
+        _secure_statistics(cfg, cfg.head)
+    if cfg.secure_aggregation and not is_closed_form(cfg.head) and cfg.aggregate in aggregator_names():
+        if not create_aggregator(cfg.aggregate).summable:
+            raise FedheadError(
+                f"The '--aggregate' parameter {cfg.aggregate} cannot be combined with --secure-aggregation: the rule "
+                "needs every client's update, and SecAgg+ releases only their sum. Got --aggregate "
+                f"{cfg.aggregate} with --secure-aggregation. Drop one of them."
+            )
+        if isinstance(create_aggregator(cfg.aggregate), CompressedFedAvg):
+            raise FedheadError(
+                f"The '--aggregate' parameter {cfg.aggregate} cannot be combined with --secure-aggregation: SecAgg+ "
+                "sums dense vectors of field elements, so a compressed update would travel dense (no bytes saved). "
+                f"Got --aggregate {cfg.aggregate} with --secure-aggregation. Drop one of them."
+            )
+    if cfg.scaffold and cfg.optimizer != "sgd":
+        raise FedheadError(
+            f"The '--scaffold' option needs --optimizer sgd: its control variates estimate each "
+            f"client's mean gradient from SGD steps. Got --optimizer {cfg.optimizer!r} instead. "
+            "Use --optimizer sgd (the default recipe)."
+        )
+    if cfg.init is not None and not is_closed_form(cfg.init):
+        raise unknown_name("--init", cfg.init, closed_form_names(), "closed-form head")
+    if cfg.init is not None and not create_head(cfg.init, **cfg.head_params).init_capable:
+        able = ", ".join(n for n in closed_form_names() if create_head(n).init_capable)
+        raise FedheadError(
+            f"The '--init' parameter {cfg.init!r} is no linear head on raw features that an iterative head can start "
+            f"from. Use one of {able}."
+        )
+    if cfg.init is not None:
+        resolve_head_params(cfg.init, **cfg.head_params)
+        _secure_statistics(cfg, cfg.init)
+    if cfg.server_opt != "fedavg" or any(
+        v is not None for v in (cfg.server_lr, cfg.server_momentum, cfg.server_betas, cfg.server_tau)
+    ):
+        ServerOptConfig(name=cfg.server_opt, lr=cfg.server_lr, momentum=cfg.server_momentum, betas=cfg.server_betas,
+                        tau=cfg.server_tau).resolved()  # fmt: skip
 
 
 def _round_size_text(c) -> str:
@@ -329,7 +427,7 @@ def _docstring() -> str:
     for f in FIELD_LIST:
         default = "required" if f.required else f"default: {f.shown_default()}"
         unit = f" ({f.unit})" if f.unit else ""
-        text = python_spelling(f"{f.help}{unit} [{default}]", FIELDS)  # '--init' -> 'init', as Python names it
+        text = python_spelling(f"{field_help(f)}{unit} [{default}]", FIELDS)  # '--init' -> 'init', as Python names it
         lines.append(f"    {f.name} ({_type_name(f)}): {text}.")
     lines.append("    plugin_params (dict): parameters of a plugin's head or partition, e.g. ``{'smoothing': 0.1}``.")
     return "\n".join(lines) + "\n"
@@ -443,9 +541,20 @@ def load_experiment(path: str | Path) -> dict:
         if key == "plugin_params":
             if not isinstance(value, dict):
                 raise _toml_type_error(key, where, "a table, e.g. [plugin_params] smoothing = 0.1", value)
-            out[key] = dict(value)
+            out[key] = {**out.get(key, {}), **value}
             continue
         f = FIELDS.get(key)
+        pf = plugin_field(key) if f is None else None
+        if pf is not None:  # a plugin's parameter, as its own key like a built-in head's
+            value = _typed(pf, value, where)
+            try:
+                check_value(pf, value, param=key, cfg=owners)
+            except FedheadError as exc:
+                raise FedheadError(
+                    str(exc).replace(f"The '{key}' parameter", f"The '{key}' key in {where}", 1)
+                ) from None
+            out.setdefault("plugin_params", {})[key] = value
+            continue
         if f is None:
             if key in _NOT_FIELDS:
                 raise FedheadError(
@@ -506,6 +615,7 @@ def experiment_toml(cfg, title: str = "fedhead experiment") -> str:
             body.append(f"{f.name} = {_toml_value(v)}")
         if body:
             lines += ["", f"# -- {group}", *body]
-    if cfg.plugin_params:
-        lines += ["", "[plugin_params]"] + [f"{k} = {_toml_value(v)}" for k, v in cfg.plugin_params.items()]
+    plugin = {k: v for k, v in (cfg.plugin_params or {}).items() if v is not None}  # None: the head's default
+    if plugin:
+        lines += ["", "[plugin_params]"] + [f"{k} = {_toml_value(v)}" for k, v in plugin.items()]
     return "\n".join(lines) + "\n"

@@ -94,26 +94,31 @@ NOT_NONE = "not none"  # any value but the string "none"
 # ---------------------------------------------------------------- declarations
 
 
+# each registry a Names constraint reads: its names (read when a value is checked, so that plugins count) and
+# what the messages call one of them
+_REGISTRIES = {
+    "head": (lambda: sorted(HEADS), "head"),
+    "closed-form": (
+        lambda: sorted(n for n in HEADS if getattr(HEADS[n].cls, "closed_form", False)),
+        "closed-form head",
+    ),
+    "partition": (lambda: sorted(PARTITIONS), "partition"),
+    "aggregate": (aggregator_names, "aggregator"),
+    "server-opt": (server_optimizer_names, "server optimiser"),
+    "noise": (lambda: list(NOISE), "noise kind"),
+}
+
+
 @dataclass(frozen=True)
 class Names:
     """A declared constraint over a registry's names (heads, partitions, ...), read when a value is checked, so
     the names registered by users' plugins count too."""
 
-    registry: str  # head | closed-form | partition | aggregate | noise
+    registry: str  # a key of _REGISTRIES: head | closed-form | partition | aggregate | server-opt | noise
 
     def names(self) -> list[str]:
         load_plugins()
-        if self.registry == "head":
-            return sorted(HEADS)
-        if self.registry == "closed-form":
-            return sorted(n for n in HEADS if getattr(HEADS[n].cls, "closed_form", False))
-        if self.registry == "partition":
-            return sorted(PARTITIONS)
-        if self.registry == "aggregate":
-            return aggregator_names()
-        if self.registry == "server-opt":
-            return server_optimizer_names()
-        return list(NOISE)
+        return list(_REGISTRIES[self.registry][0]())
 
     def ok(self, v: Any) -> bool:
         return isinstance(v, str) and v in self.names()
@@ -123,14 +128,7 @@ class Names:
 
     @property
     def what(self) -> str:
-        return {
-            "closed-form": "closed-form head",
-            "aggregate": "aggregator",
-            "noise": "noise kind",
-            "server-opt": "server optimiser",
-        }.get(  # fmt: skip
-            self.registry, self.registry
-        )
+        return _REGISTRIES[self.registry][1]
 
 
 @dataclass(frozen=True)
@@ -193,6 +191,8 @@ class Field:
     default_text: str = ""  # what the default (None) means, for --help, e.g. "recipe: 0.01"
     unit: str = ""
     fix: str = ""  # appended to a constraint error
+    consistent: tuple = ()  # values accepted where the field does not apply (--rounds 1 for a closed-form head)
+    identity: bool = True  # part of what determines a run's results (a resume compares it); False: where it runs
     transports: tuple = TRANSPORTS
     kind: str = ""  # "head" | "partition": a registry parameter (TrainConfig.head_params / partition_params)
     deprecated: tuple = ()  # old Python keywords (TrainConfig accepts them with a DeprecationWarning)
@@ -221,6 +221,20 @@ class Field:
         if isinstance(self.default, (list, tuple)):
             return ",".join(str(v) for v in self.default)
         return "none" if self.default is None else f"{self.default:g}" if self.type is float else str(self.default)
+
+
+def field_help(f: Field) -> str:
+    """``f``'s help with the names its registry holds now (``{names}``: the heads, a plugin's included), so that
+    --help, the experiment file and the API reference never list fewer heads than there are."""
+    if "{names}" not in f.help:
+        return f.help  # the registered heads (the plugins once loaded: the CLI loads them before its options)
+    if f.name == "init":
+        names = " | ".join(n for n in sorted(HEADS) if getattr(HEADS[n].cls, "init_capable", False))
+    else:
+        iterative = [n for n in HEADS if not getattr(HEADS[n].cls, "closed_form", False)]
+        closed = [n for n in HEADS if getattr(HEADS[n].cls, "closed_form", False)]
+        names = f"{' | '.join(iterative)}; closed form (one exchange of statistics): {' | '.join(closed)}"
+    return f.help.replace("{names}", names)
 
 
 def grid_heads() -> tuple:
@@ -285,9 +299,7 @@ def _registry_fields(registry: dict, kind: str, group: str) -> list[Field]:
 
 # ---------------------------------------------------------------- the table
 
-_HEAD_NAMES = (
-    "softmax | ova | ova2 | fedabc | fedrs | fedlc; closed form (one exchange of statistics): ncm | ridge | cof | lda"
-)
+_HEAD_NAMES = "the head (every registered one: a plugin's too): {names}"
 _SERVER_PARAMS = {"lr": "server_lr", "momentum": "server_momentum", "betas": "server_betas", "tau": "server_tau"}
 
 
@@ -311,6 +323,7 @@ FIELD_LIST: list[Field] = [
         DATA,
         default_text="required",
         old_keys=("feature-store",),
+        identity=False,
     ),
     Field(
         "partition",
@@ -357,7 +370,7 @@ FIELD_LIST: list[Field] = [
         "init",
         str,
         None,
-        "closed-form start of an iterative head: ncm | ridge | cof | lda (round 1 exchanges statistics)",
+        "closed-form start of an iterative head: {names} (round 1 exchanges statistics)",
         HEAD,
         constraint=Names("closed-form"),
         applies=_IT,
@@ -383,7 +396,17 @@ FIELD_LIST: list[Field] = [
         LOCAL,
         constraint=OneOf(tuple(RECIPES)),
     ),
-    Field("rounds", int, 50, "communication rounds", LOCAL, constraint=_COUNT, applies=_IT),
+    Field(
+        "rounds",
+        int,
+        50,
+        "communication rounds (a closed-form head takes one exchange: 1 is accepted there, so one command sweeps "
+        "over heads)",
+        LOCAL,
+        constraint=_COUNT,
+        applies=_IT,
+        consistent=(1,),
+    ),
     Field(
         "local_epochs",
         int,
@@ -466,6 +489,7 @@ FIELD_LIST: list[Field] = [
         constraint=OneOf(DUAL_MODES),
         applies=_IT,
         transports=("in-process",),
+        identity=False,
     ),
     Field(
         "block_clients",
@@ -478,6 +502,7 @@ FIELD_LIST: list[Field] = [
         default_text="from --memory-budget-mb",
         fix="Leave it out to size the blocks from --memory-budget-mb.",
         transports=("in-process",),
+        identity=False,
     ),
     Field(
         "memory_budget_mb",
@@ -489,6 +514,7 @@ FIELD_LIST: list[Field] = [
         applies=_IT,
         unit="MB",
         transports=("in-process",),
+        identity=False,
     ),
     # ---- server and aggregation
     Field(
@@ -818,7 +844,7 @@ FIELD_LIST: list[Field] = [
         constraint=OneOf(("stop", "continue")),
         applies=_IT,
     ),
-    Field("device", str, "auto", "auto | cpu | cuda (Flower: the server and simulated clients)", RUN),
+    Field("device", str, "auto", "auto | cpu | cuda (Flower: the server and simulated clients)", RUN, identity=False),
     Field(
         "eval_every",
         int,
@@ -836,15 +862,17 @@ FIELD_LIST: list[Field] = [
         "write curves.png (accuracy and loss per round) and partition.png (label counts per client) into the run "
         "directory when the run ends",
         RUN,
+        identity=False,
     ),
     Field(
         "log",
         str,
         "none",
-        "also write every row to a tracker when the run ends: none | tensorboard (pip install "
+        "also write every row to a tracker, each round as it comes: none | tensorboard (pip install "
         "'fedhead[tensorboard]') | mlflow (a local store; pip install 'fedhead[mlflow]')",
         RUN,
         constraint=OneOf(TRACKERS),
+        identity=False,
     ),
     Field(
         "log_dir",
@@ -854,6 +882,7 @@ FIELD_LIST: list[Field] = [
         RUN,
         applies=(When("log", TRACKERS[1:]),),
         default_text="OUT/tensorboard | OUT/mlruns",
+        identity=False,
     ),
 ]
 FIELDS: dict[str, Field] = {f.name: f for f in FIELD_LIST}
@@ -861,6 +890,8 @@ assert len(FIELDS) == len(FIELD_LIST), "a field declared twice"
 HEAD_PARAMS = tuple(f.name for f in FIELD_LIST if f.kind == "head")
 PARTITION_PARAMS = tuple(f.name for f in FIELD_LIST if f.kind == "partition")
 DEPRECATED_KEYWORDS = {old: f.name for f in FIELD_LIST for old in f.deprecated}
+# where a run runs and where its rows go besides rounds.csv, not what it finds (left out of a run's identity)
+NOT_IDENTITY = tuple(f.name for f in FIELD_LIST if not f.identity)
 
 # Options of a run that are not part of the experiment (where and how to run it): flags and run-config keys by
 # the same rule, never in the experiment file.
@@ -873,10 +904,18 @@ RUN_OPTIONS: dict[str, Field] = {
             None,
             "run directory",
             RUN,
-            default_text="runs/<timestamp>-<head>-<partition>",
+            default_text="runs/<timestamp>-<head>-<partition>, -2, -3, ... when taken",
             old_keys=("run-dir",),
         ),
         Field("resume", bool, False, "continue the interrupted run in --out from its checkpoint", RUN),
+        Field(
+            "overwrite",
+            bool,
+            False,
+            "replace the run in --out (a finished one, or what a failed run left); only a folder a run wrote",
+            RUN,
+            transports=("in-process",),
+        ),
         Field(
             "round_timeout",
             float,
@@ -897,6 +936,29 @@ RUN_OPTIONS: dict[str, Field] = {
         ),
     )
 }
+
+
+def plugin_fields() -> list[Field]:
+    """The fields of the parameters that heads and partitions registered after the table was built declare (a
+    plugin's ``Param("gamma", ...)``): a flag (``--gamma``), a TOML key, a ``fedhead.run`` keyword and a Flower
+    run-config key like a built-in head's, kept in ``TrainConfig.plugin_params``. Loads the plugins first."""
+    load_plugins()
+    out = []
+    for registry, kind, group in ((HEADS, "head", HEAD), (PARTITIONS, "partition", DATA)):
+        owners: dict[str, list[tuple[str, Param]]] = {}
+        for name, spec in registry.items():
+            for p in spec.params:
+                if p.name not in FIELDS and p.name not in RUN_OPTIONS:
+                    owners.setdefault(p.name, []).append((name, p))
+        out += [_param_field(n, o, kind, group) for n, o in owners.items()]
+    return out
+
+
+def plugin_field(name: str) -> Field | None:
+    """The field of a plugin's parameter ``name`` (:func:`plugin_fields`), or None."""
+    if name in FIELDS:
+        return None
+    return next((f for f in plugin_fields() if f.name == name), None)
 
 
 def field_names() -> set[str]:
@@ -929,7 +991,8 @@ def _number(v: Any) -> bool:
 
 
 def parse_seeds(items, param: str = "--seeds") -> list[int]:
-    """Seeds given as integers, or as text repeated or comma-separated ("0,42 777"); each once, in order."""
+    """Seeds given as integers, or as text repeated or comma-separated ("0,42 777"), in order; a seed named twice is
+    refused (one run reported as several)."""
     if isinstance(items, (int, str)) and not isinstance(items, bool):
         items = [items]
     out: list[int] = []
@@ -945,8 +1008,12 @@ def parse_seeds(items, param: str = "--seeds") -> list[int]:
                     f"The '{param}' parameter must be integers >= 0. Got {tok!r} instead. Use e.g. {param} 0,42,777."
                 )
             validate(param, v, Interval(0, None, integer=True))
-            if v not in out:
-                out.append(v)
+            if v in out:  # a repeated seed would report a std of 0 over runs that are one
+                raise FedheadError(
+                    f"The '{param}' parameter names seed {v} twice. Got {items!r}. Give each seed once, e.g. "
+                    f"{param} {','.join(str(s) for s in out)}."
+                )
+            out.append(v)
     return out
 
 
@@ -1030,10 +1097,12 @@ def not_applying_message(fields: list[Field], resolved) -> str:
         got.append(f"runs without {flag_of(w.field)}" if v is None else f"{flag_of(w.field)} {v}")
     got = list(dict.fromkeys(got))
     if conds[0].values == ITERATIVE:
+        same = [f"{f.flag} {f.consistent[0]}" for f in fields if f.consistent]
+        also = f" ({', '.join(same)} is accepted: it is what the head does)" if same else ""
         return (
             f"The {what} {verb} not apply to --head {resolved.head}, a closed-form head solved once from "
-            f"statistics: {they} to iterative heads only. Drop {drop}, or use an iterative head (softmax, ova, "
-            "ova2, ...)."
+            f"statistics: {they} to iterative heads only. Drop {drop}{also}, or use an iterative head (softmax, "
+            "ova, ova2, ...)."
         )
     wanted = " or ".join(w.wanted() for w in conds)
     fix = " or ".join(f"give {flag_of(w.field)}" if w.values == GIVEN else f"use {w.wanted()}" for w in conds)
@@ -1046,7 +1115,7 @@ def check_given(raw, resolved) -> None:
     or partition declares. (The transport is checked by :func:`check_transport`, where it is known.)"""
     refused: dict[tuple, list[Field]] = {}  # by reason: one line names every option refused for the first one
     for f in given_fields(raw, resolved.recipe):
-        if f.applies and not applies(f, resolved):
+        if f.applies and not applies(f, resolved) and getattr(raw, f.name) not in f.consistent:
             refused.setdefault(_blocking(f, resolved).applies, []).append(f)
     if refused:
         raise FedheadError(not_applying_message(next(iter(refused.values())), resolved))

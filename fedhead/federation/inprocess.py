@@ -13,7 +13,6 @@ import json
 import time
 
 import numpy as np
-import torch
 
 from extract.store import Features
 from fedhead.core.ccvr import PooledStats
@@ -36,6 +35,9 @@ from fedhead.federation.transport import Calibration, Census, Exchange, RoundRes
 from fedhead.infra.console import stderr_console
 from fedhead.infra.devices import available_memory
 from fedhead.infra.errors import FedheadError
+from fedhead.infra.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 def central_key(store: Features, cfg: TrainConfig, fed: Federation, head=None) -> str:
@@ -66,6 +68,7 @@ class InProcessTransport(Transport):
     central ceiling, computed once per head, feature preparation and training labels."""
 
     name = "simulation"
+    extendable = True  # the clients are the store's slices: a finished run continues with more rounds
 
     def __init__(self, cfg: TrainConfig, store: Features, device, central_cache: dict | None = None):
         self.cfg, self.store, self.device, self.central_cache = cfg, store, device, central_cache

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from extract.store import Features
 from fedhead.core.aggregate import aggregator_of
@@ -54,6 +53,9 @@ from fedhead.infra.console import stderr_console
 from fedhead.infra.devices import resolve_device
 from fedhead.infra.errors import FedheadError
 from fedhead.infra.files import atomic_torch_save
+from fedhead.infra.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 VAL_FIELDS = ("val_accuracy", "val_loss", "diverged")  # rounds.csv columns after ROUND_FIELDS
 DIVERGE_FACTOR = 1000  # a training loss this many times the first round's counts as diverged
@@ -123,7 +125,7 @@ class HeadJob(Job):
         self.scorer = None if self.head.linear else self.head  # qda, ridge-rf: scores not linear in the features
         self.privacy = epsilon_schedule(cfg, self.rounds)  # DP: epsilon per round ({} without DP)
         self.fields = ROUND_FIELDS + list(VAL_FIELDS) + list(transport.extra_fields)
-        self.extendable = not closed and transport.name == "simulation"
+        self.extendable = not closed and transport.extendable
         self.y_test = torch.as_tensor(store.test_y, device=self.device)
         self.test_totals = np.bincount(store.test_y, minlength=store.info.num_classes)[: store.info.num_classes]
         self.client_w = None  # the unit's clients' label proportions (per-client accuracy), None if unknown

@@ -35,13 +35,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
-import torch
 
 from fedhead import __version__
 from fedhead.infra.errors import FedheadError
 from fedhead.infra.files import atomic_write_json, atomic_write_text
+from fedhead.infra.lazy import lazy_module
 from fedhead.infra.safestate import NUMPY_DTYPES, load_state, save_state
 from fedhead.infra.signals import Interrupted
+
+torch = lazy_module("torch")
 
 ROUND_FIELDS = [
     "seed",
@@ -58,8 +60,22 @@ ROUND_FIELDS = [
 
 
 def default_run_dir(root: str | Path, *parts: str) -> Path:
+    """A new run directory ``<root>/<stamp>-<parts>`` that no other run has: created here (empty), so two runs that
+    start in the same second (a sweep from Python, two shells) never share it; the second gets ``-2``, and so on."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path(root) / "-".join([stamp, *[p for p in parts if p]])
+    base = "-".join([stamp, *[p for p in parts if p]])
+    Path(root).mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        path = Path(root) / (base if n == 1 else f"{base}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FedheadError(
+        f"The '--out' parameter was not given, and {str(Path(root) / base)!r} and 9,998 variants of "
+        "it exist already. Give --out."
+    )
 
 
 def write_experiment(run_dir: str | Path, cfg) -> Path:
@@ -189,6 +205,8 @@ FINAL_STATE = "final-state.safetensors"
 CHECKPOINT_FORMAT = 4
 PICKLED = {CHECKPOINT: "checkpoint.pt", FINAL_STATE: "final-state.pt"}  # format 3's names
 PICKLED_FORMAT = 3
+# what only a run directory holds at its top: --overwrite empties a folder only if it holds one of them
+RUN_MARKERS = {"config.json", "rounds.csv", "summary.json", CHECKPOINT, FINAL_STATE, *PICKLED.values()}
 TRUST_PICKLES_ENV = "FEDHEAD_TRUST_PICKLED_RUNS"  # "1": read format 3's pickles (weights-only) of a trusted run
 
 
@@ -233,10 +251,20 @@ def _show(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def identity_differences(before: dict, now: dict) -> list[str]:
-    """Each setting that differs between two identities, with both values: ``lr 0.01 (the run) -> 0.1``."""
-    keys = sorted(set(before) | set(now))
-    return [f"{k} {_show(before.get(k))} (the run) -> {_show(now.get(k))}" for k in keys if before.get(k) != now.get(k)]
+def identity_differences(before: dict, now: dict, name: Callable[[str], str] = str) -> list[str]:
+    """Each setting that differs between two identities, with both values: ``--lr 0.01 (the run) -> 0.1``; a group
+    of settings (``partition_params``) is named setting by setting. ``name``: how a setting is named (its flag)."""
+    out = []
+    for k in sorted(set(before) | set(now)):
+        b, n = before.get(k), now.get(k)
+        if b == n:
+            continue
+        if isinstance(b, dict) and isinstance(n, dict) and k.endswith("_params"):
+            out += identity_differences(b, n, name)
+            continue
+        shown = "unset" if b is None else _show(b), "unset" if n is None else _show(n)
+        out.append(f"{name(k)} {shown[0]} (the run) -> {shown[1]}")
+    return out
 
 
 @dataclass
@@ -250,6 +278,7 @@ class Opened:
     summary: dict | None = None
     rows: list | None = None
     previous: dict = field(default_factory=dict)
+    replace: bool = False  # --overwrite: the earlier run in the folder goes when the new one is prepared
 
 
 @dataclass
@@ -263,7 +292,9 @@ class RunDir:
     ``restart_ok``: a resume that finds nothing saved starts afresh (a Flower server restarted before its
     first checkpoint) instead of being refused. ``out_param`` / ``resume_param``: the names the errors use.
     ``identity_of``: the identity of the run a config.json describes (to name differences without storing the
-    identity twice)."""
+    identity twice). ``overwrite``: a directory holding an earlier run (or what a failed run left) is emptied and
+    the run starts afresh there; a folder that does not look like a run directory is never emptied.
+    ``setting_name``: how a differing setting is named in the refusals (its flag)."""
 
     path: Path
     identity: dict
@@ -274,6 +305,9 @@ class RunDir:
     extendable: str | None = None
     restart_ok: bool = False
     identity_of: Callable[[dict], dict] | None = None
+    overwrite: bool = False
+    overwrite_param: str = "--overwrite"
+    setting_name: Callable[[str], str] = str
 
     def __post_init__(self):
         self.path = Path(self.path)
@@ -303,8 +337,28 @@ class RunDir:
                 msg = f"interrupted before anything was written to {str(self.path)!r}; re-run the same command"
             raise Interrupted(exc.signum, msg) from None
 
+    @contextlib.contextmanager
+    def failed(self) -> Iterator[None]:
+        """A run that fails after writing (a partition a later seed cannot draw, a diverged round) says how to
+        retry: its folder now holds a run, which a plain re-run would refuse."""
+        try:
+            yield
+        except Interrupted:
+            raise  # interrupted(): its own exit code and how to continue
+        except FedheadError as exc:
+            if self.resume or not (self.path / "config.json").exists() or "--overwrite" in str(exc):
+                raise
+            raise FedheadError(
+                f"{str(exc).rstrip()} The run stopped in {str(self.path)!r}: to retry with other settings add "
+                f"{self.overwrite_param} (or choose another {self.out_param}); with the same settings, "
+                f"{self.resume_param} continues it."
+            ) from None
+
     def _again(self) -> str:
-        return f"Use the same options as the interrupted run, or a new {self.out_param}."
+        return (
+            f"Use the same options as the interrupted run, or a new {self.out_param}, or "
+            f"{self.overwrite_param} to replace that run."
+        )
 
     def _state_file(self, name: str) -> Path | None:
         """The run's ``name`` (CHECKPOINT or FINAL_STATE), else its format-3 pickle, else None."""
@@ -333,7 +387,7 @@ class RunDir:
         """Whether ``previous`` (a config.json) is this run, and the differing settings when it is not."""
         if previous.get("identity") in {self.hash, *self.legacy}:
             return True, []
-        return False, identity_differences(self._previous_identity(previous), self.identity)
+        return False, identity_differences(self._previous_identity(previous), self.identity, self.setting_name)
 
     def _previous_identity(self, previous: dict) -> dict:
         try:
@@ -350,11 +404,26 @@ class RunDir:
 
     def open(self) -> Opened:
         """Check ``path`` against this run (nothing is written) and say how to continue."""
+        if self.overwrite and self.resume:
+            raise FedheadError(
+                f"The '{self.overwrite_param}' option replaces the run in {str(self.path)!r}, and "
+                f"'{self.resume_param}' continues it. Got both. Give one of them."
+            )
         if not self.resume:
             if self.path.exists() and any(self.path.iterdir()):
+                if self.overwrite:
+                    self._check_replaceable()
+                    return Opened("fresh", replace=True)
+                again = (
+                    (
+                        f"Use {self.resume_param} to continue that run, {self.overwrite_param} to replace it, or "
+                        f"choose another {self.out_param}."
+                    )
+                    if self._looks_like_run()
+                    else (f"Choose another {self.out_param}: it is not a run directory.")
+                )
                 raise FedheadError(
-                    f"The '{self.out_param}' parameter names {str(self.path)!r}, which already holds files. Use "
-                    f"{self.resume_param} to continue that run, or choose another {self.out_param}."
+                    f"The '{self.out_param}' parameter names {str(self.path)!r}, which already holds files. {again}"
                 )
             return Opened("fresh")
         if not (self.path / "config.json").exists():
@@ -402,8 +471,37 @@ class RunDir:
             return None
         return self._state(final, "final state")
 
+    def _looks_like_run(self) -> bool:
+        """Whether the folder holds what a run writes (config.json, a checkpoint or the results), nothing else."""
+        names = {p.name for p in self.path.iterdir()}
+        return bool(names & RUN_MARKERS)
+
+    def _check_replaceable(self) -> None:
+        """``--overwrite`` empties only a run directory: a folder that holds no run file, or a file that no run
+        writes at its top (someone's data), is refused."""
+        if not self.path.is_dir() or not self._looks_like_run():
+            raise FedheadError(
+                f"The '{self.overwrite_param}' option replaces a run directory, but {str(self.path)!r} holds no run "
+                f"(no config.json, checkpoint or rounds.csv). Choose another {self.out_param}; fedhead never empties "
+                "a folder it did not write."
+            )
+
+    def _clear(self) -> None:
+        """Empty the run directory (``--overwrite``): the old run moves aside first, then goes, so a crash in
+        between leaves either the old run or an empty folder plus a ``.replaced-*`` sibling, never a mixture."""
+        import shutil
+
+        aside = self.path.with_name(f".{self.path.name}.replaced-{os.getpid()}")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(self.path, aside)
+        self.path.mkdir()
+        shutil.rmtree(aside, ignore_errors=True)
+
     def prepare(self, config: dict, opened: Opened) -> None:
-        """Create the folder and write config.json with this run's identity (an extended run's is its new one)."""
+        """Create the folder and write config.json with this run's identity (an extended run's is its new one);
+        with ``--overwrite`` the earlier run there goes first."""
+        if opened.replace and self.path.exists():
+            self._clear()
         self.path.mkdir(parents=True, exist_ok=True)
         self.record = {"identity": self.hash}
         write_config(self.path, {**self.record, **config})

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from fedhead.core.aggregate import aggregator_of
 from fedhead.core.ccvr import retrain_head, sample_virtual
 from fedhead.core.closedform import is_closed_form, to_prepared
@@ -17,9 +15,9 @@ from fedhead.core.serveropt import ServerOptConfig, ServerOptimizer
 from fedhead.federation.clients import FeatureStats
 from fedhead.federation.config import TrainConfig
 from fedhead.infra.errors import FedheadError
+from fedhead.infra.lazy import lazy_module
 
-# measured, see docs/heads-methods-partitions.md "Baselines"
-INIT_SCALE = {"ncm": 1.0, "ridge": 10.0, "cof": 1.0, "lda": 1.0}
+torch = lazy_module("torch")
 
 
 def solve_statistics(
@@ -34,7 +32,7 @@ def solve_statistics(
         privatize_statistics(acc, cfg, seed)
     theta = solver.solve_statistics(acc)  # --stats-sketch: mapped back from the sketch's space
     if not is_closed_form(cfg.head):
-        scale = cfg.init_scale if cfg.init_scale is not None else INIT_SCALE[solver.name]
+        scale = cfg.init_scale if cfg.init_scale is not None else float(getattr(solver, "init_scale", 1.0))
         theta = to_prepared(theta, stats.mean, stats.scale) * scale
     # a quadratic head (qda) stays float64: its scores cancel large terms of the quadratic form
     return theta.to(device=device, dtype=torch.float32 if theta.ndim == 2 else torch.float64)

@@ -7,28 +7,27 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import h5py
 import numpy as np
 
 from extract.store import Features, StoreInfo, load_store, open_store, store_content_hash
-from fedhead.core.aggregate import aggregator_names, create_aggregator
-from fedhead.core.closedform import closed_form_names, is_closed_form
-from fedhead.core.compress import CompressedFedAvg
-from fedhead.core.engine import OptimConfig
+from fedhead.core.closedform import check_moments_size, is_closed_form
 from fedhead.core.heads import create_head, resolve_head_params
 from fedhead.core.noise import apply_noise
 from fedhead.core.partitions import PARTITIONS, create_partition, resolve_partition_params
 from fedhead.federation.clients import noise_dataset_name
-from fedhead.federation.config import RECIPES, TrainConfig
+from fedhead.federation.config import TrainConfig, check_method
+from fedhead.federation.experiment import NOT_IDENTITY, flag_of
 from fedhead.federation.inprocess import InProcessTransport
 from fedhead.federation.job import HeadJob
 from fedhead.federation.loop import PAUSE_ENV, run_job, writing
-from fedhead.federation.rundir import CHECKPOINT, RunDir, default_run_dir, write_experiment
-from fedhead.federation.server import server_opt_config
+from fedhead.federation.rundir import CHECKPOINT, Opened, RunDir, default_run_dir, write_experiment
 from fedhead.federation.tracking import require as require_tracker
+from fedhead.federation.transport import Transport
 from fedhead.infra.devices import resolve_device, set_cpu_threads
-from fedhead.infra.errors import FedheadError, unknown_name
+from fedhead.infra.errors import FedheadError, on_cli
 from fedhead.infra.files import check_out
 from fedhead.infra.locks import exclusive_writer
 
@@ -48,12 +47,11 @@ class RunResult:
 
 
 def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:
-    """Resolve and validate everything before anything is written."""
-    cfg = cfg.resolved()
+    """Resolve and validate everything before anything is written: the configuration (:meth:`TrainConfig.resolved`),
+    then what depends on this machine and on the store (device, tracker, clients, partitions for every seed,
+    the feature dimension, the noise map)."""
+    cfg = cfg.resolved()  # every check of the configuration alone (fedhead.federation.config)
     resolve_device(cfg.device)  # --device cuda without a GPU: refused before anything is written
-    resolve_head_params(cfg.head, **cfg.head_params)
-    resolve_partition_params(cfg.partition, **cfg.partition_params)
-    validate_method(cfg)
     require_tracker(cfg.log)  # a missing extra stops the run before it starts, not after its last round
     n = len(store.train_y)
     if cfg.clients > n:
@@ -61,16 +59,17 @@ def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:
             f"The '--clients' parameter must be <= the number of training samples ({n}). "
             f"Got {cfg.clients} instead. Use fewer clients."
         )
-    OptimConfig(name=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum)
-    if not PARTITIONS[cfg.partition].needs_features:  # cheap: catches shard/dirichlet errors before writing
-        create_partition(
-            cfg.partition,
-            store.train_y,
-            cfg.clients,
-            seed=cfg.seeds[0],
-            client_ids=store.train_clients,
-            **cfg.partition_params,
-        )
+    if not PARTITIONS[cfg.partition].needs_features:  # cheap: a draw no seed can meet is refused before writing
+        for seed in cfg.seeds:
+            create_partition(
+                cfg.partition,
+                store.train_y,
+                cfg.clients,
+                seed=seed,
+                client_ids=store.train_clients,
+                **cfg.partition_params,
+            )
+    check_dimensions(cfg, store.info.num_classes, feature_dim(store))
     if cfg.noise != "none":  # catches a missing asymmetric map before the run starts
         apply_noise(
             cfg.noise,
@@ -82,6 +81,30 @@ def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:
             asym_rule=cfg.asym_map,
         )
     return cfg
+
+
+def feature_dim(store: Features) -> int:
+    """The store's feature dimension (a stand-in store of :func:`labels_store` records it without features)."""
+    shape = store.info.shapes.get("train/features")
+    return int(shape[1]) if shape is not None and len(shape) == 2 else int(store.train_x.shape[1])
+
+
+def check_dimensions(cfg: TrainConfig, num_classes: int, dim: int) -> None:
+    """What the feature dimension decides before anything runs: a ``--stats-sketch`` must shrink the statistics
+    (below ``dim``), and per-class second moments must fit this machine's memory."""
+    if not dim:
+        return
+    for name in {cfg.head, cfg.init} - {None}:
+        head = create_head(name, **cfg.head_params)
+        r = int(head.params.get("stats_sketch", 0) or 0)
+        if r >= dim:
+            raise FedheadError(
+                f"The '--stats-sketch' parameter must be below the feature dimension ({dim}): a sketch to {r} "
+                f"dimensions sends more than the raw statistics and saves nothing. Got {r} instead. Use "
+                f"--stats-sketch {max(1, dim // 4)} (or lower), or 0 for no sketch."
+            )
+        if getattr(head, "needs_second", False):
+            check_moments_size(num_classes, r or dim)
 
 
 def _validated(cfg: TrainConfig, store: Features | None) -> tuple[TrainConfig, Features]:
@@ -97,18 +120,28 @@ def _validated(cfg: TrainConfig, store: Features | None) -> tuple[TrainConfig, F
     if y.size and (y.min() < 0 or y.max() >= info.num_classes):  # load_store refuses them, naming the store's rows
         store = load_store(cfg.features)
         return validate_config(cfg, store), store
-    cfg = validate_config(cfg, labels_store(y, info.class_names, info.dataset, clients))
+    cfg = validate_config(cfg, labels_store(y, info.class_names, info.dataset, clients, dim=feature_dim_of(info)))
     return cfg, load_store(cfg.features)
 
 
+def feature_dim_of(info: StoreInfo) -> int:
+    shape = info.shapes.get("train/features")
+    return int(shape[1]) if shape is not None and len(shape) == 2 else 0
+
+
 def labels_store(
-    train_y: np.ndarray, class_names: list[str], dataset: str = "", train_clients: np.ndarray | None = None
+    train_y: np.ndarray,
+    class_names: list[str],
+    dataset: str = "",
+    train_clients: np.ndarray | None = None,
+    dim: int = 0,
 ) -> Features:
     """A stand-in store that holds only training labels (and natural client ids, if any; no features, no test
     split): enough for :func:`validate_config` before the real store exists (``fedhead demo`` and ``fedhead bench
-    flower`` validate their runs before the slow or written part)."""
+    flower`` validate their runs before the slow or written part). ``dim``: the features' dimension, if known."""
     y = np.asarray(train_y, dtype=np.int64)
-    info = StoreInfo(path=Path(""), attrs={"dataset": dataset}, shapes={}, class_names=list(class_names))
+    shapes = {"train/features": (len(y), int(dim))} if dim else {}
+    info = StoreInfo(path=Path(""), attrs={"dataset": dataset}, shapes=shapes, class_names=list(class_names))
     return Features(
         info=info,
         train_x=np.zeros((len(y), 0), np.float32),
@@ -119,75 +152,12 @@ def labels_store(
     )
 
 
-def _secure_statistics(cfg: TrainConfig, name: str) -> None:
-    """Secure aggregation's fixed layout carries raw class sums and the Gram only: refuse the rest in one line."""
-    head = create_head(name, **cfg.head_params)
-    if cfg.secure_aggregation and (head.needs_second or head.stats_map(1) is not None):
-        raise FedheadError(
-            f"The '--secure-aggregation' option does not carry the statistics of {name!r} yet (per-class second "
-            "moments, random features or a --stats-sketch). Drop it, or use ncm, ridge, lda or cof unsketched."
-        )
-
-
 def validate_method(cfg: TrainConfig) -> None:
-    """The method options (closed form, --init, FedProx, SCAFFOLD, server optimiser, CCVR) against the head;
-    a closed-form head needs no feature centring (its statistics carry the means), so it is switched off."""
-    if is_closed_form(cfg.head) and cfg.init is not None and cfg.init == RECIPES[cfg.recipe].get("init"):
-        cfg.init = None  # the recipe's closed-form start does not apply to a closed-form head
-    if is_closed_form(cfg.head):
-        for flag, given in (
-            ("--init", cfg.init),
-            ("--prox-mu", cfg.prox_mu),
-            ("--scaffold", cfg.scaffold),
-            ("--server-opt", cfg.server_opt != "fedavg" and cfg.server_opt),
-            ("--calibrate", cfg.calibrate != "none" and cfg.calibrate),
-        ):
-            if given:
-                raise FedheadError(
-                    f"The '{flag}' parameter does not apply to the closed-form head {cfg.head!r} "
-                    f"(solved once from statistics, no local training). Got {given!r} instead. "
-                    "Drop it, or choose an iterative head (softmax, ova, ova2, ...)."
-                )
-        cfg.center, cfg.scale = False, "none"
-        _secure_statistics(cfg, cfg.head)
-    if cfg.secure_aggregation and not is_closed_form(cfg.head) and cfg.aggregate in aggregator_names():
-        if not create_aggregator(cfg.aggregate).summable:
-            raise FedheadError(
-                f"The '--aggregate' parameter {cfg.aggregate} cannot be combined with --secure-aggregation: the rule "
-                "needs every client's update, and SecAgg+ releases only their sum. Got --aggregate "
-                f"{cfg.aggregate} with --secure-aggregation. Drop one of them."
-            )
-        if isinstance(create_aggregator(cfg.aggregate), CompressedFedAvg):
-            raise FedheadError(
-                f"The '--aggregate' parameter {cfg.aggregate} cannot be combined with --secure-aggregation: SecAgg+ "
-                "sums dense vectors of field elements, so a compressed update would travel dense (no bytes saved). "
-                f"Got --aggregate {cfg.aggregate} with --secure-aggregation. Drop one of them."
-            )
-    if cfg.scaffold and cfg.optimizer != "sgd":
-        raise FedheadError(
-            f"The '--scaffold' option needs --optimizer sgd: its control variates estimate each "
-            f"client's mean gradient from SGD steps. Got --optimizer {cfg.optimizer!r} instead. "
-            "Use --optimizer sgd (the default recipe)."
-        )
-    if cfg.init is not None and not is_closed_form(cfg.init):
-        raise unknown_name("--init", cfg.init, closed_form_names(), "closed-form head")
-    if cfg.init is not None and not create_head(cfg.init, **cfg.head_params).init_capable:
-        able = ", ".join(n for n in closed_form_names() if create_head(n).init_capable)
-        raise FedheadError(
-            f"The '--init' parameter {cfg.init!r} is no linear head on raw features that an iterative head can start "
-            f"from. Use one of {able}."
-        )
-    if cfg.init is not None:
-        resolve_head_params(cfg.init, **cfg.head_params)
-        _secure_statistics(cfg, cfg.init)
-    if cfg.server_opt != "fedavg" or any(
-        v is not None for v in (cfg.server_lr, cfg.server_momentum, cfg.server_betas, cfg.server_tau)
-    ):
-        server_opt_config(cfg)
+    """Kept for callers of earlier versions: :meth:`TrainConfig.resolved` checks the method options now (one
+    validation, at the boundary); this checks them again on an already resolved configuration."""
+    check_method(cfg)
 
 
-# where a run runs and where its rows go besides rounds.csv, not what it finds
-NOT_IDENTITY = ("features", "device", "block_clients", "memory_budget_mb", "dual", "plots", "log", "log_dir")
 # fields added after runs were written: left out of the identity while unset, so those runs keep theirs
 UNSET_NOT_IDENTITY = ("topk_fraction", "error_feedback", "trim_fraction", "norm_bound")
 
@@ -210,10 +180,18 @@ def recorded_identity(record: dict) -> dict:
     return json.loads(json.dumps(d, sort_keys=True, default=str))
 
 
+def setting_flag(name: str) -> str:
+    """How a resume refusal names a differing setting of a head run: its flag on the command line (``--min-size``),
+    its field in Python (``min_size``)."""
+    if name == "store_sha256":
+        return "the feature store's content (sha256)"
+    return flag_of(name) if on_cli() else name
+
+
 def head_run_dir(cfg: TrainConfig, store: Features, path: Path, resume: bool, **kw) -> RunDir:
     """The run directory of a head run (train, bench, Flower): its identity, and how an earlier fedhead named it."""
     return RunDir(path, identity_fields(cfg, store), resume=resume, legacy=(cfg.identity(),),
-                  identity_of=recorded_identity, **kw)  # fmt: skip
+                  identity_of=recorded_identity, setting_name=setting_flag, **kw)  # fmt: skip
 
 
 def run_record(cfg: TrainConfig, store: Features, device, runtime: str = "simulation") -> dict:
@@ -246,24 +224,50 @@ def run_training(
     store: Features | None = None,
     runs_root: str = "runs",
     central_cache: dict | None = None,
+    overwrite: bool = False,
 ) -> RunResult:
-    """Run, resume or extend ``cfg`` into ``out``. ``central_cache``: a dict shared by several runs (a bench report)
-    that keeps each centralised ceiling, computed once per head, feature preparation and training labels."""
+    """Run, resume or extend ``cfg`` into ``out`` (``overwrite``: replace the run there). ``central_cache``: a dict
+    shared by several runs (a bench report) that keeps each centralised ceiling, computed once per head, feature
+    preparation and training labels."""
     cfg, store = _validated(cfg, store)
+    if Path(cfg.features).is_file():  # config.toml and config.json name the store wherever the run is resumed from
+        cfg.features = str(Path(cfg.features).resolve())
+    if out is not None:
+        check_out(Path(out), kind="dir")  # a file there, or below a file: one line, nothing written
     run_dir = Path(out) if out else default_run_dir(runs_root, cfg.head, cfg.partition)
-    check_out(run_dir, kind="dir")  # a file there, or below a file: one line, nothing written
     device = resolve_device(cfg.device)
-    run = head_run_dir(cfg, store, run_dir, resume, extendable=None if is_closed_form(cfg.head) else "rounds")
-    with exclusive_writer(run_dir, f"the run directory {str(run_dir)!r}"), run.interrupted():
-        opened = run.open()
-        if opened.kind == "finished":  # reported again
-            return RunResult(run_dir, opened.summary, opened.rows)
+    run = head_run_dir(cfg, store, run_dir, resume, extendable=None if is_closed_form(cfg.head) else "rounds",
+                       overwrite=overwrite)  # fmt: skip
+
+    def record(opened: Opened) -> dict:
         threads = None
         if device.type == "cpu":  # the bits of a round follow the thread count: a continued run keeps its own
             threads = set_cpu_threads(opened.previous.get("cpu_threads") if opened.kind != "fresh" else None)
-        with writing(run, run_dir / "config.json"):
-            run.prepare({**run_record(cfg, store, device), "cpu_threads": threads}, opened)
-            write_experiment(run_dir, cfg)  # config.toml: fedhead train --config RUN/config.toml repeats the run
-        job = HeadJob(cfg, store, InProcessTransport(cfg, store, device, central_cache))
-        summary, rows = run_job(job, run, opened, progress=progress)
+        return {**run_record(cfg, store, device), "cpu_threads": threads}
+
+    with exclusive_writer(run_dir, f"the run directory {str(run_dir)!r}"), run.interrupted(), run.failed():
+        transport = InProcessTransport(cfg, store, device, central_cache)
+        summary, rows = run_head(cfg, store, transport, run, record, progress=progress)
     return RunResult(run_dir, summary, rows)
+
+
+def run_head(
+    cfg: TrainConfig,
+    store: Features,
+    transport: Transport,
+    run: RunDir,
+    record: Callable[[Opened], dict],
+    *,
+    progress: bool = True,
+) -> tuple[dict, list[dict]]:
+    """The one entry of a head run over any transport (``fedhead train`` and the bench grids in process, the Flower
+    server over its grid): open the run directory (a finished run is reported again), write config.json with
+    ``record(opened)`` and config.toml, and run :class:`HeadJob` through the round loop. Returns the summary and
+    the rows."""
+    opened = run.open()
+    if opened.kind == "finished":
+        return opened.summary, opened.rows
+    with writing(run, run.path / "config.json"):
+        run.prepare(record(opened), opened)
+        write_experiment(run.path, cfg)  # config.toml: fedhead train --config RUN/config.toml repeats the run
+    return run_job(HeadJob(cfg, store, transport), run, opened, progress=progress)

@@ -14,11 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from fedhead.core.compress import Residuals
 from fedhead.core.engine import ScaffoldState
 from fedhead.federation.clients import FeatureStats
+from fedhead.infra.lazy import lazy_module
+
+torch = lazy_module("torch")
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Transport:
     """The interface the loop uses (see the module docstring); the methods below are the defaults."""
 
     name = ""
+    extendable = False  # whether a finished run may continue with more rounds (its clients' state is kept)
     extra_fields: tuple = ()  # columns of rounds.csv after the common ones
 
     def begin(self, seed: int, partition: str, partition_params: dict, saved: FeatureStats | None) -> Census:

@@ -6,7 +6,7 @@ Protocol (message types, all in one run):
            configuration and the server store's fingerprint. The node opens its store, refuses a foreign one,
            and replies with its ``partition-id``, ``num-examples``, class counts and, when the recipe centres
            or scales features, its feature sum (float64 ``[D]``), sum of squared norms and count: the one
-           exchange of feature statistics that :func:`fedhead.federation.train.federated_feature_stats` models.
+           exchange of feature statistics that :func:`fedhead.federation.clients.federated_feature_stats` models.
 ``train``  server -> the round's sampled nodes: the global head ``[C, D+1]`` plus the round, seed, stage and the
            federated mean/scale. The node trains locally and replies with its head, ``num-examples``,
            class holds (for the ``grouped`` aggregator), its mean local loss and its compute time.
@@ -16,7 +16,7 @@ Protocol (message types, all in one run):
            (``scaffold-delta``), or with ``scaffold-lost`` when it no longer holds that version. The ``query``
            reply lists the versions a node holds (``scaffold-tags``).
 ``query.ccvr``  server -> every node, once after the last round (``--calibrate ccvr``): the node replies with
-           :func:`fedhead.federation.train.ccvr_client_stats` of its prepared features as
+           :func:`fedhead.federation.clients.ccvr_client_stats` of its prepared features as
            :meth:`fedhead.core.ccvr.ClassStats.to_bytes` (``ccvr-stats``, uint8).
 
 With ``--secure-aggregation`` (:mod:`fedhead.flower.secure`) the ``query`` reply carries only the partition id,
@@ -34,7 +34,7 @@ from typing import Any
 
 from fedhead.core.closedform import ClientStats, pack_upper, unpack_upper
 from fedhead.federation.config import TrainConfig
-from fedhead.federation.experiment import FIELD_LIST, FIELDS, RUN_OPTIONS, parse_pair, parse_seeds
+from fedhead.federation.experiment import FIELD_LIST, FIELDS, RUN_OPTIONS, parse_pair, parse_seeds, plugin_field
 from fedhead.flower import require_flower  # noqa: F401 - where the Flower modules import it
 from fedhead.infra.errors import FedheadError
 
@@ -47,7 +47,7 @@ MESSAGE_PREFIX = "msg."  # a train reply's arrays: the aggregation rule's messag
 RUN_CONFIG_FIELDS = {f.key: f.name for f in FIELD_LIST if "flower" in f.transports}
 RUN_CONFIG_FIELDS["plugin-params"] = "plugin_params"  # JSON: parameters of a plugin's head or partition
 # keys of the run that are not experiment fields (flags --out, --resume, --round-timeout, --wait-timeout)
-RUN_KEYS = {f.key: f for f in RUN_OPTIONS.values()}
+RUN_KEYS = {f.key: f for f in RUN_OPTIONS.values() if "flower" in f.transports}
 # simulation only: the store every virtual node slices (read by the ClientApp)
 CLIENT_STORE_KEY = "client-feature-store"
 # renamed keys, still accepted (one warning line in the log): old key -> new key
@@ -178,6 +178,13 @@ def config_from_run_config(rc: dict) -> TrainConfig:
             "Use flwr run -c \"features='PATH'\"."
         )
     kw["features"] = str(kw["features"])
+    known = {*RUN_CONFIG_FIELDS, *RUN_KEYS, *OLD_KEYS, *OLD_JSON_KEYS, CLIENT_STORE_KEY}
+    for key, v in rc.items():  # a plugin head's or partition's parameter as its own key (gamma = 1.0)
+        if key in known or v in ("", None):
+            continue
+        f = plugin_field(key.replace("-", "_"))
+        if f is not None:
+            kw.setdefault("plugin_params", {})[f.name] = _coerce(key, f, v)
     return TrainConfig(**kw)
 
 

@@ -59,17 +59,14 @@ from fedhead.core.closedform import StatsAccumulator, is_closed_form  # noqa: E4
 from fedhead.core.compress import keeps_residuals  # noqa: E402
 from fedhead.core.dp import noisy_feature_sums  # noqa: E402
 from fedhead.core.engine import ScaffoldState  # noqa: E402
-from fedhead.core.heads import create_head, resolve_head_params  # noqa: E402
-from fedhead.core.partitions import resolve_partition_params  # noqa: E402
+from fedhead.core.heads import create_head  # noqa: E402
 from fedhead.core.sampling import round_clients  # noqa: E402
 from fedhead.federation.clients import FeatureStats  # noqa: E402
 from fedhead.federation.config import TrainConfig  # noqa: E402
-from fedhead.federation.job import HeadJob  # noqa: E402
-from fedhead.federation.loop import run_job  # noqa: E402
-from fedhead.federation.rundir import RunDir, default_run_dir, write_experiment  # noqa: E402
+from fedhead.federation.rundir import RunDir, default_run_dir  # noqa: E402
 from fedhead.federation.server import ServerUpdate  # noqa: E402
 from fedhead.federation.tracking import require as require_tracker  # noqa: E402
-from fedhead.federation.train import head_run_dir, run_record, validate_method  # noqa: E402
+from fedhead.federation.train import head_run_dir, run_head, run_record  # noqa: E402
 from fedhead.federation.transport import Calibration, Census, Exchange, RoundResult, Transport  # noqa: E402
 from fedhead.flower.common import (  # noqa: E402
     LOG,
@@ -122,10 +119,7 @@ class _Round:
 
 def validate_server_config(cfg: TrainConfig, store: Features) -> TrainConfig:
     """Like :func:`fedhead.federation.train.validate_config`, but the server's store may hold only the test split."""
-    cfg = cfg.resolved()
-    resolve_head_params(cfg.head, **cfg.head_params)
-    resolve_partition_params(cfg.partition, **cfg.partition_params)
-    validate_method(cfg)
+    cfg = cfg.resolved()  # every check of the configuration alone
     require_tracker(cfg.log)
     if cfg.iid_reference:
         raise FedheadError(
@@ -614,7 +608,7 @@ class FedheadStrategy(Strategy, Transport):
             self.lost_variates = f"the rejoined nodes of partitions {lost} no longer hold their control variates"
 
     def combine_stats(self, info: dict) -> FeatureStats:
-        """The server half of :func:`fedhead.federation.train.federated_feature_stats`, in partition order."""
+        """The server half of :func:`fedhead.federation.clients.federated_feature_stats`, in partition order."""
         cfg = self.cfg
         if not cfg.center and cfg.scale == "none":
             return FeatureStats(None, 1.0, 0, 0)
@@ -918,19 +912,17 @@ class FedheadStrategy(Strategy, Transport):
         cfg = self.cfg
         run_dir = Path(st.out) if st.out else default_run_dir(st.runs_root, "flower", cfg.head, cfg.partition)
         run = flower_run_dir(cfg, self.store, run_dir, st.resume)
-        opened = run.open()
-        if opened.kind == "finished":
-            return RunOutcome(run_dir, opened.summary, opened.rows)
-        if opened.kind == "resume":
-            ck = opened.checkpoint
-            LOG.log(
-                INFO, "[fedhead] resuming %s after round %s of seed %s", run_dir, ck["current"]["round"], ck["seed"]
-            )
-        run.prepare({**run_record(cfg, self.store, self.device, "flower"), "flower_version": _flwr_version(),
-                     "round_timeout_s": st.round_timeout}, opened)  # fmt: skip
-        write_experiment(run_dir, cfg)
-        self.summary()
-        summary, rows = run_job(HeadJob(cfg, self.store, self), run, opened, progress=False)
+
+        def record(opened) -> dict:
+            if opened.kind == "resume":
+                ck = opened.checkpoint
+                LOG.log(INFO, "[fedhead] resuming %s after round %s of seed %s", run_dir, ck["current"]["round"],
+                        ck["seed"])  # fmt: skip
+            self.summary()
+            return {**run_record(cfg, self.store, self.device, "flower"), "flower_version": _flwr_version(),
+                    "round_timeout_s": st.round_timeout}  # fmt: skip
+
+        summary, rows = run_head(cfg, self.store, self, run, record, progress=False)
         return RunOutcome(run_dir, summary, rows)
 
 

@@ -44,6 +44,11 @@ def cli_names() -> Iterator[None]:
         _SURFACE.reset(token)
 
 
+def on_cli() -> bool:
+    """Whether a command of the CLI is running (messages name parameters by their flags), not the Python API."""
+    return _SURFACE.get() == "cli"
+
+
 def enter_cli_names() -> Callable[[], None]:
     """:func:`cli_names` without a ``with`` block (a click group's callback); returns the function that leaves it."""
     token = _SURFACE.set("cli")

@@ -25,13 +25,14 @@ from fedhead.federation.api import resolved_run
 from fedhead.federation.config import TrainConfig, load_experiment
 from fedhead.federation.experiment import (
     FIELD_LIST,
-    FIELDS,
     REQUIRED,
     RUN_OPTIONS,
     Field,
     check_transport,
+    field_help,
     parse_pair,
     parse_seeds,
+    plugin_fields,
 )
 from fedhead.infra.errors import FedheadError
 
@@ -40,7 +41,7 @@ UNSET = object()
 
 def help_text(f: Field, default_text: str | None = None) -> str:
     """The field's help, escaped for rich markup, with its unit and default: ``... [default: 50]``."""
-    text = escape(f.help)
+    text = escape(field_help(f))
     if f.unit:
         text += f" ({escape(f.unit)})"
     if tuple(f.transports) == ("flower",):
@@ -173,6 +174,9 @@ def with_experiment_options(
             lead=lead,
         )
     chosen = [f for f in FIELD_LIST if (names is None or f.name in names) and f.name not in exclude]
+    if names is None:  # every field: the parameters of plugins' heads and partitions too (--gamma)
+        chosen += [f for f in _plugin_fields() if f.name not in exclude]
+    table = {f.name: f for f in chosen}
     chosen.sort(key=lambda f: lead.index(f.name) if f.name in lead else len(lead))
     own_defaults = {k: (v if isinstance(v, tuple) else (v, None)) for k, v in (defaults or {}).items()}
     params, aliases = _field_params(chosen, own_defaults, lead)
@@ -198,7 +202,7 @@ def with_experiment_options(
     def wrapper(**kw):
         sources = _sources()
         values = {n: kw.pop(n) for n in names_here}
-        given = {n for n in names_here if (sources[n] if sources is not None else values[n] != FIELDS[n].default)}
+        given = {n for n in names_here if (sources[n] if sources is not None else values[n] != table[n].default)}
         for alias, (f, old) in aliases.items():
             v = kw.pop(alias)
             if v is not None and (sources is None or sources.get(alias)):
@@ -215,6 +219,15 @@ def with_experiment_options(
     if hasattr(wrapper, "__wrapped__"):
         del wrapper.__wrapped__
     return wrapper
+
+
+def _plugin_fields() -> list[Field]:
+    """:func:`~fedhead.federation.experiment.plugin_fields`; a plugin that cannot be loaded costs its flags only
+    (the run that names it gets the one-line error)."""
+    try:
+        return plugin_fields()
+    except FedheadError:
+        return []
 
 
 def _field_params(chosen: list[Field], own_defaults: dict, lead: tuple) -> tuple[list, dict]:
