@@ -306,7 +306,7 @@ class RunDir:
     restart_ok: bool = False
     identity_of: Callable[[dict], dict] | None = None
     overwrite: bool = False
-    overwrite_param: str = "--overwrite"
+    overwrite_param: str | None = None  # the option that replaces a run, where the command has one (train)
     setting_name: Callable[[str], str] = str
 
     def __post_init__(self):
@@ -346,7 +346,9 @@ class RunDir:
         except Interrupted:
             raise  # interrupted(): its own exit code and how to continue
         except FedheadError as exc:
-            if self.resume or not (self.path / "config.json").exists() or "--overwrite" in str(exc):
+            if self.resume or self.overwrite_param is None or not (self.path / "config.json").exists():
+                raise
+            if self.overwrite_param in str(exc):
                 raise
             raise FedheadError(
                 f"{str(exc).rstrip()} The run stopped in {str(self.path)!r}: to retry with other settings add "
@@ -355,6 +357,8 @@ class RunDir:
             ) from None
 
     def _again(self) -> str:
+        if self.overwrite_param is None:
+            return f"Use the same options as the interrupted run, or a new {self.out_param}."
         return (
             f"Use the same options as the interrupted run, or a new {self.out_param}, or "
             f"{self.overwrite_param} to replace that run."
@@ -414,14 +418,15 @@ class RunDir:
                 if self.overwrite:
                     self._check_replaceable()
                     return Opened("fresh", replace=True)
-                again = (
-                    (
+                if self.overwrite_param is None:  # a command without --overwrite (scratch, Flower)
+                    again = f"Use {self.resume_param} to continue that run, or choose another {self.out_param}."
+                elif self._looks_like_run():
+                    again = (
                         f"Use {self.resume_param} to continue that run, {self.overwrite_param} to replace it, or "
                         f"choose another {self.out_param}."
                     )
-                    if self._looks_like_run()
-                    else (f"Choose another {self.out_param}: it is not a run directory.")
-                )
+                else:
+                    again = f"Choose another {self.out_param}: it is not a run directory."
                 raise FedheadError(
                     f"The '{self.out_param}' parameter names {str(self.path)!r}, which already holds files. {again}"
                 )

@@ -237,7 +237,7 @@ def run_training(
     run_dir = Path(out) if out else default_run_dir(runs_root, cfg.head, cfg.partition)
     device = resolve_device(cfg.device)
     run = head_run_dir(cfg, store, run_dir, resume, extendable=None if is_closed_form(cfg.head) else "rounds",
-                       overwrite=overwrite)  # fmt: skip
+                       overwrite=overwrite, overwrite_param="--overwrite")  # fmt: skip
 
     def record(opened: Opened) -> dict:
         threads = None
