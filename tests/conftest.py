@@ -152,9 +152,18 @@ def _names(nodeid: str, entry: str) -> bool:
     return nodeid == entry or nodeid.startswith(entry + "[")
 
 
+# The bad-input table (tests/test_bad_inputs.py, 545 cases, about 30% of the fast tier's time): the fast tier keeps the
+# cases of these commands (train's 151 among them); the other commands' cases run in `make test` only.
+BAD_INPUTS = "tests/test_bad_inputs.py::test_bad_input_is_refused_in_one_line["
+FAST_BAD_INPUTS = ("train: ", "synth: ", "info: ")
+
+
 def slow_reason(nodeid: str, fixtures=()) -> str | None:
-    """Why the test ``nodeid`` (using ``fixtures``) is one of the long ones (SLOW, SLOW_FIXTURES), or None."""
+    """Why the test ``nodeid`` (using ``fixtures``) is one of the long ones (SLOW, SLOW_FIXTURES, the bad-input
+    cases of commands other than FAST_BAD_INPUTS'), or None."""
     reason = next((why for why, entries in SLOW.items() if any(_names(nodeid, e) for e in entries)), None)
+    if reason is None and nodeid.startswith(BAD_INPUTS) and not nodeid[len(BAD_INPUTS) :].startswith(FAST_BAD_INPUTS):
+        reason = "a bad-input case of a command other than train, synth and info (make test runs every one)"
     return reason or next((why for name, why in SLOW_FIXTURES.items() if name in fixtures), None)
 
 
