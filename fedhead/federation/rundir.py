@@ -346,10 +346,8 @@ class RunDir:
         except Interrupted:
             raise  # interrupted(): its own exit code and how to continue
         except FedheadError as exc:
-            if self.resume or self.overwrite_param is None or not (self.path / "config.json").exists():
-                raise
-            if self.overwrite_param in str(exc):
-                raise
+            if self.resume or self.overwrite_param is None or getattr(self, "record", None) is None:
+                raise  # continued, no --overwrite to offer, or failed before prepare() wrote anything
             raise FedheadError(
                 f"{str(exc).rstrip()} The run stopped in {str(self.path)!r}: to retry with other settings add "
                 f"{self.overwrite_param} (or choose another {self.out_param}); with the same settings, "

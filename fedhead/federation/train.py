@@ -85,8 +85,7 @@ def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:
 
 def feature_dim(store: Features) -> int:
     """The store's feature dimension (a stand-in store of :func:`labels_store` records it without features)."""
-    shape = store.info.shapes.get("train/features")
-    return int(shape[1]) if shape is not None and len(shape) == 2 else int(store.train_x.shape[1])
+    return feature_dim_of(store.info) or int(store.train_x.shape[1])
 
 
 def check_dimensions(cfg: TrainConfig, num_classes: int, dim: int) -> None:
@@ -125,6 +124,7 @@ def _validated(cfg: TrainConfig, store: Features | None) -> tuple[TrainConfig, F
 
 
 def feature_dim_of(info: StoreInfo) -> int:
+    """The feature dimension the store's metadata records (0 when it records none)."""
     shape = info.shapes.get("train/features")
     return int(shape[1]) if shape is not None and len(shape) == 2 else 0
 
