@@ -31,6 +31,7 @@ def _registries() -> list[tuple[str, str, list[tuple[str, str, list[str]]]]]:
     from fedhead.core.heads import HEADS
     from fedhead.core.noise import NOISE
     from fedhead.core.partitions import PARTITIONS
+    from fedhead.core.personal import PERSONAL
     from fedhead.core.serveropt import SERVER_OPTIMIZERS, server_optimizer_names
     from fedhead.federation.experiment import RECIPES, flag_of
     from fedhead.federation.methods import METHODS
@@ -67,6 +68,7 @@ def _registries() -> list[tuple[str, str, list[tuple[str, str, list[str]]]]]:
                 for n in server_optimizer_names()
             ],
         ),
+        ("personalisation", "`--personalize`", [(n, s.doc, flags(s.params)) for n, s in PERSONAL.items()]),
         ("recipes", "`--recipe`", [(n, "fills in " + _settings(r), []) for n, r in RECIPES.items()]),
         (
             "methods",

@@ -12,6 +12,8 @@ The Python API (imported on first use, so ``import fedhead`` stays light):
   client sends after local training, and what the server makes of the sum), ``--aggregate NAME``;
 - :func:`register_server_optimizer`, :class:`ServerOptimizer`: a server update of one's own that keeps state
   across rounds (``--server-opt NAME``), checkpointed with the run;
+- :func:`register_personal`, :class:`Personalizer`: a personalisation method of one's own (``--personalize
+  NAME``; its ``how`` says which kind of personal head it makes, docs/personalization.md);
 - :func:`register_method`: a named set of training options for ``fedhead bench baselines``;
 - :func:`load_model`: a run's model (``model-seed<S>.json`` + ``.safetensors``) with scikit-learn's ``classes_``,
   ``predict`` and ``predict_proba`` on features or images (docs/model.md).
@@ -37,6 +39,8 @@ _API = {
     "ServerOptimizer": ("fedhead.core.serveropt", "ServerOptimizer"),
     "load_model": ("fedhead.federation.model", "load_model"),
     "register_server_optimizer": ("fedhead.core.serveropt", "register_server_optimizer"),
+    "register_personal": ("fedhead.core.personal", "register_personal"),
+    "Personalizer": ("fedhead.core.personal", "Personalizer"),
 }
 __all__ = sorted(_API)
 

@@ -29,6 +29,10 @@ from fedhead.infra.files import atomic_write_text, check_out
 
 MODEL_HELP = "a run directory, a model card (model-seed<S>.json) or its .safetensors"
 SEED_HELP = "the seed whose model to use, in a run directory \\[the run's lowest seed]"
+CLIENT_HELP = (
+    "use client K's personal head (model-seed<S>-client<K>.json, written by fedhead train --personalize METHOD "
+    "--personal-models K) instead of the global model \\[the global model]"
+)
 FULL_MATRIX_MAX = 20  # classes up to which the whole confusion matrix is printed; beyond, the largest confusions
 
 
@@ -75,6 +79,21 @@ def _confusion(labels: np.ndarray, pred: np.ndarray, classes) -> "object":
     return t
 
 
+def personal_text(m: Model) -> str:
+    """For a personal model (``--client``): "client K's personal head (METHOD[, beta B])"; else ""."""
+    if m.client is None:
+        return ""
+    beta = (m.card.get("personal") or {}).get("beta")
+    method = str(m.card.get("personalize")) + (f", beta {beta:g}" if isinstance(beta, (int, float)) else "")
+    return f"client {m.client}'s personal head ({method})"
+
+
+def model_text(m: Model) -> str:
+    """What a command says of the model it used: its head and encoder, and which client's personal head it is."""
+    text = f"{m.card['head']['kind']}, {m.card['store'].get('encoder')}"
+    return text + (f"; {personal_text(m)}" if m.client is not None else "")
+
+
 def _from_store(model: Model, store: Path, split: str):
     info = open_store(store, "--features")
     check_store(model, info)
@@ -91,6 +110,7 @@ def _from_store(model: Model, store: Path, split: str):
 def predict_cmd(
     model: Path = typer.Option(..., "--model", help=MODEL_HELP),
     seed: Optional[int] = typer.Option(None, help=SEED_HELP),
+    client: Optional[int] = typer.Option(None, "--client", help=CLIENT_HELP),
     images: Optional[list[Path]] = typer.Option(
         None, "--images", help="image files or folders (DIR/<class>/<file> gives labels); repeat for more"
     ),
@@ -113,7 +133,7 @@ def predict_cmd(
     if batch_size is not None:
         validate("--batch-size", batch_size, Interval(1, None, integer=True))
     check_out(out)
-    m = load_model(model, seed)
+    m = load_model(model, seed, client=client)
     if images:
         sources, labels, x = predict_images(m, images, device=resolve_device(device), batch_size=batch_size)
     else:
@@ -126,7 +146,7 @@ def predict_cmd(
     atomic_write_text(out, buf.getvalue())
     con = stdout_console()
     what = f"{len(rows)} {'images' if images else f'{split} features'}"
-    con.print(f"classified {what} with {m.path} ({m.card['head']['kind']}, {m.card['store'].get('encoder')})")
+    con.print(f"classified {what} with {m.path} ({model_text(m)})", markup=False, highlight=False)
     if labels is not None and len(rows):
         correct = int((pred == labels).sum())
         con.print(f"accuracy {correct / len(rows):.4f} ({correct} of {len(rows)})")
@@ -138,6 +158,7 @@ def predict_cmd(
 def export_cmd(
     model: Path = typer.Option(..., "--model", help=MODEL_HELP),
     seed: Optional[int] = typer.Option(None, help=SEED_HELP),
+    client: Optional[int] = typer.Option(None, "--client", help=CLIENT_HELP),
     format: str = typer.Option("onnx", "--format", help="onnx | torchscript"),
     out: Path = typer.Option(..., "--out", help="the file to write"),
     input_size: Optional[str] = typer.Option(
@@ -148,12 +169,12 @@ def export_cmd(
     preprocessing, feature preparation and head), checked against fedhead's own forward before it is kept."""
     validate("--format", format, OneOf(FORMATS))
     check_out(out)
-    m = load_model(model, seed)
+    m = load_model(model, seed, client=client)
     size = parse_size(input_size, m)
     res = export_model(m, format, out, size)
     check = "onnx.checker and onnxruntime" if format == "onnx" else "torch.jit.load"
     typer.echo(
         f"wrote {out} ({format}: images uint8 [N, {size[0]}, {size[1]}, 3] -> logits, probabilities "
         f"[N, {len(m.classes_)}]; checked with {check}, largest relative difference "
-        f"{res['max_relative_error']:.2g})"
+        f"{res['max_relative_error']:.2g})" + (f"; {personal_text(m)}" if m.client is not None else "")
     )

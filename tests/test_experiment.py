@@ -143,6 +143,8 @@ def _sample(f):
         "log_dir": "tb",
         "early_stop_metric": "loss",
         "on_diverge": "continue",
+        "personalize": "ditto",
+        "personal_models": "0,1",
     }
     if f.name in special:
         return special[f.name]

@@ -495,6 +495,8 @@ def _means(acc: StatsAccumulator) -> tuple[torch.Tensor, torch.Tensor]:
 class NCMHead(ClosedFormHead):
     """FedNCM: L2-normalised class means from per-class sums and counts; cosine scoring (closed form)."""
 
+    log_scores = False  # regression scores / cosines: no log prior can be added (--personalize prior)
+
     def solve(self, acc):
         mu, held = _means(acc)
         rows = torch.zeros_like(mu)
@@ -516,6 +518,8 @@ class NCMHead(ClosedFormHead):
 )
 class RidgeHead(ClosedFormHead):
     """Fed3R: ridge regression on one-hot targets from the clients' Phi^T Phi and Phi^T Y (closed form)."""
+
+    log_scores = False  # regression scores / cosines: no log prior can be added (--personalize prior)
 
     needs_gram = True
     init_scale = 10.0  # measured: ridge's start is too flat for softmax fine-tuning at 1 (docs "Baselines")
@@ -546,6 +550,8 @@ def ridge_solve(acc: StatsAccumulator, lam: float, normalize: bool, flag: str = 
 )
 class COFHead(ClosedFormHead):
     """FedCOF: class covariances estimated from the spread of client class means; ridge-like solve (closed form)."""
+
+    log_scores = False  # regression scores / cosines: no log prior can be added (--personalize prior)
 
     needs_client_means = True
 

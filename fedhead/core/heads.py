@@ -64,6 +64,10 @@ class Head:
         return x @ theta.T.to(x.dtype)
 
     linear = True  # whether theta [C, D+1] acts linearly on x (an exported or --init head must)
+    # whether the scores are log-probabilities up to a per-sample constant (softmax and one-vs-all logits, LDA's and
+    # QDA's log densities), so that adding a log prior is Bayes' rule (--personalize prior); regression scores
+    # (ridge, ncm's cosines) are not
+    log_scores = True
 
     # Optional fast path: ``loss_and_grad(logits, y, mask, ctx) -> (loss [K], d sum(loss) / d logits [K, B, C])``
     # in closed form. The engine uses it when a head defines it and autograd on :meth:`loss` otherwise.
@@ -346,3 +350,18 @@ class FedLCHead(SoftmaxHead):
     def loss_and_grad(self, logits, y, mask, ctx):
         # the shift is a constant: d loss / d logits = d loss / d calibrated logits (softmax's closed form)
         return super().loss_and_grad(logits - self.shift(ctx).to(logits.dtype), y, mask, ctx)
+
+
+@register_head("bsm")
+class BalancedSoftmaxHead(FedLCHead):
+    """Balanced softmax: softmax CE on logits z_j + log n_j, the client's label prior added (FedRoD's generic head).
+
+    Ren et al., NeurIPS 2020; FedRoD (Chen and Chao, ICLR 2022) trains its generic head with it so that the
+    aggregated head estimates the class-balanced posterior. ``n_j`` is the client's local count of class ``j``; an
+    absent class is clamped to ``1e-8`` (as FedLC's counts), so its logit drops by 18.4 and it practically leaves the
+    local softmax. Training only: prediction is the argmax of the raw logits (the balanced posterior).
+    """
+
+    def shift(self, ctx: LossContext) -> torch.Tensor:
+        """``-log max(n_j, 1e-8)`` as ``[K, 1, C]`` (the base class subtracts the shift)."""
+        return -torch.log(ctx.counts.clamp_min(FEDLC_MIN_COUNT))[:, None, :]

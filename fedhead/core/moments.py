@@ -192,6 +192,8 @@ class RandomFeatures:
 class RidgeRFHead(ClosedFormHead):
     """Fed3R's ridge on seeded random ReLU features of the raw features (closed form; not linear in x)."""
 
+    log_scores = False  # regression scores / cosines: no log prior can be added (--personalize prior)
+
     needs_gram = True
     init_capable = False
     linear = False

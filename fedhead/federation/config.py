@@ -31,6 +31,7 @@ from fedhead.core.dp import validate_dp
 from fedhead.core.engine import OptimConfig
 from fedhead.core.heads import HEADS, create_head, resolve_head_params
 from fedhead.core.partitions import PARTITIONS, resolve_partition_params
+from fedhead.core.personal import PERSONAL, create_personalizer
 from fedhead.core.sampling import per_round
 from fedhead.core.serveropt import ServerOptConfig
 from fedhead.federation.experiment import (
@@ -41,6 +42,7 @@ from fedhead.federation.experiment import (
     LOCAL_EPOCHS,
     NOT_IDENTITY,
     PAPER_SEEDS,
+    PERSONAL_MODELS_MAX,
     RECIPES,
     SECURE_MIN_CLIENTS,
     applies,
@@ -49,6 +51,7 @@ from fedhead.federation.experiment import (
     field_help,
     is_given,
     only_applicable,
+    parse_client_ids,
     parse_pair,
     parse_seeds,
     plugin_field,
@@ -147,6 +150,15 @@ class _Config:
     @partition_params.setter
     def partition_params(self, params: dict) -> None:
         self._set_group("partition", params)
+
+    @property
+    def personal_params(self) -> dict:
+        """The personalisation method's parameters given (personal_epochs, personal_lambda, ...; None: the
+        method's default)."""
+        names = {p.name for spec in PERSONAL.values() for p in spec.params}
+        got = {n: getattr(self, n) for n in sorted(names) if n in FIELDS and getattr(self, n) is not None}
+        got.update({k: v for k, v in self.plugin_params.items() if k in names and v is not None})  # a plugin's
+        return got
 
     @property
     def head_params(self) -> dict:
@@ -284,6 +296,67 @@ def _secure_statistics(cfg, name: str) -> None:
         )
 
 
+def check_personal(cfg) -> None:
+    """``--personalize`` against the head, its statistics and secure aggregation (read off the method's class), and
+    ``--personal-models``' clients against --clients."""
+    method = create_personalizer(cfg.personalize, **cfg.personal_params)
+    name = cfg.personalize
+    if method.needs_hidden:
+        raise FedheadError(
+            f"The '--personalize' parameter {name} needs a head with a hidden layer (a shared layer and a personal "
+            f"one), and fedhead's heads are linear on the frozen features. Got --head {cfg.head}. Use --personalize "
+            f"{method.instead} instead."
+        )
+    head = create_head(cfg.head, **cfg.head_params)
+    if method.needs_linear and not head.linear:
+        raise FedheadError(
+            f"The '--personalize' parameter {name} trains a personal linear head from the global one, but --head "
+            f"{cfg.head} is not linear in the features. Use --personalize prior, or a linear head (ridge, lda, ova2)."
+        )
+    if method.needs_log_scores and not head.log_scores:
+        raise FedheadError(
+            f"The '--personalize' parameter {name} adds the log label prior to the head's scores, but --head "
+            f"{cfg.head} scores are not log-probabilities. Use --head lda, qda, softmax or ova2, or --personalize "
+            "closed-form or finetune."
+        )
+    if method.generic_head and cfg.head != method.generic_head:
+        raise FedheadError(
+            f"The '--personalize' parameter {name} pairs its personal heads with a generic head trained with "
+            f"--head {method.generic_head}. Got --head {cfg.head}. Add --head {method.generic_head}."
+        )
+    if method.needs_statistics:
+        solver = cfg.head if is_closed_form(cfg.head) else cfg.init
+        if solver is None:
+            raise FedheadError(
+                f"The '--personalize' parameter {name} solves each client's statistics with the global ones, but "
+                f"--head {cfg.head} exchanges none. Use a closed-form head (--head ridge, lda, ...) or add --init ridge."
+            )
+        if create_head(solver, **cfg.head_params).needs_client_means:
+            raise FedheadError(
+                f"The '--personalize' parameter {name} cannot mix a client's statistics into {solver}'s (its solve "
+                "reads the spread of the clients' class means). Use --head ridge or lda."
+            )
+    if cfg.secure_aggregation:
+        raise FedheadError(
+            f"The '--personalize' parameter {name} cannot be combined with --secure-aggregation: the per-client "
+            "metrics would reach the server one by one. Drop one of them."
+        )
+    if cfg.personal_models is not None:  # model files of one head each, held in memory until the run writes them
+        ids = parse_client_ids(cfg.personal_models)
+        n = cfg.clients if ids == "all" else len(ids)
+        if n > PERSONAL_MODELS_MAX:
+            raise FedheadError(
+                f"The '--personal-models' parameter {cfg.personal_models} would write {n:,} personal models per seed "
+                f"(one head each, held in memory until the run writes them), more than {PERSONAL_MODELS_MAX:,}. Got "
+                f"it with --clients {cfg.clients}. List the clients whose models you need, e.g. --personal-models 0,1,2."
+            )
+        if ids != "all" and ids[-1] >= cfg.clients:
+            raise FedheadError(
+                f"The '--personal-models' parameter names client {ids[-1]}, but the run has --clients {cfg.clients} "
+                f"(ids 0 to {cfg.clients - 1}). Got {cfg.personal_models} instead. Name clients below {cfg.clients}."
+            )
+
+
 def check_method(cfg) -> None:
     """The method options (closed form, --init, FedProx, SCAFFOLD, server optimiser, CCVR) against the head, and
     the head's and partition's parameters against their declarations (part of :meth:`TrainConfig.resolved`); a
@@ -340,6 +413,8 @@ def check_method(cfg) -> None:
     if cfg.init is not None:
         resolve_head_params(cfg.init, **cfg.head_params)
         _secure_statistics(cfg, cfg.init)
+    if cfg.personalize is not None:
+        check_personal(cfg)
     if cfg.server_opt != "fedavg" or any(
         v is not None for v in (cfg.server_lr, cfg.server_momentum, cfg.server_betas, cfg.server_tau)
     ):

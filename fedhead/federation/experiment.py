@@ -28,6 +28,7 @@ defaults and resolved configurations never trip it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ from fedhead.core.engine import BACKENDS
 from fedhead.core.heads import HEADS
 from fedhead.core.noise import ASYM_RULES, NOISE
 from fedhead.core.partitions import PARTITIONS
+from fedhead.core.personal import PERSONAL
 from fedhead.core.plugins import load_plugins
 from fedhead.core.serveropt import SERVER_OPTIMIZERS, server_optimizer_names
 from fedhead.federation.tracking import TRACKERS
@@ -72,16 +74,17 @@ RECIPES: dict[str, dict] = {
 }
 
 # the help panels, in the order --help shows them
-DATA, HEAD, LOCAL, SERVER, NOISE_GROUP, PRIVACY, RUN = (
+DATA, HEAD, LOCAL, SERVER, NOISE_GROUP, PRIVACY, PERSONAL_GROUP, RUN = (
     "Data and clients",
     "Head",
     "Local training",
     "Server and aggregation",
     "Label noise",
     "Privacy",
+    "Personalisation",
     "Run and output",
 )
-GROUPS = (DATA, HEAD, LOCAL, SERVER, NOISE_GROUP, PRIVACY, RUN)
+GROUPS = (DATA, HEAD, LOCAL, SERVER, NOISE_GROUP, PRIVACY, PERSONAL_GROUP, RUN)
 TRANSPORTS = ("in-process", "flower")  # fedhead train (and the bench grids) | fedhead flower simulate / superlink
 REQUIRED = object()  # the default of a field that has none (features)
 
@@ -106,6 +109,7 @@ _REGISTRIES = {
     "aggregate": (aggregator_names, "aggregator"),
     "server-opt": (server_optimizer_names, "server optimiser"),
     "noise": (lambda: list(NOISE), "noise kind"),
+    "personalize": (lambda: list(PERSONAL), "personalisation method"),
 }
 
 
@@ -129,6 +133,17 @@ class Names:
     @property
     def what(self) -> str:
         return _REGISTRIES[self.registry][1]
+
+
+@dataclass(frozen=True)
+class ClientIds:
+    """Client ids as ``0,2,5`` (integers >= 0, each once) or ``all`` (--personal-models)."""
+
+    def ok(self, v: Any) -> bool:
+        return parse_client_ids(v) is not None
+
+    def describe(self) -> str:
+        return "must be client ids >= 0 separated by commas (each once), or all, e.g. 0,2"
 
 
 @dataclass(frozen=True)
@@ -287,6 +302,18 @@ def _show(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:g}"
     return str(v)
+
+
+def _personal_fields() -> list[Field]:
+    """The personalisation methods' parameters (:mod:`fedhead.core.personal`) as plain fields that apply where
+    ``--personalize`` names a method declaring them."""
+    shown = {"personal_lr": "the run's --lr", "personal_beta": "chosen per client on its validation part"}
+    return [
+        dataclasses.replace(
+            f, kind="", default_text=shown.get(f.name, f.default_text), type=float if f.name in shown else f.type
+        )
+        for f in _registry_fields(PERSONAL, "personalize", PERSONAL_GROUP)
+    ]
 
 
 def _registry_fields(registry: dict, kind: str, group: str) -> list[Field]:
@@ -854,6 +881,44 @@ FIELD_LIST: list[Field] = [
         constraint=_COUNT,
         applies=_IT,
     ),
+    # ---- personalisation
+    Field(
+        "personalize",
+        str,
+        None,
+        "after the rounds, give every client its own head and score it on the client's local test set (FedABC's "
+        "protocol: pfl_accuracy, per-client gain over the global head, drift): none (the global head) | prior | "
+        "finetune | ditto | apfl | fedrod (--head bsm) | fedabc | local | closed-form (ridge, lda, ...: needs the "
+        "statistics of a closed-form head or --init); fedper | fedrep | lg need a hidden layer (refused)",
+        PERSONAL_GROUP,
+        constraint=Names("personalize"),
+        default_text="off",
+    ),
+    *_personal_fields(),
+    Field(
+        "personal_drift",
+        int,
+        None,
+        "test samples per class of the class-balanced drift set every personal head is also scored on (FedABC's "
+        "drift measure, drift_accuracy); 0: none",
+        PERSONAL_GROUP,
+        constraint=Interval(0, None, integer=True),
+        applies=(When("personalize", lambda: tuple(PERSONAL)),),
+        default_text="1000 / classes, at least 1",
+    ),
+    Field(
+        "personal_models",
+        str,
+        None,
+        "write the personal heads of these clients as model files model-seed<S>-client<K>.json (+ .safetensors), "
+        "for fedhead predict / export --client K and fedhead.load_model(run, client=K): client ids as 0,2,5, or "
+        "all (at most 1,000 clients)",
+        PERSONAL_GROUP,
+        constraint=ClientIds(),
+        applies=(When("personalize", lambda: tuple(PERSONAL)),),
+        default_text="none",
+        transports=("in-process",),  # on Flower each node keeps its personal head: the server never sees one
+    ),
     # where the rows go besides rounds.csv (not part of a run's identity: a resume may change them)
     Field(
         "plots",
@@ -944,7 +1009,8 @@ def plugin_fields() -> list[Field]:
     run-config key like a built-in head's, kept in ``TrainConfig.plugin_params``. Loads the plugins first."""
     load_plugins()
     out = []
-    for registry, kind, group in ((HEADS, "head", HEAD), (PARTITIONS, "partition", DATA)):
+    for registry, kind, group in ((HEADS, "head", HEAD), (PARTITIONS, "partition", DATA),
+                                  (PERSONAL, "personalize", PERSONAL_GROUP)):  # fmt: skip
         owners: dict[str, list[tuple[str, Param]]] = {}
         for name, spec in registry.items():
             for p in spec.params:
@@ -972,6 +1038,24 @@ python_api = python_names(field_names)
 
 
 # ---------------------------------------------------------------- values
+
+
+PERSONAL_MODELS_MAX = 1000  # --personal-models: most clients whose personal heads a run writes (per seed)
+
+
+def parse_client_ids(v: Any) -> list[int] | str | None:
+    """``0,2,5`` as the list of ids (ascending), ``all`` as "all", anything else (a negative or repeated id, not
+    text) as None."""
+    if not isinstance(v, str):
+        return None
+    text = v.replace(" ", "")
+    if text.lower() == "all":
+        return "all"
+    parts = text.split(",")
+    if not text or not all(t.isdigit() and t.isascii() for t in parts):
+        return None
+    ids = [int(t) for t in parts]
+    return sorted(ids) if len(set(ids)) == len(ids) else None
 
 
 def parse_pair(v: Any) -> tuple | None:
@@ -1122,13 +1206,15 @@ def check_given(raw, resolved) -> None:
     for key in getattr(raw, "plugin_params", {}) or {}:
         owners = [n for n, s in HEADS.items() if any(p.name == key for p in s.params)]
         powners = [n for n, s in PARTITIONS.items() if any(p.name == key for p in s.params)]
-        if not owners and not powners:
+        mowners = [n for n, s in PERSONAL.items() if any(p.name == key for p in s.params)]
+        if not owners and not powners and not mowners:
             raise FedheadError(
-                f"The '{key}' parameter is not declared by any registered head or partition. Got it in "
-                "plugin_params. Drop it, or register the head that takes it (FEDHEAD_PLUGINS)."
+                f"The '{key}' parameter is not declared by any registered head, partition or personalisation "
+                "method. Got it in plugin_params. Drop it, or register the one that takes it (FEDHEAD_PLUGINS)."
             )
-        if resolved.head not in owners and resolved.init not in owners and resolved.partition not in powners:
-            whom = " | ".join(owners + powners)
+        chosen = resolved.head in owners or resolved.init in owners or resolved.partition in powners
+        if not chosen and resolved.personalize not in mowners:
+            whom = " | ".join(owners + powners + mowners)
             raise FedheadError(
                 f"The '{key}' parameter applies to {whom} only. Got --head {resolved.head} and --partition "
                 f"{resolved.partition}. Drop it or use {whom}."

@@ -22,6 +22,7 @@ from fedhead.core.compress import Residuals
 from fedhead.core.dp import feature_clip
 from fedhead.core.engine import ClientSet, Engine, LocalConfig, OptimConfig, ScaffoldState, accuracy_and_loss
 from fedhead.core.heads import create_head, resolve_head_params
+from fedhead.core.personalize import ClientData, Setting, personal_heads, personalize_clients
 from fedhead.federation.clients import (
     FeatureStats,
     Federation,
@@ -31,7 +32,7 @@ from fedhead.federation.clients import (
     with_ones,
 )
 from fedhead.federation.config import TrainConfig
-from fedhead.federation.transport import Calibration, Census, Exchange, RoundResult, Transport
+from fedhead.federation.transport import Calibration, Census, Exchange, PersonalTest, RoundResult, Transport
 from fedhead.infra.console import stderr_console
 from fedhead.infra.devices import available_memory
 from fedhead.infra.errors import FedheadError
@@ -152,6 +153,36 @@ class InProcessTransport(Transport):
                 up += cs.nbytes()
                 pooled.add(cs)
         return Calibration(pooled, up, time.perf_counter() - t0)
+
+    def _personal_data(self, method, test, seed: int, rnd: int) -> tuple[ClientData, Setting]:
+        """Every client of the federation as personalisation reads them, and the run's side (one construction for
+        :meth:`personalize` and :meth:`personal_heads`)."""
+        cfg, fed = self.cfg, self.fed
+        test = test if test is not None else PersonalTest(None, None, None, np.zeros(0, dtype=np.int64))  # no scoring
+        data = ClientData(
+            x=self.x, labels=self.labels, parts=fed.parts, val_parts=fed.val_parts, counts=fed.counts,
+            totals=fed.counts.sum(0), test_x=test.x, test_y=test.y, tests=test.tests, drift=test.drift,
+            raw=self.raw_train if method.needs_statistics else None,
+            raw_test=torch.as_tensor(self.store.test_x, dtype=torch.float32) if method.needs_statistics else None,
+            ids=list(range(len(fed.parts))),
+        )  # fmt: skip
+        setting = Setting(cfg.head, cfg.head_params, self.optim, cfg.batch_size, cfg.backend, cfg.memory_budget_mb,
+                          seed, rnd)  # fmt: skip
+        return data, setting
+
+    def personalize(self, method, theta: torch.Tensor, scorer, seed: int, rnd: int, test, statistics=None,
+                    solver=None, progress=None):  # fmt: skip
+        """Every client of the federation, block by block (:func:`fedhead.core.personalize.personalize_clients`)."""
+        data, setting = self._personal_data(method, test, seed, rnd)
+        note = lambda m: stderr_console().print(m, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
+        return personalize_clients(method, theta, data, setting, scorer, statistics, solver, progress, note)
+
+    def personal_heads(self, method, theta: torch.Tensor, seed: int, rnd: int, clients: list, statistics=None,
+                       solver=None, beta=None) -> dict:  # fmt: skip
+        """The personal heads of ``clients`` (:func:`fedhead.core.personalize.personal_heads`), from the same
+        clients' data as :meth:`personalize`."""
+        data, setting = self._personal_data(method, None, seed, rnd)
+        return personal_heads(method, theta, data, setting, list(clients), statistics, solver, beta)
 
     def central(self, head, seed: int) -> dict | None:
         """The tuned ceiling (:func:`fedhead.core.central.tuned_ceiling`) on the pooled training parts (the

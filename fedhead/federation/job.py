@@ -32,25 +32,33 @@ from fedhead.core.clientacc import (
     sample_correct,
     unseen_summary,
 )
-from fedhead.core.closedform import is_closed_form
+from fedhead.core.closedform import is_closed_form, to_prepared
 from fedhead.core.compress import keeps_residuals
 from fedhead.core.dp import enabled as dp_enabled
 from fedhead.core.dp import epsilon_schedule
 from fedhead.core.engine import evaluate as overall_accuracy
 from fedhead.core.heads import HEADS, create_head
+from fedhead.core.personal import (
+    PERSONAL_FIELDS,
+    balanced_test_set,
+    create_personalizer,
+    drift_per_class,
+    personal_summary,
+)
 from fedhead.core.sampling import round_clients
 from fedhead.federation import rundir
 from fedhead.federation.clients import FeatureStats, prepare
 from fedhead.federation.config import TrainConfig
+from fedhead.federation.experiment import parse_client_ids
 from fedhead.federation.loop import Job, writing
 from fedhead.federation.model import model_stem, write_model
 from fedhead.federation.outputs import SECURE_NOTE, RunReport
 from fedhead.federation.rundir import ROUND_FIELDS, RunDir
 from fedhead.federation.server import ServerUpdate, ccvr_calibrate, solve_statistics, statistics_row
 from fedhead.federation.summary import ceiling_note, summarize, with_ratios
-from fedhead.federation.transport import Census, Transport
-from fedhead.infra.console import stderr_console
-from fedhead.infra.devices import resolve_device
+from fedhead.federation.transport import Census, PersonalTest, Transport
+from fedhead.infra.console import make_progress, stderr_console
+from fedhead.infra.devices import available_memory, resolve_device
 from fedhead.infra.errors import FedheadError
 from fedhead.infra.files import atomic_torch_save
 from fedhead.infra.lazy import lazy_module
@@ -124,7 +132,11 @@ class HeadJob(Job):
         self.rounds = 1 if closed else cfg.rounds
         self.scorer = None if self.head.linear else self.head  # qda, ridge-rf: scores not linear in the features
         self.privacy = epsilon_schedule(cfg, self.rounds)  # DP: epsilon per round ({} without DP)
+        self.personal = create_personalizer(cfg.personalize, **cfg.personal_params) if cfg.personalize else None
         self.fields = ROUND_FIELDS + list(VAL_FIELDS) + list(transport.extra_fields)
+        if self.personal is not None:
+            self.fields += list(PERSONAL_FIELDS)
+        self.global_acc = None  # the summed statistics of round 1 (closed-form personal heads)
         self.extendable = not closed and transport.extendable
         self.y_test = torch.as_tensor(store.test_y, device=self.device)
         self.test_totals = np.bincount(store.test_y, minlength=store.info.num_classes)[: store.info.num_classes]
@@ -158,9 +170,10 @@ class HeadJob(Job):
         # --client-test: each client's local test set drawn from the test split in its training label proportions
         self.local = (
             local_test_sets(np.asarray(counts), self.store.test_y, seed)
-            if counts is not None and cfg.client_test
+            if counts is not None and (cfg.client_test or self.personal is not None)
             else None
         )
+        self.global_acc = None
         # --eval-unseen-clients: which clients a round has sampled so far (None: not asked for, or no label counts)
         self.trained = np.zeros(len(counts), dtype=bool) if counts is not None and cfg.eval_unseen_clients else None
         self.stats = census.stats
@@ -243,6 +256,8 @@ class HeadJob(Job):
         t0 = time.perf_counter()
         self.theta = solve_statistics(self.solver, ex.acc, self.cfg, self.stats, self.device, seed=seed)
         chosen = self._select_on_val(ex.acc) if is_closed_form(self.cfg.head) else {}
+        if self.personal is not None and self.personal.needs_statistics:
+            self.global_acc = ex.acc  # with DP: the noisy sums, as the server solved them
         if is_closed_form(self.cfg.head):  # the solved head goes down: qda's and ridge-rf's are not [C, D+1]
             self.head_bytes = self.theta.numel() * self.theta.element_size()
         server_s = ex.server_s + time.perf_counter() - t0
@@ -363,7 +378,82 @@ class HeadJob(Job):
                 self.central[str(seed)] = found
         correct = int(round(evaluate(self.theta, self.xt, self.y_test, head=self.scorer) * len(self.y_test)))
         kept = {"head": self.theta.detach().cpu().clone(), "stats": _stats_state(self.stats), "correct": correct}
+        if self.personal is not None and name == "main" and self.local is not None:
+            got, kept["personal"], models = self._personalize(seed)
+            (extra[-1] if extra else rows[-1]).update(got)  # the row of the head the clients start from
+            if models:  # --personal-models: the listed clients' heads, written by finish
+                kept["personal_models"] = models
         return extra, kept
+
+    def _personalize(self, seed: int) -> tuple[dict, dict, dict]:
+        """``--personalize``: every client's personal head from the final global head, scored on its local test set
+        and the drift set; returns the row fields (:data:`PERSONAL_FIELDS`), the per-client counts and the personal
+        heads of the clients ``--personal-models`` lists (:meth:`_personal_models`)."""
+        cfg, C = self.cfg, self.store.info.num_classes
+        per_class = drift_per_class(cfg.personal_drift, C, cfg.clients)
+        if not per_class and cfg.personal_drift is None:
+            stderr_console().print(
+                f"note: no drift measure by default at {cfg.clients:,} clients x {C:,} classes (each client's head "
+                "scored on every class); --personal-drift 1 asks for it.", markup=False, highlight=False, soft_wrap=True,
+            )  # fmt: skip
+        drift = balanced_test_set(self.store.test_y, per_class, seed) if per_class else np.zeros(0, dtype=np.int64)
+        statistics = solver = None
+        if self.personal.needs_statistics:
+            statistics = self.global_acc
+            if statistics is None:  # resumed after round 1: the exchange again (deterministic, keyed by seed)
+                statistics = self.transport.statistics(round_clients(cfg, seed, 1), self.solver, seed).acc
+                solve_statistics(self.solver, statistics, cfg, self.stats, self.device, seed=seed)  # DP noise again
+                if is_closed_form(cfg.head):
+                    self._select_on_val(statistics)  # the same choice as before (self.chosen)
+            name = cfg.head if is_closed_form(cfg.head) else cfg.init
+            solver = create_head(name, **{**cfg.head_params, **self.chosen})
+        test = PersonalTest(self.xt, self.y_test, self.local, drift)
+        with make_progress() as prog:
+            task = prog.add_task(f"personalize {self.personal.name}", total=cfg.clients, info="")
+            got = self.transport.personalize(
+                self.personal, self.theta, self.scorer, seed, self.rounds, test, statistics, solver,
+                progress=lambda n: prog.advance(task, n),
+            )  # fmt: skip
+        fields = personal_summary(got.sizes, got.correct, got.correct_global, got.drift, got.drift_global,
+                                  got.drift_size, got.seconds)  # fmt: skip
+        per_client = {"sizes": got.sizes, "correct": got.correct, "correct_global": got.correct_global,
+                      "drift": got.drift, "drift_size": got.drift_size, "beta": got.beta}  # fmt: skip
+        return fields, per_client, self._personal_models(seed, statistics, solver, got.beta)
+
+    def _personal_models(self, seed: int, statistics, solver, beta) -> dict:
+        """``--personal-models``: the listed clients' personal heads (the ones :meth:`_personalize` scored), on the
+        CPU and on the run's prepared features (a closed-form personal head is solved on raw features): ``{k:
+        {"theta": head, "shift": a qda head's log-prior [C] or None}}``; {} when none is asked for."""
+        cfg = self.cfg
+        ids = parse_client_ids(cfg.personal_models) if cfg.personal_models is not None else None
+        if not ids:
+            return {}
+        ids = list(range(cfg.clients)) if ids == "all" else ids
+        need, free = len(ids) * len(cfg.seeds) * self.theta.numel() * 8, available_memory()
+        if free is not None and need > free:
+            raise FedheadError(
+                f"The '--personal-models' parameter {cfg.personal_models} keeps {len(ids):,} personal heads x "
+                f"{len(cfg.seeds)} seeds in memory until the run writes them ({need / 1e9:.1f} GB), but this machine "
+                f"has {free / 1e9:.1f} GB free. List fewer clients, e.g. --personal-models 0,1,2."
+            )
+        try:
+            heads = self.transport.personal_heads(self.personal, self.theta, seed, self.rounds, ids, statistics,
+                                                  solver, beta)  # fmt: skip
+        except NotImplementedError:
+            raise FedheadError(
+                f"The '--personal-models' option needs the clients' personal heads, and the {self.transport.name} "
+                "transport keeps each on its client (only counts come back). Got --personal-models "
+                f"{cfg.personal_models}. Drop it, or run with fedhead train (in process)."
+            ) from None
+        raw = self.personal.needs_statistics and (self.stats.mean is not None or self.stats.scale != 1.0)
+        out = {}
+        for k in ids:
+            theta, shift = heads[k] if isinstance(heads[k], tuple) else (heads[k], None)
+            theta = theta.detach().cpu()
+            if raw and theta.ndim == 2:  # --init's closed form on raw features: the same scores on prepared ones
+                theta = to_prepared(theta, self.stats.mean, self.stats.scale)
+            out[int(k)] = {"theta": theta.clone(), "shift": None if shift is None else shift.detach().cpu().clone()}
+        return out
 
     # ---------------------------------------------------------------- the run
 
@@ -400,13 +490,25 @@ class HeadJob(Job):
         if self.client_rows:  # none with secure aggregation: the server never sees a client's counts
             with writing(run, run.path / "clients.csv"):
                 rundir.write_clients_per_seed(run.path, self.client_rows)
+        personal = [(d["unit"][0], d["personal"]) for d in done if "personal" in d]
+        if personal:
+            with writing(run, run.path / PERSONAL_CSV):
+                write_personal(run.path / PERSONAL_CSV, personal, self.personal.name)
+        for d in done:  # --personal-models: model-seed<S>-client<K>.json + .safetensors
+            for k, m in sorted(d.get("personal_models", {}).items()):
+                seed = d["unit"][0]
+                card = run.path / (model_stem(seed, client=k) + ".json")
+                metrics, personal_card = personal_model_card(d["personal"], k, self.personal)
+                with writing(run, card):
+                    write_model(run.path, (seed, "main"), m["theta"], _stats_of(d["stats"]), self.cfg, self.store,
+                                metrics, client=k, personal=personal_card, shift=m["shift"])  # fmt: skip
         with writing(run, run.path / "summary.json"):
             rundir.write_summary(run.path, summary)
         return summary
 
     def report(self, done: list, summary: dict) -> RunReport:
         """The plots' and trackers' data: the first seed's label counts (none with secure aggregation: the server
-        never sees them), the central ceiling, the configuration."""
+        never sees them), the central ceiling, the configuration, each seed's per-client gains of --personalize."""
         cfg = self.cfg
         first = [r for r in self.client_rows if r["seed"] == cfg.seeds[0]] or self.client_rows
         counts = np.asarray(first[0]["counts"]) if first else None
@@ -422,6 +524,8 @@ class HeadJob(Job):
             labels=list(self.store.info.class_names),
             note=note,
             params=cfg.to_dict(),
+            gains=[(d["unit"][0], personal_gains(d["personal"])) for d in done if "personal" in d],
+            personalize=cfg.personalize or "",
         )
 
 
@@ -459,6 +563,56 @@ def _dense_counts(row: dict) -> dict:
     k, c, v = row["nonzero"]
     counts[k, c] = v
     return {"seed": row["seed"], "sizes": row["sizes"], "counts": counts}
+
+
+PERSONAL_CSV = "personal.csv"
+PERSONAL_COLUMNS = ["seed", "client", "method", "test_samples", "global_correct", "personal_correct",
+                    "global_accuracy", "personal_accuracy", "gain", "drift_accuracy", "beta"]  # fmt: skip
+
+
+def write_personal(path: Path, per_seed: list, method: str) -> None:
+    """personal.csv: one row per seed and client with a local test set: its local test size, the correct
+    predictions and accuracies of the global and of its personal head there, the gain, the personal head's accuracy
+    on the drift set, and the closed-form head's beta (empty for other methods)."""
+    rows = []
+    for seed, p in per_seed:
+        sizes = np.asarray(p["sizes"])
+        for k in np.flatnonzero(sizes > 0).tolist():
+            n, cp, cg = int(sizes[k]), int(p["correct"][k]), int(p["correct_global"][k])
+            ds = int(p["drift_size"])
+            b = float(p["beta"][k])
+            rows.append({"seed": seed, "client": k, "method": method, "test_samples": n, "global_correct": cg,
+                         "personal_correct": cp, "global_accuracy": cg / n, "personal_accuracy": cp / n,
+                         "gain": (cp - cg) / n, "drift_accuracy": int(p["drift"][k]) / ds if ds else "",
+                         "beta": b if b == b else ""})  # fmt: skip
+    rundir.write_csv(path, rows, PERSONAL_COLUMNS)
+
+
+def personal_gains(p: dict) -> np.ndarray:
+    """Each client's gain of its personal head over the global head on its local test set (personal.csv's
+    ``gain``), for the clients that have one, in client order."""
+    sizes = np.asarray(p["sizes"], dtype=np.int64)
+    has = sizes > 0
+    diff = np.asarray(p["correct"], dtype=np.int64)[has] - np.asarray(p["correct_global"], dtype=np.int64)[has]
+    return diff / sizes[has]
+
+
+def personal_model_card(p: dict, k: int, method) -> tuple[dict, dict]:
+    """Client ``k``'s personal model's ``metrics`` (its head and the global head on the client's local test set, as
+    personal.csv has them, and on the drift set) and its card's ``personal`` entry (method, parameters, the
+    closed-form beta), from the unit's per-client counts ``p`` (:meth:`HeadJob._personalize`)."""
+    n, cp, cg = int(p["sizes"][k]), int(p["correct"][k]), int(p["correct_global"][k])
+    ds = int(p["drift_size"])
+    metrics = {"local_test_samples": n, "local_test_correct": cp, "global_local_test_correct": cg,
+               "local_test_accuracy": cp / n if n else None, "global_local_test_accuracy": cg / n if n else None,
+               "gain": (cp - cg) / n if n else None, "drift_accuracy": int(p["drift"][k]) / ds if ds else None,
+               "drift_samples": ds}  # fmt: skip
+    card = {"method": method.name, "params": dict(method.params),
+            "scored_on": "the client's local test set: test samples drawn in its training label proportions"}  # fmt: skip
+    b = float(p["beta"][k])
+    if b == b:  # closed-form: the beta the client chose on its validation part (or the one given)
+        card["beta"] = b
+    return metrics, card
 
 
 def head_path(run_dir: Path, seed: int, name: str = "main") -> Path:

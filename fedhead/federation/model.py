@@ -50,14 +50,21 @@ torch = lazy_module("torch")
 MODEL_FORMAT = "fedhead-model"
 MODEL_FORMAT_VERSION = 1
 MAX_CARD_BYTES = 16 << 20  # a card is a few kB (tens of MB would be a million class names)
-TENSORS = ("weight", "bias", "feature_mean", "quadratic")
+TENSORS = ("weight", "bias", "feature_mean", "quadratic", "logit_shift")
 STORE_KEYS = ("encoder", "encoder_family", "weights_source", "weights_sha256", "preprocessing", "image_size",
               "precision", "batch_size", "cpu_threads", "dataset", "dataset_loader")  # fmt: skip
 
 
-def model_stem(seed: int, name: str = "main") -> str:
-    """``model-seed<S>`` (``-iid`` for the IID reference): the files' name without suffix."""
+def model_stem(seed: int, name: str = "main", client: int | None = None) -> str:
+    """``model-seed<S>`` (``-iid`` for the IID reference, ``-client<K>`` for client K's personal head,
+    ``--personal-models``): the files' name without suffix."""
+    if client is not None:
+        return f"model-seed{seed}-client{int(client)}"
     return f"model-seed{seed}" if name == "main" else f"model-seed{seed}-iid"
+
+
+GLOBAL_CARD = re.compile(r"model-seed(\d+)(-iid)?\.json")  # a run's global models' cards (not a client's)
+CLIENT_CARD = re.compile(r"model-seed(\d+)-client(\d+)\.json")  # client K's personal model (--personal-models)
 
 
 def probability_kind(head: str) -> str:
@@ -84,13 +91,19 @@ def _store_card(store: Features) -> dict:
 
 
 def write_model(run_dir: Path, unit: tuple, theta: torch.Tensor, stats: FeatureStats, cfg: TrainConfig,
-                store: Features, metrics: dict) -> Path:  # fmt: skip
+                store: Features, metrics: dict, client: int | None = None, personal: dict | None = None,
+                shift: torch.Tensor | None = None) -> Path:  # fmt: skip
     """Write ``model-seed<S>[-iid].safetensors`` and its card ``.json`` (both atomically, the card last) for the
-    head ``theta [C, D+1]`` the run evaluated on features prepared with ``stats``; returns the card's path."""
+    head ``theta [C, D+1]`` the run evaluated on features prepared with ``stats``; returns the card's path.
+
+    ``client``: client K's personal head instead (``--personal-models``): ``model-seed<S>-client<K>``, whose card
+    also says ``client``, ``personalize`` (the method) and ``personal`` (its parameters, the closed-form beta);
+    ``metrics`` are then its scores on the client's local test set. ``shift`` [C]: a log-prior added to the scores
+    of a head that is not linear in the features (``--personalize prior`` on qda; a linear head's is in its bias)."""
     from safetensors.torch import save_file
 
     seed, name = unit
-    stem = Path(run_dir) / model_stem(seed, name)
+    stem = Path(run_dir) / model_stem(seed, name, client)
     if theta.ndim == 3:  # qda: one quadratic form [D+1, D+1] per class, float64
         tensors = {"quadratic": theta.detach().to("cpu", torch.float64).contiguous()}
     else:  # ridge-rf: weight [C, F] on the random features the card's head parameters draw again
@@ -98,6 +111,8 @@ def write_model(run_dir: Path, unit: tuple, theta: torch.Tensor, stats: FeatureS
         tensors = {"weight": theta[:, :-1].contiguous(), "bias": theta[:, -1].contiguous()}
     if stats.mean is not None:
         tensors["feature_mean"] = torch.as_tensor(stats.mean, dtype=torch.float32).contiguous()
+    if shift is not None:
+        tensors["logit_shift"] = torch.as_tensor(shift).detach().to("cpu", torch.float32).contiguous()
     weights = stem.with_suffix(".safetensors")
     with atomic_path(weights) as tmp:
         save_file(tensors, str(tmp), metadata={"format": MODEL_FORMAT, "card": stem.name + ".json"})
@@ -135,6 +150,10 @@ def write_model(run_dir: Path, unit: tuple, theta: torch.Tensor, stats: FeatureS
         },  # fmt: skip
         "metrics": metrics,
     }
+    if client is not None:
+        card["client"] = int(client)
+        card["personalize"] = str((personal or {}).get("method", ""))
+        card["personal"] = dict(personal or {})
     path = stem.with_suffix(".json")
     atomic_write_json(path, portable_card(card))
     return path
@@ -160,19 +179,25 @@ def portable_card(card: dict) -> dict:
 # ---------------------------------------------------------------- loading
 
 
-def model_card_path(path: str | os.PathLike, seed: int | None = None, param: str = "--model") -> Path:
+def model_card_path(
+    path: str | os.PathLike, seed: int | None = None, param: str = "--model", client: int | None = None
+) -> Path:
     """The card a ``--model`` names: a card, its weights file, or a run directory (with ``seed``: that seed's main
-    model; without: its lowest seed)."""
+    model; without: its lowest seed). ``client``: client K's personal model of that run or seed instead
+    (``model-seed<S>-client<K>.json``, written by ``--personal-models``)."""
     p = Path(path)
+    if client is not None:
+        return _client_card_path(p, seed, client, param)
     if p.is_dir():
         if seed is not None:
             card = p / f"{model_stem(seed)}.json"
             if not card.is_file():
-                found = sorted(q.name for q in p.glob("model-seed*.json"))
+                found = sorted(q.name for q in p.glob("model-seed*.json") if GLOBAL_CARD.fullmatch(q.name))
                 raise param_error("--seed", seed, f"must name a seed whose model is in {str(p)!r}",
                                   f"Its models: {', '.join(found) or 'none'}.")  # fmt: skip
             return card
-        cards = sorted(p.glob("model-seed*.json"), key=lambda q: (q.stem.endswith("-iid"), len(q.name), q.name))
+        cards = sorted((q for q in p.glob("model-seed*.json") if GLOBAL_CARD.fullmatch(q.name)),
+                       key=lambda q: (q.stem.endswith("-iid"), len(q.name), q.name))  # fmt: skip
         if not cards:
             raise param_error(param, str(p), "must be a run directory with a model (model-seed<S>.json)",
                               "Run 'fedhead train' to the end, or name a model card.")  # fmt: skip
@@ -183,6 +208,34 @@ def model_card_path(path: str | os.PathLike, seed: int | None = None, param: str
         raise param_error(param, str(path), "must name a run directory, a model card (.json) or its .safetensors",
                           "Check the path.")  # fmt: skip
     return p
+
+
+def _client_card_path(p: Path, seed: int | None, client: int, param: str) -> Path:
+    """Client ``client``'s personal model card beside ``p`` (a run directory, or one of its cards / weights)."""
+    if isinstance(client, bool) or not isinstance(client, int) or client < 0:
+        raise param_error("--client", client, "must be a client id (an integer >= 0)", "E.g. --client 0.")
+    folder = p if p.is_dir() else p.parent
+    if not p.is_dir():
+        named = GLOBAL_CARD.fullmatch(p.with_suffix(".json").name) or CLIENT_CARD.fullmatch(p.with_suffix(".json").name)
+        if not p.with_suffix(".json").is_file() or named is None:
+            raise param_error(param, str(p), "must name a run directory or one of its model cards with --client",
+                              "Name the run directory.")  # fmt: skip
+        seed = int(named.group(1)) if seed is None else seed
+    mine = sorted(
+        (int(m.group(1)), q) for q in folder.glob(f"model-seed*-client{client}.json")
+        if (m := CLIENT_CARD.fullmatch(q.name)) is not None and int(m.group(2)) == client
+    )  # fmt: skip
+    found = [q for s, q in mine if seed is None or s == seed]
+    if not found:
+        have = sorted({int(m.group(2)) for q in folder.glob("model-seed*-client*.json")
+                       if (m := CLIENT_CARD.fullmatch(q.name)) is not None
+                       and (seed is None or int(m.group(1)) == seed)})  # fmt: skip
+        where = f"seed {seed} of {str(folder)!r}" if seed is not None else repr(str(folder))
+        listed = f"it has the personal models of clients {', '.join(map(str, have))}" if have else "it has none"
+        raise param_error("--client", client, f"must name a client whose personal model is in {where} ({listed})",
+                          f"Re-run 'fedhead train' with --personalize METHOD --personal-models {client} (in a new "
+                          "--out) to write it.")  # fmt: skip
+    return found[0]
 
 
 def read_card(card_path: Path, param: str = "--model") -> dict:
@@ -274,6 +327,10 @@ class Model:
         self.n_features_in_ = int(self.theta.shape[-1] - 1 if self.head is None else card["store"]["feature_dim"])
         self.encoder: Encoder | None = None
         self.batch_size = int(card["store"].get("batch_size") or 64)
+        # --personal-models: client K's personal head (its card says so); a qda head's prior shift [C]
+        self.client = card.get("client")
+        shift = tensors.get("logit_shift")
+        self.shift = None if shift is None else shift.float()
 
     # ---- features
 
@@ -329,6 +386,8 @@ class Model:
     def __repr__(self) -> str:
         run = self.card.get("run") if isinstance(self.card.get("run"), dict) else {}
         variant = ", variant='iid'" if run.get("variant") == "iid" else ""
+        if self.client is not None:
+            variant += f", client={self.client!r}, personalize={self.card.get('personalize')!r}"
         return (f"Model(head={self.card['head']['kind']!r}, classes={len(self.classes_)}, features="
                 f"{self.n_features_in_}, run={run.get('dir')!r}, seed={run.get('seed')!r}{variant})")  # fmt: skip
 
@@ -387,7 +446,9 @@ class Model:
         not linear in the features, ``qda`` or ``ridge-rf``, through its registered scores)."""
         with torch.no_grad():
             z = self.prepared(x)
-            return z @ self.theta.T if self.head is None else self.head.logits(self.theta, z)
+            out = z @ self.theta.T if self.head is None else self.head.logits(self.theta, z)
+            # a personal qda head's log-prior shift, added to the scores in float32 as personalisation scored it
+            return out if self.shift is None else out.float() + self.shift
 
     def predict_proba(self, X) -> np.ndarray:
         """Class probabilities ``[N, C]`` (columns in the order of ``classes_``; see :func:`probabilities`)."""
@@ -452,12 +513,14 @@ def _input_error(constraint: str, got: str, fix: str = "", param: str = "X") -> 
     return InvalidInput(f"The '{param}' parameter {constraint}. Got {got} instead." + (f" {fix}" if fix else ""))
 
 
-def load_model(path: str | os.PathLike, seed: int | None = None) -> Model:
-    """A run's model (``path``: a run directory, a ``model-seed<S>.json`` card or its ``.safetensors``)."""
+def load_model(path: str | os.PathLike, seed: int | None = None, client: int | None = None) -> Model:
+    """A run's model (``path``: a run directory, a ``model-seed<S>.json`` card or its ``.safetensors``); with
+    ``client``, client K's personal head of that run (``model-seed<S>-client<K>.json``, written by ``fedhead train
+    --personalize METHOD --personal-models K``; the lowest seed that has one unless ``seed`` says)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    card_path = model_card_path(path, seed)
+    card_path = model_card_path(path, seed, client=client)
     card = read_card(card_path)
     where = f"The model card {str(card_path)!r} (weights_file)"
     weights = name_inside(card_path.parent, card.get("weights_file", card_path.with_suffix(".safetensors").name), where)
@@ -529,6 +592,10 @@ def check_card(card: dict, tensors: dict, card_path: Path) -> None:
     for key in ("encoder", "weights_source", "weights_sha256", "precision"):
         if st.get(key) is not None and not isinstance(st[key], str):
             raise _bad_card(card_path, f"store's {key} is a string (it has {_shown(st[key])})")
+    if card.get("client") is not None and not _count(card["client"], 1 << 40, 0):  # a personal model's client
+        raise _bad_card(card_path, f"'client' is a client id >= 0 (it has {_shown(card['client'])})")
+    if card.get("personal") is not None and not isinstance(card["personal"], dict):
+        raise _bad_card(card_path, f"'personal' is an object (it is {type(card['personal']).__name__})")
     _check_weights(card, tensors, card_path)
 
 
@@ -555,6 +622,8 @@ def _check_weights(card: dict, tensors: dict, card_path: Path) -> None:
         want = {"weight": (c, width), "bias": (c,)}
     if card["features"]["centered"]:
         want["feature_mean"] = (d,)
+    if "logit_shift" in tensors and not linear:  # a personal qda head's prior (a linear head's is in its bias)
+        want["logit_shift"] = (c,)
     if shapes != want:
         expect = ", ".join(f"{k} {list(v)}" for k, v in want.items())
         got = ", ".join(f"{k} {list(v)}" for k, v in shapes.items())

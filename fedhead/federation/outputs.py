@@ -9,8 +9,11 @@ stage boundaries (OvA-LP's stage 1 / 2, the statistics round of a closed-form st
 breaks at each stage boundary (one line per stage: the stages' losses differ in scale).
 ``partition.png``: the first seed's label counts per client (:class:`~fedhead.federation.plots.LabelCounts`); with
 secure aggregation the server never sees a client's counts, and the figure says so instead.
+``personal.png`` (``--personalize`` runs only): the histogram of the per-client gain, each client's personal head's
+accuracy minus the global head's on the client's local test set (personal.csv's ``gain``), one histogram per seed
+on shared bins with a legend (:class:`~fedhead.federation.plots.Histogram`).
 
-The data of both figures is built and checked on every run; drawing costs about half a second a run (matplotlib),
+The data of every figure is built and checked on every run; drawing costs about half a second a run (matplotlib),
 so the test suite sets :data:`DRAW_ENV` to ``data``: every run still builds and checks its figures' data, and the
 tests of the plots draw them.
 """
@@ -26,10 +29,18 @@ from typing import Sequence
 import numpy as np
 
 from fedhead.federation import tracking
-from fedhead.federation.plots import LabelCounts, Line, Panel, write_curves, write_label_counts
+from fedhead.federation.plots import (
+    Histogram,
+    LabelCounts,
+    Line,
+    Panel,
+    write_curves,
+    write_histogram,
+    write_label_counts,
+)
 
 DRAW_ENV = "FEDHEAD_TEST_PLOTS"  # test hook: "data" builds and checks every figure's data but draws no PNG
-CURVES, PARTITION = "curves.png", "partition.png"
+CURVES, PARTITION, PERSONAL = "curves.png", "partition.png", "personal.png"
 SECURE_NOTE = (
     "Secure aggregation: the server only ever sees sums over each round's clients, never a client's label "
     "counts, so there is no per-client partition to draw."
@@ -50,6 +61,8 @@ class RunReport:
     note: str = ""  # why there are no counts (secure aggregation)
     seed: int | None = None  # the seed whose counts these are (named when the run has several)
     params: dict = field(default_factory=dict)  # the configuration, as the trackers' hyper-parameters
+    gains: list = field(default_factory=list)  # (seed, per-client gains [K']) of --personalize; [] without it
+    personalize: str = ""  # the --personalize method the gains are of
 
 
 def _finite(v) -> bool:
@@ -144,20 +157,46 @@ def label_counts(report: RunReport) -> LabelCounts:
     return spec
 
 
+def personal_histogram(report: RunReport) -> Histogram | None:
+    """personal.png's data: each seed's per-client gains (None when the run did not personalise)."""
+    if not report.gains:
+        return None
+    title = f"Per-client gain of --personalize {report.personalize}" if report.personalize else "Per-client gain"
+    if report.title:
+        title += f" — {report.title}"
+    spec = Histogram(
+        [
+            (f"seed {seed}" if len(report.gains) > 1 else "clients", np.asarray(g, dtype=float))
+            for seed, g in report.gains
+        ],
+        title=title,
+        xlabel="personal minus global accuracy on the client's local test set",
+        ylabel="clients",
+        zero="no gain",
+    )
+    spec.check()
+    return spec
+
+
 def drawing() -> bool:
     """Whether figures are drawn (the test hook :data:`DRAW_ENV` = ``data`` builds their data only)."""
     return os.environ.get(DRAW_ENV, "") != "data"
 
 
 def write_plots(run_dir: Path, rows: list[dict], report: RunReport) -> list[Path]:
-    """curves.png and partition.png in ``run_dir`` (atomically); returns what was written."""
+    """curves.png, partition.png and (--personalize) personal.png in ``run_dir`` (atomically); returns what was
+    written."""
     panels = curve_panels(rows, report.central)
     counts = label_counts(report)
+    gains = personal_histogram(report)
     if not drawing():
         return []
     title = report.title
     curves = write_curves(Path(run_dir) / CURVES, panels, "round", "", title=title, sharey=False, integer_x=True)
-    return [curves, write_label_counts(Path(run_dir) / PARTITION, counts)]
+    written = [curves, write_label_counts(Path(run_dir) / PARTITION, counts)]
+    if gains is not None:
+        written.append(write_histogram(Path(run_dir) / PERSONAL, gains))
+    return written
 
 
 def write_outputs(run_dir: Path, rows: list[dict], report: RunReport) -> list[Path]:

@@ -1,9 +1,10 @@
 """PNG plots of runs and bench reports (matplotlib, Agg backend: no display needed; imported only when drawing).
 
-Three shapes cover every figure: panels of curves over rounds or rates (optionally with a reference curve,
-horizontal reference lines and vertical marks), grouped bar charts with error bars, and the label counts of a
+Four shapes cover every figure: panels of curves over rounds or rates (optionally with a reference curve,
+horizontal reference lines and vertical marks), grouped bar charts with error bars, the label counts of a
 partition (:class:`LabelCounts`: stacked bars per client, as flwr-datasets' ``plot_label_distributions`` draws
-them, or a heatmap when there are too many clients or labels for bars). The data of a figure (its panels, its
+them, or a heatmap when there are too many clients or labels for bars), and histograms of per-client values
+(:class:`Histogram`: the personalisation gains of personal.png). The data of a figure (its panels, its
 counts) is built without matplotlib, so that it can be checked without drawing (:data:`DRAW_ENV`).
 """
 
@@ -253,5 +254,72 @@ def write_label_counts(path: Path, spec: LabelCounts) -> Path:
             ax.set_yticks(np.arange(c))
             ax.set_yticklabels(names, fontsize=7)
     ax.set_title(spec.title, fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------- a histogram of per-client values
+
+HIST_BINS = 30  # at most this many bins (fewer for few values: about 2 per value)
+
+
+@dataclass
+class Histogram:
+    """Histograms of per-client values on shared bins: ``series`` ``(label, values)``, one per seed (pooled in one
+    panel, told apart by the legend), with a vertical reference line at 0 labelled ``zero`` (empty: none)."""
+
+    series: list
+    title: str = ""
+    xlabel: str = ""
+    ylabel: str = "count"
+    zero: str = ""
+
+    def check(self) -> None:
+        """At least one series; every value finite."""
+        if not self.series:
+            raise ValueError("a histogram needs at least one series")
+        for label, v in self.series:
+            a = np.asarray(v, dtype=float)
+            if a.ndim != 1 or not np.isfinite(a).all():
+                raise ValueError(f"histogram series {label!r} must be finite values [n], got shape {a.shape}")
+
+    def edges(self) -> np.ndarray:
+        """The shared bin edges over every series' values and 0, about HIST_BINS bins at most, one of them centred
+        on 0 (no gain is a bin of its own, not the edge between a loss and a gain)."""
+        values = np.concatenate([np.asarray(v, dtype=float) for _, v in self.series] + [np.zeros(1)])
+        lo, hi = float(values.min()), float(values.max())
+        n = int(min(HIST_BINS, max(5, 2 * math.sqrt(values.size))))
+        w = (hi - lo) / n if hi - lo > 1e-12 else 0.1
+        first, last = math.floor(lo / w + 0.5), math.ceil(hi / w - 0.5)
+        return (np.arange(first, last + 2) - 0.5) * w
+
+
+def write_histogram(path: Path, spec: Histogram) -> Path:
+    """One panel: a bar histogram for one series, step outlines (filled lightly) for several, each labelled with its
+    mean and count; the dashed line at 0."""
+    spec.check()
+    plt = _plt()
+    edges = spec.edges()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    several = len(spec.series) > 1
+    for i, (label, v) in enumerate(spec.series):
+        a = np.asarray(v, dtype=float)
+        text = f"{label} (mean {a.mean():+.3f}, {a.size} clients)" if a.size else f"{label} (no client)"
+        if several:
+            ax.hist(a, bins=edges, histtype="stepfilled", alpha=0.15, color=f"C{i % 10}")
+            ax.hist(a, bins=edges, histtype="step", linewidth=1.4, color=f"C{i % 10}", label=text)
+        else:
+            ax.hist(a, bins=edges, color="C0", edgecolor="white", linewidth=0.5, label=text)
+    if spec.zero:
+        ax.axvline(0.0, color="black", linestyle="--", linewidth=1, label=spec.zero)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of clients
+    ax.set_xlabel(spec.xlabel)
+    ax.set_ylabel(spec.ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    if spec.title:
+        ax.set_title(spec.title, fontsize=10)
     fig.tight_layout()
     return _save(fig, path)

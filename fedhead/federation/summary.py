@@ -9,6 +9,7 @@ from fedhead.core.central import first_reach
 from fedhead.core.clientacc import CLIENT_FIELDS, LOCAL_FIELDS, UNSEEN_FIELDS
 from fedhead.core.closedform import is_closed_form
 from fedhead.core.dp import epsilon_schedule, summary_fields
+from fedhead.core.personal import PERSONAL_FIELDS
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.rundir import mean_std
 
@@ -144,7 +145,8 @@ def seed_summary(rows: list[dict], seed: int, cfg: TrainConfig, realised: dict, 
         *CLIENT_FIELDS,
         *LOCAL_FIELDS,
         *UNSEEN_FIELDS,
-    ):  # the last evaluated round's per-client accuracy (clientacc)
+        *PERSONAL_FIELDS,
+    ):  # the last evaluated round's per-client accuracy (clientacc) and personal heads (--personalize)
         got = [r[k] for r in main if r.get(k) is not None and r[k] == r[k]]
         if got:
             rec[k] = got[-1]
@@ -189,7 +191,10 @@ def summarize(rows: list[dict], cfg: TrainConfig, realised: dict, wall_s: float,
         *CLIENT_FIELDS,
         *LOCAL_FIELDS,
         *UNSEEN_FIELDS,
+        *PERSONAL_FIELDS,
     ]
+    if cfg.personalize:
+        summary["personalize"] = cfg.personalize
     for k in keys:
         vals = [r.get(k) for r in per_seed]
         if all(v is None for v in vals):

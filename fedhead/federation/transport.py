@@ -66,6 +66,18 @@ class Calibration:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass
+class PersonalTest:
+    """The test side of personalisation: the test split prepared like the training rows (``x`` with the trailing 1,
+    ``y``), each client's local test set (:class:`fedhead.core.clientacc.LocalTests`) and the drift set (indices
+    into the test split)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    tests: object
+    drift: object
+
+
 class Transport:
     """The interface the loop uses (see the module docstring); the methods below are the defaults."""
 
@@ -100,6 +112,21 @@ class Transport:
         ``val_samples``); None where this transport has none (``--val-fraction 0``, or Flower, whose nodes do not
         report validation yet). ``scorer``: a head not linear in the features."""
         return None
+
+    def personalize(self, method, theta: torch.Tensor, scorer, seed: int, rnd: int, test, statistics=None,
+                    solver=None, progress=None):  # fmt: skip
+        """Every client's personal head by ``method`` (:mod:`fedhead.core.personal`) from the global ``theta``,
+        scored on its local test set and the drift set; returns :class:`fedhead.core.personalize.PersonalCounts`.
+        ``test``: :class:`PersonalTest`; ``statistics``/``solver``: the global statistics and the closed-form head
+        that solved them (``closed-form``)."""
+        raise NotImplementedError(f"the {self.name} transport does not personalise")
+
+    def personal_heads(self, method, theta: torch.Tensor, seed: int, rnd: int, clients: list, statistics=None,
+                       solver=None, beta=None) -> dict:  # fmt: skip
+        """The personal heads of ``clients`` themselves (``{k: head}``, :func:`fedhead.core.personalize.personal_heads`:
+        the heads :meth:`personalize` scored, for ``--personal-models``); ``beta``: the closed-form beta each client
+        chose (``PersonalCounts.beta``)."""
+        raise NotImplementedError(f"the {self.name} transport does not return personal heads")
 
     def central(self, head, seed: int) -> dict | None:
         """The central ceiling of this seed's training data, where the transport holds it (else None)."""
