@@ -86,6 +86,8 @@ SLOW = {
         "tests/test_flower_scaffold_ccvr.py::",
         "tests/test_flower_sim.py::",
         "tests/test_validation.py::test_flower_nodes_report_the_same_validation_as_the_simulation",
+        "tests/test_flower_personal.py::test_flower_personalisation_equals_the_in_process_run",
+        "tests/test_flower_personal.py::test_a_server_cut_before_personalising_resumes_to_the_same_counts",
     ),
     "a command signalled, killed or out of disk mid-way, and resumed (subprocesses)": (
         "tests/test_interrupts.py::",
@@ -111,6 +113,7 @@ SLOW = {
         "tests/test_bench.py::test_noise_table_declines_from_runs",
         "tests/test_bench.py::test_noise_rate_zero_is_the_clean_run_and_no_clean_skips_it",
         "tests/test_bench_privacy.py::",
+        "tests/test_bench_personal.py::test_quick_table_holds_every_method_and_alpha_with_the_runs_numbers",
         "tests/test_ceiling.py::",
         "tests/test_engine_speed.py::test_bench_speed_scratch_cli",
         "tests/test_experiment.py::test_bench_partitions_and_privacy_delta_still_work_with_one_line_each",

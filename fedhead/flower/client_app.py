@@ -77,6 +77,13 @@ def make_client_app(default_store: str | None = None, default_state_dir: str | N
 
         return handle(msg, context, default_store, default_state_dir)
 
+    @app.query("personalize")
+    @_fedhead_errors
+    def personalize(msg: Message, context: Context) -> Message:
+        from fedhead.flower.node import personalize as handle
+
+        return handle(msg, context, default_store, default_state_dir)
+
     @app.train(mods=[secure_mod])
     @_fedhead_errors
     def train(msg: Message, context: Context) -> Message:

@@ -18,6 +18,17 @@ Protocol (message types, all in one run):
 ``query.ccvr``  server -> every node, once after the last round (``--calibrate ccvr``): the node replies with
            :func:`fedhead.federation.clients.ccvr_client_stats` of its prepared features as
            :meth:`fedhead.core.ccvr.ClassStats.to_bytes` (``ccvr-stats``, uint8).
+``query.personalize``  server -> every node, once after the last round (``--personalize``): the final global head,
+           the method and its parameters, the seed and round, the indices into the test split of the node's local
+           test set (``local-test``) and of the drift set (``drift``), the federation's class totals, a fingerprint
+           of the server's test split (the node reads those rows from its own store, which must hold the same split)
+           and, for ``closed-form``, the summed global statistics (``gs-*``, :func:`global_stats_record`). The node
+           personalises its own client (:func:`fedhead.core.personalize.personalize_clients`) and replies with counts
+           only: ``test-samples``, ``correct``, ``drift`` (and ``beta``); the personal head never leaves it. When
+           closed-form's beta is chosen on validation, the reply also holds ``val-correct`` (the node's validation
+           correct counts per beta of :data:`fedhead.core.personal.BETA_GRID`, ``-1`` without a validation part),
+           and the nodes without a validation part are asked again with the beta the pooled counts chose
+           (``personal-beta``), as the in-process transport pools them.
 
 With ``--secure-aggregation`` (:mod:`fedhead.flower.secure`) the ``query`` reply carries only the partition id,
 and every exchange whose numbers the server adds up (the statistics before round 1, each ``train`` round,
@@ -32,13 +43,14 @@ import logging
 import re
 from typing import Any
 
-from fedhead.core.closedform import ClientStats, pack_upper, unpack_upper
+from fedhead.core.closedform import ClientStats, StatsAccumulator, pack_upper, unpack_upper
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.experiment import FIELD_LIST, FIELDS, RUN_OPTIONS, parse_pair, parse_seeds, plugin_field
 from fedhead.flower import require_flower  # noqa: F401 - where the Flower modules import it
 from fedhead.infra.errors import FedheadError
 
 MESSAGE_PREFIX = "msg."  # a train reply's arrays: the aggregation rule's message tensors under "msg.<key>"
+PERSONAL_KIND = "query.personalize"  # --personalize after the last round: the node's own client, counts back
 
 # run-config keys (pyproject [tool.flwr.app.config]) <-> TrainConfig fields, by the table's rule (the field's name
 # with '-' for '_'): every field a Flower run takes. An empty string means "not given" (the recipe's value, or the
@@ -255,6 +267,92 @@ def client_stats_from_record(arrays, dim: int):
         second = np.stack([unpack_upper(v, dim) for v in arrays["cf-second"].numpy().reshape(len(sums), -1)])
         second = second.reshape(len(sums), dim, dim)
     return ClientStats(arrays["cf-classes"].numpy(), arrays["cf-counts"].numpy(), sums, gram, second)
+
+
+# ---------------------------------------------------------------- personalisation (query.personalize)
+
+
+def test_split_key(test_x, test_y) -> str:
+    """A fingerprint of a store's test split (its shapes, labels and features): the local test sets of a
+    ``query.personalize`` message index into the server's, so a node reads those rows only from the same split."""
+    import hashlib
+
+    import numpy as np
+
+    x, y = np.ascontiguousarray(test_x), np.ascontiguousarray(test_y, dtype=np.int64)
+    h = hashlib.sha256(f"{x.shape}/{x.dtype}/{y.shape}".encode())
+    h.update(y.tobytes())
+    h.update(x.tobytes())
+    return h.hexdigest()
+
+
+def _sym(a):
+    """A float64 array of symmetric matrices ``[..., n, n]`` as their upper triangles ``[..., n(n+1)/2]`` when exactly
+    symmetric (half the bytes, nothing lost), else as given."""
+    import numpy as np
+
+    a = np.ascontiguousarray(a, dtype=np.float64)
+    if not np.array_equal(a, np.swapaxes(a, -1, -2)):
+        return a
+    iu = np.triu_indices(a.shape[-1])
+    return np.ascontiguousarray(a[..., iu[0], iu[1]])
+
+
+def _unsym(v, n: int, ndim: int):
+    """The inverse of :func:`_sym`: ``v`` with ``ndim`` dimensions as matrices ``n x n`` (packed when one fewer)."""
+    import numpy as np
+
+    if v.ndim == ndim:
+        return v
+    out = np.zeros((*v.shape[:-1], n, n), dtype=v.dtype)
+    iu = np.triu_indices(n)
+    out[..., iu[0], iu[1]] = v
+    out[..., iu[1], iu[0]] = v
+    return out
+
+
+def global_stats_record(acc) -> dict:
+    """The summed statistics a closed-form personal head mixes with the client's own
+    (:class:`fedhead.core.closedform.StatsAccumulator`: class sums and counts, the Gram and per-class second moments
+    where the head has them) as a message's arrays; symmetric matrices as their upper triangles."""
+    from flwr.app import Array
+
+    out = {"gs-sums": Array(acc.sums.detach().cpu().double().numpy()),
+           "gs-counts": Array(acc.counts.detach().cpu().double().numpy())}  # fmt: skip
+    if acc.gram is not None:
+        out["gs-gram"] = Array(_sym(acc.gram.detach().cpu().numpy()))
+    if acc.second is not None:
+        out["gs-second"] = Array(_sym(acc.second.detach().cpu().numpy()))
+    return out
+
+
+def global_stats_from_record(arrays, num_classes: int, noisy: bool = False):
+    """The inverse of :func:`global_stats_record`: a :class:`fedhead.core.closedform.StatsAccumulator` holding the
+    server's sums exactly."""
+    import numpy as np
+    import torch
+
+    sums = np.asarray(arrays["gs-sums"].numpy(), dtype=np.float64).reshape(num_classes, -1)
+    D = sums.shape[1]
+    acc = StatsAccumulator(num_classes, D)
+    acc.sums = torch.as_tensor(sums)
+    acc.counts = torch.as_tensor(np.asarray(arrays["gs-counts"].numpy(), dtype=np.float64).reshape(num_classes))
+    if "gs-gram" in arrays:
+        acc.gram = torch.as_tensor(_unsym(arrays["gs-gram"].numpy(), D + 1, 2))
+    if "gs-second" in arrays:
+        acc.second = torch.as_tensor(_unsym(arrays["gs-second"].numpy(), D, 3))
+    acc.noisy = bool(noisy)
+    return acc
+
+
+def beta_choice(picks) -> int:
+    """The index of the beta whose validation correct counts ``picks`` (one per beta of
+    :data:`fedhead.core.personal.BETA_GRID`) are highest, the larger beta on a tie: the in-process rule
+    (:func:`fedhead.core.personalize.personalize_clients`), for a node's own counts and for the pooled ones."""
+    import numpy as np
+
+    p = np.asarray(picks)
+    return len(p) - 1 - int(np.argmax(p[::-1]))
 
 
 # ---------------------------------------------------------------- the server's log and a node's failure, in one line

@@ -26,7 +26,7 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +40,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 
 from extract.store import Features, load_store  # noqa: E402
 from fedhead.core.aggregate import aggregator_of  # noqa: E402
+from fedhead.core.clientacc import LocalTests  # noqa: E402
 from fedhead.core.closedform import client_stats  # noqa: E402
 from fedhead.core.compress import Residuals, keeps_residuals  # noqa: E402
 from fedhead.core.dp import feature_clip  # noqa: E402
@@ -48,6 +49,8 @@ from fedhead.core.heads import create_head  # noqa: E402
 from fedhead.core.linalg import clip_rows  # noqa: E402
 from fedhead.core.noise import apply_noise  # noqa: E402
 from fedhead.core.partitions import class_counts  # noqa: E402
+from fedhead.core.personal import BETA_GRID, create_personalizer  # noqa: E402
+from fedhead.core.personalize import ClientData, Setting, personalize_clients  # noqa: E402
 from fedhead.core.plugins import load_plugins  # noqa: E402,F401 (the ClientApp's, before a handler runs)
 from fedhead.federation.clients import (  # noqa: E402
     FeatureStats,
@@ -59,11 +62,14 @@ from fedhead.federation.clients import (  # noqa: E402
 )
 from fedhead.flower.common import (
     MESSAGE_PREFIX,
+    beta_choice,
     canonical_run_config,
     check_fingerprint,
     client_stats_record,
     config_from_json,
+    global_stats_from_record,
     store_fingerprint,
+    test_split_key,
 )
 from fedhead.flower.secure import KIND as SECURE_KIND  # noqa: E402
 from fedhead.flower.secure import node_values, plain_content, secure_reply  # noqa: E402
@@ -74,6 +80,7 @@ from fedhead.infra.safestate import load_state, save_state
 LOG = logging.getLogger("flwr")
 _STORES: dict[str, Features] = {}
 _LOCAL: dict[tuple, "LocalData"] = {}
+_TEST_KEYS: dict[str, str] = {}  # store path -> test_split_key of its test split (personalize)
 VARIATES = "fedhead-scaffold"  # Context.state record: this node's SCAFFOLD c_k, by version tag
 RESIDUALS = "fedhead-residual"  # Context.state record: this node's error-feedback residual e_k, by version tag
 NODE_STATE = "node-state"  # simulation: the virtual nodes' state folder inside the server's run folder
@@ -325,6 +332,128 @@ def validate(msg: Message, context: Context, default_store: str | None, default_
     metrics = {"partition-id": ns.pid, "val-samples": n, "val-correct": correct, "val-loss": float(loss),
                "client-ms": 1000 * (time.perf_counter() - t0)}  # fmt: skip
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+def personalize(msg: Message, context: Context, default_store: str | None, default_state_dir: str | None) -> Message:
+    """The ``query.personalize`` handler: this node's own client personalised from the final global head
+    (:func:`fedhead.core.personalize.personalize_clients` over a federation in which only this partition holds data,
+    at its own index: the batches and draws the in-process transport makes for it), scored on its local test set and
+    the drift set. Only counts leave the node: the local test size, the personal head's correct predictions there and
+    on the drift set, closed-form's beta and (when the server asks) its validation correct counts per beta."""
+    c, arrays = msg.content["config"], msg.content["arrays"]
+    cfg = config_from_json(str(c["train-config"]))
+    seed, rnd = int(c["seed"]), int(c["round"])
+    ns = node_settings(context, default_store, default_state_dir)
+    ld = local_data(ns, cfg, seed)
+    _check_test_split(ns, ld.store, str(c["test-split"]))
+    t0 = time.perf_counter()
+    params = json.loads(str(c["personal-params"]))
+    if str(c.get("personal-beta", "")) != "":  # the beta the pooled validation counts chose (no validation part)
+        params["personal_beta"] = float(c["personal-beta"])
+    method = create_personalizer(str(c["personal-method"]), **params)
+    arr = arrays["head"].numpy()
+    theta = torch.as_tensor(arr, dtype=torch.float64 if arr.dtype == np.float64 else torch.float32, device=ld.device)
+    scorer = create_head(cfg.head, **json.loads(str(c["scorer-params"]))) if str(c["scorer-params"]) else None
+    solver = statistics = None
+    if str(c.get("solver", "")):
+        solver = create_head(str(c["solver"]), **json.loads(str(c["solver-params"])))
+        statistics = global_stats_from_record(arrays, ld.store.info.num_classes, bool(c.get("stats-noisy", False)))
+    # the engine keys a client's batches by its index: a trained personal head needs the node's client at its
+    # partition id among cfg.clients; every other method reads nothing of the index (apfl keys its draws by ids)
+    K, p = (cfg.clients, ns.pid) if method.trains else (1, 0)
+    data = _own_client(ld, K, p, _feature_stats(c), arrays, method.needs_statistics)
+    optim = OptimConfig(name=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum)
+    s = Setting(cfg.head, cfg.head_params, optim, cfg.batch_size, cfg.backend, cfg.memory_budget_mb, seed, rnd)
+    out = {}
+    if bool(c.get("personal-picks", False)):  # closed-form's beta chosen on validation (the in-process pass)
+        picks = _validation_picks(method, theta, data, s, scorer, statistics, solver, p)
+        out["val-correct"] = Array(picks)
+        if picks[0] >= 0:  # its own choice; without a validation part beta 1 until the server names the pooled one
+            method = create_personalizer(
+                method.name, **{**method.params, "personal_beta": BETA_GRID[beta_choice(picks)]}
+            )
+        else:
+            data.val_parts = None
+    got = personalize_clients(method, theta, data, s, scorer, statistics, solver)
+    metrics = {"partition-id": ns.pid, "test-samples": int(got.sizes[p]), "correct": int(got.correct[p]),
+               "drift": int(got.drift[p]), "client-ms": 1000 * (time.perf_counter() - t0)}  # fmt: skip
+    if got.beta[p] == got.beta[p]:
+        metrics["beta"] = float(got.beta[p])
+    return Message(RecordDict({"arrays": ArrayRecord(out), "metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+def _check_test_split(ns: NodeSettings, store: Features, key: str) -> None:
+    """Refuse, in one line, a store whose test split is not the server's (the local test sets index into it)."""
+    path = str(Path(ns.store).resolve())
+    if path not in _TEST_KEYS:
+        _TEST_KEYS[path] = test_split_key(store.test_x, store.test_y)
+    if _TEST_KEYS[path] != key:
+        raise FedheadError(
+            f"The feature store {ns.store!r} of node partition {ns.pid} holds another test split than the server's, "
+            "and --personalize scores each client on rows of the server's test split. Give the node a store with "
+            "the server's test split (the same 'fedhead extract' of the test images), or drop --personalize."
+        )
+
+
+def _own_client(ld: LocalData, K: int, at: int, stats: FeatureStats, arrays, raw: bool) -> ClientData:
+    """The federation as this node sees it for personalisation: ``K`` clients of which only the one at index ``at``
+    holds training, validation and local test rows (this node's own); every other client is empty, and the ids
+    name this node's partition at ``at``. The rows are the node's only (its training then validation part, its
+    local test set and the drift set), prepared as the in-process transport prepares the whole split; ``raw`` keeps
+    the raw features too (closed-form)."""
+    C, pid = ld.store.info.num_classes, at
+    mine = np.asarray(ld.mine, dtype=np.int64)
+    val = np.zeros(0, dtype=np.int64) if ld.val is None else np.asarray(ld.val, dtype=np.int64)
+    rows = np.concatenate([mine, val])
+    empty = np.zeros(0, dtype=np.int64)
+    parts, vals = [empty] * K, [empty] * K
+    parts[pid], vals[pid] = np.arange(len(mine)), np.arange(len(mine), len(rows))
+    counts = np.zeros((K, C), dtype=np.int64)
+    counts[pid] = ld.counts[ld.pid]
+    own = np.asarray(arrays["local-test"].numpy(), dtype=np.int64)
+    drift = np.asarray(arrays["drift"].numpy(), dtype=np.int64)
+    trows = np.unique(np.concatenate([own, drift]))
+    indptr = np.zeros(K + 1, dtype=np.int64)
+    indptr[pid + 1 :] = len(own)
+    valid = np.zeros(K, dtype=bool)
+    valid[pid] = len(own) > 0
+    tests = LocalTests(indptr, np.searchsorted(trows, own), valid)
+    train_x, test_x = ld.store.train_x[rows], ld.store.test_x[trows]
+    return ClientData(
+        x=prepare(train_x, stats, ld.device), labels=torch.as_tensor(ld.labels[rows], device=ld.device),
+        parts=parts, val_parts=None if ld.val is None else vals, counts=counts,
+        totals=np.asarray(arrays["class-totals"].numpy(), dtype=np.int64), test_x=prepare(test_x, stats, ld.device),
+        test_y=torch.as_tensor(ld.store.test_y[trows], device=ld.device), tests=tests,
+        drift=np.searchsorted(trows, drift), raw=torch.as_tensor(train_x, dtype=torch.float32) if raw else None,
+        raw_test=torch.as_tensor(test_x, dtype=torch.float32) if raw else None,
+        ids=[ld.pid if k == at else k for k in range(K)],
+    )  # fmt: skip
+
+
+def _validation_picks(method, theta, data: ClientData, s: Setting, scorer, statistics, solver, pid: int) -> np.ndarray:
+    """Correct predictions of this client's closed-form personal head on its validation part for every beta of
+    :data:`fedhead.core.personal.BETA_GRID` (all -1 without a validation part): the in-process validation pass,
+    run as :func:`fedhead.core.personalize.personalize_clients`' test pass over the validation rows (the same solve
+    and scores, the same rows and labels)."""
+    out = np.full(len(BETA_GRID), -1, dtype=np.int64)
+    val = data.val_parts[pid] if data.val_parts is not None else []
+    if not len(val) or not len(data.parts[pid]):
+        return out
+    K = len(data.parts)
+    v = torch.as_tensor(np.asarray(val, dtype=np.int64))
+    indptr = np.zeros(K + 1, dtype=np.int64)
+    indptr[pid + 1 :] = len(val)
+    valid = np.zeros(K, dtype=bool)
+    valid[pid] = True
+    vdata = replace(
+        data, val_parts=None, test_x=data.x[v.to(data.x.device)], test_y=data.labels[v.to(data.labels.device)],
+        tests=LocalTests(indptr, np.arange(len(val), dtype=np.int64), valid), drift=np.zeros(0, dtype=np.int64),
+        raw_test=data.raw[v],
+    )  # fmt: skip
+    for i, b in enumerate(BETA_GRID):
+        m = create_personalizer(method.name, **{**method.params, "personal_beta": b})
+        out[i] = int(personalize_clients(m, theta, vdata, s, scorer, statistics, solver).correct[pid])
+    return out
 
 
 def plain_train(msg: Message, context: Context, default_store: str | None, default_state_dir: str | None) -> Message:

@@ -17,6 +17,10 @@ its node (its partition's failure in rounds.csv), never the run's.
   and >= 0, ``client-ms``.
 - ``ccvr``: ``partition-id``, ``num-examples`` as above; ``ccvr-stats`` a whole number of class records
   (:meth:`fedhead.core.ccvr.ClassStats.from_bytes`) of held classes with their counts, finite.
+- ``personalize``: ``partition-id`` as above; ``test-samples`` the size of the local test set the server sent,
+  ``correct`` in ``0..test-samples``, ``drift`` in ``0..`` the drift set's size, ``beta`` (closed-form) a finite
+  number > 0, ``client-ms``; ``val-correct`` (int64, one per beta) exactly when asked for, all ``-1`` (no
+  validation part) or all counts >= 0; no other array.
 
 Every array's size is checked from its ``.npy`` header against its bytes and the expected shape before numpy reads
 it (no allocation a reply's header asks for). What this cannot catch: a node whose first report already lies
@@ -64,6 +68,9 @@ class Expect:
     gram: bool = False
     second: bool = False
     head: tuple | None = None  # the head's shape [C, D+1] (SCAFFOLD's delta)
+    tests: int | None = None  # personalize: the size of the local test set sent to the node
+    drift: int | None = None  # personalize: the size of the drift set
+    betas: int = 0  # personalize: the length of val-correct asked for (0: none)
 
 
 class BadReply(Exception):
@@ -75,11 +82,11 @@ def check_reply(kind: str, reply: Any, expect: Expect) -> str | None:
     else the one-line reason to record as its node's failure. Never raises."""
     try:
         content = reply.content
-        {"query": _query, "stats": _stats, "train": _train, "ccvr": _ccvr, "validate": _validate}[kind](content, expect)
+        KINDS[kind](content, expect)
     except BadReply as exc:
         return _reason(kind, str(exc))
     except KeyError as exc:
-        if kind not in ("query", "stats", "train", "ccvr", "validate"):
+        if kind not in KINDS:
             return _reason(kind, f"unknown reply kind {kind!r}")
         return _reason(kind, f"missing {exc}")
     except Exception as exc:  # noqa: BLE001 - any malformed record is the node's failure
@@ -220,6 +227,30 @@ def _validate(content, e: Expect) -> None:
     _int(m, "val-correct", 0, n)
     _number(m, "val-loss", 0.0)
     _number(m, "client-ms", 0.0)
+
+
+def _personal(content, e: Expect) -> None:
+    m = _metrics(content)
+    _own(m, e)
+    n = _int(m, "test-samples", 0, MAX_COUNT)
+    if e.tests is not None and n != int(e.tests):
+        raise BadReply(f"test-samples {n}, but the server sent a local test set of {int(e.tests)}")
+    _int(m, "correct", 0, n)
+    _int(m, "drift", 0, int(e.drift or 0))
+    _number(m, "client-ms", 0.0)
+    if "beta" in m and _number(m, "beta", 0.0) <= 0:
+        raise BadReply("beta is not > 0")
+    keys = set(content["arrays"].keys()) if "arrays" in content.array_records else set()
+    if keys != ({"val-correct"} if e.betas else set()):
+        raise BadReply(f"arrays {sorted(keys)[:8]}, expected {['val-correct'] if e.betas else []}")
+    if e.betas:
+        v = _array(content, "val-correct", (e.betas,), np.int64)
+        if not ((v == -1).all() or ((v >= 0) & (v <= MAX_COUNT)).all()):
+            raise BadReply("val-correct are neither all -1 nor all counts")
+
+
+KINDS = {"query": _query, "stats": _stats, "train": _train, "ccvr": _ccvr, "validate": _validate,
+         "personalize": _personal}  # fmt: skip
 
 
 # ---------------------------------------------------------------- fields

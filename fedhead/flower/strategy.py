@@ -27,6 +27,12 @@ lends it this strategy as the transport that reaches the clients through a Flowe
   form, which the server expands (:meth:`fedhead.core.aggregate.Aggregator.unwire`) before summing;
 - CCVR: after the last round one ``query.ccvr`` exchange with every node (the simulator's
   :func:`fedhead.federation.clients.ccvr_client_stats` there), pooled in partition order;
+- personalisation (``--personalize``): after the last round one ``query.personalize`` to every node, which
+  personalises its own client and answers with counts only (the server never sees a personal head); the global
+  head's counts on each local test set and the drift set are the server's own (the in-process computation on the
+  same test split). A node that fails or answers badly is left out of the metrics (local test size 0) and listed
+  in summary.json's ``personal_failures``. Closed-form's beta chosen on validation: the nodes send their validation
+  counts per beta, and those without a validation part are asked again with the beta the pooled counts chose;
 - with ``--secure-aggregation`` every sum comes from Flower's SecAgg+ (:mod:`fedhead.flower.secure`).
 """
 
@@ -60,6 +66,8 @@ from fedhead.core.compress import keeps_residuals  # noqa: E402
 from fedhead.core.dp import noisy_feature_sums  # noqa: E402
 from fedhead.core.engine import ScaffoldState  # noqa: E402
 from fedhead.core.heads import create_head  # noqa: E402
+from fedhead.core.personal import BETA_DEFAULT, BETA_GRID, create_personalizer  # noqa: E402
+from fedhead.core.personalize import ClientData, PersonalCounts, Setting, personalize_clients  # noqa: E402
 from fedhead.core.sampling import round_clients  # noqa: E402
 from fedhead.federation.clients import FeatureStats  # noqa: E402
 from fedhead.federation.config import TrainConfig  # noqa: E402
@@ -71,11 +79,15 @@ from fedhead.federation.transport import Calibration, Census, Exchange, RoundRes
 from fedhead.flower.common import (  # noqa: E402
     LOG,
     MESSAGE_PREFIX,
+    PERSONAL_KIND,
+    beta_choice,
     by_node,
     client_stats_from_record,
     config_to_json,
+    global_stats_record,
     short_reason,
     store_fingerprint,
+    test_split_key,
 )
 from fedhead.flower.replies import Expect, check_reply  # noqa: E402
 from fedhead.flower.secure import SecureRounds  # noqa: E402
@@ -131,6 +143,12 @@ def validate_server_config(cfg: TrainConfig, store: Features) -> TrainConfig:
             "The '--central-reference' option is not supported on Flower (the server holds no "
             "training features to train the ceiling on). Got True instead. Run the ceiling with "
             "'fedhead train --central-reference' on a store of the pooled features."
+        )
+    if getattr(cfg, "personal_models", None) is not None:
+        raise FedheadError(
+            f"The '--personal-models' option is not supported on Flower (each node personalises its own client and "
+            f"sends back only its counts: the server never sees a personal head). Got {cfg.personal_models!r} "
+            "instead. Write personal models with 'fedhead train --personalize ... --personal-models ...'."
         )
     if cfg.secure_aggregation:  # no validation under SecAgg+ (a node's counts would reach the server unmasked):
         cfg = replace(cfg, val_fraction=0.0)  # the nodes, which get this config, hold nothing out
@@ -214,6 +232,8 @@ class FedheadStrategy(Strategy, Transport):
         self.bad_stats: dict = {}  # partition id -> why its statistics (query reply) were left out, this seed
         self.refused_stats: list = []  # every seed's bad_stats, for summary.json
         self._first: dict = {}  # partition id -> (num-examples, class counts) of its first report, this seed
+        self.personal_failed: list = []  # --personalize: the partitions left out, every seed's (summary.json)
+        self._test_key: str | None = None  # test_split_key of the server's test split (personalize)
         # --secure-aggregation: every sum below comes from Flower's SecAgg+ (fedhead.flower.secure)
         self.secure = SecureRounds(self) if cfg.secure_aggregation else None
 
@@ -673,14 +693,14 @@ class FedheadStrategy(Strategy, Transport):
             if keeps_residuals(cfg)
             else None
         )
-        if saved is not None:
-            self.stats = saved
-            return Census(saved, None)
         if self.secure is not None:  # the server never sees a node's counts: no clients.csv rows
-            self.stats, realised = self.secure.census(self.grid)
+            self.stats, realised = (saved, None) if saved is not None else self.secure.census(self.grid)
             return Census(self.stats, realised)
-        self.stats = self.combine_stats(self.info)
         counts = [self.info[p].content["arrays"]["class-counts"].numpy().tolist() for p in range(cfg.clients)]
+        if saved is not None:  # the checkpoint's statistics; the clients' counts (per-client metrics) of this query
+            self.stats = saved
+            return Census(saved, None, [int(sum(c)) for c in counts], counts)
+        self.stats = self.combine_stats(self.info)
         flipped = sum(int(self.info[p].content["metrics"].get("noise-flipped", 0)) for p in range(cfg.clients))
         total = sum(int(self.info[p].content["metrics"]["num-examples"]) for p in range(cfg.clients))
         return Census(self.stats, flipped / total if total else 0.0, [int(sum(c)) for c in counts], counts)
@@ -700,6 +720,8 @@ class FedheadStrategy(Strategy, Transport):
         self._selected = [int(k) for k in selected]
         self._start_round(1)
         t0 = time.perf_counter()
+        if self.secure is None:
+            self._ask_statistics(self._selected)
         bad = {p: self.bad_stats[p] for p in self._selected if p in self.bad_stats}
         pids = [p for p in self._selected if p not in bad]
         acc = self.summed_statistics(self.info, pids, self.grid)
@@ -714,6 +736,26 @@ class FedheadStrategy(Strategy, Transport):
             **self._secure_bytes(len(selected), len(selected) * head_bytes if is_closed_form(self.cfg.head) else 0),
         }
         return Exchange(acc, client_ms, time.perf_counter() - t0, extra)
+
+    def _ask_statistics(self, pids: list) -> None:
+        """The closed-form statistics of ``pids`` where their query replies hold none (a resumed seed's query asks
+        for none; the loop asks for them again after round 1, e.g. for ``--personalize closed-form``): one query
+        with the statistics to their nodes now (they are the same, keyed by the seed). A partition whose node does
+        not answer, or answers badly, has its statistics left out, as before round 1."""
+        need = [p for p in pids if p not in self.bad_stats and "cf-classes" not in self.info[p].content["arrays"]]
+        nodes = {self.node_of[p]: p for p in need if p in self.node_of}
+        replies = dict(self._query(self.grid, sorted(nodes), True, strict=False)) if nodes else {}
+        for p in need:
+            r = replies.get(self.node_of.get(p))
+            n, counts = self._first.get(p, (None, None))
+            expect = self._query_expect(True, pid=p, num_examples=n, class_counts=counts)
+            why = (check_reply("query", r, expect) or check_reply("stats", r, expect)) if r is not None else "no reply"
+            if why:
+                LOG.log(WARNING, "[fedhead] the statistics of partition %s are left out: %s", p, why)
+                self.bad_stats[p] = why
+                self.refused_stats.append({"seed": int(self.seed), "partition": p, "reason": why})
+            else:
+                self.info[p] = r
 
     def _head_bytes(self) -> int:
         return self.store.info.num_classes * (self.store.test_x.shape[1] + 1) * 4
@@ -830,6 +872,128 @@ class FedheadStrategy(Strategy, Transport):
         self._ccvr_nodes = len(got)
         return Calibration(pooled, up, client_ms / 1000, extra)
 
+    # ---------------------------------------------------------------- personalisation: on the nodes, counts back
+
+    def personalize(self, method, theta: torch.Tensor, scorer, seed: int, rnd: int, test, statistics=None,
+                    solver=None, progress=None) -> PersonalCounts:  # fmt: skip
+        """One ``query.personalize`` to every node (:mod:`fedhead.flower.common`): each personalises its own client
+        and answers with its counts; the global head's counts are the server's own. Closed-form's beta chosen on
+        validation: a second message to the nodes without a validation part, with the beta the pooled validation
+        counts chose (:meth:`_pooled_beta`). Failed or bad replies: their partitions count nowhere (size 0)."""
+        if self.secure is not None:  # refused by the configuration's checks; never reached
+            raise FedheadError("The '--personalize' option cannot run under --secure-aggregation.")
+        t0 = time.perf_counter()
+        ref = self._global_counts(theta, scorer, test)
+        picks = (
+            method.name == "closed-form" and method.params.get("personal_beta") is None and bool(self.cfg.val_fraction)
+        )
+        self.refresh_nodes(self.grid)
+        base = self._personal_base(method, theta, scorer, rnd, test, statistics, solver, picks)
+        asked = [p for p in range(self.cfg.clients) if ref.sizes[p] or picks]  # no local test: nothing to count
+        got, failed = self._personal_exchange(base, test, asked, len(BETA_GRID) if picks else 0, "personalize")
+        if picks:
+            self._pooled_beta(base, test, got, failed)
+        if progress:
+            progress(self.cfg.clients)
+        sizes = ref.sizes.copy()
+        correct, drift = np.zeros(len(sizes), dtype=np.int64), np.zeros(len(sizes), dtype=np.int64)
+        beta = np.full(len(sizes), np.nan)
+        for p, (c, d, b, _) in got.items():
+            correct[p], drift[p], beta[p] = c, d, b
+        sizes[sorted(failed)] = 0  # left out of every personal metric
+        for p in sorted(failed):
+            self.personal_failed.append({"seed": int(seed), "partition": int(p), "reason": failed[p]})
+        if failed:
+            LOG.log(WARNING, "[fedhead] seed %s personalisation: %s of %s nodes left out (partition %s: %s)", seed,
+                    len(failed), len(asked), min(failed), failed[min(failed)])  # fmt: skip
+        return PersonalCounts(sizes, correct, ref.correct_global, drift, ref.drift_global, ref.drift_size, beta,
+                              time.perf_counter() - t0)  # fmt: skip
+
+    def _global_counts(self, theta: torch.Tensor, scorer, test) -> PersonalCounts:
+        """The global head's correct predictions on every local test set and the drift set, and the sets' sizes:
+        ``personalize_clients`` of ``none`` on the server's test split, as the in-process transport counts them."""
+        cfg, C = self.cfg, self.store.info.num_classes
+        empty = [np.zeros(0, dtype=np.int64)] * cfg.clients
+        data = ClientData(x=None, labels=None, parts=empty, val_parts=None, counts=np.zeros((cfg.clients, C)),
+                          totals=np.zeros(C), test_x=test.x, test_y=test.y, tests=test.tests, drift=test.drift)  # fmt: skip
+        return personalize_clients(create_personalizer("none"), theta, data, Setting(cfg.head, cfg.head_params, None,
+                                   cfg.batch_size), scorer)  # fmt: skip
+
+    def _personal_base(self, method, theta, scorer, rnd: int, test, statistics, solver, picks: bool) -> tuple:
+        """What every node's ``query.personalize`` holds: (config, arrays) without the node's local test set."""
+        if self._test_key is None:
+            self._test_key = test_split_key(self.store.test_x, self.store.test_y)
+        totals = np.sum([self.info[p].content["arrays"]["class-counts"].numpy() for p in sorted(self.info)], 0)
+        cr = {**dict(self._round_config(rnd).items()), "personal-method": method.name,
+              "personal-params": json.dumps(method.params), "personal-picks": bool(picks),
+              "scorer-params": json.dumps(scorer.params) if scorer is not None else "", "test-split": self._test_key,
+              "solver": solver.name if solver is not None else "",
+              "solver-params": json.dumps(solver.params) if solver is not None else ""}  # fmt: skip
+        arrays = {"head": Array(theta.detach().cpu().numpy()),
+                  "drift": Array(np.asarray(test.drift, dtype=np.int64)),
+                  "class-totals": Array(np.asarray(totals, dtype=np.int64))}  # fmt: skip
+        if method.needs_statistics and statistics is not None:
+            arrays.update(global_stats_record(statistics))
+            cr["stats-noisy"] = bool(statistics.noisy)
+        return cr, arrays
+
+    def _personal_exchange(self, base: tuple, test, pids: list, betas: int, group: str, beta=None) -> tuple:
+        """``query.personalize`` to the nodes of ``pids`` (``beta``: the one to use); returns ``{pid: (correct,
+        drift, beta, val-correct or None)}`` of the good replies and ``{pid: reason}`` of the others."""
+        cr = ConfigRecord({**base[0], **({"personal-beta": float(beta), "personal-picks": False} if beta else {})})
+        failed = {p: "no connected SuperNode has this partition id" for p in pids if p not in self.node_of}
+        msgs = [
+            Message(RecordDict({"arrays": ArrayRecord({**base[1], "local-test": Array(
+                np.asarray(test.tests.of(p), dtype=np.int64))}), "config": cr}), dst_node_id=self.node_of[p],
+                message_type=PERSONAL_KIND, group_id=group)
+            for p in pids
+            if p in self.node_of
+        ]  # fmt: skip
+        pid_of, want, got = {n: p for p, n in self.node_of.items()}, set(pids), {}
+        for node, r in by_node(self.grid.send_and_receive(msgs, timeout=self.settings.round_timeout), msgs):
+            pid = pid_of.get(node)
+            if pid is None or pid not in want:
+                continue
+            if pid in got or pid in failed:  # a second reply: neither is used
+                got.pop(pid, None)
+                failed[pid] = "bad personalize reply refused: more than one reply"
+                continue
+            if r.has_error():
+                failed[pid] = short_reason(r.error.reason)
+                continue
+            expect = self._expect(pid, tests=len(test.tests.of(pid)), drift=len(test.drift), betas=betas)
+            why = check_reply("personalize", r, expect)
+            if why:
+                failed[pid] = why
+                continue
+            m = r.content["metrics"]
+            val = r.content["arrays"]["val-correct"].numpy() if betas else None
+            got[pid] = (int(m["correct"]), int(m["drift"]), float(m.get("beta", float("nan"))), val)
+        for p in pids:
+            if p not in got and p not in failed:
+                failed[p] = f"no reply within {self.settings.round_timeout:g} s"
+        return got, failed
+
+    def _pooled_beta(self, base: tuple, test, got: dict, failed: dict) -> None:
+        """Closed-form's beta for the clients without a validation part: the one the pooled validation counts of
+        the others chose (the in-process rule); their nodes answered with beta 1 (what the in-process transport
+        uses when no client has a validation part) and are asked again with it unless it is 1 (``got`` and
+        ``failed`` updated in place)."""
+        own = {p: v[3] for p, v in got.items() if v[3][0] >= 0}
+        if not own:  # no validation part anywhere: beta 1 for every client, as answered
+            return
+        beta = BETA_GRID[beta_choice(np.sum([own[p] for p in sorted(own)], 0))]
+        rest = sorted(p for p in got if p not in own)
+        if not rest or beta == BETA_DEFAULT:
+            return
+        again, bad = self._personal_exchange(base, test, rest, 0, "personalize-beta", beta)
+        for p in rest:
+            got.pop(p)
+            if p in again:
+                got[p] = again[p]
+            else:
+                failed[p] = bad[p]
+
     def after_round(self, seed: int, rnd: int, last_round: int, row: dict) -> None:
         """Log the round; a signal (``fedhead flower simulate``) stops the server here, after the round's
         checkpoint."""
@@ -886,6 +1050,8 @@ class FedheadStrategy(Strategy, Transport):
             out["refused_nodes"] = [{"node": int(n), "reason": why} for n, why in sorted(self.refused.items())]
         if self.refused_stats:
             out["refused_statistics"] = list(self.refused_stats)
+        if self.personal_failed:
+            out["personal_failures"] = list(self.personal_failed)
         return out
 
     # ---------------------------------------------------------------- the run: the one round loop over this transport
