@@ -108,6 +108,9 @@ COMMANDS = [
     ("fedhead.bench.papers", "papers_cmd", "papers", "bench",
      "A seed paper's table on the scratch path (FedOVA Tables I-II, FedABC Tables 1-2, D&C Table 1), next to the "
      "paper's numbers."),
+    ("fedhead.bench.personal", "personal_cmd", "personal", "bench",
+     "Personalisation methods on the head path in the shape of FedABC's Tables 1-2: PFL accuracy, gain over the "
+     "global head and drift per method and partition, the paper's numbers beside."),
     ("fedhead.bench.speed", "speed_cmd", "speed", "bench",
      "Trainer speed vs the machine's matmul/memory limits, vs a per-client loop, and in 100..1000 clients; the "
      "scratch engine's samples/s and GFLOP/s per model vs its loop backend."),
