@@ -97,6 +97,11 @@ SLOW = {
         "tests/test_compress.py::test_flower_resume_finds_the_residuals_in_the_node_state_folder",
         "tests/test_loop.py::test_resume_with_more_rounds_extends_a_finished_run",
         "tests/test_scratch_baselines.py::test_resume_of_personal_state_equals_uninterrupted",
+        "tests/test_personal.py::test_personalisation_is_redone_the_same_on_resume",
+    ),
+    "personalised heads: runs with per-client model files, the engine's plain-torch loop": (
+        "tests/test_personal_models.py::",
+        "tests/test_personal.py::test_local_is_training_on_the_client_alone",
     ),
     "a documented example or a bench command run end to end": (
         "tests/test_docs.py::test_readme_quickstart_runs_as_written",

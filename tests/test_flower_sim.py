@@ -242,6 +242,7 @@ def test_run_config_round_trip_and_pyproject_defaults(store, tmp_path):
         "dual",  # the in-process engine's form of local SGD (a Flower node trains its client in the primal form)
         "iid_reference",
         "central_reference",
+        "personal_models",  # the personal heads stay on the nodes: no model file of one on the server
     }
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     assert fields - own - set(RUN_CONFIG_FIELDS.values()) == set()

@@ -192,18 +192,22 @@ def _prior(method, theta, data: ClientData, s, scorer, statistics, solver, corre
                 progress(len(block))
 
 
+def _engine(method: Personalizer, data: ClientData, s: Setting) -> Engine:
+    """The engine of a method's personal epochs: its loss, the run's optimiser (``personal_lr`` if given), its
+    epochs, in the primal form (the heads themselves are scored)."""
+    optim = s.optim if method.params.get("personal_lr") is None else OptimConfig(
+        name=s.optim.name, lr=float(method.params["personal_lr"]), weight_decay=s.optim.weight_decay,
+        momentum=s.optim.momentum)  # fmt: skip
+    cs = ClientSet(x=data.x, y=data.labels, parts=data.parts, counts=data.counts, num_classes=data.counts.shape[1])
+    return Engine(cs, _loss_head(method, s), optim, LocalConfig(epochs=method.epochs, batch_size=s.batch_size),
+                  backend=s.backend, memory_budget_mb=s.memory_mb, dual="off")  # fmt: skip
+
+
 def _trained(method, theta, data: ClientData, s, scorer, statistics, solver, correct, drift, beta, progress) -> None:
     """finetune, ditto, fedrod, fedabc, local: the engine's local epochs from the global head (or zero)."""
     K, C = data.counts.shape
     start = theta if method.start == "global" else torch.zeros_like(theta)
-    optim = s.optim if method.params.get("personal_lr") is None else OptimConfig(
-        name=s.optim.name, lr=float(method.params["personal_lr"]), weight_decay=s.optim.weight_decay,
-        momentum=s.optim.momentum)  # fmt: skip
-    engine = None
-    if method.epochs:
-        cs = ClientSet(x=data.x, y=data.labels, parts=data.parts, counts=data.counts, num_classes=C)
-        engine = Engine(cs, _loss_head(method, s), optim, LocalConfig(epochs=method.epochs, batch_size=s.batch_size),
-                        backend=s.backend, memory_budget_mb=s.memory_mb, dual="off")  # fmt: skip
+    engine = _engine(method, data, s) if method.epochs else None
     per = 4 * C * theta.shape[1] * 3 + 4 * C * (len(data.drift) + int(data.tests.sizes.max(initial=1)))
     step = min(engine.block_clients if engine else K, block_for(K, per, s.memory_mb))
     active = [k for k in range(K) if len(data.parts[k])]
@@ -440,12 +444,7 @@ def personal_heads(
     start = theta if method.start == "global" else torch.zeros_like(theta)
     if not method.epochs:
         return {k: start.detach().clone() for k in clients}
-    optim = s.optim if method.params.get("personal_lr") is None else OptimConfig(
-        name=s.optim.name, lr=float(method.params["personal_lr"]), weight_decay=s.optim.weight_decay,
-        momentum=s.optim.momentum)  # fmt: skip
-    cs = ClientSet(x=data.x, y=data.labels, parts=data.parts, counts=data.counts, num_classes=C)
-    engine = Engine(cs, _loss_head(method, s), optim, LocalConfig(epochs=method.epochs, batch_size=s.batch_size),
-                    backend=s.backend, memory_budget_mb=s.memory_mb, dual="off")  # fmt: skip
+    engine = _engine(method, data, s)
     trained = [k for k in clients if len(data.parts[k])]
     if trained:
         W = engine.train_block(start, trained, s.seed, s.rnd, prox_mu=method.prox)[0]
