@@ -77,6 +77,7 @@ __all__ = [
     "LocalTests",
     "local_test_sets",
     "local_accuracy",
+    "local_correct",
     "local_summary",
     "sample_correct",
     "LOCAL_FIELDS",
@@ -318,12 +319,17 @@ def _ranges(entries: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.nd
     return e, np.arange(e.size) - np.repeat(starts, lengths)
 
 
+def local_correct(tests: LocalTests, correct: np.ndarray) -> np.ndarray:
+    """Each client's correct predictions on its local test set (int64 [K]), from ``correct`` (bool [N]: whether each
+    global test sample is predicted correctly, :func:`sample_correct`): one cumulative sum, no loop over clients."""
+    hits = np.concatenate([[0], np.cumsum(np.asarray(correct, dtype=np.int64)[tests.index])])
+    return hits[tests.indptr[1:]] - hits[tests.indptr[:-1]]
+
+
 def local_accuracy(tests: LocalTests, correct: np.ndarray) -> np.ndarray:
     """Each valid client's accuracy on its local test set (float64 [K'], clients without one left out), from
-    ``correct`` (bool [N]: whether each global test sample is predicted correctly, :func:`sample_correct`)."""
-    hits = np.concatenate([[0], np.cumsum(np.asarray(correct, dtype=np.int64)[tests.index])])
-    got = (hits[tests.indptr[1:]] - hits[tests.indptr[:-1]])[tests.valid]
-    return got / tests.sizes[tests.valid]
+    ``correct`` (:func:`local_correct`)."""
+    return local_correct(tests, correct)[tests.valid] / tests.sizes[tests.valid]
 
 
 def local_summary(acc: np.ndarray) -> dict:

@@ -7,7 +7,7 @@ models on class-balanced test samples (its equation 8; here one balanced draw sh
 :func:`balanced_test_set`).
 
 Each method is declared once with its parameters (:func:`register_personal`, like heads) and says what it needs as
-attributes (``trains``, ``needs_statistics``, ``needs_hidden``, ``generic_head``), so the checks in
+attributes (``how``, ``needs_statistics``, ``needs_hidden``, ``generic_head``), so the checks in
 :meth:`fedhead.federation.config.TrainConfig.resolved` read the class, never a table of names. The arithmetic lives
 here and works on blocks of clients (stacked tensors); the transports bring the clients' data to it (in process:
 block by block from the store; on Flower: each node its own client, only metrics travel).
@@ -64,7 +64,6 @@ from fedhead.infra.params import Param, doc_line, resolve_params
 
 torch = lazy_module("torch")
 
-F64 = "float64"
 BETA_GRID = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)  # closed-form: tried on each client's validation part
 BETA_DEFAULT = 1.0  # closed-form without a validation part: the global statistics weigh as the client's own
 DRIFT_SAMPLES = 1000  # the balanced drift set's size when --personal-drift is left unset (per class: 1000 // C)
@@ -108,10 +107,6 @@ def register_personal(name: str, *params: Param):
     return deco
 
 
-def personal_names() -> list[str]:
-    return list(PERSONAL)
-
-
 def create_personalizer(name: str, **params) -> "Personalizer":
     """The method ``name`` with its parameters (others' ignored, missing ones at their defaults)."""
     if name not in PERSONAL:
@@ -131,7 +126,6 @@ class Personalizer:
     # "shift" (the global scores plus the log-prior shift), "epochs" (the engine's local epochs from `start` with
     # `loss` and `prox`), "mix" (APFL's learnt mix), "statistics" (the closed-form solve of mixed statistics)
     how = "epochs"
-    trains = False  # personal heads trained by local epochs (the engine's)
     start = "global"  # where the trained personal head starts: "global" | "zero"
     loss = None  # the loss head of the local epochs: None: the run's (softmax for a closed-form head)
     needs_statistics = False  # the global statistics of a closed-form head or --init (closed-form)
@@ -192,14 +186,14 @@ class PriorPersonal(Personalizer):
 class FinetunePersonal(Personalizer):
     """Local epochs from the global head (generic FL plus local adaptation, Chen and Chao 2021)."""
 
-    trains = needs_linear = True
+    needs_linear = True
 
 
 @register_personal("ditto", _epochs(5), _LR, _PROX)
 class DittoPersonal(Personalizer):
     """Ditto: local epochs with a proximal pull lambda/2 ||v - w||^2 towards the global head."""
 
-    trains = needs_linear = True
+    needs_linear = True
 
 
 @register_personal(
@@ -220,7 +214,7 @@ class APFLPersonal(Personalizer):
 class FedRoDPersonal(Personalizer):
     """FedRoD (linear mode): a balanced-softmax generic head plus an additive personal head (softmax CE)."""
 
-    trains = needs_linear = True
+    needs_linear = True
     generic_head = "bsm"
     loss = "softmax"
 
@@ -229,7 +223,7 @@ class FedRoDPersonal(Personalizer):
 class FedABCPersonal(Personalizer):
     """FedABC's personalised one-vs-all heads: local epochs of FedABC's binary loss from the global head."""
 
-    trains = needs_linear = True
+    needs_linear = True
     loss = "fedabc"
 
 
@@ -237,7 +231,7 @@ class FedABCPersonal(Personalizer):
 class LocalPersonal(Personalizer):
     """Local-only training: each client's head from zero on its own data, no federation."""
 
-    trains = needs_linear = True
+    needs_linear = True
     start = "zero"
 
 
@@ -349,8 +343,9 @@ class RidgeKernel:
     head ``theta_g = M^-1 Phi^T Y``, Woodbury's identity turns client k's personal head
     ``(Phi_k^T Phi_k + b M)^-1 (Phi_k^T Y_k + b Phi^T Y)`` into a kernel correction of the global scores:
     ``E theta_k = E theta_g + (E M^-1 Phi_k^T) (b I + Phi_k M^-1 Phi_k^T)^-1 (Y_k - Phi_k theta_g)``
-    for any rows ``E``. With ``R = L^-1 Phi^T`` each row costs one triangular solve, and a client an ``n_k x n_k``
-    solve per beta: at 10,000 clients of 12 samples nothing ``D x D`` is formed per client."""
+    for any rows ``E``. With ``R = L^-1 Phi^T`` each row costs one product with ``[L^-T | theta_g]`` (its whitened
+    form and its global score together), and a block of clients one eigendecomposition (:meth:`spectrum`) after
+    which every beta is a batched product: at 10,000 clients of 12 samples nothing ``D x D`` is formed per client."""
 
     def __init__(self, acc: StatsAccumulator, lam: float):
         D1 = acc.D + 1
@@ -368,14 +363,10 @@ class RidgeKernel:
         # rows -> [whitened rows | global scores] in one product (a GEMM runs about twice a triangular solve's speed)
         eye = torch.eye(D1, dtype=torch.float64)
         self.map = torch.cat([torch.linalg.solve_triangular(L, eye, upper=False).T, self.theta], 1)
-        self.total = float(acc.counts.sum())
-
-    def whiten(self, phi: torch.Tensor) -> torch.Tensor:
-        """``L^-1 phi^T`` for rows ``phi [..., n, D+1]``, as ``[..., n, D+1]`` (rows of ``R^T``)."""
-        return self.both(phi)[0]
 
     def both(self, phi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows whitened (:meth:`whiten`) and their global scores ``phi theta_g``, from one product."""
+        """Rows ``phi [..., n, D+1]`` whitened (``L^-1 phi^T`` as rows, ``[..., n, D+1]``) and their global scores
+        ``phi theta_g``, from one product."""
         out = phi.to(torch.float64) @ self.map
         D1 = phi.shape[-1]
         return out[..., :D1], out[..., D1:]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedhead.core.clientacc import LocalTests
+from fedhead.core.clientacc import LocalTests, local_correct, sample_correct
 from fedhead.core.closedform import accumulate, is_closed_form, ridge_solve
 from fedhead.core.engine import ClientSet, Engine, LocalConfig, LossContext, OptimConfig, scores
 from fedhead.core.heads import create_head
@@ -128,14 +128,9 @@ def personalize_clients(
     number of clients done after each block; ``note``: called with a line for stderr (a slow path's cost)."""
     t0 = time.perf_counter()
     K = len(data.parts)
-    yt = data.test_y
-    with torch.no_grad():
-        ok = torch.cat([scores(theta, data.test_x[i : i + 65536], scorer).argmax(1) == yt[i : i + 65536]
-                        for i in range(0, len(yt), 65536)]) if len(yt) else torch.zeros(0, dtype=torch.bool)  # fmt: skip
-    okn = ok.cpu().numpy()
+    okn = sample_correct(theta, data.test_x, data.test_y, head=scorer)  # the global head, one pass
     sizes = data.tests.sizes.astype(np.int64)
-    hits = np.concatenate([[0], np.cumsum(okn[data.tests.index].astype(np.int64))])
-    correct_global = hits[data.tests.indptr[1:]] - hits[data.tests.indptr[:-1]]
+    correct_global = local_correct(data.tests, okn)
     drift_size = int(len(data.drift))
     drift_global = np.full(K, int(okn[data.drift].sum()) if drift_size else 0, dtype=np.int64)
     beta = np.full(K, np.nan)

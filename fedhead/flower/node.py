@@ -360,7 +360,7 @@ def personalize(msg: Message, context: Context, default_store: str | None, defau
         statistics = global_stats_from_record(arrays, ld.store.info.num_classes, bool(c.get("stats-noisy", False)))
     # the engine keys a client's batches by its index: a trained personal head needs the node's client at its
     # partition id among cfg.clients; every other method reads nothing of the index (apfl keys its draws by ids)
-    K, p = (cfg.clients, ns.pid) if method.trains else (1, 0)
+    K, p = (cfg.clients, ns.pid) if method.how == "epochs" else (1, 0)
     data = _own_client(ld, K, p, _feature_stats(c), arrays, method.needs_statistics)
     optim = OptimConfig(name=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum)
     s = Setting(cfg.head, cfg.head_params, optim, cfg.batch_size, cfg.backend, cfg.memory_budget_mb, seed, rnd)
