@@ -86,6 +86,9 @@ COMMANDS = [
     ("fedhead.scratch.commands", "scratch_cmd", "scratch", None,
      "Train a model from scratch with FedAvg, FedOVA, FedABC, Divide-and-Conquer or FedABC's baselines (local, "
      "FedProx, SCAFFOLD, FedPer, FedRep, FedRoD, LG-FedAvg)."),
+    ("fedhead.scratch.ftcommands", "finetune_cmd", "finetune", None,
+     "Fine-tune a pretrained encoder federatedly on raw images (LoRA, prompts, BitFit, full, FFT-MoE, PFPT), or a "
+     "head on its frozen features, with fedhead train's partitions, rounds and run directory."),
     ("extract.bench", "bench_extract_cmd", "extract", "bench",
      "Extraction throughput vs the bare encoder forward on the same batches (images/s)."),
     ("fedhead.bench.commands", "ablation_cmd", "ablation", "bench",
@@ -111,6 +114,10 @@ COMMANDS = [
     ("fedhead.bench.personal", "personal_cmd", "personal", "bench",
      "Personalisation methods on the head path in the shape of FedABC's Tables 1-2: PFL accuracy, gain over the "
      "global head and drift per method and partition, the paper's numbers beside."),
+    ("fedhead.bench.fft", "fft_cmd", "fft", "bench",
+     "OvA-LP beside federated fine-tuning of the encoder (LoRA, prompts, full, FFT-MoE, PFPT) under IID, shard-1, "
+     "shard-2 and Bernoulli-Dirichlet: final accuracy, retention of the IID accuracy, Acc@95 with its time and "
+     "bytes, per-round costs, the paper's numbers beside."),
     ("fedhead.bench.speed", "speed_cmd", "speed", "bench",
      "Trainer speed vs the machine's matmul/memory limits, vs a per-client loop, and in 100..1000 clients; the "
      "scratch engine's samples/s and GFLOP/s per model vs its loop backend."),

@@ -14,9 +14,12 @@ import typer
 
 from extract.store import load_store, open_store
 from fedhead.federation.export import FORMATS, export_model, parse_size
+from fedhead.federation.finetuned import FinetunedModel
 from fedhead.federation.model import (
     Model,
     check_store,
+    image_labels,
+    list_images,
     load_model,
     predict_images,
     probabilities,
@@ -36,9 +39,8 @@ CLIENT_HELP = (
 FULL_MATRIX_MAX = 20  # classes up to which the whole confusion matrix is printed; beyond, the largest confusions
 
 
-def _rows(model: Model, sources: list, labels: np.ndarray | None, x: np.ndarray, top_k: int):
-    """The CSV's header and rows, the predictions (class indices) and the logits."""
-    logits = model.logits(x)
+def _rows(model: Model | FinetunedModel, sources: list, labels: np.ndarray | None, logits, top_k: int):
+    """The CSV's header and rows and the predictions (class indices), from the model's ``logits [N, C]``."""
     probs = probabilities(logits, model.probabilities).numpy()
     order = np.argsort(-logits.numpy(), axis=1, kind="stable")[:, :top_k]  # by logit: top 1 = the prediction
     header = ["source"] + (["label"] if labels is not None else [])
@@ -79,7 +81,7 @@ def _confusion(labels: np.ndarray, pred: np.ndarray, classes) -> "object":
     return t
 
 
-def personal_text(m: Model) -> str:
+def personal_text(m: Model | FinetunedModel) -> str:
     """For a personal model (``--client``): "client K's personal head (METHOD[, beta B])"; else ""."""
     if m.client is None:
         return ""
@@ -88,8 +90,11 @@ def personal_text(m: Model) -> str:
     return f"client {m.client}'s personal head ({method})"
 
 
-def model_text(m: Model) -> str:
-    """What a command says of the model it used: its head and encoder, and which client's personal head it is."""
+def model_text(m: Model | FinetunedModel) -> str:
+    """What a command says of the model it used: its head and encoder, and which client's personal head it is (a
+    fine-tuned model: its --peft kind and encoder)."""
+    if isinstance(m, FinetunedModel):
+        return f"{m.card['encoder']} fine-tuned with --peft {m.card['tuning']['peft']}"
     text = f"{m.card['head']['kind']}, {m.card['store'].get('encoder')}"
     return text + (f"; {personal_text(m)}" if m.client is not None else "")
 
@@ -134,11 +139,20 @@ def predict_cmd(
         validate("--batch-size", batch_size, Interval(1, None, integer=True))
     check_out(out)
     m = load_model(model, seed, client=client)
-    if images:
-        sources, labels, x = predict_images(m, images, device=resolve_device(device), batch_size=batch_size)
+    if isinstance(m, FinetunedModel):
+        if features is not None:
+            raise param_error("--features", str(features), "applies to a head's model (a store of frozen features)",
+                              f"{str(m.path)!r} is a fine-tuned encoder: classify images with --images.")  # fmt: skip
+        sources = list_images(images)
+        labels = image_labels(sources, list(m.classes_))
+        logits = m.to(resolve_device(device)).logits(sources, batch_size=batch_size, progress=True)
     else:
-        sources, labels, x = _from_store(m, features, split)
-    header, rows, pred = _rows(m, sources, labels, x, min(top_k, len(m.classes_)))
+        if images:
+            sources, labels, x = predict_images(m, images, device=resolve_device(device), batch_size=batch_size)
+        else:
+            sources, labels, x = _from_store(m, features, split)
+        logits = m.logits(x)
+    header, rows, pred = _rows(m, sources, labels, logits, min(top_k, len(m.classes_)))
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(header)

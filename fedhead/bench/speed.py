@@ -35,6 +35,7 @@ from typing import Optional
 import typer
 
 from extract.bench import measure_extraction
+from extract.encoders import registry_weights
 from extract.store import open_store
 from fedhead.bench.ceiling import CEILING_METHODS, ceiling_table, measure_ceiling
 from fedhead.core.closedform import StatsAccumulator, accumulate, client_stats
@@ -49,6 +50,7 @@ from fedhead.infra.exits import cli_errors
 from fedhead.infra.files import atomic_write_json, atomic_write_text, check_out
 from fedhead.infra.signals import pause_hook
 from fedhead.scratch import engine as E
+from fedhead.scratch.finetune import finetune_speed
 from fedhead.scratch.models import create_model
 from fedhead.scratch.runner import ALGO_DEFAULTS, FEDABC_LR
 
@@ -1070,6 +1072,30 @@ def _ceiling(quick: bool, stores, rounds: int, flower: bool, methods, err) -> di
     )
 
 
+FINETUNE_OPT = typer.Option(
+    None,
+    "--finetune",
+    help="Also time fedhead finetune's local epoch against the bare encoder's forward+backward with this encoder "
+    "(lora, full, bitfit, prompt; the registry weights where installed, else the hub's; test_* models at random init).",
+)
+FINETUNE_ROW = ("finetune {encoder} {peft} {precision} {device}: local epoch {local_images_per_s:.0f} images/s, bare "
+                "forward+backward {bare_images_per_s:.0f}, ratio {ratio:.3f}")  # fmt: skip
+
+
+def _finetune_rows(encoder: str, device: str, quick: bool, err) -> dict:
+    """``--finetune``: :func:`fedhead.scratch.finetune.finetune_speed` per trainable kind (``--quick``: 32 px), each
+    row printed on stdout."""
+    err.print(f"[bold]bench speed[/]: finetune {encoder}")
+    weights = "registry" if registry_weights(encoder) is not None else None
+    rows = finetune_speed(encoder, weights=weights, pretrained=not encoder.startswith("test_"),
+                          image_size=32 if quick else None, pefts=("lora", "full", "bitfit", "prompt"), device=device,
+                          batch_size=8 if quick else 64, batches=2 if quick else 10)  # fmt: skip
+    con = stdout_console()
+    for r in rows:
+        con.print(FINETUNE_ROW.format(**r))
+    return {"finetune": rows}
+
+
 @cli_errors
 def speed_cmd(
     out: Path = typer.Option(
@@ -1123,6 +1149,7 @@ def speed_cmd(
     ceiling_method: Optional[list[str]] = typer.Option(
         None, "--ceiling-method", help="Only this method for the time to the ceiling (repeat for several)."
     ),
+    finetune: Optional[str] = FINETUNE_OPT,
 ) -> None:
     """Trainer speed vs the machine's matmul/memory limits, vs a per-client loop, and in 100..1000 clients; the
     scratch engine's samples/s and GFLOP/s per model vs its loop backend."""
@@ -1156,6 +1183,7 @@ def speed_cmd(
     )
     if ceiling:
         rec.update(_ceiling(quick, ceiling_store, ceiling_rounds, ceiling_flower, ceiling_method, err))
+    rec.update(_finetune_rows(finetune, device, quick, err) if finetune else {})
     if scratch:
         md = out.with_suffix(".md") if out.suffix != ".md" else out.with_name(out.name + ".table.md")
         atomic_write_text(md, scratch_markdown(rec))

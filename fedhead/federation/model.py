@@ -14,7 +14,8 @@ A run writes, for every seed (and the IID reference of a seed), the head the run
 :func:`load_model` reads them back as a :class:`Model`, a fitted scikit-learn classifier (``classes_``, ``predict``,
 ``predict_proba``, ``decision_function``, ``score``; pre-fitted: ``fit`` refuses) on raw store features ``[N, D]``
 or on images (paths, PIL images, uint8 arrays), which it encodes with the card's encoder and preprocessing through
-the extraction pipeline (:mod:`extract.run`), so the features of the same images equal the store's.
+the extraction pipeline (:mod:`extract.run`), so the features of the same images equal the store's. A ``fedhead
+finetune`` run's card (format ``fedhead-finetuned/1``) loads as a :class:`fedhead.federation.finetuned.FinetunedModel`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from fedhead import __version__
 from fedhead.core.heads import HEADS, create_head, resolve_head_params
 from fedhead.federation.clients import FeatureStats, prepare
 from fedhead.federation.config import TrainConfig
+from fedhead.federation.finetuned import MODEL_FORMAT as FINETUNED_FORMAT
+from fedhead.federation.finetuned import FinetunedModel, load_finetuned
 from fedhead.infra.console import make_progress
 from fedhead.infra.devices import check_budget, set_cpu_threads
 from fedhead.infra.errors import FedheadError, param_error
@@ -238,16 +241,23 @@ def _client_card_path(p: Path, seed: int | None, client: int, param: str) -> Pat
     return found[0]
 
 
-def read_card(card_path: Path, param: str = "--model") -> dict:
-    """The card's JSON, refusing a file that is not a fedhead model of a version this fedhead reads."""
+def card_json(card_path: Path, param: str = "--model") -> Any:
+    """The card's JSON (a file of at most :data:`MAX_CARD_BYTES`), whatever its format; one line if unreadable."""
     try:
         size = card_path.stat().st_size
         if size > MAX_CARD_BYTES:
             raise ValueError(f"{size:,} bytes; a card holds a few kB")
-        card = json.loads(card_path.read_text())
+        return json.loads(card_path.read_text())
     except (OSError, ValueError, RecursionError) as exc:
         raise param_error(param, str(card_path), "must be a readable fedhead model card",
                           f"It cannot be read ({str(exc).splitlines()[0]}).") from None  # fmt: skip
+
+
+def read_card(card_path: Path, param: str = "--model", card: Any = None) -> dict:
+    """The card's JSON (``card``: already read), refusing a file that is not a fedhead model of a version this
+    fedhead reads."""
+    if card is None:
+        card = card_json(card_path, param)
     if not isinstance(card, dict) or card.get("format") != MODEL_FORMAT:
         raise param_error(param, str(card_path), "must be a fedhead model card (format 'fedhead-model')",
                           "Name a model-seed<S>.json of a run.")  # fmt: skip
@@ -513,15 +523,23 @@ def _input_error(constraint: str, got: str, fix: str = "", param: str = "X") -> 
     return InvalidInput(f"The '{param}' parameter {constraint}. Got {got} instead." + (f" {fix}" if fix else ""))
 
 
-def load_model(path: str | os.PathLike, seed: int | None = None, client: int | None = None) -> Model:
+def load_model(path: str | os.PathLike, seed: int | None = None, client: int | None = None) -> Model | FinetunedModel:
     """A run's model (``path``: a run directory, a ``model-seed<S>.json`` card or its ``.safetensors``); with
     ``client``, client K's personal head of that run (``model-seed<S>-client<K>.json``, written by ``fedhead train
-    --personalize METHOD --personal-models K``; the lowest seed that has one unless ``seed`` says)."""
+    --personalize METHOD --personal-models K``; the lowest seed that has one unless ``seed`` says). A ``fedhead
+    finetune`` run's model (card format ``fedhead-finetuned/1``) is a
+    :class:`fedhead.federation.finetuned.FinetunedModel`."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    if client is not None and _is_finetuned(path, seed):
+        raise param_error("--client", client, "applies to the personal heads of a 'fedhead train' run only",
+                          f"{str(path)!r} is a fine-tuned model ('fedhead finetune'): leave --client out.")  # fmt: skip
     card_path = model_card_path(path, seed, client=client)
-    card = read_card(card_path)
+    raw = card_json(card_path)
+    if isinstance(raw, dict) and raw.get("format") == FINETUNED_FORMAT:
+        return load_finetuned(raw, card_path)
+    card = read_card(card_path, card=raw)
     where = f"The model card {str(card_path)!r} (weights_file)"
     weights = name_inside(card_path.parent, card.get("weights_file", card_path.with_suffix(".safetensors").name), where)
     if not weights.is_file():
@@ -543,6 +561,15 @@ def load_model(path: str | os.PathLike, seed: int | None = None, client: int | N
                           str(exc).splitlines()[0]) from None  # fmt: skip
     check_card(card, tensors, card_path)
     return Model(card, tensors, card_path)
+
+
+def _is_finetuned(path: str | os.PathLike, seed: int | None) -> bool:
+    """Whether the global model ``path`` names (with ``seed``) is a ``fedhead finetune`` run's."""
+    try:
+        raw = card_json(model_card_path(path, seed))
+    except FedheadError:
+        return False
+    return isinstance(raw, dict) and raw.get("format") == FINETUNED_FORMAT
 
 
 def _bad_card(card_path: Path, what: str) -> FedheadError:
