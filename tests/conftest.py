@@ -44,6 +44,7 @@ SAME_WORKER = {
     "ray": (
         "tests/test_flower_sim.py::test_simulation_engine_",
         "tests/test_flower_scaffold_ccvr.py::test_simulation_engine_",
+        "tests/test_finetune_flower.py::test_simulation_engine_",
     ),
 }
 

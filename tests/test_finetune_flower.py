@@ -46,14 +46,16 @@ def simulator():
     return row, job.theta.detach().cpu().clone()
 
 
-def in_process(cfg: FinetuneConfig, grid_cls=InProcessGrid):
+def in_process(cfg: FinetuneConfig, out_dir, grid_cls=InProcessGrid):
     grid = grid_cls(make_finetune_client_app(cfg), sim_nodes(cfg.clients), wire=True)
-    return serve_finetune(grid, cfg, timeout=60)
+    return serve_finetune(grid, cfg, out_dir, timeout=60)
 
 
-def test_one_lora_round_over_flower_messages_equals_the_simulator(simulator):
+def test_one_lora_round_over_flower_messages_equals_the_simulator(simulator, tmp_path):
     row, theta = simulator
-    res = in_process(FinetuneConfig(**TINY))
+    res = in_process(FinetuneConfig(**TINY), tmp_path / "run")
+    assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "model-seed0.safetensors").exists()
+    assert res.summary["final_accuracy"] == pytest.approx(row["accuracy"], abs=1e-9)
     assert len(res.rows) == 1 and not res.failures and not res.refused
     got = res.rows[0]
     assert got["clients"] == row["clients"] == 3 and got["failures"] == 0
@@ -83,8 +85,8 @@ def _request(messages, reply):
     return next(m for m in messages if m.metadata.dst_node_id == reply.metadata.src_node_id)
 
 
-def test_a_nan_reply_is_its_clients_failure_and_the_round_goes_on(simulator):
-    res = in_process(FinetuneConfig(**TINY), TamperGrid)
+def test_a_nan_reply_is_its_clients_failure_and_the_round_goes_on(simulator, tmp_path):
+    res = in_process(FinetuneConfig(**TINY), tmp_path / "run", TamperGrid)
     row = res.rows[0]
     assert row["stage"] == "train" and row["clients"] == 2 and row["failures"] == 1
     assert [(f["client"], f["round"]) for f in res.failures] == [(1, 1)]
@@ -179,9 +181,9 @@ def test_query_replies_name_a_client_of_the_run_with_its_size():
 
 
 @pytest.mark.slow
-def test_simulation_engine_runs_one_lora_round_equal_to_the_simulator(simulator, shared_ray):
+def test_simulation_engine_runs_one_lora_round_equal_to_the_simulator(simulator, shared_ray, tmp_path):
     row, theta = simulator
-    res = run_finetune_flower(FinetuneConfig(**TINY), num_cpus=2, timeout=600)
+    res = run_finetune_flower(FinetuneConfig(**TINY), tmp_path / "flower", num_cpus=2, timeout=600)
     assert len(res.rows) == 1 and res.rows[0]["failures"] == 0 and res.rows[0]["clients"] == 3
     torch.testing.assert_close(res.thetas[0], theta, atol=1e-6, rtol=0)
     assert res.rows[0]["accuracy"] == pytest.approx(row["accuracy"], abs=1e-9)

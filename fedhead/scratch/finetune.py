@@ -225,6 +225,36 @@ def load_images(cfg: FinetuneConfig, enc: Encoder) -> Images:
                   np.asarray(te.labels, np.int64), list(tr.class_names))  # fmt: skip
 
 
+_LOADED: dict = {}  # the last encoder and images this process loaded (bench fft runs many configs on the same)
+
+
+def _stamp(path) -> tuple:
+    """A file's or folder's identity for the cache: path, size and modification time (None when absent)."""
+    if path is None or not Path(path).exists():
+        return (path,)
+    st = Path(path).stat()
+    return (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+def loaded(cfg: FinetuneConfig) -> tuple[Encoder, Images]:
+    """The pristine encoder and the resized images of ``cfg``: loaded once, kept for the next run of this process
+    that asks for the same encoder (name, weights file, size) and data (dataset, folder, limit). Both are only read
+    (a seed's model attaches to a copy of the encoder, :func:`fresh`)."""
+    ekey = (cfg.encoder, _stamp(cfg.weights) if cfg.weights not in (None, "registry") else cfg.weights,
+            cfg.pretrained, cfg.image_size)  # fmt: skip
+    if _LOADED.get("encoder_key") != ekey:
+        _LOADED.clear()
+        _LOADED["encoder"] = load_encoder(cfg.encoder, weights=cfg.weights, pretrained=cfg.pretrained,
+                                          image_size=cfg.image_size)  # fmt: skip
+        _LOADED["encoder_key"] = ekey
+    dkey = (cfg.dataset, _stamp(cfg.data_dir), cfg.limit)
+    if _LOADED.get("data_key") != dkey:
+        _LOADED.pop("data", None)
+        _LOADED["data"] = load_images(cfg, _LOADED["encoder"])
+        _LOADED["data_key"] = dkey
+    return _LOADED["encoder"], _LOADED["data"]
+
+
 def normalise(x: torch.Tensor, enc: Encoder, channels_last: bool) -> torch.Tensor:
     """uint8 [B, S, S, 3] at the input size -> the encoder's normalised float input [B, 3, S, S]."""
     pre = dataclasses.replace(enc.preprocessing, resize_size=enc.preprocessing.image_size)
@@ -670,8 +700,10 @@ def features_for(cfg: FinetuneConfig, progress: bool = False) -> Path:
 
 
 def run_finetune(cfg: FinetuneConfig, out_dir, log: Callable[[str], None] = lambda s: None, progress=None,
-                 resume: bool = False) -> dict:  # fmt: skip
-    """Validate, load, run (or resume) every seed, write the run directory; returns the summary."""
+                 resume: bool = False, make_job: Callable | None = None) -> dict:  # fmt: skip
+    """Validate, load, run (or resume) every seed, write the run directory; returns the summary. ``make_job(cfg,
+    enc, data, device, log, run)``: the job (default :class:`FinetuneJob`, the simulator; Flower's trains the clients
+    on its nodes)."""
     cfg = resolve_finetune(cfg)
     check_log(cfg.log, cfg.log_dir)
     if cfg.peft == "head":
@@ -680,9 +712,8 @@ def run_finetune(cfg: FinetuneConfig, out_dir, log: Callable[[str], None] = lamb
                           **head_options(cfg))  # fmt: skip
         return result.summary
     device = resolve_device(cfg.device)
-    enc = load_encoder(cfg.encoder, weights=cfg.weights, pretrained=cfg.pretrained, image_size=cfg.image_size)
+    enc, data = loaded(cfg)
     build_model(cfg, fresh(enc), 2, 0)  # the --peft kind checked against the encoder before anything is written
-    data = load_images(cfg, enc)
     if cfg.clients > len(data.train_y):
         raise param_error("--clients", cfg.clients, f"must be <= the training images ({len(data.train_y)})",
                           "Use fewer --clients or a larger --limit.")  # fmt: skip
@@ -695,7 +726,7 @@ def run_finetune(cfg: FinetuneConfig, out_dir, log: Callable[[str], None] = lamb
         threads = None
         if device.type == "cpu":
             threads = set_cpu_threads(opened.previous.get("cpu_threads") if opened.kind != "fresh" else None)
-        job = FinetuneJob(cfg, enc, data, device, log, run)
+        job = (make_job or FinetuneJob)(cfg, enc, data, device, log, run)
         config = {"command": "finetune", **dataclasses.asdict(cfg), "device_resolved": str(device),
                   "cpu_threads": threads, "torch_version": torch.__version__, "classes": data.classes,
                   "weights_source": enc.weights_source, "weights_sha256": enc.weights_sha256,

@@ -24,8 +24,10 @@ evaluation) with its clients reached through a Grid instead of trained in proces
 
 The server holds the whole data set here (a simulation): the test accuracy and the validation accuracy on the
 clients' pooled validation parts are computed on the server exactly as the simulator computes them. Bytes are the
-simulator's accounting (the rule's message; the wire carries the dense float32 vector both ways). There is no run
-directory, checkpoint or resume on this path: :func:`run_finetune_flower` returns the rows and the final vectors.
+simulator's accounting (the rule's message; the wire carries the dense float32 vector both ways). The run is the
+simulator's run directory (the one round loop: config, rounds.csv, a checkpoint after every round, ``resume``, the
+model files), with the rows' ``failures`` and ``exchange_ms`` beside; :func:`run_finetune_flower` also returns the rows
+and the final vectors.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from fedhead.scratch.finetune import (
     identity_fields,
     load_images,
     resolve_finetune,
+    run_finetune,
     setup_seed,
 )
 
@@ -85,6 +88,7 @@ class FlowerFinetune:
     thetas: dict[int, torch.Tensor] = field(default_factory=dict)
     failures: list[dict] = field(default_factory=list)  # {seed, round, client, reason}
     refused: list[dict] = field(default_factory=list)  # {seed, node, reason}
+    summary: dict = field(default_factory=dict)  # the run directory's summary.json
 
 
 # ---------------------------------------------------------------- replies: hostile input
@@ -215,6 +219,15 @@ class FlowerFinetuneJob(FinetuneJob):
         self.grid, self.timeout, self.out = grid, timeout, out
         self.identity = identity_hash(identity_fields(cfg))
 
+    def round(self, unit: tuple, rnd: int) -> dict:
+        row = super().round(unit, rnd)
+        self.out.rows.append(row)
+        return row
+
+    def finish_unit(self, unit: tuple, rows: list) -> tuple[list, dict]:
+        self.out.thetas[unit[0]] = self.theta.detach().cpu().clone()
+        return super().finish_unit(unit, rows)
+
     def start(self, unit: tuple, saved: dict | None) -> tuple[int, list]:
         first = super().start(unit, saved)
         self.params = int(self.theta.numel())
@@ -299,28 +312,20 @@ class FlowerFinetuneJob(FinetuneJob):
         )
 
 
-def serve_finetune(grid: Grid, cfg: FinetuneConfig, *, timeout: float = 600.0,
+def serve_finetune(grid: Grid, cfg: FinetuneConfig, out_dir, *, timeout: float = 600.0, resume: bool = False,
                    log: Callable[[str], None] = lambda s: None) -> FlowerFinetune:  # fmt: skip
-    """Run every seed of ``cfg`` with its clients on the nodes of ``grid``; returns the rows and final vectors."""
+    """Run every seed of ``cfg`` with its clients on the nodes of ``grid`` through the one round loop
+    (:func:`fedhead.scratch.finetune.run_finetune`: the run directory ``out_dir``, a checkpoint after every round,
+    ``resume``); returns the rows, the final vectors and the summary."""
     cfg = checked_config(cfg)
-    device = resolve_device(cfg.device)
-    if device.type == "cpu":
-        set_cpu_threads()
-    enc = load_encoder(cfg.encoder, weights=cfg.weights, pretrained=cfg.pretrained, image_size=cfg.image_size)
-    data = load_images(cfg, enc)
-    if cfg.clients > len(data.train_y):
-        raise param_error("--clients", cfg.clients, f"must be <= the training images ({len(data.train_y)})",
-                          "Use fewer --clients or a larger --limit.")  # fmt: skip
     out = FlowerFinetune()
-    job = FlowerFinetuneJob(cfg, enc, data, device, grid, timeout=timeout, out=out)
-    for seed in cfg.seeds:
-        job.start((seed,), None)
-        for rnd in range(1, cfg.rounds + 1):
-            row = job.round((seed,), rnd)
-            out.rows.append(row)
-            log(f"seed {seed} round {rnd}: {job.progress_info(row)}, {row['clients']} clients, "
-                f"{row['failures']} failures")  # fmt: skip
-        out.thetas[seed] = job.theta.detach().cpu().clone()
+
+    def make(cfg, enc, data, device, log_, run):
+        job = FlowerFinetuneJob(cfg, enc, data, device, grid, timeout=timeout, out=out)
+        job.log, job.run = log_, run
+        return job
+
+    out.summary = run_finetune(cfg, out_dir, log=log, resume=resume, make_job=make)
     return out
 
 
@@ -432,7 +437,7 @@ def make_finetune_client_app(cfg: FinetuneConfig) -> ClientApp:
 # ---------------------------------------------------------------- Flower's simulation engine
 
 
-def make_finetune_server_app(cfg: FinetuneConfig, results: list, *, timeout: float = 600.0,
+def make_finetune_server_app(cfg: FinetuneConfig, out_dir, results: list, *, timeout: float = 600.0,
                              log: Callable[[str], None] = lambda s: None) -> ServerApp:  # fmt: skip
     """A ServerApp running :func:`serve_finetune`; its outcome (or its exception) is appended to ``results``."""
     app = ServerApp()
@@ -440,18 +445,18 @@ def make_finetune_server_app(cfg: FinetuneConfig, results: list, *, timeout: flo
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         try:
-            results.append(serve_finetune(grid, cfg, timeout=timeout, log=log))
+            results.append(serve_finetune(grid, cfg, out_dir, timeout=timeout, log=log))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, which re-raises it
             results.append(exc)
 
     return app
 
 
-def run_finetune_flower(cfg: FinetuneConfig, *, num_cpus: int | None = None, client_cpus: float = 1.0,
+def run_finetune_flower(cfg: FinetuneConfig, out_dir, *, num_cpus: int | None = None, client_cpus: float = 1.0,
                         timeout: float = 600.0, log: Callable[[str], None] = lambda s: None) -> FlowerFinetune:  # fmt: skip
     """``cfg`` on Flower's simulation engine (Ray): one virtual SuperNode per client, the server in this process.
     ``timeout``: seconds to wait for a message's replies (the first starts the nodes' processes). Returns the
-    per-round rows and each seed's final global trainable vector (no run directory is written)."""
+    per-round rows and each seed's final global trainable vector; the run directory is ``out_dir``."""
     cfg = checked_config(cfg)
     results: list = []
     backend = {
@@ -460,7 +465,7 @@ def run_finetune_flower(cfg: FinetuneConfig, *, num_cpus: int | None = None, cli
                       "logging_level": "ERROR", "log_to_driver": True},
     }  # fmt: skip
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    run_simulation(make_finetune_server_app(cfg, results, timeout=timeout, log=log), make_finetune_client_app(cfg),
+    run_simulation(make_finetune_server_app(cfg, out_dir, results, timeout=timeout, log=log), make_finetune_client_app(cfg),
                    num_supernodes=cfg.clients, backend_config=backend)  # fmt: skip
     if not results:
         raise FedheadError("The Flower simulation ended without a result (see the log above).")
