@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 
-from fedhead.core.peft import FineTuned, TuneSpec, Tuning, is_vit, lora_targets, register_tuning
+from fedhead.core.peft import FineTuned, TuneSpec, Tuning, checked_targets, register_tuning
 from fedhead.infra.errors import param_error
 from fedhead.infra.lazy import lazy_module
 
@@ -118,15 +118,7 @@ class MoE(Tuning):
     description = "FFT-MoE: a sparse mixture of LoRA experts with a top-k router on the LoRA targets (own modules)"
 
     def targets(self, model: FineTuned, spec: TuneSpec) -> list[str]:
-        names = lora_targets(model.encoder, spec.lora_targets)
-        if not names:
-            kind = "a ViT" if is_vit(model.encoder) else "a CNN"
-            raise param_error(
-                "--lora-targets",
-                spec.lora_targets,
-                f"matches no linear or convolution module of this encoder ({kind})",
-                "Use auto, attention, mlp, pointwise, linear, or a regular expression over its module names.",
-            )
+        names = checked_targets(model, spec)
         for n in names:
             m = model.encoder.get_submodule(n)
             if isinstance(m, nn.Conv2d) and (tuple(m.kernel_size) != (1, 1) or m.groups != 1 or any(m.padding)):

@@ -244,21 +244,26 @@ def lora_targets(encoder, targets: str) -> list[str]:
     return [n for n, m in named if n and pattern.fullmatch(n) and isinstance(m, (nn.Linear, nn.Conv2d))]
 
 
+def checked_targets(model: FineTuned, spec: TuneSpec) -> list[str]:
+    """:func:`lora_targets` of the model's encoder, refused in one line when they name no module."""
+    names = lora_targets(model.encoder, spec.lora_targets)
+    if not names:
+        kind = "a ViT" if is_vit(model.encoder) else "a CNN"
+        raise param_error(
+            "--lora-targets",
+            spec.lora_targets,
+            f"matches no linear or convolution module of this encoder ({kind})",
+            "Use auto, attention, mlp, pointwise, linear, or a regular expression over its module names.",
+        )
+    return names
+
+
 @register_tuning("lora")
 class LoRA(Tuning):
     description = "low-rank adapters on attention/MLP projections (ViT) or pointwise convolutions (CNN), PEFT library"
 
     def targets(self, model, spec) -> list[str]:
-        names = lora_targets(model.encoder, spec.lora_targets)
-        if not names:
-            kind = "a ViT" if is_vit(model.encoder) else "a CNN"
-            raise param_error(
-                "--lora-targets",
-                spec.lora_targets,
-                f"matches no linear or convolution module of this encoder ({kind})",
-                "Use auto, attention, mlp, pointwise, linear, or a regular expression over its module names.",
-            )
-        return names
+        return checked_targets(model, spec)
 
     def check(self, model, spec):
         self.targets(model, spec)
