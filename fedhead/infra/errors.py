@@ -171,3 +171,14 @@ def unknown_name(param: str, value: str, valid: Iterable[str], what: str = "name
     else:
         listing = f" ({len(valid)} known names.)"
     return FedheadError(f"The '{param}' parameter must be a known {what}. Got {value!r} instead.{hint}{listing}")
+
+
+def shown(v: Any) -> str:
+    """A value from a file as a message shows it: its repr, cut to 60 characters."""
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def is_count(v: Any, hi: int, lo: int = 1) -> bool:
+    """Whether ``v`` is an int (not a bool) in ``[lo, hi]``."""
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi

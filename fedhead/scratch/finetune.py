@@ -119,7 +119,7 @@ class FinetuneConfig:
     device: str = "auto"
     precision: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere
     eval_batch: int = 256
-    cache: str = "cache"  # --peft head: the feature store goes to CACHE/<dataset>/<encoder>-<size>.h5 (reused)
+    cache: str = "cache"  # --peft head: the store goes to CACHE/<dataset>/<encoder>-<size|default>.h5 (reused)
     plots: bool = True
     log: str = "none"
     log_dir: str | None = None
@@ -690,8 +690,9 @@ def head_options(cfg: FinetuneConfig) -> dict:
 
 def features_for(cfg: FinetuneConfig, progress: bool = False) -> Path:
     """The frozen encoder's features of ``cfg``'s images: ``fedhead extract``'s store (reused when it exists)."""
-    size = load_encoder(cfg.encoder, weights=cfg.weights, pretrained=cfg.pretrained, image_size=cfg.image_size)
-    stem = f"{sanitize(cfg.encoder)}-{size.preprocessing.image_size}" + ("" if cfg.pretrained else "-random")
+    # named from the request alone (the encoder is loaded once, by the extraction; a store made by another request
+    # under this name is refused by it in one line)
+    stem = f"{sanitize(cfg.encoder)}-{cfg.image_size or 'default'}" + ("" if cfg.pretrained else "-random")
     stem += f"-limit{cfg.limit}" if cfg.limit else ""
     out = Path(cfg.cache) / dataset_label(cfg.dataset, cfg.data_dir) / f"{stem}.h5"
     return extract_features(cfg.dataset, cfg.data_dir, cfg.encoder, weights=cfg.weights, pretrained=cfg.pretrained,

@@ -43,7 +43,6 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from extract.encoders import load_encoder
 from fedhead.core.peft import trainable_vector
 from fedhead.federation.rundir import identity_hash
 from fedhead.infra.devices import resolve_device, set_cpu_threads
@@ -58,7 +57,7 @@ from fedhead.scratch.finetune import (
     client_key,
     fresh,
     identity_fields,
-    load_images,
+    loaded,
     resolve_finetune,
     run_finetune,
     setup_seed,
@@ -351,7 +350,6 @@ class NodeSetup:
     parts: list[np.ndarray]
 
 
-_LOADED: dict = {}  # this process's images and encoder: {identity: (enc, data)} (one entry)
 _SETUPS: dict = {}  # this process's setup of a seed: {(identity, seed): NodeSetup} (one entry)
 
 
@@ -360,11 +358,7 @@ def node_setup(cfg: FinetuneConfig, seed: int) -> NodeSetup:
     identity = identity_hash(identity_fields(cfg))
     if (identity, seed) not in _SETUPS:
         _SETUPS.clear()
-        if identity not in _LOADED:
-            _LOADED.clear()
-            enc = load_encoder(cfg.encoder, weights=cfg.weights, pretrained=cfg.pretrained, image_size=cfg.image_size)
-            _LOADED[identity] = (enc, load_images(cfg, enc))
-        enc, data = _LOADED[identity]
+        enc, data = loaded(cfg)  # the process's encoder and images, as the simulator keeps them
         device = resolve_device(cfg.device)
         if device.type == "cpu":
             set_cpu_threads()
