@@ -83,6 +83,14 @@ COMMANDS = [
     ("fedhead.deploy", "export_cmd", "export", None,
      "Write a run's model as one file that classifies raw uint8 images [N, H, W, 3] without fedhead (encoder, "
      "preprocessing, feature preparation and head), checked against fedhead's own forward before it is kept."),
+    ("fedhead.lifecycle", "update_cmd", "update", None,
+     "Take new clients into a closed-form model that kept its statistics (--keep-statistics): their statistics "
+     "summed into the kept ones and the head solved again, equal to a run over the union of the data; the card "
+     "records the new version."),
+    ("fedhead.lifecycle", "forget_cmd", "forget", None,
+     "Take withdrawn clients out of a model: a closed-form model that kept its statistics subtracts theirs and "
+     "solves again (equal to a run that never had them); an iterative head's run is retrained without them into "
+     "--out. The card records the new version."),
     ("fedhead.scratch.commands", "scratch_cmd", "scratch", None,
      "Train a model from scratch with FedAvg, FedOVA, FedABC, Divide-and-Conquer or FedABC's baselines (local, "
      "FedProx, SCAFFOLD, FedPer, FedRep, FedRoD, LG-FedAvg)."),

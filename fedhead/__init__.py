@@ -16,7 +16,9 @@ The Python API (imported on first use, so ``import fedhead`` stays light):
   NAME``; its ``how`` says which kind of personal head it makes, docs/personalization.md);
 - :func:`register_method`: a named set of training options for ``fedhead bench baselines``;
 - :func:`load_model`: a run's model (``model-seed<S>.json`` + ``.safetensors``) with scikit-learn's ``classes_``,
-  ``predict`` and ``predict_proba`` on features or images (docs/model.md).
+  ``predict`` and ``predict_proba`` on features or images (docs/model.md);
+- :func:`update_model`, :func:`forget_model`, :func:`client_statistics_file`: take clients into or out of a
+  closed-form model that kept its statistics, exactly (``fedhead update`` / ``fedhead forget``, docs/lifecycle.md).
 """
 
 __version__ = "0.1.0"
@@ -38,6 +40,9 @@ _API = {
     "Totals": ("fedhead.core.aggregate", "Totals"),
     "ServerOptimizer": ("fedhead.core.serveropt", "ServerOptimizer"),
     "load_model": ("fedhead.federation.model", "load_model"),
+    "update_model": ("fedhead.federation.versions", "update_model"),
+    "forget_model": ("fedhead.federation.versions", "forget_model"),
+    "client_statistics_file": ("fedhead.federation.versions", "client_statistics_file"),
     "register_server_optimizer": ("fedhead.core.serveropt", "register_server_optimizer"),
     "register_personal": ("fedhead.core.personal", "register_personal"),
     "Personalizer": ("fedhead.core.personal", "Personalizer"),

@@ -145,6 +145,7 @@ def _sample(f):
         "on_diverge": "continue",
         "personalize": "ditto",
         "personal_models": "0,1",
+        "withdrawn_clients": "1",
     }
     if f.name in special:
         return special[f.name]

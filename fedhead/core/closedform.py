@@ -256,6 +256,46 @@ class StatsAccumulator:
         self.bytes_up += m.nbytes()
         self.clients += 1
 
+    def merge(self, other: StatsAccumulator, sign: float = 1.0) -> None:
+        """Add (``sign`` 1) or subtract (-1) the summed messages of other clients, ``other`` (the same classes,
+        dimension and kinds of statistics): a kept sum taking new clients in (``fedhead update``) or withdrawn ones
+        out (``fedhead forget``)."""
+        if (other.C, other.D) != (self.C, self.D) or [t is None for t in (self.gram, self.second)] != [
+            t is None for t in (other.gram, other.second)
+        ]:
+            raise FedheadError(
+                f"Statistics of {other.C} classes x {other.D} features cannot be merged into statistics of {self.C} "
+                f"x {self.D} (or of other kinds): they come from another head or store."
+            )
+        self.sums += sign * other.sums
+        self.counts += sign * other.counts
+        if self.gram is not None:
+            self.gram += sign * other.gram
+        if self.second is not None:
+            self.second += sign * other.second
+        self.clients += int(sign) * other.clients
+        self.bytes_up += other.bytes_up
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The sums as named float64 tensors (``sums``, ``counts``, ``gram``, ``second`` where kept): what
+        ``--keep-statistics`` writes and :meth:`from_tensors` reads back."""
+        out = {"sums": self.sums, "counts": self.counts, "gram": self.gram, "second": self.second}
+        return {k: v.detach().cpu().to(F64).contiguous() for k, v in out.items() if v is not None}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict, clients: int = 0) -> StatsAccumulator:
+        """The accumulator :meth:`tensors` wrote (shapes checked by the reader, :mod:`fedhead.federation.versions`)."""
+        C, D = tensors["sums"].shape
+        acc = cls(int(C), int(D), gram="gram" in tensors, second=False)
+        acc.sums = tensors["sums"].to(F64).clone()
+        acc.counts = tensors["counts"].to(F64).clone()
+        if "gram" in tensors:
+            acc.gram = tensors["gram"].to(F64).clone()
+        if "second" in tensors:
+            acc.second = tensors["second"].to(F64).clone()
+        acc.clients = int(clients)
+        return acc
+
     def add_block(
         self, x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray], clip: float | None = None, lift=None
     ) -> None:
@@ -382,6 +422,9 @@ class ClosedFormHead(Head):
     needs_second = False  # qda, fedpft: per-class sums of x x^T
     init_capable = True  # a linear head on raw features that --init can map to prepared features
     init_scale = 1.0  # what an --init start is multiplied by unless --init-scale says (docs: "Baselines")
+    # the solve is a function of the summed statistics alone, so a kept sum plus (minus) more clients' messages
+    # solves to the head of a run over the union (without them): fedhead update / forget (docs/lifecycle.md)
+    updatable = True
 
     def lift(self, dim: int):
         """The head's own feature map the clients apply before their statistics (None: the raw features); it has
@@ -554,6 +597,9 @@ class COFHead(ClosedFormHead):
     log_scores = False  # regression scores / cosines: no log prior can be added (--personalize prior)
 
     needs_client_means = True
+    # FedCOF's class weights a_c = (N_c - 1) / max(1, K_c - 1) depend on the totals, so the kept spread cannot take a
+    # client in or out: the per-class sums of s s^T / n it would need are [C, D, D]
+    updatable = False
 
     def solve(self, acc):
         D = acc.D

@@ -16,6 +16,7 @@ from fedhead.core.noise import apply_noise
 from fedhead.core.partitions import PARTITIONS, class_counts, create_partition
 from fedhead.core.sampling import round_clients, sample_clients  # noqa: F401  (here before fedhead.core.sampling)
 from fedhead.federation.config import TrainConfig
+from fedhead.federation.experiment import parse_client_ids
 from fedhead.infra.lazy import lazy_module
 
 torch = lazy_module("torch")
@@ -158,9 +159,25 @@ def build_federation(store: Features, cfg: TrainConfig, seed: int, partition: st
         if val_parts is not None:  # the noise rate of what the clients train on (a Flower node counts the same)
             train = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
             realised = float((labels[train] != store.train_y[train]).mean()) if len(train) else 0.0
+    parts, val_parts = withdraw(parts, val_parts, cfg)
     counts = class_counts(parts, labels, C)
     stats = federated_feature_stats(store.train_x, parts, cfg.center, cfg.scale, cfg, seed)
     return Federation(parts, labels, counts, realised, stats, val_parts)
+
+
+def withdraw(parts: list, val_parts: list | None, cfg: TrainConfig) -> tuple[list, list | None]:
+    """``--withdrawn-clients``: those clients' training and validation parts emptied, after every draw (partition,
+    label noise, validation split), so that each other client holds the same samples as in the run with them."""
+    ids = parse_client_ids(cfg.withdrawn_clients) if cfg.withdrawn_clients else []
+    if not ids:
+        return parts, val_parts
+    parts = list(parts)
+    for k in ids:
+        parts[k] = parts[k][:0]
+        if val_parts is not None:
+            val_parts = list(val_parts)
+            val_parts[k] = val_parts[k][:0]
+    return parts, val_parts
 
 
 def ccvr_client_stats(x: torch.Tensor, labels: np.ndarray, part: np.ndarray, num_classes: int):

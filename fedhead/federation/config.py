@@ -27,6 +27,7 @@ import tomli_w
 from fedhead.core.aggregate import aggregator_names, create_aggregator
 from fedhead.core.closedform import closed_form_names, is_closed_form
 from fedhead.core.compress import CompressedFedAvg
+from fedhead.core.dp import enabled as dp_enabled
 from fedhead.core.dp import validate_dp
 from fedhead.core.engine import OptimConfig
 from fedhead.core.heads import HEADS, create_head, resolve_head_params
@@ -420,6 +421,25 @@ def check_method(cfg) -> None:
     ):
         ServerOptConfig(name=cfg.server_opt, lr=cfg.server_lr, momentum=cfg.server_momentum, betas=cfg.server_betas,
                         tau=cfg.server_tau).resolved()  # fmt: skip
+    check_lifecycle(cfg)
+
+
+def check_lifecycle(cfg) -> None:
+    """``--keep-statistics`` against DP, and ``--withdrawn-clients`` against the clients (docs/lifecycle.md)."""
+    if cfg.keep_statistics and dp_enabled(cfg):
+        raise FedheadError(
+            "The '--keep-statistics' option cannot be combined with differential privacy: an update or a removal "
+            "would change the noisy sums without accounting for their noise. Got --keep-statistics with "
+            f"--dp-noise-multiplier {cfg.dp_noise_multiplier:g}. Drop one of them."
+        )
+    if cfg.withdrawn_clients is None:
+        return
+    ids = parse_client_ids(cfg.withdrawn_clients)
+    if ids == "all" or (isinstance(ids, list) and (len(ids) >= cfg.clients or max(ids) >= cfg.clients)):
+        raise FedheadError(
+            f"The '--withdrawn-clients' parameter must name some of the clients 0 .. {cfg.clients - 1} (not all of "
+            f"them). Got {cfg.withdrawn_clients!r} instead. List the ids of the clients that withdrew, e.g. 3,7."
+        )
 
 
 def _round_size_text(c) -> str:

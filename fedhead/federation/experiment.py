@@ -252,6 +252,13 @@ def field_help(f: Field) -> str:
     return f.help.replace("{names}", names)
 
 
+def updatable_heads() -> tuple:
+    """The closed-form heads (built-in and registered) whose solve reads the summed statistics alone: the heads whose
+    kept statistics ``fedhead update`` / ``forget`` change exactly (``ClosedFormHead.updatable``)."""
+    load_plugins()
+    return tuple(n for n, spec in HEADS.items() if getattr(spec.cls, "updatable", False))
+
+
 def grid_heads() -> tuple:
     """The heads (built-in and registered) with a parameter that declares a validation grid (Param.grid)."""
     load_plugins()
@@ -840,6 +847,26 @@ FIELD_LIST: list[Field] = [
         "accuracy on the validation part (one solve per value, no extra round; off under DP)",
         HEAD,
         applies=(When("head", lambda: grid_heads()),),
+    ),
+    Field(
+        "keep_statistics",
+        bool,
+        False,
+        "closed-form heads: keep the summed statistics beside each model (statistics-seed<S>-v<N>.safetensors, "
+        "owner-only) so that fedhead update / fedhead forget take clients in or out exactly; not with DP",
+        HEAD,
+        applies=(When("head", lambda: updatable_heads()),),
+    ),
+    Field(
+        "withdrawn_clients",
+        str,
+        None,
+        "client ids whose data the run leaves out (they withdrew): the partition is drawn as without them, their "
+        "parts are emptied, so a run equals one that never had them (fedhead forget's retraining); e.g. 3,7",
+        DATA,
+        constraint=ClientIds(),
+        default_text="none",
+        transports=("in-process",),
     ),
     Field(
         "early_stop",

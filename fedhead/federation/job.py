@@ -57,6 +57,7 @@ from fedhead.federation.rundir import ROUND_FIELDS, RunDir
 from fedhead.federation.server import ServerUpdate, ccvr_calibrate, solve_statistics, statistics_row
 from fedhead.federation.summary import ceiling_note, summarize, with_ratios
 from fedhead.federation.transport import Census, PersonalTest, Transport
+from fedhead.federation.versions import first_version, members
 from fedhead.infra.console import make_progress, stderr_console
 from fedhead.infra.devices import available_memory, resolve_device
 from fedhead.infra.errors import FedheadError
@@ -174,6 +175,7 @@ class HeadJob(Job):
             else None
         )
         self.global_acc = None
+        self.kept_acc = None  # --keep-statistics: the summed statistics of round 1
         # --eval-unseen-clients: which clients a round has sampled so far (None: not asked for, or no label counts)
         self.trained = np.zeros(len(counts), dtype=bool) if counts is not None and cfg.eval_unseen_clients else None
         self.stats = census.stats
@@ -258,6 +260,8 @@ class HeadJob(Job):
         chosen = self._select_on_val(ex.acc) if is_closed_form(self.cfg.head) else {}
         if self.personal is not None and self.personal.needs_statistics:
             self.global_acc = ex.acc  # with DP: the noisy sums, as the server solved them
+        if self.cfg.keep_statistics:  # --keep-statistics (never with DP): the sums beside the model
+            self.kept_acc = ex.acc
         if is_closed_form(self.cfg.head):  # the solved head goes down: qda's and ridge-rf's are not [C, D+1]
             self.head_bytes = self.theta.numel() * self.theta.element_size()
         server_s = ex.server_s + time.perf_counter() - t0
@@ -377,13 +381,26 @@ class HeadJob(Job):
             if found is not None:
                 self.central[str(seed)] = found
         correct = int(round(evaluate(self.theta, self.xt, self.y_test, head=self.scorer) * len(self.y_test)))
-        kept = {"head": self.theta.detach().cpu().clone(), "stats": _stats_state(self.stats), "correct": correct}
+        kept = {"head": self.theta.detach().cpu().clone(), "stats": _stats_state(self.stats), "correct": correct,
+                "members": members(cfg, seed, self.rounds)}  # fmt: skip
+        if cfg.keep_statistics:
+            kept["statistics"] = self._kept_statistics(seed)
         if self.personal is not None and name == "main" and self.local is not None:
             got, kept["personal"], models = self._personalize(seed)
             (extra[-1] if extra else rows[-1]).update(got)  # the row of the head the clients start from
             if models:  # --personal-models: the listed clients' heads, written by finish
                 kept["personal_models"] = models
         return extra, kept
+
+    def _kept_statistics(self, seed: int) -> dict:
+        """``--keep-statistics``: round 1's summed statistics as tensors, and the head parameters the solve used (a
+        value chosen on validation included). A run resumed after round 1 sums them again (keyed by seed)."""
+        acc = self.kept_acc
+        if acc is None:
+            acc = self.transport.statistics(round_clients(self.cfg, seed, 1), self.solver, seed).acc
+            self._select_on_val(acc)  # the same choice as before (self.chosen)
+        params = {**self.cfg.head_params, **self.chosen}
+        return {"tensors": acc.tensors(), "clients": int(acc.clients), "head_params": params}
 
     def _personalize(self, seed: int) -> tuple[dict, dict, dict]:
         """``--personalize``: every client's personal head from the final global head, scored on its local test set
@@ -485,8 +502,11 @@ class HeadJob(Job):
             if "stats" in d:  # a unit finished by an earlier fedhead kept no statistics: it has no model
                 seed, name = d["unit"]
                 metrics = model_metrics(d, len(self.store.test_y), per_seed.get(seed) if name == "main" else None)
-                with writing(run, path.with_name(model_stem(seed, name) + ".json")):
-                    write_model(run.path, (seed, name), d["head"], _stats_of(d["stats"]), self.cfg, self.store, metrics)
+                card = path.with_name(model_stem(seed, name) + ".json")
+                with writing(run, card):
+                    extra = first_version(run.path, (seed, name), self.cfg, self.store, d, metrics)
+                    write_model(run.path, (seed, name), d["head"], _stats_of(d["stats"]), self.cfg, self.store, metrics,
+                                extra=extra)  # fmt: skip
         if self.client_rows:  # none with secure aggregation: the server never sees a client's counts
             with writing(run, run.path / "clients.csv"):
                 rundir.write_clients_per_seed(run.path, self.client_rows)

@@ -95,31 +95,20 @@ def _store_card(store: Features) -> dict:
 
 def write_model(run_dir: Path, unit: tuple, theta: torch.Tensor, stats: FeatureStats, cfg: TrainConfig,
                 store: Features, metrics: dict, client: int | None = None, personal: dict | None = None,
-                shift: torch.Tensor | None = None) -> Path:  # fmt: skip
+                shift: torch.Tensor | None = None, extra: dict | None = None) -> Path:  # fmt: skip
     """Write ``model-seed<S>[-iid].safetensors`` and its card ``.json`` (both atomically, the card last) for the
     head ``theta [C, D+1]`` the run evaluated on features prepared with ``stats``; returns the card's path.
 
     ``client``: client K's personal head instead (``--personal-models``): ``model-seed<S>-client<K>``, whose card
     also says ``client``, ``personalize`` (the method) and ``personal`` (its parameters, the closed-form beta);
     ``metrics`` are then its scores on the client's local test set. ``shift`` [C]: a log-prior added to the scores
-    of a head that is not linear in the features (``--personalize prior`` on qda; a linear head's is in its bias)."""
-    from safetensors.torch import save_file
+    of a head that is not linear in the features (``--personalize prior`` on qda; a linear head's is in its bias).
+    ``extra``: more keys of the card (``statistics``, ``versions``: :mod:`fedhead.federation.versions`)."""
 
     seed, name = unit
     stem = Path(run_dir) / model_stem(seed, name, client)
-    if theta.ndim == 3:  # qda: one quadratic form [D+1, D+1] per class, float64
-        tensors = {"quadratic": theta.detach().to("cpu", torch.float64).contiguous()}
-    else:  # ridge-rf: weight [C, F] on the random features the card's head parameters draw again
-        theta = theta.detach().to("cpu", torch.float32)
-        tensors = {"weight": theta[:, :-1].contiguous(), "bias": theta[:, -1].contiguous()}
-    if stats.mean is not None:
-        tensors["feature_mean"] = torch.as_tensor(stats.mean, dtype=torch.float32).contiguous()
-    if shift is not None:
-        tensors["logit_shift"] = torch.as_tensor(shift).detach().to("cpu", torch.float32).contiguous()
     weights = stem.with_suffix(".safetensors")
-    with atomic_path(weights) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": MODEL_FORMAT, "card": stem.name + ".json"})
-        sha = _sha256_file(tmp)
+    sha = write_weights(weights, head_tensors(theta, stats.mean, shift), stem.name + ".json")
     card = {
         "format": MODEL_FORMAT,
         "format_version": MODEL_FORMAT_VERSION,
@@ -152,6 +141,7 @@ def write_model(run_dir: Path, unit: tuple, theta: torch.Tensor, stats: FeatureS
             "rounds": cfg.rounds,
         },  # fmt: skip
         "metrics": metrics,
+        **(extra or {}),
     }
     if client is not None:
         card["client"] = int(client)
@@ -160,6 +150,30 @@ def write_model(run_dir: Path, unit: tuple, theta: torch.Tensor, stats: FeatureS
     path = stem.with_suffix(".json")
     atomic_write_json(path, portable_card(card))
     return path
+
+
+def head_tensors(theta: torch.Tensor, mean: np.ndarray | None, shift: torch.Tensor | None = None) -> dict:
+    """The weights file's tensors of the head ``theta`` (:func:`write_model`): ``weight``/``bias`` float32, or a
+    quadratic head's ``quadratic`` float64; ``feature_mean`` where the run centred; ``logit_shift`` where given."""
+    if theta.ndim == 3:  # qda: one quadratic form [D+1, D+1] per class, float64
+        tensors = {"quadratic": theta.detach().to("cpu", torch.float64).contiguous()}
+    else:  # ridge-rf: weight [C, F] on the random features the card's head parameters draw again
+        theta = theta.detach().to("cpu", torch.float32)
+        tensors = {"weight": theta[:, :-1].contiguous(), "bias": theta[:, -1].contiguous()}
+    if mean is not None:
+        tensors["feature_mean"] = torch.as_tensor(mean, dtype=torch.float32).contiguous()
+    if shift is not None:
+        tensors["logit_shift"] = torch.as_tensor(shift).detach().to("cpu", torch.float32).contiguous()
+    return tensors
+
+
+def write_weights(path: Path, tensors: dict, card_name: str) -> str:
+    """``tensors`` as the safetensors file ``path`` (atomically); returns its sha256 (the card records it)."""
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": MODEL_FORMAT, "card": card_name})
+        return _sha256_file(tmp)
 
 
 def portable_card(card: dict) -> dict:
