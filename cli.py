@@ -126,6 +126,10 @@ COMMANDS = [
      "OvA-LP beside federated fine-tuning of the encoder (LoRA, prompts, full, FFT-MoE, PFPT) under IID, shard-1, "
      "shard-2 and Bernoulli-Dirichlet: final accuracy, retention of the IID accuracy, Acc@95 with its time and "
      "bytes, per-round costs, the paper's numbers beside."),
+    ("fedhead.bench.lifecycle", "lifecycle_cmd", "lifecycle", "bench",
+     "Update and forget against a full re-run: the seconds of taking new clients into a closed-form model and "
+     "withdrawn ones out of it (exact, from kept statistics), of the runs they equal, and of an iterative head's "
+     "retraining without the clients."),
     ("fedhead.bench.speed", "speed_cmd", "speed", "bench",
      "Trainer speed vs the machine's matmul/memory limits, vs a per-client loop, and in 100..1000 clients; the "
      "scratch engine's samples/s and GFLOP/s per model vs its loop backend."),

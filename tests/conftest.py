@@ -119,6 +119,7 @@ SLOW = {
         "tests/test_bench.py::test_noise_table_declines_from_runs",
         "tests/test_bench.py::test_noise_rate_zero_is_the_clean_run_and_no_clean_skips_it",
         "tests/test_bench_privacy.py::",
+        "tests/test_lifecycle.py::test_bench_lifecycle_quick",
         "tests/test_bench_personal.py::test_quick_table_holds_every_method_and_alpha_with_the_runs_numbers",
         "tests/test_ceiling.py::",
         "tests/test_engine_speed.py::test_bench_speed_scratch_cli",

@@ -218,3 +218,15 @@ def test_bad_input_is_one_line_and_changes_nothing(stores, tmp_path):
     ]:
         with pytest.raises(FedheadError, match=text):
             TrainConfig(features=str(stores["A"]), **kw).resolved()
+
+
+def test_bench_lifecycle_quick(tmp_path):
+    """The bench's changed models equal the runs it times them against (its own difference columns)."""
+    res = runner.invoke(app, ["bench", "lifecycle", "--out", str(tmp_path / "b")])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((tmp_path / "b" / "lifecycle.json").read_text())["rows"]
+    assert [r["head"] for r in rows][:2] == ["ridge", "lda"] and rows[2]["head"].startswith("ova2")
+    for r in rows[:2]:
+        assert r["update_max_logit_diff"] < 1e-4 and r["forget_max_logit_diff"] < 1e-4, r
+        assert r["update_s"] > 0 and r["forget_s"] > 0 and r["union_run_s"] > 0
+    assert "| ridge |" in (tmp_path / "b" / "lifecycle.md").read_text()
