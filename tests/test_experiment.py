@@ -145,6 +145,9 @@ def _sample(f):
         "on_diverge": "continue",
         "personalize": "ditto",
         "personal_models": "0,1",
+        "async_rule": "fedbuff",
+        "staleness": "poly",
+        "straggler_slowdown": 4.0,
     }
     if f.name in special:
         return special[f.name]
