@@ -17,7 +17,7 @@ import numpy as np
 import typer
 
 from fedhead.bench.grid import FEATURES_OPT, Common, grid_command, publish_report, start_report
-from fedhead.bench.report import Cell, StoreCache, run_grid
+from fedhead.bench.report import Cell, StoreCache, resolve_partition, run_grid
 from fedhead.core.clock import TimingModel
 from fedhead.core.sampling import per_round
 from fedhead.federation import plots as P
@@ -33,6 +33,7 @@ PNG = "time-to-accuracy.png"
 @grid_command("async", clients=50, defaults={"stragglers": (0.2, "0.2 (the bench's)")})
 def async_cmd(
     features: Path = FEATURES_OPT,
+    partition: str = typer.Option("dirichlet", "--partition", help="the partition of every run (e.g. iid, shard-2)"),
     buffer: Optional[int] = typer.Option(None, "--buffer", help="FedBuff's K (default: half the clients per round)"),
     deadline_s: Optional[float] = typer.Option(None, "--deadline-s", help="the deadline of sync-deadline, seconds"),
     deadline_quantile: float = typer.Option(
@@ -49,8 +50,9 @@ def async_cmd(
     validate("--over", over, Interval(0, None))
     validate("--target", target, Interval(0, 1, closed="right"))
     cache = StoreCache()
-    cells = async_cells(common, features, cache, buffer, deadline_s, deadline_quantile, over)
-    config = {**common.describe(), "features": str(features), "buffer": buffer, "over": over, "target": target,
+    cells = async_cells(common, features, cache, resolve_partition(partition), buffer, deadline_s, deadline_quantile,
+                        over)  # fmt: skip
+    config = {**common.describe(), "features": str(features), "partition": partition, "buffer": buffer, "over": over, "target": target,
               "deadline_s": cells[1].cfg.deadline}  # fmt: skip
     cmd = start_report(common, cells, cache, config)
     results = run_grid(cells, common.out, cache)
@@ -65,6 +67,7 @@ def async_cells(
     common: Common,
     features: Path,
     cache: StoreCache,
+    partition: tuple,
     buffer: int | None,
     deadline_s: float | None,
     quantile: float,
@@ -75,6 +78,7 @@ def async_cells(
     rounds = common.rounds if "rounds" in given else QUICK["rounds"]
     seeds = common.seeds if "seeds" in given else [0]
     kw = {k: v for k, v in QUICK.items() if k not in ("rounds", "clients") and k not in given}
+    kw.update(partition=partition[0], partition_params=partition[1])
     base = common.cfg(features, seeds=seeds, rounds=rounds, **kw)
     resolved = base.resolved()
     m = per_round(resolved)
@@ -127,7 +131,7 @@ def write_time_curves(path: Path, runs: list[tuple[str, list]]) -> Path:
     for name, rows in runs:
         x, y = _curve(rows)
         panel.lines.append(P.Line(name, x, y, marker=""))
-    return P.write_curves(path, [panel], "simulated seconds (sim_time_s)", "test accuracy")
+    return P.write_curves(path, [panel], "simulated seconds (sim_time_s, log scale)", "test accuracy", xscale="log")
 
 
 def section(table: list[dict], target: float, cells: list[Cell]) -> str:
