@@ -13,6 +13,7 @@ from conftest import crash_at
 
 import fedhead.federation.job as job_module
 from fedhead.core.clock import EventQueue, TimingModel, staleness_weight, sync_round
+from fedhead.federation import compare
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.experiment import check_transport
 from fedhead.federation.inprocess import InProcessTransport
@@ -56,6 +57,8 @@ def test_the_clock_is_deterministic_for_a_seed(tiny_store, tmp_path):
     assert column(a.rows, "sim_time_s") != column(c.rows, "sim_time_s")
     times = [float(t) for t in column(a.rows, "sim_time_s")]
     assert times == sorted(times) and times[0] > 0
+    x, y = compare.curve(compare.load_run(a.run_dir), "accuracy", "sim_time_s")  # compare --x sim_time_s
+    assert x.tolist() == pytest.approx(times, rel=1e-5) and y.tolist() == pytest.approx(column(a.rows, "accuracy"))
     speeds = TimingModel(stragglers=0.3).client_rates(8, 3)
     assert all(np.array_equal(x, y) for x, y in zip(speeds, TimingModel(stragglers=0.3).client_rates(8, 3)))
 
