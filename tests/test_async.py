@@ -79,6 +79,18 @@ def test_a_cut_async_run_resumes_to_the_uninterrupted_result(tiny_store, tmp_pat
     assert any(float(s) > 0 for s in column(full.rows, "staleness_mean"))  # stale updates did happen
 
 
+def test_a_finished_fedbuff_run_extended_by_resume_is_the_longer_run(tiny_store, tmp_path):
+    """The clients still in flight at the end, and their heads, are in the final state: --resume with more rounds
+    continues the clock where it stopped."""
+    kw = dict(async_rule="fedbuff", buffer_size=2, stragglers=0.25)
+    ref = run_training(cfg_for(tiny_store, rounds=5, **kw), out=tmp_path / "ref", progress=False)
+    run_training(cfg_for(tiny_store, rounds=3, **kw), out=tmp_path / "ext", progress=False)
+    ext = run_training(cfg_for(tiny_store, rounds=5, **kw), out=tmp_path / "ext", resume=True, progress=False)
+    for key in ("accuracy", "sim_time_s", "staleness_mean"):
+        assert column(ext.rows, key) == column(ref.rows, key), key
+    assert torch.equal(head(ext), head(ref))
+
+
 def test_sync_round_deadline_over_selection_and_dropouts():
     sel = np.array([1, 3, 5, 7, 9])
     t = np.array([4.0, 1.0, 3.0, 2.0, 9.0])
