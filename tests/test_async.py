@@ -164,5 +164,7 @@ def test_bad_async_input_is_one_line(tiny_store, kw, words):
 def test_the_async_rule_is_refused_on_flower_in_one_line(tiny_store):
     with pytest.raises(FedheadError) as e:
         check_transport(cfg_for(tiny_store, async_rule="fedbuff"), "flower")
-    assert "--async-rule" in str(e.value) and "\n" not in str(e.value)
+    assert (
+        "--async-rule" in str(e.value) and "Flower rounds stay synchronous" in str(e.value) and "\n" not in str(e.value)
+    )
     assert math.isfinite(TimingModel().durations(0, np.ones(3), 10.0, 10.0).sum())

@@ -210,6 +210,7 @@ class Field:
     consistent: tuple = ()  # values accepted where the field does not apply (--rounds 1 for a closed-form head)
     identity: bool = True  # part of what determines a run's results (a resume compares it); False: where it runs
     transports: tuple = TRANSPORTS
+    transport_why: str = ""  # why the field runs on its transports only (the refusal's reason; default: resources)
     kind: str = ""  # "head" | "partition": a registry parameter (TrainConfig.head_params / partition_params)
     deprecated: tuple = ()  # old Python keywords (TrainConfig accepts them with a DeprecationWarning)
     old_flags: tuple = ()  # old command-line flags (hidden aliases that print one deprecation line)
@@ -342,6 +343,7 @@ _COUNT = Interval(1, None, integer=True)
 
 _ASYNC = ("fedbuff", "fedasync")
 _IN_PROCESS = ("in-process",)
+_CLOCKED = "a rule of fedhead train's simulated clock; Flower rounds stay synchronous"
 
 
 def _timing_fields() -> list[Field]:
@@ -404,6 +406,7 @@ def _timing_fields() -> list[Field]:
             constraint=Interval(0, 1, closed="left"),
             applies=_IT,
             transports=_IN_PROCESS,
+            transport_why=_CLOCKED,
             fix="Use a probability in [0, 1), e.g. 0.1.",
         ),
     ]
@@ -424,6 +427,7 @@ def _async_fields() -> list[Field]:
             constraint=OneOf(("none", *_ASYNC)),
             applies=_IT,
             transports=_IN_PROCESS,
+            transport_why=_CLOCKED,
         ),
         Field(
             "buffer_size",
@@ -435,6 +439,7 @@ def _async_fields() -> list[Field]:
             applies=(When("async_rule", ("fedbuff",)),),
             default_text="clients per round",
             transports=_IN_PROCESS,
+            transport_why=_CLOCKED,
         ),
         Field(
             "concurrency",
@@ -446,6 +451,7 @@ def _async_fields() -> list[Field]:
             applies=(When("async_rule", _ASYNC),),
             default_text="clients per round",
             transports=_IN_PROCESS,
+            transport_why=_CLOCKED,
         ),
         Field(
             "staleness",
@@ -458,6 +464,7 @@ def _async_fields() -> list[Field]:
             applies=(When("async_rule", _ASYNC),),
             default_text="fedbuff: sqrt; fedasync: poly",
             transports=_IN_PROCESS,
+            transport_why=_CLOCKED,
         ),
         Field(
             "staleness_exponent",
@@ -468,6 +475,7 @@ def _async_fields() -> list[Field]:
             constraint=_POS,
             applies=(When("staleness", ("poly",)),),
             transports=_IN_PROCESS,
+            transport_why=_CLOCKED,
         ),
         Field(
             "async_mixing",
@@ -478,6 +486,7 @@ def _async_fields() -> list[Field]:
             constraint=Interval(0, 1, closed="right"),
             applies=(When("async_rule", ("fedasync",)),),
             transports=_IN_PROCESS,
+            transport_why=_CLOCKED,
         ),
         Field(
             "deadline",
@@ -491,6 +500,7 @@ def _async_fields() -> list[Field]:
             default_text="none (wait for every client)",
             unit="s",
             transports=_IN_PROCESS,
+            transport_why=_CLOCKED,
             fix="Use a positive number of seconds, e.g. 30.",
         ),
         Field(
@@ -503,6 +513,7 @@ def _async_fields() -> list[Field]:
             constraint=Interval(0, None),
             applies=sync,
             transports=_IN_PROCESS,
+            transport_why=_CLOCKED,
             fix="Use a fraction >= 0, e.g. 0.3.",
         ),
     ]
@@ -1405,10 +1416,10 @@ def transport_message(f: Field, transport: str) -> str:
             f"The '{f.flag}' option applies to Flower runs only (fedhead flower simulate / superlink). Got it with "
             f"fedhead train. Drop {f.flag}, or run on Flower."
         )
+    why = f.transport_why or "the server holds no training features, and no node-local resources"
     return (
-        f"The '{f.flag}' option applies to fedhead train only, not to Flower runs (the server holds no training "
-        f"features, and no node-local resources). Got it with a Flower run. Drop {f.flag}, or run it with fedhead "
-        "train."
+        f"The '{f.flag}' option applies to fedhead train only, not to Flower runs ({why}). Got it with a Flower run. "
+        f"Drop {f.flag}, or run it with fedhead train."
     )
 
 
