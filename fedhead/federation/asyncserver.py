@@ -21,6 +21,8 @@ optimiser (``--server-opt``) then steps from it as from any round's aggregate.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from fedhead.core.clock import EventQueue, TimingModel, staleness_weight
@@ -86,24 +88,59 @@ class AsyncServer:
         optimiser steps to (None when no update arrived), its clients' training, the mean staleness."""
         self.durations = durations
         self.heads[rnd] = theta.detach().clone()
-        self._fill(rnd)
-        self._collect(rnd)
         groups: dict[int, list] = {}
-        for c, v, _ in self.queue.take(self.buffer):
+        if transport.live_async:
+            taken = self._live(rnd, transport, server)
+        else:
+            self._fill(rnd)
+            self._collect(rnd)
+            taken = [(c, v) for c, v, _ in self.queue.take(self.buffer)]
+        for c, v in taken:
             groups.setdefault(v, []).append(c)
-        out = self._combine(theta, rnd, groups, transport, server)
+
+        def train(v: int, sel: np.ndarray) -> RoundResult:
+            if transport.live_async:
+                return transport.train_group(self.heads[v], v, sel, server)
+            return transport.train_round(self.heads[v], sel, self.seed, v, server)
+
+        out = self._combine(theta, rnd, groups, train)
         keep = {f.version for f in self.queue.flights} | {v for _, v, _ in self.queue.buffer}
+        keep |= transport.flight_versions() | {v for _, v, _, _ in transport.arrived} if transport.live_async else set()
         self.heads = {v: h for v, h in self.heads.items() if v in keep}
         return out
 
-    def _combine(self, theta: torch.Tensor, rnd: int, groups: dict, transport: Transport, server) -> RoundResult:
+    def _live(self, rnd: int, transport: Transport, server) -> list[tuple[int, int]]:
+        """Flower: push train messages to idle nodes until ``--concurrency`` are out, pull replies until the buffer
+        holds its updates (a reply refills its slot at once); the clock is the real one."""
+        t0 = time.monotonic()
+        for _ in range(MAX_EVENTS):
+            if len(transport.arrived) >= self.buffer:
+                break
+            busy = transport.in_flight()
+            need = self.concurrency - len(busy)
+            if need > 0:
+                if not busy and not transport.arrived and need == per_round(self.cfg):
+                    clients = round_clients(self.cfg, self.seed, rnd)
+                else:
+                    taken = busy | transport.arrived_at(rnd)
+                    idle = np.array([k for k in range(len(self.sizes)) if k not in taken], dtype=np.int64)
+                    clients = self.queue.pick(idle, need, self.seed, rnd)
+                    self.queue.dispatches += len(clients)
+                transport.push_train(self.heads[rnd], clients, rnd, server)
+            if not transport.in_flight():
+                break
+            transport.pull_train()
+        self.queue.now += time.monotonic() - t0
+        return transport.take_arrived(self.buffer)
+
+    def _combine(self, theta: torch.Tensor, rnd: int, groups: dict, train) -> RoundResult:
         cfg = self.cfg
         kind = cfg.staleness or ("poly" if cfg.async_rule == "fedasync" else "sqrt")
         delta, n_all, clients, loss, ms, server_s, taus = None, 0.0, 0, 0.0, 0.0, 0.0, []
         single = None
         for v in sorted(groups):
             sel = np.array(sorted(groups[v]), dtype=np.int64)
-            res = transport.train_round(self.heads[v], sel, self.seed, v, server)
+            res = train(v, sel)
             clients, loss, server_s = clients + res.clients, loss + res.loss_sum, server_s + res.server_s
             ms += res.client_ms * res.clients
             taus += [rnd - v] * len(sel)

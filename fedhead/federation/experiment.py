@@ -426,8 +426,6 @@ def _async_fields() -> list[Field]:
             SERVER,
             constraint=OneOf(("none", *_ASYNC)),
             applies=_IT,
-            transports=_IN_PROCESS,
-            transport_why=_CLOCKED,
         ),
         Field(
             "buffer_size",
@@ -438,8 +436,6 @@ def _async_fields() -> list[Field]:
             constraint=_COUNT,
             applies=(When("async_rule", ("fedbuff",)),),
             default_text="clients per round",
-            transports=_IN_PROCESS,
-            transport_why=_CLOCKED,
         ),
         Field(
             "concurrency",
@@ -450,8 +446,6 @@ def _async_fields() -> list[Field]:
             constraint=_COUNT,
             applies=(When("async_rule", _ASYNC),),
             default_text="clients per round",
-            transports=_IN_PROCESS,
-            transport_why=_CLOCKED,
         ),
         Field(
             "staleness",
@@ -463,8 +457,6 @@ def _async_fields() -> list[Field]:
             constraint=OneOf(STALENESS),
             applies=(When("async_rule", _ASYNC),),
             default_text="fedbuff: sqrt; fedasync: poly",
-            transports=_IN_PROCESS,
-            transport_why=_CLOCKED,
         ),
         Field(
             "staleness_exponent",
@@ -474,8 +466,6 @@ def _async_fields() -> list[Field]:
             SERVER,
             constraint=_POS,
             applies=(When("staleness", ("poly",)),),
-            transports=_IN_PROCESS,
-            transport_why=_CLOCKED,
         ),
         Field(
             "async_mixing",
@@ -485,8 +475,6 @@ def _async_fields() -> list[Field]:
             SERVER,
             constraint=Interval(0, 1, closed="right"),
             applies=(When("async_rule", ("fedasync",)),),
-            transports=_IN_PROCESS,
-            transport_why=_CLOCKED,
         ),
         Field(
             "deadline",
