@@ -17,6 +17,10 @@ of versions with clients in flight are kept (and checkpointed). FedBuff's new he
 aggregate ``A_g``, sample count ``n_g``, staleness ``tau_g = r - v_g``, weight ``s``: ``--staleness``); at staleness
 0 it is FedAvg. FedAsync's is ``theta + alpha s(tau) (W_k - theta)`` (``alpha``: ``--async-mixing``). The server
 optimiser (``--server-opt``) then steps from it as from any round's aggregate.
+
+A transport with ``live_async`` (Flower: :mod:`fedhead.flower.pushpull`) runs the same rule on the real clock: its
+messages are pushed and pulled instead of the simulated arrivals, and each version group's replies are summed by
+the transport (``train_group``) instead of trained here.
 """
 
 from __future__ import annotations
