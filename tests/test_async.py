@@ -161,10 +161,13 @@ def test_bad_async_input_is_one_line(tiny_store, kw, words):
     assert "\n" not in msg and all(w in msg for w in words), msg
 
 
-def test_the_async_rule_is_refused_on_flower_in_one_line(tiny_store):
-    with pytest.raises(FedheadError) as e:
-        check_transport(cfg_for(tiny_store, async_rule="fedbuff"), "flower")
-    assert (
-        "--async-rule" in str(e.value) and "Flower rounds stay synchronous" in str(e.value) and "\n" not in str(e.value)
-    )
+def test_the_simulated_clocks_sync_rules_are_refused_on_flower_in_one_line(tiny_store):
+    """FedBuff runs on Flower (pushed and pulled messages: test_async_flower.py); a deadline, over-selection and
+    dropouts are the simulated clock's."""
+    check_transport(cfg_for(tiny_store, async_rule="fedbuff", buffer_size=2), "flower")
+    for kw in (dict(deadline=3.0), dict(over_selection=0.3), dict(dropout=0.1)):
+        with pytest.raises(FedheadError) as e:
+            check_transport(cfg_for(tiny_store, **kw), "flower")
+        msg = str(e.value)
+        assert "Flower rounds stay synchronous" in msg and "\n" not in msg, msg
     assert math.isfinite(TimingModel().durations(0, np.ones(3), 10.0, 10.0).sum())
