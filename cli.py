@@ -133,6 +133,9 @@ COMMANDS = [
     ("fedhead.bench.speed", "speed_cmd", "speed", "bench",
      "Trainer speed vs the machine's matmul/memory limits, vs a per-client loop, and in 100..1000 clients; the "
      "scratch engine's samples/s and GFLOP/s per model vs its loop backend."),
+    ("fedhead.bench.clocked", "async_cmd", "async", "bench",
+     "Synchronous rounds, a deadline with over-selection, FedBuff and FedAsync with stragglers on one axis of "
+     "simulated time: time-to-accuracy curves and a table."),
     ("fedhead.bench.tune", "tune_cmd", "tune", "bench",
      "Tune every method with the same number of trials, choose on validation, re-run the winner with --seeds."),
     ("fedhead.flower.commands", "simulate_cmd", "simulate", "flower",

@@ -24,7 +24,7 @@ from fedhead.federation.model import load_model, predict_images
 from fedhead.federation.train import labels_store, run_training, validate_config
 from fedhead.infra.console import stdout_console
 from fedhead.infra.devices import resolve_device
-from fedhead.infra.errors import FedheadError
+from fedhead.infra.errors import FedheadError, OneOf, validate
 from fedhead.infra.exits import cli_errors
 from fedhead.infra.files import atomic_path, check_out
 from fedhead.infra.locks import exclusive_writer
@@ -70,17 +70,19 @@ def compare_cmd(
     runs: list[Path] = typer.Argument(..., help="run directories (--out of train, flower simulate or scratch)"),
     out: Path = typer.Option(Path("."), "--out", help="folder for the compare.* files \\[default: the current folder]"),
     metric: str = typer.Option("accuracy", "--metric", help="the rounds.csv column to compare"),
+    x: str = typer.Option("round", "--x", help="the plot's axis: round | sim_time_s (simulated seconds)"),
 ):
     """Print several runs side by side (--metric at the final round and at the round the run's validation selected,
     ratios, bytes, wall time, the settings that differ)
     and plot --metric per round of every run into OUT/compare.png (the table beside it: compare.csv, compare.json)."""
+    validate("--x", x, OneOf(("round", "sim_time_s")))
     found = [compare.load_run(p) for p in runs]
     compare.check_metric(found, metric)
     check_out(out, kind="dir")
     rows = compare.table_rows(found, metric)
     cols = [(k, f"{h} {metric}" if k in ("final", "at_selected") else h) for k, h in COMPARE_COLUMNS]
     stdout_console().print(results_table(f"fedhead compare — {len(found)} runs", rows, cols))
-    typer.echo(f"wrote {compare.write_compare_plot(found, metric, out)}")
+    typer.echo(f"wrote {compare.write_compare_plot(found, metric, out, x)}")
     for path in compare.write_compare_table(rows, metric, out):  # the table beside it: compare.csv, compare.json
         typer.echo(f"wrote {path}")
 

@@ -146,6 +146,9 @@ def _sample(f):
         "personalize": "ditto",
         "personal_models": "0,1",
         "withdrawn_clients": "1",
+        "async_rule": "fedbuff",
+        "staleness": "poly",
+        "straggler_slowdown": 4.0,
     }
     if f.name in special:
         return special[f.name]

@@ -373,14 +373,14 @@ def test_rounds_csv_columns_and_summary_keys_are_documented(tiny_store, tmp_path
     """Every column the runs write, and every key of a head run's summary.json, is in docs/tracking.md."""
     pytest.importorskip("flwr")
     from fedhead.core.clientacc import CLIENT_FIELDS, LOCAL_FIELDS
-    from fedhead.federation.job import VAL_FIELDS
+    from fedhead.federation.job import ASYNC_FIELDS, CLOCK_FIELDS, VAL_FIELDS
     from fedhead.federation.rundir import ROUND_FIELDS
     from fedhead.flower.strategy import FedheadStrategy
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "tracking.md").read_text()
     extra = ["ratio_to_central", "dp_epsilon", "dp_epsilon_statistics", "clients", "members", "lr", "epochs",
              "bytes_shared_data", "pfl_accuracy", "drift_accuracy", "generic_accuracy", *CLIENT_FIELDS, *LOCAL_FIELDS,
-             *VAL_FIELDS, "selected_params"]  # fmt: skip
+             *VAL_FIELDS, "selected_params", *CLOCK_FIELDS, *ASYNC_FIELDS]  # fmt: skip
     for col in [*ROUND_FIELDS, *FedheadStrategy.extra_fields, *extra]:
         assert f"| `{col}` |" in doc, col
     res = train(tiny_store, tmp_path / "doc", iid_reference=True, central_reference=True, plots=False)

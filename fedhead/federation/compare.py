@@ -107,15 +107,18 @@ def check_metric(runs: list[RunFiles], metric: str) -> None:
         )
 
 
-def curve(run: RunFiles, metric: str) -> tuple[np.ndarray, np.ndarray]:
-    """Rounds and the mean over seeds of ``metric`` (rounds without a finite value left out)."""
+def curve(run: RunFiles, metric: str, x: str = "round") -> tuple[np.ndarray, np.ndarray]:
+    """Rounds (``x = "sim_time_s"``: the mean over seeds of each round's simulated seconds) and the mean over seeds
+    of ``metric`` (rounds without a finite value left out)."""
     by: dict[float, list[float]] = {}
+    at: dict[float, list[float]] = {}
     for r in main_rows(run):
-        v = r.get(metric)
-        if isinstance(v, float) and math.isfinite(v):
+        v, t = r.get(metric), r.get(x)
+        if isinstance(v, float) and math.isfinite(v) and isinstance(t, (int, float)):
             by.setdefault(r["round"], []).append(v)
+            at.setdefault(r["round"], []).append(float(t))
     xs = sorted(by)
-    return np.array(xs, float), np.array([np.mean(by[x]) for x in xs], float)
+    return np.array([np.mean(at[k]) for k in xs], float), np.array([np.mean(by[k]) for k in xs], float)
 
 
 def differing(runs: list[RunFiles]) -> list[str]:
@@ -165,13 +168,15 @@ def table_rows(runs: list[RunFiles], metric: str) -> list[dict]:
     return out
 
 
-def write_compare_plot(runs: list[RunFiles], metric: str, out: Path) -> Path:
-    """compare.png in ``out``: ``metric`` per round, one line per run."""
+def write_compare_plot(runs: list[RunFiles], metric: str, out: Path, x: str = "round") -> Path:
+    """compare.png in ``out``: ``metric`` per round (``x = "sim_time_s"``: against simulated seconds), one line per
+    run."""
     panel = Panel(metric)
     for run in runs:
-        x, y = curve(run, metric)
-        panel.lines.append(Line(run.name, x, y))
-    return write_curves(Path(out) / COMPARE_PNG, [panel], "round", metric, integer_x=True)
+        xs, y = curve(run, metric, x)
+        panel.lines.append(Line(run.name, xs, y))
+    label = "round" if x == "round" else "simulated seconds (sim_time_s)"
+    return write_curves(Path(out) / COMPARE_PNG, [panel], label, metric, integer_x=x == "round")
 
 
 def _json_value(v):

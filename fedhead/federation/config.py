@@ -17,6 +17,7 @@ import difflib
 import hashlib
 import inspect
 import json
+import math
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -224,6 +225,7 @@ class _Config:
                     "round) instead. Raise --clients or --participation (--clients-per-round), "
                     "or drop --secure-aggregation."
                 )
+        check_timing(c)  # fills the async rule's staleness weighting, which --staleness-exponent reads
         check_given(self, c)
         for f in FIELD_LIST:  # a value consistent with a method the field does not apply to (--rounds 1, ridge)
             if f.consistent and f.applies and not applies(f, c) and getattr(c, f.name) in f.consistent:
@@ -439,6 +441,48 @@ def check_lifecycle(cfg) -> None:
         raise FedheadError(
             f"The '--withdrawn-clients' parameter must name some of the clients 0 .. {cfg.clients - 1} (not all of "
             f"them). Got {cfg.withdrawn_clients!r} instead. List the ids of the clients that withdrew, e.g. 3,7."
+        )
+
+
+def check_timing(c) -> None:
+    """The simulated clock's server rules (:mod:`fedhead.federation.asyncserver`): FedBuff / FedAsync with the
+    rules they are honest for, a buffer no larger than the clients in flight, over-selection within the clients;
+    fills the rule's staleness weighting (FedBuff: sqrt, FedAsync: poly) when none is given."""
+    m = per_round(c)
+    if c.async_rule == "none":
+        picked = math.ceil((1 + c.over_selection) * m - 1e-9)
+        if picked > c.clients:
+            raise FedheadError(
+                f"The '--over-selection' parameter {c.over_selection:g} selects {picked} clients a round (ceil((1 + "
+                f"{c.over_selection:g}) x {m})), more than --clients {c.clients}. Got --over-selection "
+                f"{c.over_selection:g}; use at most {(c.clients / m) - 1:.3g}, or more --clients."
+            )
+        return
+    if c.staleness is None:
+        c.staleness = "poly" if c.async_rule == "fedasync" else "sqrt"
+    for flag, bad, why in (
+        ("--aggregate", c.aggregate != "fedavg" and c.aggregate, "it combines FedAvg aggregates of the updates"),
+        ("--scaffold", c.scaffold, "SCAFFOLD's variates assume every client trains from the same head"),
+        ("--secure-aggregation", c.secure_aggregation, "SecAgg+ masks one round's cohort, not a buffer"),
+        ("--eval-unseen-clients", c.eval_unseen_clients, "it reads the synchronous rounds' draws"),
+    ):
+        if bad:
+            raise FedheadError(
+                f"The '{flag}' parameter cannot be combined with --async-rule {c.async_rule}: {why}. Got {flag} "
+                f"{bad!r}. Drop {flag} (--aggregate fedavg) or use --async-rule none."
+            )
+    conc = c.concurrency or m
+    if conc > c.clients:
+        raise FedheadError(
+            f"The '--concurrency' parameter must be <= --clients ({c.clients}). Got {conc} instead. Use at most "
+            f"{c.clients} clients in flight, or more --clients."
+        )
+    buf = c.buffer_size or m
+    if c.async_rule == "fedbuff" and buf > conc:
+        raise FedheadError(
+            f"The '--buffer-size' parameter must be <= --concurrency ({conc}, the clients training at once, at most "
+            f"--clients {c.clients}). Got {buf} instead. Use a buffer of at most {conc} updates, or raise "
+            "--concurrency."
         )
 
 

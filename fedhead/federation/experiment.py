@@ -34,6 +34,7 @@ from typing import Any
 
 import fedhead.core  # noqa: F401  (registers the built-in heads: the table derives their parameters)
 from fedhead.core.aggregate import aggregator_names
+from fedhead.core.clock import STALENESS
 from fedhead.core.compress import COMPRESSED, DEFAULT_TOPK_FRACTION
 from fedhead.core.dual import DUAL_MODES
 from fedhead.core.engine import BACKENDS
@@ -209,6 +210,7 @@ class Field:
     consistent: tuple = ()  # values accepted where the field does not apply (--rounds 1 for a closed-form head)
     identity: bool = True  # part of what determines a run's results (a resume compares it); False: where it runs
     transports: tuple = TRANSPORTS
+    transport_why: str = ""  # why the field runs on its transports only (the refusal's reason; default: resources)
     kind: str = ""  # "head" | "partition": a registry parameter (TrainConfig.head_params / partition_params)
     deprecated: tuple = ()  # old Python keywords (TrainConfig accepts them with a DeprecationWarning)
     old_flags: tuple = ()  # old command-line flags (hidden aliases that print one deprecation line)
@@ -346,6 +348,172 @@ _IT = (When("head", ITERATIVE),)
 _POS = Interval(0, None, closed="neither")
 _COUNT = Interval(1, None, integer=True)
 
+_ASYNC = ("fedbuff", "fedasync")
+_IN_PROCESS = ("in-process",)
+_CLOCKED = "a rule of fedhead train's simulated clock; Flower rounds stay synchronous"
+
+
+def _timing_fields() -> list[Field]:
+    """The simulated clients' timing (:mod:`fedhead.core.clock`): every run's ``sim_time_s``."""
+    return [
+        Field(
+            "client_speed",
+            float,
+            1000.0,
+            "simulated clock: the median client's compute speed (each client's drawn log-normal around it, once "
+            "per seed)",
+            DATA,
+            constraint=_POS,
+            unit="samples/s",
+            fix="Use a positive speed, e.g. 1000.",
+        ),
+        Field(
+            "client_bandwidth",
+            float,
+            1e6,
+            "simulated clock: the median client's network bandwidth, both ways (log-normal around it)",
+            DATA,
+            constraint=_POS,
+            unit="bytes/s",
+            fix="Use a positive bandwidth, e.g. 1e6.",
+        ),
+        Field(
+            "timing_sigma",
+            float,
+            0.5,
+            "simulated clock: sigma of the log-normal spread of the clients' speed and bandwidth (0: all equal)",
+            DATA,
+            constraint=Interval(0, None),
+            fix="Use a sigma >= 0, e.g. 0.5.",
+        ),
+        Field(
+            "stragglers",
+            float,
+            0.0,
+            "simulated clock: fraction of the clients that are --straggler-slowdown times slower",
+            DATA,
+            constraint=Interval(0, 1),
+            fix="Use a fraction in [0, 1], e.g. 0.2.",
+        ),
+        Field(
+            "straggler_slowdown",
+            float,
+            10.0,
+            "simulated clock: how many times slower a straggler computes and communicates",
+            DATA,
+            constraint=Interval(1, None),
+            fix="Use a factor >= 1, e.g. 10.",
+        ),
+        Field(
+            "dropout",
+            float,
+            0.0,
+            "probability that a dispatched client never returns (keyed by seed and dispatch); it counts nowhere",
+            DATA,
+            constraint=Interval(0, 1, closed="left"),
+            applies=_IT,
+            transports=_IN_PROCESS,
+            transport_why=_CLOCKED,
+            fix="Use a probability in [0, 1), e.g. 0.1.",
+        ),
+    ]
+
+
+def _async_fields() -> list[Field]:
+    """Synchronous rounds with a deadline and over-selection, and the asynchronous rules (:mod:`fedhead.federation.asyncserver`)."""
+    sync = (When("async_rule", ("none",)),)
+    return [
+        Field(
+            "async_rule",
+            str,
+            "none",
+            "server rule on the simulated clock: none (synchronous rounds) | fedbuff (a server update per "
+            "--buffer-size arrived updates, staleness-weighted) | fedasync (one per arrived update, mixed in); "
+            "--rounds counts server updates",
+            SERVER,
+            constraint=OneOf(("none", *_ASYNC)),
+            applies=_IT,
+        ),
+        Field(
+            "buffer_size",
+            int,
+            None,
+            "fedbuff: updates buffered per server update (K; at most --concurrency)",
+            SERVER,
+            constraint=_COUNT,
+            applies=(When("async_rule", ("fedbuff",)),),
+            default_text="clients per round",
+        ),
+        Field(
+            "concurrency",
+            int,
+            None,
+            "fedbuff / fedasync: clients training at once (at most --clients)",
+            SERVER,
+            constraint=_COUNT,
+            applies=(When("async_rule", _ASYNC),),
+            default_text="clients per round",
+        ),
+        Field(
+            "staleness",
+            str,
+            None,
+            "fedbuff / fedasync: weight of an update tau server updates old: constant | sqrt (1/sqrt(1+tau)) | "
+            "poly ((1+tau)^-a, a = --staleness-exponent)",
+            SERVER,
+            constraint=OneOf(STALENESS),
+            applies=(When("async_rule", _ASYNC),),
+            default_text="fedbuff: sqrt; fedasync: poly",
+        ),
+        Field(
+            "staleness_exponent",
+            float,
+            0.5,
+            "--staleness poly: the exponent a",
+            SERVER,
+            constraint=_POS,
+            applies=(When("staleness", ("poly",)),),
+        ),
+        Field(
+            "async_mixing",
+            float,
+            0.6,
+            "fedasync: mixing weight alpha of an arrived model (theta <- (1 - alpha s) theta + alpha s W_k)",
+            SERVER,
+            constraint=Interval(0, 1, closed="right"),
+            applies=(When("async_rule", ("fedasync",)),),
+        ),
+        Field(
+            "deadline",
+            float,
+            None,
+            "synchronous rounds: simulated seconds the server waits; clients not back by then are dropped from the "
+            "round",
+            SERVER,
+            constraint=_POS,
+            applies=sync,
+            default_text="none (wait for every client)",
+            unit="s",
+            transports=_IN_PROCESS,
+            transport_why=_CLOCKED,
+            fix="Use a positive number of seconds, e.g. 30.",
+        ),
+        Field(
+            "over_selection",
+            float,
+            0.0,
+            "synchronous rounds: select ceil((1 + F) x clients per round) and keep the first clients per round to "
+            "finish (Bonawitz et al. 2019: 0.3)",
+            SERVER,
+            constraint=Interval(0, None),
+            applies=sync,
+            transports=_IN_PROCESS,
+            transport_why=_CLOCKED,
+            fix="Use a fraction >= 0, e.g. 0.3.",
+        ),
+    ]
+
+
 FIELD_LIST: list[Field] = [
     # ---- data and clients
     Field(
@@ -397,6 +565,7 @@ FIELD_LIST: list[Field] = [
         default_text="--participation x --clients",
         fix="Use a number of clients per round >= 1 and <= --clients, e.g. 10.",
     ),
+    *_timing_fields(),
     # ---- the head
     Field("head", str, None, _HEAD_NAMES, HEAD, constraint=Names("head"), default_text="recipe: ova2; fast: softmax"),
     *_registry_fields(HEADS, "head", HEAD),
@@ -697,6 +866,7 @@ FIELD_LIST: list[Field] = [
         constraint=_COUNT,
         applies=(When("calibrate", ("ccvr",)),),
     ),
+    *_async_fields(),
     # ---- label noise
     Field(
         "noise",
@@ -1261,10 +1431,10 @@ def transport_message(f: Field, transport: str) -> str:
             f"The '{f.flag}' option applies to Flower runs only (fedhead flower simulate / superlink). Got it with "
             f"fedhead train. Drop {f.flag}, or run on Flower."
         )
+    why = f.transport_why or "the server holds no training features, and no node-local resources"
     return (
-        f"The '{f.flag}' option applies to fedhead train only, not to Flower runs (the server holds no training "
-        f"features, and no node-local resources). Got it with a Flower run. Drop {f.flag}, or run it with fedhead "
-        "train."
+        f"The '{f.flag}' option applies to fedhead train only, not to Flower runs ({why}). Got it with a Flower run. "
+        f"Drop {f.flag}, or run it with fedhead train."
     )
 
 

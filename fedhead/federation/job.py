@@ -32,6 +32,7 @@ from fedhead.core.clientacc import (
     sample_correct,
     unseen_summary,
 )
+from fedhead.core.clock import TimingModel, sync_round
 from fedhead.core.closedform import is_closed_form, to_prepared
 from fedhead.core.compress import keeps_residuals
 from fedhead.core.dp import enabled as dp_enabled
@@ -45,8 +46,9 @@ from fedhead.core.personal import (
     drift_per_class,
     personal_summary,
 )
-from fedhead.core.sampling import round_clients
+from fedhead.core.sampling import per_round, round_clients, sample_clients
 from fedhead.federation import rundir
+from fedhead.federation.asyncserver import AsyncServer
 from fedhead.federation.clients import FeatureStats, prepare
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.experiment import parse_client_ids
@@ -56,7 +58,7 @@ from fedhead.federation.outputs import SECURE_NOTE, RunReport
 from fedhead.federation.rundir import ROUND_FIELDS, RunDir
 from fedhead.federation.server import ServerUpdate, ccvr_calibrate, solve_statistics, statistics_row
 from fedhead.federation.summary import ceiling_note, summarize, with_ratios
-from fedhead.federation.transport import Census, PersonalTest, Transport
+from fedhead.federation.transport import Census, PersonalTest, RoundResult, Transport
 from fedhead.federation.versions import first_version, members
 from fedhead.infra.console import make_progress, stderr_console
 from fedhead.infra.devices import available_memory, resolve_device
@@ -67,6 +69,8 @@ from fedhead.infra.lazy import lazy_module
 torch = lazy_module("torch")
 
 VAL_FIELDS = ("val_accuracy", "val_loss", "diverged")  # rounds.csv columns after ROUND_FIELDS
+CLOCK_FIELDS = ("sim_time_s",)  # the simulated clock (fedhead.core.clock), after ROUND_FIELDS
+ASYNC_FIELDS = ("staleness_mean",)  # --async-rule fedbuff | fedasync: the updates' mean staleness, after the rest
 DIVERGE_FACTOR = 1000  # a training loss this many times the first round's counts as diverged
 
 
@@ -134,7 +138,11 @@ class HeadJob(Job):
         self.scorer = None if self.head.linear else self.head  # qda, ridge-rf: scores not linear in the features
         self.privacy = epsilon_schedule(cfg, self.rounds)  # DP: epsilon per round ({} without DP)
         self.personal = create_personalizer(cfg.personalize, **cfg.personal_params) if cfg.personalize else None
-        self.fields = ROUND_FIELDS + list(VAL_FIELDS) + list(transport.extra_fields)
+        self.fields = ROUND_FIELDS + list(CLOCK_FIELDS) + list(VAL_FIELDS) + list(transport.extra_fields)
+        if cfg.async_rule != "none":
+            self.fields += list(ASYNC_FIELDS)
+        self.timing = TimingModel.from_config(cfg)
+        self.sim_now, self.asyncs = 0.0, None  # a unit's simulated seconds; its asynchronous server (AsyncServer)
         if self.personal is not None:
             self.fields += list(PERSONAL_FIELDS)
         self.global_acc = None  # the summed statistics of round 1 (closed-form personal heads)
@@ -188,9 +196,17 @@ class HeadJob(Job):
         self.theta = torch.zeros(C, D1, device=self.device)
         self.head_bytes = self.theta.numel() * self.theta.element_size()
         self.msg_bytes = aggregator_of(cfg).nbytes(self.theta)
+        n = len(self.store.train_y) / max(1, cfg.clients)  # each client's size where secure aggregation hides them
+        self.sizes = np.asarray(census.sizes, dtype=np.float64) if census.sizes is not None else np.full(cfg.clients, n)
+        self.sim_now = 0.0
+        self.asyncs = AsyncServer(cfg, self.timing, seed, self.sizes) if cfg.async_rule != "none" else None
         if saved is None:
             return 1, []
         self.theta = saved["theta"].to(self.device)
+        clock = saved.get("clock") or {}
+        self.sim_now = float(clock.get("now", 0.0))
+        if self.asyncs is not None and clock.get("async") is not None:
+            self.asyncs.load_state_dict(clock["async"], self.device)
         self.server.load_state_dict(saved.get("server", {}), self.device)
         self.transport.load_unit_state(saved.get("transport", {}))
         done = int(saved["round"])
@@ -215,16 +231,21 @@ class HeadJob(Job):
 
     def round(self, unit: tuple, rnd: int) -> dict:
         cfg, (seed, name) = self.cfg, unit
+        first = rnd == 1
+        exchange = self.solver is not None and first
         sel = round_clients(cfg, seed, rnd)
+        if not exchange and cfg.over_selection and self.asyncs is None:  # Bonawitz et al.: ceil((1 + F) m) selected
+            picked = math.ceil((1 + cfg.over_selection) * per_round(cfg) - 1e-9)
+            sel = sample_clients(cfg.clients, cfg.participation, seed, rnd, count=picked)
         if self.trained is not None:
             self.trained[sel] = True
-        first = rnd == 1
         extra_up = self.stats.bytes_up_per_client if first else 0
         stats_bytes = cfg.clients * (extra_up + self.stats.bytes_down_per_client) if first else 0
-        if self.solver is not None and first:
+        if exchange:
             row = self._exchange(sel, seed, extra_up, stats_bytes)
         else:
             row = self._train(sel, seed, rnd, extra_up, stats_bytes)
+        row["sim_time_s"] = self.sim_now
         evaluated = rnd % cfg.eval_every == 0 or rnd == self.rounds
         acc, clients = self._evaluate() if evaluated else (float("nan"), {})
         val = (self.transport.validate(self.theta, self.scorer) if evaluated else None) or {}
@@ -265,6 +286,9 @@ class HeadJob(Job):
         if is_closed_form(self.cfg.head):  # the solved head goes down: qda's and ridge-rf's are not [C, D+1]
             self.head_bytes = self.theta.numel() * self.theta.element_size()
         server_s = ex.server_s + time.perf_counter() - t0
+        up = ex.acc.bytes_up / max(1, ex.acc.clients) + extra_up  # one pass over its data, its statistics up
+        took = self.timing.durations(seed, self.sizes, 0.0, up)[np.asarray(sel, dtype=np.int64)]
+        self.sim_now += float(took.max(initial=0.0))
         row = statistics_row(ex.acc, ex.client_ms, server_s, self.cfg, len(sel), self.head_bytes, extra_up, stats_bytes)
         return {**row, **ex.extra, **chosen}
 
@@ -294,9 +318,36 @@ class HeadJob(Job):
         self.chosen = dict(values)
         return {"selected_params": " ".join(f"{k}={v:g}" for k, v in values.items())}
 
+    def _durations(self, seed: int) -> np.ndarray:
+        """Every client's seconds for one dispatch of local training (:class:`fedhead.core.clock.TimingModel`)."""
+        cfg = self.cfg
+        work = (
+            np.full(cfg.clients, float(cfg.local_steps * cfg.batch_size))
+            if cfg.local_steps
+            else self.sizes * (cfg.local_epochs or 1)
+        )
+        down = self.server.transfer_multiplier() * self.head_bytes
+        return self.timing.durations(seed, work, down, down - self.head_bytes + self.msg_bytes)
+
+    def _clocked_round(self, sel, seed: int, rnd: int, previous: torch.Tensor) -> RoundResult:
+        """A round on the simulated clock: the asynchronous rule's server update, or the synchronous round's clients
+        that are back in time (dropouts, --deadline, --over-selection) trained; the clock advanced."""
+        durations = self._durations(seed)
+        if self.asyncs is not None:
+            res = self.asyncs.step(previous, rnd, self.transport, self.server, durations)
+            self.sim_now = self.asyncs.now
+            return res
+        sel = np.asarray(sel, dtype=np.int64)
+        lost = np.array([self.timing.dropped(seed, rnd, int(k)) for k in sel], dtype=bool)
+        kept, took = sync_round(sel, durations[sel], lost, per_round(self.cfg), self.cfg.deadline)
+        self.sim_now += took
+        if len(kept) == 0:
+            return RoundResult(None, 0, 0.0, 0.0, 0.0)
+        return self.transport.train_round(previous, kept, seed, rnd, self.server)
+
     def _train(self, sel, seed: int, rnd: int, extra_up: int, stats_bytes: int) -> dict:
         previous = self.theta
-        res = self.transport.train_round(previous, sel, seed, rnd, self.server)
+        res = self._clocked_round(sel, seed, rnd, previous)
         t0 = time.perf_counter()
         if res.aggregate is not None:
             self.theta = self.server.step(previous, res.aggregate)
@@ -309,14 +360,15 @@ class HeadJob(Job):
             "client_ms": res.client_ms,
             "server_ms": 1000 * server_s,
             "bytes_up_per_client": up + extra_up,
-            "bytes_total": len(sel) * (up + down) + stats_bytes,
+            "bytes_total": (len(sel) if self.asyncs is None else res.clients) * (up + down) + stats_bytes,
             "clients_trained": res.clients,
             **res.extra,
         }
 
     def unit_state(self) -> dict:
+        clock = {"now": self.sim_now, "async": self.asyncs.state_dict() if self.asyncs is not None else None}
         return {"theta": self.theta.detach().cpu().clone(), "server": self.server.state_dict(),
-                "census": _stats_state(self.stats), "transport": self.transport.unit_state()}  # fmt: skip
+                "census": _stats_state(self.stats), "transport": self.transport.unit_state(), "clock": clock}  # fmt: skip
 
     def progress_info(self, row: dict) -> str:
         return f"acc {row['accuracy']:.4f}" if not math.isnan(row["accuracy"]) else ""

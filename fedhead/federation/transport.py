@@ -83,6 +83,9 @@ class Transport:
 
     name = ""
     extendable = False  # whether a finished run may continue with more rounds (its clients' state is kept)
+    # the asynchronous rules: False, the simulated clock trains the buffered clients by train_round at the flush;
+    # True, the transport's own messages run on the real clock (Flower: fedhead.flower.pushpull.PushPull)
+    live_async = False
     extra_fields: tuple = ()  # columns of rounds.csv after the common ones
 
     def begin(self, seed: int, partition: str, partition_params: dict, saved: FeatureStats | None) -> Census:

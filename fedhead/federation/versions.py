@@ -89,8 +89,11 @@ def range_ids(ranges, where: str) -> set[int]:
 
 def members(cfg: TrainConfig, seed: int, rounds: int) -> list[list[int]]:
     """The clients whose data reached the head of a run: those some round sampled (a closed-form head's single
-    exchange, or every round of an iterative one), less the withdrawn ones; as :func:`id_ranges`."""
+    exchange, or every round of an iterative one; with an asynchronous rule or over-selection, whose draws are the
+    clock's, every client), less the withdrawn ones; as :func:`id_ranges`."""
     seen = np.zeros(int(cfg.clients), dtype=bool)
+    if getattr(cfg, "async_rule", "none") not in (None, "none") or getattr(cfg, "over_selection", 0):
+        seen[:] = True  # draws of the clock's own (FedBuff's idle clients, over-selection): any client may have trained
     for r in range(1, int(rounds) + 1):  # the draws are keyed by (seed, round): no training happens here
         seen[round_clients(cfg, seed, r)] = True
         if seen.all():

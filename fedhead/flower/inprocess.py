@@ -27,10 +27,17 @@ from fedhead.flower.strategy import ServerSettings
 class InProcessGrid(Grid):
     """Delivers each message to the ClientApp of its node synchronously; an exception becomes an error reply
     with Flower's own reason format, as the SuperNode runtime makes it. ``wire``: serialise and parse every
-    message and reply (Flower's protobuf), as a network would."""
+    message and reply (Flower's protobuf), as a network would. ``push_messages`` answers at once too, and
+    ``pull_messages`` hands a reply out only after ``slow[node]`` pulls that asked for it (slow nodes, counted in
+    pulls: no wall clock)."""
 
-    def __init__(self, app, node_configs: list[dict], run_config: dict | None = None, wire: bool = False):
-        self.app, self.wire = app, wire
+    def __init__(
+        self, app, node_configs: list[dict], run_config: dict | None = None, wire: bool = False,
+        slow: dict | None = None,
+    ):  # fmt: skip
+        self.app, self.wire, self.slow = app, wire, dict(slow or {})
+        self.pushed: dict = {}  # message id -> [reply, pulls still to wait]
+        self.count = 0
         self.ctx = {
             1000 + i: Context(
                 run_id=1, node_id=1000 + i, node_config=nc, state=RecordDict(), run_config=run_config or {}
@@ -52,29 +59,48 @@ class InProcessGrid(Grid):
         return list(self.ctx)
 
     def push_messages(self, messages):
-        raise NotImplementedError
+        ids = []
+        for m in messages:
+            self.count += 1
+            mid = f"pushed-{self.count}"
+            m.metadata.__dict__["_message_id"] = mid  # as Flower's in-memory grid names a pushed message
+            reply = self._answer(m)
+            reply.metadata.__dict__["_reply_to_message_id"] = mid  # the reply names the message it answers
+            self.pushed[mid] = [reply, self.slow.get(m.metadata.dst_node_id, 0)]
+            ids.append(mid)
+        return ids
 
     def pull_messages(self, message_ids):
-        raise NotImplementedError
+        out = []
+        for mid in message_ids:
+            entry = self.pushed.get(mid)
+            if entry is None:
+                continue
+            if entry[1] > 0:
+                entry[1] -= 1
+                continue
+            out.append(self.pushed.pop(mid)[0])
+        return out
 
     def send_and_receive(self, messages, *, timeout=None):
-        out = []
-        for m in messages:
-            if self.wire:
-                m = Message(
-                    recorddict_from_proto(recorddict_to_proto(m.content)),
-                    dst_node_id=m.metadata.dst_node_id,
-                    message_type=m.metadata.message_type,
-                    group_id=m.metadata.group_id,
-                )
-            try:
-                r = self.app(m, self.ctx[m.metadata.dst_node_id])
-                if self.wire and not r.has_error():
-                    r = Message(recorddict_from_proto(recorddict_to_proto(r.content)), reply_to=m)
-                out.append(r)
-            except Exception as ex:  # noqa: BLE001
-                out.append(Message(Error(code=1, reason=str(type(ex)) + ":<'" + str(ex) + "'>"), reply_to=m))
-        return out
+        return [self._answer(m) for m in messages]
+
+    def _answer(self, m):
+        """The node's reply to ``m`` (an exception: an error reply)."""
+        if self.wire:
+            m = Message(
+                recorddict_from_proto(recorddict_to_proto(m.content)),
+                dst_node_id=m.metadata.dst_node_id,
+                message_type=m.metadata.message_type,
+                group_id=m.metadata.group_id,
+            )
+        try:
+            r = self.app(m, self.ctx[m.metadata.dst_node_id])
+            if self.wire and not r.has_error():
+                r = Message(recorddict_from_proto(recorddict_to_proto(r.content)), reply_to=m)
+            return r
+        except Exception as ex:  # noqa: BLE001
+            return Message(Error(code=1, reason=str(type(ex)) + ":<'" + str(ex) + "'>"), reply_to=m)
 
 
 @contextlib.contextmanager

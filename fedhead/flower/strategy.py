@@ -89,6 +89,7 @@ from fedhead.flower.common import (  # noqa: E402
     store_fingerprint,
     test_split_key,
 )
+from fedhead.flower.pushpull import PushPull  # noqa: E402
 from fedhead.flower.replies import Expect, check_reply  # noqa: E402
 from fedhead.flower.secure import SecureRounds  # noqa: E402
 from fedhead.infra.devices import resolve_device  # noqa: E402
@@ -197,7 +198,7 @@ class NodeVariates:
         }
 
 
-class FedheadStrategy(Strategy, Transport):
+class FedheadStrategy(PushPull, Strategy, Transport):
     """See the module docstring. ``cfg`` is resolved; ``store`` is the server's (test split used). It is the Flower
     transport of the round loop (:class:`fedhead.federation.transport.Transport`), and :meth:`start` lends it to
     the loop."""
@@ -289,6 +290,16 @@ class FedheadStrategy(Strategy, Transport):
         sel = round_clients(self.cfg, self.seed, server_round)
         self.last = _Round()
         self._selected = [int(k) for k in sel]
+        msgs = self.train_messages(server_round, arrays, config, self._selected)
+        self._sent = msgs  # their ids (given when they are pushed) name the node of a reply the SuperLink wrote
+        return msgs
+
+    def new_round(self) -> _Round:
+        return _Round()
+
+    def train_messages(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, pids: list) -> list:
+        """The train messages of round ``server_round`` (its head ``arrays``) to the nodes of ``pids``; a partition
+        without a node is marked failed in ``self.last``."""
         cfg_rec = self._round_config(server_round)
         for k, v in config.items():
             cfg_rec[k] = v
@@ -296,7 +307,7 @@ class FedheadStrategy(Strategy, Transport):
         if scaffold is not None:  # SCAFFOLD: the server's c travels with the head
             arrays = ArrayRecord({**dict(arrays.items()), "scaffold-c": Array(scaffold.c.cpu().numpy())})
         msgs = []
-        for pid in self._selected:
+        for pid in pids:
             node = self.node_of.get(pid)
             if node is None:
                 self.last.failed[pid] = "no connected SuperNode has this partition id"
@@ -319,7 +330,6 @@ class FedheadStrategy(Strategy, Transport):
                     group_id=str(server_round),
                 )
             )
-        self._sent = msgs  # their ids (given when they are pushed) name the node of a reply the SuperLink wrote
         return msgs
 
     def aggregate_train(
@@ -683,6 +693,7 @@ class FedheadStrategy(Strategy, Transport):
         seed keeps the statistics of its checkpoint (``saved``)."""
         cfg = self.cfg
         self.seed, self._first_round = seed, None
+        self.async_reset()  # --async-rule: no message of another seed (or of an earlier Flower run) is awaited
         self.info = self.connect(self.grid, need_stats=saved is None)
         self.variates = (
             NodeVariates(cfg.identity(), seed, np.zeros(cfg.clients, dtype=np.int64)) if cfg.scaffold else None
