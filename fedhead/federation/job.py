@@ -38,6 +38,8 @@ from fedhead.core.dp import enabled as dp_enabled
 from fedhead.core.dp import epsilon_schedule
 from fedhead.core.engine import evaluate as overall_accuracy
 from fedhead.core.heads import HEADS, create_head
+from fedhead.core.openset import default_score, validation_card
+from fedhead.core.openset import to_prepared as openset_prepared
 from fedhead.core.personal import (
     PERSONAL_FIELDS,
     balanced_test_set,
@@ -179,6 +181,7 @@ class HeadJob(Job):
         self.stats = census.stats
         self.xt = prepare(self.store.test_x, census.stats, self.device)
         self.chosen: dict = {}  # --select-on-val: the grid point this unit's validation chose
+        self.openset: dict = {}  # the solved closed-form head's open-set statistics (raw features; lda, qda)
         C, D1 = self.store.info.num_classes, self.store.test_x.shape[1] + 1
         scaffold = self.transport.scaffold_state((C, D1), self.device) if cfg.scaffold else None
         residuals = self.transport.residual_state((C, D1), self.device) if keeps_residuals(cfg) else None
@@ -255,6 +258,8 @@ class HeadJob(Job):
         ex = self.transport.statistics(sel, self.solver, seed)
         t0 = time.perf_counter()
         self.theta = solve_statistics(self.solver, ex.acc, self.cfg, self.stats, self.device, seed=seed)
+        if is_closed_form(self.cfg.head):
+            self.openset = self.solver.openset_statistics(ex.acc)
         chosen = self._select_on_val(ex.acc) if is_closed_form(self.cfg.head) else {}
         if self.personal is not None and self.personal.needs_statistics:
             self.global_acc = ex.acc  # with DP: the noisy sums, as the server solved them
@@ -283,10 +288,11 @@ class HeadJob(Job):
                 return {}
             score = val["val_accuracy"]
             if best is None or score > best[0]:
-                best = (score, values, theta, scorer)
+                best = (score, values, theta, scorer, head)
         if best is None:  # no grid
             return {}
-        _, values, self.theta, self.scorer = best
+        _, values, self.theta, self.scorer, head = best
+        self.openset = head.openset_statistics(acc)
         self.chosen = dict(values)
         return {"selected_params": " ".join(f"{k}={v:g}" for k, v in values.items())}
 
@@ -377,13 +383,29 @@ class HeadJob(Job):
             if found is not None:
                 self.central[str(seed)] = found
         correct = int(round(evaluate(self.theta, self.xt, self.y_test, head=self.scorer) * len(self.y_test)))
-        kept = {"head": self.theta.detach().cpu().clone(), "stats": _stats_state(self.stats), "correct": correct}
+        kept = {"head": self.theta.detach().cpu().clone(), "stats": _stats_state(self.stats), "correct": correct,
+                "openset": self._openset()}  # fmt: skip
         if self.personal is not None and name == "main" and self.local is not None:
             got, kept["personal"], models = self._personalize(seed)
             (extra[-1] if extra else rows[-1]).update(got)  # the row of the head the clients start from
             if models:  # --personal-models: the listed clients' heads, written by finish
                 kept["personal_models"] = models
         return extra, kept
+
+    def _openset(self) -> dict:
+        """The model's open-set part (:mod:`fedhead.core.openset`): the solved head's statistics mapped to the
+        prepared features (``tensors``) and, where the transport holds a validation part, the card's entry with the
+        validation quantiles of every score the model can compute (``card``)."""
+        tensors = openset_prepared(self.openset, self.stats.mean, self.stats.scale) if self.openset else {}
+        out: dict = {"tensors": tensors}
+        val = self.transport.validation_part()
+        if val is not None and self.cfg.head in HEADS:
+            x = val[0].to("cpu")
+            theta = self.theta.detach().to("cpu")
+            with torch.no_grad():
+                logits = self.scorer.logits(theta, x) if self.scorer is not None else x @ theta.T.to(x.dtype)
+            out["card"] = validation_card(default_score(HEADS[self.cfg.head].cls), logits, x[:, :-1], tensors)
+        return out
 
     def _personalize(self, seed: int) -> tuple[dict, dict, dict]:
         """``--personalize``: every client's personal head from the final global head, scored on its local test set
@@ -486,7 +508,8 @@ class HeadJob(Job):
                 seed, name = d["unit"]
                 metrics = model_metrics(d, len(self.store.test_y), per_seed.get(seed) if name == "main" else None)
                 with writing(run, path.with_name(model_stem(seed, name) + ".json")):
-                    write_model(run.path, (seed, name), d["head"], _stats_of(d["stats"]), self.cfg, self.store, metrics)
+                    write_model(run.path, (seed, name), d["head"], _stats_of(d["stats"]), self.cfg, self.store, metrics,
+                                openset=d.get("openset"))  # fmt: skip
         if self.client_rows:  # none with secure aggregation: the server never sees a client's counts
             with writing(run, run.path / "clients.csv"):
                 rundir.write_clients_per_seed(run.path, self.client_rows)
