@@ -79,7 +79,8 @@ COMMANDS = [
      "digits as PNG files with the OvA-LP model through predict's path and its exported ONNX file."),
     ("fedhead.deploy", "predict_cmd", "predict", None,
      "Classify images (encoded with the model's own encoder) or a store's features with a run's model: a CSV of the "
-     "top-k classes and probabilities; accuracy and a confusion matrix when the labels are known."),
+     "top-k classes and probabilities; accuracy and a confusion matrix when the labels are known; --reject or "
+     "--reject-rate labels open-set inputs 'unknown'."),
     ("fedhead.deploy", "export_cmd", "export", None,
      "Write a run's model as one file that classifies raw uint8 images [N, H, W, 3] without fedhead (encoder, "
      "preprocessing, feature preparation and head), checked against fedhead's own forward before it is kept."),
