@@ -122,6 +122,10 @@ COMMANDS = [
     ("fedhead.bench.speed", "speed_cmd", "speed", "bench",
      "Trainer speed vs the machine's matmul/memory limits, vs a per-client loop, and in 100..1000 clients; the "
      "scratch engine's samples/s and GFLOP/s per model vs its loop backend."),
+    ("fedhead.bench.openset", "openset_cmd", "openset", "bench",
+     "Open-set rejection: train on the first half of the classes, test on all; AUROC and FPR at 95% TPR of each "
+     "head's unknown score (from the model file each run wrote) and the closed-set accuracy, per head and "
+     "partition."),
     ("fedhead.bench.tune", "tune_cmd", "tune", "bench",
      "Tune every method with the same number of trials, choose on validation, re-run the winner with --seeds."),
     ("fedhead.flower.commands", "simulate_cmd", "simulate", "flower",
