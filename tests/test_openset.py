@@ -256,3 +256,38 @@ def test_open_set_tensors_of_the_wrong_shape_are_refused_in_one_line(runs, tmp_p
     (tmp_path / "model-seed0.json").write_text(json.dumps(card))
     with pytest.raises(FedheadError, match="precision"):
         fedhead.load_model(tmp_path)
+
+
+# ---------------------------------------------------------------- fedhead bench openset
+
+
+def test_bench_openset_scores_the_model_files_of_its_runs(tiny_store, tmp_path):
+    """Half the classes known; the report's figures are the loaded model files' scores on the whole test split."""
+    from fedhead.bench.openset import fpr_at_tpr, open_set_metrics
+
+    out = tmp_path / "bench"
+    r = runner.invoke(cli.app, ["bench", "openset", "--features", str(tiny_store), "--heads", "softmax,lda",
+                                "--partitions", "iid", "--seeds", "0", "--clients", "4", "--rounds", "2",
+                                "--out", str(out)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert {(x["head"], x["score"]) for x in rows} == {("softmax", "energy"), ("softmax", "msp"), ("lda", "mahalanobis"),
+                                                       ("lda", "msp"), ("lda", "energy")}  # fmt: skip
+    s = load_store(tiny_store)
+    m = fedhead.load_model(out / "runs" / "lda-iid", seed=0)
+    assert list(m.classes_) == list(s.info.class_names[:5])
+    got = open_set_metrics(m, s.test_x, s.test_y, 5, "mahalanobis")
+    row = next(x for x in rows if x["head"] == "lda" and x["score"] == "mahalanobis")
+    assert math.isclose(float(row["auroc"]), got["auroc"]) and math.isclose(float(row["fpr95"]), got["fpr95"])
+    assert "AUROC %" in (out / "report.md").read_text()
+    # FPR at 95% TPR by hand: 20 known scores 0..19, unknown 10..29 -> the threshold 18 accepts 19 of 20 known
+    # (95%) and the unknown 10..18: 9 of 20
+    assert fpr_at_tpr(np.arange(20.0), np.arange(10.0, 30.0)) == pytest.approx(9 / 20)
+
+
+def test_bench_openset_refuses_bad_input_in_one_line(tiny_store, tmp_path):
+    for args, expect in ((["--known-fraction", "1"], "'--known-fraction'"), (["--heads", "nope"], "'--heads'"),
+                         (["--partitions", "natural"], "'--partitions'")):  # fmt: skip
+        r = runner.invoke(cli.app, ["bench", "openset", "--features", str(tiny_store), "--out", str(tmp_path / "o"),
+                                    *args])  # fmt: skip
+        assert expect in _one_line_error(r)

@@ -35,7 +35,7 @@ from fedhead.core.partitions import PARTITIONS
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.config import applicable as applicable_fields
 from fedhead.federation.experiment import parse_seeds
-from fedhead.federation.model import load_model
+from fedhead.federation.model import STORE_KEYS, load_model
 from fedhead.federation.rundir import write_csv
 from fedhead.federation.train import run_training
 from fedhead.infra.console import stderr_console
@@ -56,7 +56,7 @@ def known_store(store: Features, known: int, path: Path) -> Path:
     if path.is_file():
         return path
     tr, te = store.train_y < known, store.test_y < known
-    attrs = {k: v for k, v in store.info.attrs.items() if k not in ("num_classes",)}
+    attrs = {k: v for k, v in store.info.attrs.items() if k in (*STORE_KEYS, "default_image_size")}
     attrs["dataset"] = f"{store.info.dataset}-known{known}"
     return write_store(path, train=(store.train_x[tr], store.train_y[tr]), test=(store.test_x[te], store.test_y[te]),
                        class_names=list(store.info.class_names[:known]), attrs=attrs,
@@ -69,7 +69,7 @@ def fpr_at_tpr(known_scores: np.ndarray, unknown_scores: np.ndarray, tpr: float 
     from sklearn.metrics import roc_curve
 
     y = np.r_[np.ones(len(known_scores)), np.zeros(len(unknown_scores))]
-    fpr, tp, _ = roc_curve(y, -np.r_[known_scores, unknown_scores])
+    fpr, tp, _ = roc_curve(y, -np.r_[known_scores, unknown_scores], drop_intermediate=False)
     return float(fpr[np.searchsorted(tp, tpr, side="left")])
 
 
