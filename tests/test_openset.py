@@ -291,3 +291,26 @@ def test_bench_openset_refuses_bad_input_in_one_line(tiny_store, tmp_path):
         r = runner.invoke(cli.app, ["bench", "openset", "--features", str(tiny_store), "--out", str(tmp_path / "o"),
                                     *args])  # fmt: skip
         assert expect in _one_line_error(r)
+
+
+def test_a_resumed_closed_form_run_keeps_its_open_set_statistics(tiny_store, tmp_path, monkeypatch):
+    """Cut after seed 0's solve (its checkpoint holds the solved unit): the resumed run's model of seed 0 still has
+    the statistics the Mahalanobis score needs."""
+    import fedhead.federation.job as J
+
+    real, calls = J.HeadJob.round, {"n": 0}
+
+    def dying(self, unit, rnd):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(self, unit, rnd)
+
+    monkeypatch.setattr(J.HeadJob, "round", dying)
+    cfg = TrainConfig(features=str(tiny_store), head="lda", clients=4, partition="shard", device="cpu", seeds=[0, 1])
+    with pytest.raises(KeyboardInterrupt):
+        run_training(cfg, out=tmp_path / "run", progress=False)
+    monkeypatch.setattr(J.HeadJob, "round", real)
+    res = run_training(cfg, out=tmp_path / "run", resume=True, progress=False)
+    for seed in (0, 1):
+        assert sorted(fedhead.load_model(res.run_dir, seed=seed).openset_tensors) == sorted(openset.OPENSET_TENSORS)

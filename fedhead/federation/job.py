@@ -192,6 +192,7 @@ class HeadJob(Job):
         if saved is None:
             return 1, []
         self.theta = saved["theta"].to(self.device)
+        self.openset = dict(saved.get("openset") or {})  # a resumed closed-form unit: its solve's statistics
         self.server.load_state_dict(saved.get("server", {}), self.device)
         self.transport.load_unit_state(saved.get("transport", {}))
         done = int(saved["round"])
@@ -318,7 +319,8 @@ class HeadJob(Job):
 
     def unit_state(self) -> dict:
         return {"theta": self.theta.detach().cpu().clone(), "server": self.server.state_dict(),
-                "census": _stats_state(self.stats), "transport": self.transport.unit_state()}  # fmt: skip
+                "census": _stats_state(self.stats), "transport": self.transport.unit_state(),
+                "openset": dict(self.openset)}  # fmt: skip
 
     def progress_info(self, row: dict) -> str:
         return f"acc {row['accuracy']:.4f}" if not math.isnan(row["accuracy"]) else ""
