@@ -79,7 +79,8 @@ COMMANDS = [
      "digits as PNG files with the OvA-LP model through predict's path and its exported ONNX file."),
     ("fedhead.deploy", "predict_cmd", "predict", None,
      "Classify images (encoded with the model's own encoder) or a store's features with a run's model: a CSV of the "
-     "top-k classes and probabilities; accuracy and a confusion matrix when the labels are known."),
+     "top-k classes and probabilities; accuracy and a confusion matrix when the labels are known; --reject or "
+     "--reject-rate labels open-set inputs 'unknown'."),
     ("fedhead.deploy", "export_cmd", "export", None,
      "Write a run's model as one file that classifies raw uint8 images [N, H, W, 3] without fedhead (encoder, "
      "preprocessing, feature preparation and head), checked against fedhead's own forward before it is kept."),
@@ -136,6 +137,10 @@ COMMANDS = [
     ("fedhead.bench.clocked", "async_cmd", "async", "bench",
      "Synchronous rounds, a deadline with over-selection, FedBuff and FedAsync with stragglers on one axis of "
      "simulated time: time-to-accuracy curves and a table."),
+    ("fedhead.bench.openset", "openset_cmd", "openset", "bench",
+     "Open-set rejection: train on the first half of the classes, test on all; AUROC and FPR at 95% TPR of each "
+     "head's unknown score (from the model file each run wrote) and the closed-set accuracy, per head and "
+     "partition."),
     ("fedhead.bench.tune", "tune_cmd", "tune", "bench",
      "Tune every method with the same number of trials, choose on validation, re-run the winner with --seeds."),
     ("fedhead.flower.commands", "simulate_cmd", "simulate", "flower",

@@ -13,6 +13,7 @@ import numpy as np
 import typer
 
 from extract.store import load_store, open_store
+from fedhead.core.openset import SCORES, score_kind, unknown_scores
 from fedhead.federation.export import FORMATS, export_model, parse_size
 from fedhead.federation.finetuned import FinetunedModel
 from fedhead.federation.model import (
@@ -37,22 +38,62 @@ CLIENT_HELP = (
     "--personal-models K) instead of the global model \\[the global model]"
 )
 FULL_MATRIX_MAX = 20  # classes up to which the whole confusion matrix is printed; beyond, the largest confusions
+UNKNOWN = "unknown"  # the top-1 class of a rejected input (--reject, --reject-rate)
+REJECT_HELP = (
+    "reject inputs whose open-set score (--score; higher: more unknown) is above this threshold: their top-1 class "
+    "becomes 'unknown' (a value in the score's range, docs/model.md)"
+)
+REJECT_RATE_HELP = (
+    "reject with the threshold above which this fraction of the run's validation part (known classes) lies, from the "
+    "model card's validation quantiles (in [0, 1))"
+)
+SCORE_HELP = f"the open-set score: {' | '.join(SCORES)} \\[the model's default: its head's]"
 
 
-def _rows(model: Model | FinetunedModel, sources: list, labels: np.ndarray | None, logits, top_k: int):
-    """The CSV's header and rows and the predictions (class indices), from the model's ``logits [N, C]``."""
+def _rows(model: Model | FinetunedModel, sources: list, labels: np.ndarray | None, logits, top_k: int,
+          score: np.ndarray | None = None, rejected: np.ndarray | None = None):  # fmt: skip
+    """The CSV's header and rows and the predictions (class indices), from the model's ``logits [N, C]``; with
+    ``score`` an ``unknown_score`` column, and the rows ``rejected`` (bool [N]) get ``unknown`` as their top-1
+    class (the probability columns stay those of the classes by logit)."""
     probs = probabilities(logits, model.probabilities).numpy()
     order = np.argsort(-logits.numpy(), axis=1, kind="stable")[:, :top_k]  # by logit: top 1 = the prediction
     header = ["source"] + (["label"] if labels is not None else [])
     for i in range(1, top_k + 1):
         header += [f"class_{i}", f"probability_{i}"]
+    header += ["unknown_score"] if score is not None else []
     rows = []
     for n, src in enumerate(sources):
         row = [src] + ([model.classes_[labels[n]]] if labels is not None else [])
         for c in order[n]:
             row += [model.classes_[c], f"{probs[n, c]:.6g}"]
-        rows.append(row)
+        if rejected is not None and rejected[n]:
+            row[len(row) - 2 * len(order[n])] = UNKNOWN
+        rows.append(row + ([f"{score[n]:.6g}"] if score is not None else []))
     return header, rows, order[:, 0] if len(order) else np.zeros(0, np.int64)
+
+
+def _threshold(m: Model | FinetunedModel, kind: str, reject: float | None, rate: float | None) -> float | None:
+    """The rejection threshold of ``--reject`` (checked against the score's range) or ``--reject-rate`` (from the
+    card's validation quantiles); None without either."""
+    if reject is not None:
+        return score_kind(kind).check(reject, "--reject")
+    if rate is None:
+        return None
+    if isinstance(m, FinetunedModel):
+        raise param_error("--reject-rate", rate, "needs a model card with validation quantiles; a fine-tuned model "
+                          "keeps none", "Give a threshold with --reject instead.")  # fmt: skip
+    return m.reject_threshold(rate, kind)
+
+
+def _report_rejection(con, labels: np.ndarray | None, pred: np.ndarray, rejected: np.ndarray, t: float, kind: str):
+    n, r = len(rejected), int(rejected.sum())
+    con.print(f"rejected {r} of {n} ({r / max(1, n):.1%}) as unknown: {kind} score > {t:.6g}", markup=False)
+    if labels is not None and n:
+        ok = (pred == labels) & ~rejected
+        kept = n - r
+        con.print(f"accuracy with rejection {int(ok.sum()) / n:.4f} ({int(ok.sum())} of {n}: a rejected input counts as "
+                  f"wrong); on the accepted inputs {int(ok.sum()) / max(1, kept):.4f} ({int(ok.sum())} of {kept})",
+                  markup=False)  # fmt: skip
 
 
 def _confusion(labels: np.ndarray, pred: np.ndarray, classes) -> "object":
@@ -125,9 +166,13 @@ def predict_cmd(
     top_k: int = typer.Option(3, help="classes (with their probabilities) per row of the CSV"),
     device: str = typer.Option("auto", help="auto | cpu | cuda (the encoder's forward)"),
     batch_size: Optional[int] = typer.Option(None, help="images per forward \\[the store's extraction batch size]"),
+    reject: Optional[float] = typer.Option(None, "--reject", help=REJECT_HELP),
+    reject_rate: Optional[float] = typer.Option(None, "--reject-rate", help=REJECT_RATE_HELP),
+    score: Optional[str] = typer.Option(None, "--score", help=SCORE_HELP),
 ):
     """Classify images (encoded with the model's own encoder) or a store's features with a run's model: a CSV of
-    the top-k classes and probabilities; accuracy and a confusion matrix when the labels are known."""
+    the top-k classes and probabilities; accuracy and a confusion matrix when the labels are known; --reject or
+    --reject-rate labels open-set inputs 'unknown'."""
     if (images is None) == (features is None):
         raise FedheadError(
             "Give exactly one of --images (image files or folders) and --features (a store). Got "
@@ -137,8 +182,19 @@ def predict_cmd(
     validate("--split", split, OneOf(("train", "test")))
     if batch_size is not None:
         validate("--batch-size", batch_size, Interval(1, None, integer=True))
+    if reject is not None and reject_rate is not None:
+        raise FedheadError(
+            f"Give at most one of --reject (a threshold; got {reject!r}) and --reject-rate (a fraction of the "
+            f"validation part; got {reject_rate!r}), not both."
+        )
+    if reject_rate is not None:
+        validate("--reject-rate", reject_rate, Interval(0, 1, closed="left"))
+    if score is not None:
+        score_kind(score)
     check_out(out)
     m = load_model(model, seed, client=client)
+    kind = score or m.default_score
+    threshold = _threshold(m, kind, reject, reject_rate)
     if isinstance(m, FinetunedModel):
         if features is not None:
             raise param_error("--features", str(features), "applies to a head's model (a store of frozen features)",
@@ -146,13 +202,18 @@ def predict_cmd(
         sources = list_images(images)
         labels = image_labels(sources, list(m.classes_))
         logits = m.to(resolve_device(device)).logits(sources, batch_size=batch_size, progress=True)
+        unknown = unknown_scores(kind, logits, None, {}).numpy()
     else:
         if images:
             sources, labels, x = predict_images(m, images, device=resolve_device(device), batch_size=batch_size)
         else:
             sources, labels, x = _from_store(m, features, split)
-        logits = m.logits(x)
-    header, rows, pred = _rows(m, sources, labels, logits, min(top_k, len(m.classes_)))
+        logits, unknown = m.scores(x, kind)
+        unknown = unknown.numpy()
+    asked = score is not None or threshold is not None
+    rejected = unknown > threshold if threshold is not None else None
+    header, rows, pred = _rows(m, sources, labels, logits, min(top_k, len(m.classes_)), unknown if asked else None,
+                               rejected)  # fmt: skip
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(header)
@@ -165,6 +226,8 @@ def predict_cmd(
         correct = int((pred == labels).sum())
         con.print(f"accuracy {correct / len(rows):.4f} ({correct} of {len(rows)})")
         con.print(_confusion(labels, pred, list(m.classes_)))
+    if rejected is not None:
+        _report_rejection(con, labels, pred, rejected, threshold, kind)
     con.print(f"predictions in {out}")
 
 

@@ -85,6 +85,7 @@ ENCODERS = "bench encoders " + GRID + " --partition shard-1"
 NOISE = "bench noise " + GRID + " --head ova2 --sym-rates 0.3 --asym-rates ''"
 PARTICIPATION = "bench participation " + GRID + " --rates 0.5"
 GEOMETRY = "bench geometry --features {store} --quick --samples-per-class 5 --out {out}"
+OPENSET = "bench openset --features {store} --seeds 0 --clients 4 --rounds 1 --out {out}"
 SPEED = "bench speed --quick --no-extraction --rounds 1 --loop-rounds 0 --out {out}.json"
 BENCH_EXTRACT = (
     "bench extract --dataset imagefolder --data-dir {imgs} --encoder test_efficientnet --image-size 32 "
@@ -491,6 +492,12 @@ CASES = [
     Case(GEOMETRY, "--features {labels}", "outside"),
     Case(GEOMETRY, "--out {file}", "'--out'"),
     Case(GEOMETRY, "--out {under_file}", "'--out'"),
+    Case(OPENSET, "--known-fraction 1", "'--known-fraction'"),
+    Case(OPENSET, "--known-fraction 0.01", "'--known-fraction'", name="--known-fraction leaving no known class"),
+    Case(OPENSET, "--heads nope", "'--heads'"),
+    Case(OPENSET, "--partitions natural", "'--partitions'"),
+    Case(OPENSET, "--clients 0", "'--clients'"),
+    Case(OPENSET, "--out {file}", "'--out'"),
     # ---- bench speed (measurement stand-in)
     Case(SPEED, "--rounds 0", "'--rounds'"),
     Case(SPEED, "--loop-rounds -1", "'--loop-rounds'"),
@@ -915,6 +922,7 @@ def test_the_matrix_covers_every_command():
         "bench noise",
         "bench participation",
         "bench geometry",
+        "bench openset",
         "bench speed",
         "bench extract",
         "bench flower",

@@ -77,6 +77,9 @@ def test_update_equals_a_run_on_the_union_and_forget_equals_a_run_without(stores
     train(stores["U"], tmp_path / "u", head, keep_statistics=True, partition="iid", clients=4)
     same_stats(kept(a), kept(tmp_path / "u"))  # update(A, B) = a run on A and B, to float64 rounding
     np.testing.assert_allclose(scores(a, stores["U"]), scores(tmp_path / "u", stores["U"]), rtol=1e-5, atol=1e-5)
+    x = load_store(stores["U"]).test_x  # the open-set score (lda: Mahalanobis from the new sums) follows the update
+    np.testing.assert_allclose(load_model(a).unknown_score(x), load_model(tmp_path / "u").unknown_score(x), rtol=1e-5,
+                               atol=1e-5)  # fmt: skip
     # forget(A+B, B) = the run on A alone: B's clients got ids 5, 6, 7
     versions.forget_model(a, "5,6,7", stores["B"])
     train(stores["A"], tmp_path / "a-only", head, keep_statistics=True)

@@ -489,6 +489,12 @@ class ClosedFormHead(Head):
         """``theta [C, D+1]`` (float64) on raw features with a trailing 1."""
         raise NotImplementedError
 
+    def openset_statistics(self, acc: StatsAccumulator) -> dict:
+        """What the head's open-set score needs beyond its logits (:mod:`fedhead.core.openset`), from the same
+        summed statistics, on raw features: ``{name: tensor}`` of :data:`fedhead.core.openset.OPENSET_TENSORS`
+        (none: the score reads the logits alone)."""
+        return {}
+
     def solve_central(self, x: torch.Tensor, y: torch.Tensor, num_classes: int) -> torch.Tensor:
         """The same solve on the pooled training set held by one party (the head's centralised reference)."""
         kw = self.message_kwargs(x.shape[1])
@@ -539,6 +545,7 @@ class NCMHead(ClosedFormHead):
     """FedNCM: L2-normalised class means from per-class sums and counts; cosine scoring (closed form)."""
 
     log_scores = False  # regression scores / cosines: no log prior can be added (--personalize prior)
+    unknown_score = "max_logit"  # open-set: the largest score is no log-probability
 
     def solve(self, acc):
         mu, held = _means(acc)
@@ -563,6 +570,7 @@ class RidgeHead(ClosedFormHead):
     """Fed3R: ridge regression on one-hot targets from the clients' Phi^T Phi and Phi^T Y (closed form)."""
 
     log_scores = False  # regression scores / cosines: no log prior can be added (--personalize prior)
+    unknown_score = "max_logit"  # open-set: the largest score is no log-probability
 
     needs_gram = True
     init_scale = 10.0  # measured: ridge's start is too flat for softmax fine-tuning at 1 (docs "Baselines")
@@ -595,6 +603,7 @@ class COFHead(ClosedFormHead):
     """FedCOF: class covariances estimated from the spread of client class means; ridge-like solve (closed form)."""
 
     log_scores = False  # regression scores / cosines: no log prior can be added (--personalize prior)
+    unknown_score = "max_logit"  # open-set: the largest score is no log-probability
 
     needs_client_means = True
     # FedCOF's class weights a_c = (N_c - 1) / max(1, K_c - 1) depend on the totals, so the kept spread cannot take a
@@ -654,8 +663,10 @@ class LDAHead(ClosedFormHead):
     """Shared-covariance Gaussian classifier (LDA) from class sums, counts and the pooled second moment (closed form)."""
 
     needs_gram = True
+    unknown_score = "mahalanobis"  # open-set: the distance to the nearest class mean (fedhead.core.openset)
 
-    def solve(self, acc):
+    def _gaussians(self, acc) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The class means ``[C, D]``, the shrunk shared covariance ``[D, D]`` and the held mask ``[C]``."""
         D = acc.D
         mu, held = _means(acc)
         n = acc.counts
@@ -665,12 +676,28 @@ class LDAHead(ClosedFormHead):
         if acc.noisy:  # DP noise can make the estimate indefinite: project it (post-processing)
             within = psd_part(within)
         shrink = float(self.params["lda_shrinkage"]) * float(torch.trace(within)) / D
-        sigma = within + shrink * torch.eye(D, dtype=F64)
+        return mu, within + shrink * torch.eye(D, dtype=F64), held
+
+    def solve(self, acc):
+        mu, sigma, held = self._gaussians(acc)
+        n = acc.counts
+        N = float(n.sum())
         w = _spd_solve(sigma, mu.T, "--lda-shrinkage", "Raise it, e.g. --lda-shrinkage 0.01.").T.contiguous()
         bias = -0.5 * (w * mu).sum(1) + torch.log(n.clamp_min(1.0) / max(N, 1.0))
         w[~held] = 0.0
         bias[~held] = 0.0
         return torch.cat([w, bias[:, None]], 1)
+
+    def openset_statistics(self, acc) -> dict:
+        """The class means, the precision ``Sigma^-1`` of the same solve and the class counts (raw features): what
+        the Mahalanobis score needs, from the statistics the server already summed; none under ``--stats-sketch``
+        (the solve's space is the sketch's)."""
+        if int(self.params.get("stats_sketch", 0) or 0):
+            return {}
+        mu, sigma, _ = self._gaussians(acc)
+        eye = torch.eye(acc.D, dtype=F64)
+        prec = _spd_solve(sigma, eye, "--lda-shrinkage", "Raise it, e.g. --lda-shrinkage 0.01.")
+        return {"class_means": mu, "precision": (prec + prec.T) / 2, "class_counts": acc.counts.clone()}
 
 
 def is_closed_form(name: str) -> bool:

@@ -40,6 +40,9 @@ class Head:
     # how a saved model (fedhead.federation.model) turns logits into class probabilities: "softmax", or
     # "sigmoid" (one-vs-all: each class's sigmoid, normalised to sum to 1 as scikit-learn's OneVsRestClassifier)
     probabilities = "softmax"
+    # the open-set score a saved model reports by default (fedhead.core.openset.SCORES; None: "max_sigmoid" for a
+    # one-vs-all head, "energy" otherwise)
+    unknown_score: str | None = None
 
     def __init__(self, **params):
         self.params = params

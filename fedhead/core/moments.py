@@ -86,6 +86,7 @@ class QDAHead(ClosedFormHead):
     needs_second = True
     init_capable = False
     linear = False
+    unknown_score = "neg_loglik"  # open-set: the largest class log-likelihood, its prior taken out
 
     def solve(self, acc):
         lam, gam = float(self.params["qda_lambda"]), float(self.params["qda_gamma"])
@@ -114,6 +115,10 @@ class QDAHead(ClosedFormHead):
             theta[c, D, :D] = 0.5 * pm
             theta[c, D, D] = -0.5 * float(mu[c] @ pm) - 0.5 * logdet + math.log(float(n[c]) / N)
         return theta
+
+    def openset_statistics(self, acc):
+        """The class counts (the prior the ``neg_loglik`` score takes out of the scores)."""
+        return {"class_counts": acc.counts.clone()}
 
     def logits(self, theta, x):
         z = x.to(F64)
@@ -193,6 +198,7 @@ class RidgeRFHead(ClosedFormHead):
     """Fed3R's ridge on seeded random ReLU features of the raw features (closed form; not linear in x)."""
 
     log_scores = False  # regression scores / cosines: no log prior can be added (--personalize prior)
+    unknown_score = "max_logit"  # open-set: the largest score is no log-probability
 
     needs_gram = True
     init_capable = False

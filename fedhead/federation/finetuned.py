@@ -31,6 +31,7 @@ import numpy as np
 
 from extract import datasets as D
 from extract.encoders import Encoder, load_encoder, preprocess_batch, registry_weights
+from fedhead.core.openset import unknown_scores
 from fedhead.infra.console import make_progress
 from fedhead.infra.devices import check_budget
 from fedhead.infra.errors import FedheadError, is_count, param_error, shown
@@ -237,6 +238,11 @@ class FinetunedModel:
 
     probabilities = "softmax"  # how the logits become probabilities (as a head model's card says)
     client = None  # a fine-tuned model is the federation's global one, never a client's personal model
+    # open-set (fedhead.core.openset): its classifier is a softmax linear layer, so the logit scores apply, energy by
+    # default; it keeps no statistics and no validation quantiles (--reject-rate is refused, --reject works)
+    default_score = "energy"
+    openset: dict = {}
+    openset_tensors: dict = {}
 
     def __init__(self, card: dict, path: Path, net, encoder: Encoder):
         self.card, self.path, self.net = card, path, net
@@ -279,6 +285,11 @@ class FinetunedModel:
                     out.append(self.net(x).float().cpu())
                     prog.update(task, advance=len(out[-1]))
         return torch.cat(out) if out else torch.zeros((0, len(self.classes_)), dtype=torch.float32)
+
+    def unknown_score(self, X, kind: str | None = None) -> np.ndarray:
+        """The open-set score ``[N]`` of images ``X`` (:mod:`fedhead.core.openset`; higher: more unknown), ``kind``
+        one of the logit scores (default :attr:`default_score`)."""
+        return unknown_scores(kind or self.default_score, self.logits(X), None, {}).numpy()
 
     def predict_proba(self, X) -> np.ndarray:
         """Class probabilities ``[N, C]``: the softmax of the logits (the loss the run trained with)."""

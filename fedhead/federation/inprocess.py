@@ -102,6 +102,9 @@ class InProcessTransport(Transport):
             self.val = (self.x.index_select(0, idx), self.labels.index_select(0, idx))
         return Census(fed.stats, fed.realised_noise, fed.counts.sum(1), fed.counts)
 
+    def validation_part(self) -> tuple | None:
+        return self.val
+
     def validate(self, theta: torch.Tensor, scorer=None) -> dict | None:
         if self.val is None:
             return None

@@ -39,6 +39,8 @@ from fedhead.core.dp import enabled as dp_enabled
 from fedhead.core.dp import epsilon_schedule
 from fedhead.core.engine import evaluate as overall_accuracy
 from fedhead.core.heads import HEADS, create_head
+from fedhead.core.openset import default_score, validation_card
+from fedhead.core.openset import to_prepared as openset_prepared
 from fedhead.core.personal import (
     PERSONAL_FIELDS,
     balanced_test_set,
@@ -189,6 +191,7 @@ class HeadJob(Job):
         self.stats = census.stats
         self.xt = prepare(self.store.test_x, census.stats, self.device)
         self.chosen: dict = {}  # --select-on-val: the grid point this unit's validation chose
+        self.openset: dict = {}  # the solved closed-form head's open-set statistics (raw features; lda, qda)
         C, D1 = self.store.info.num_classes, self.store.test_x.shape[1] + 1
         scaffold = self.transport.scaffold_state((C, D1), self.device) if cfg.scaffold else None
         residuals = self.transport.residual_state((C, D1), self.device) if keeps_residuals(cfg) else None
@@ -207,6 +210,7 @@ class HeadJob(Job):
         self.sim_now = float(clock.get("now", 0.0))
         if self.asyncs is not None and clock.get("async") is not None:
             self.asyncs.load_state_dict(clock["async"], self.device)
+        self.openset = dict(saved.get("openset") or {})  # a resumed closed-form unit: its solve's statistics
         self.server.load_state_dict(saved.get("server", {}), self.device)
         self.transport.load_unit_state(saved.get("transport", {}))
         done = int(saved["round"])
@@ -278,6 +282,8 @@ class HeadJob(Job):
         ex = self.transport.statistics(sel, self.solver, seed)
         t0 = time.perf_counter()
         self.theta = solve_statistics(self.solver, ex.acc, self.cfg, self.stats, self.device, seed=seed)
+        if is_closed_form(self.cfg.head):
+            self.openset = self.solver.openset_statistics(ex.acc)
         chosen = self._select_on_val(ex.acc) if is_closed_form(self.cfg.head) else {}
         if self.personal is not None and self.personal.needs_statistics:
             self.global_acc = ex.acc  # with DP: the noisy sums, as the server solved them
@@ -311,10 +317,11 @@ class HeadJob(Job):
                 return {}
             score = val["val_accuracy"]
             if best is None or score > best[0]:
-                best = (score, values, theta, scorer)
+                best = (score, values, theta, scorer, head)
         if best is None:  # no grid
             return {}
-        _, values, self.theta, self.scorer = best
+        _, values, self.theta, self.scorer, head = best
+        self.openset = head.openset_statistics(acc)
         self.chosen = dict(values)
         return {"selected_params": " ".join(f"{k}={v:g}" for k, v in values.items())}
 
@@ -368,7 +375,8 @@ class HeadJob(Job):
     def unit_state(self) -> dict:
         clock = {"now": self.sim_now, "async": self.asyncs.state_dict() if self.asyncs is not None else None}
         return {"theta": self.theta.detach().cpu().clone(), "server": self.server.state_dict(),
-                "census": _stats_state(self.stats), "transport": self.transport.unit_state(), "clock": clock}  # fmt: skip
+                "census": _stats_state(self.stats), "transport": self.transport.unit_state(), "clock": clock,
+                "openset": dict(self.openset)}  # fmt: skip
 
     def progress_info(self, row: dict) -> str:
         return f"acc {row['accuracy']:.4f}" if not math.isnan(row["accuracy"]) else ""
@@ -434,7 +442,7 @@ class HeadJob(Job):
                 self.central[str(seed)] = found
         correct = int(round(evaluate(self.theta, self.xt, self.y_test, head=self.scorer) * len(self.y_test)))
         kept = {"head": self.theta.detach().cpu().clone(), "stats": _stats_state(self.stats), "correct": correct,
-                "members": members(cfg, seed, self.rounds)}  # fmt: skip
+                "members": members(cfg, seed, self.rounds), "openset": self._openset()}  # fmt: skip
         if cfg.keep_statistics:
             kept["statistics"] = self._kept_statistics(seed)
         if self.personal is not None and name == "main" and self.local is not None:
@@ -453,6 +461,21 @@ class HeadJob(Job):
             self._select_on_val(acc)  # the same choice as before (self.chosen)
         params = {**self.cfg.head_params, **self.chosen}
         return {"tensors": acc.tensors(), "clients": int(acc.clients), "head_params": params}
+
+    def _openset(self) -> dict:
+        """The model's open-set part (:mod:`fedhead.core.openset`): the solved head's statistics mapped to the
+        prepared features (``tensors``) and, where the transport holds a validation part, the card's entry with the
+        validation quantiles of every score the model can compute (``card``)."""
+        tensors = openset_prepared(self.openset, self.stats.mean, self.stats.scale) if self.openset else {}
+        out: dict = {"tensors": tensors}
+        val = self.transport.validation_part()
+        if val is not None and self.cfg.head in HEADS:
+            x = val[0].to("cpu")
+            theta = self.theta.detach().to("cpu")
+            with torch.no_grad():
+                logits = self.scorer.logits(theta, x) if self.scorer is not None else x @ theta.T.to(x.dtype)
+            out["card"] = validation_card(default_score(HEADS[self.cfg.head].cls), logits, x[:, :-1], tensors)
+        return out
 
     def _personalize(self, seed: int) -> tuple[dict, dict, dict]:
         """``--personalize``: every client's personal head from the final global head, scored on its local test set
@@ -558,7 +581,7 @@ class HeadJob(Job):
                 with writing(run, card):
                     extra = first_version(run.path, (seed, name), self.cfg, self.store, d, metrics)
                     write_model(run.path, (seed, name), d["head"], _stats_of(d["stats"]), self.cfg, self.store, metrics,
-                                extra=extra)  # fmt: skip
+                                openset=d.get("openset"), extra=extra)  # fmt: skip
         if self.client_rows:  # none with secure aggregation: the server never sees a client's counts
             with writing(run, run.path / "clients.csv"):
                 rundir.write_clients_per_seed(run.path, self.client_rows)

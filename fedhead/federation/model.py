@@ -38,6 +38,14 @@ from extract.encoders import Encoder, load_encoder, preprocess_batch, registry_w
 from extract.store import Features, StoreInfo, store_content_hash
 from fedhead import __version__
 from fedhead.core.heads import HEADS, create_head, resolve_head_params
+from fedhead.core.openset import (
+    OPENSET_TENSORS,
+    SCORES,
+    check_quantiles,
+    default_score,
+    threshold_for_rate,
+    unknown_scores,
+)
 from fedhead.federation.clients import FeatureStats, prepare
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.finetuned import MODEL_FORMAT as FINETUNED_FORMAT
@@ -53,7 +61,7 @@ torch = lazy_module("torch")
 MODEL_FORMAT = "fedhead-model"
 MODEL_FORMAT_VERSION = 1
 MAX_CARD_BYTES = 16 << 20  # a card is a few kB (tens of MB would be a million class names)
-TENSORS = ("weight", "bias", "feature_mean", "quadratic", "logit_shift")
+TENSORS = ("weight", "bias", "feature_mean", "quadratic", "logit_shift", *OPENSET_TENSORS)
 STORE_KEYS = ("encoder", "encoder_family", "weights_source", "weights_sha256", "preprocessing", "image_size",
               "precision", "batch_size", "cpu_threads", "dataset", "dataset_loader")  # fmt: skip
 
@@ -68,6 +76,15 @@ def model_stem(seed: int, name: str = "main", client: int | None = None) -> str:
 
 GLOBAL_CARD = re.compile(r"model-seed(\d+)(-iid)?\.json")  # a run's global models' cards (not a client's)
 CLIENT_CARD = re.compile(r"model-seed(\d+)-client(\d+)\.json")  # client K's personal model (--personal-models)
+
+
+def head_default_score(head: str, probabilities: str = "softmax") -> str:
+    """The open-set score a model of ``head`` reports by default (:func:`fedhead.core.openset.default_score`); a head
+    this fedhead does not know: by its probabilities."""
+    spec = HEADS.get(head)
+    if spec is not None:
+        return default_score(spec.cls)
+    return "max_sigmoid" if probabilities == "sigmoid" else "energy"
 
 
 def probability_kind(head: str) -> str:
@@ -95,7 +112,8 @@ def _store_card(store: Features) -> dict:
 
 def write_model(run_dir: Path, unit: tuple, theta: torch.Tensor, stats: FeatureStats, cfg: TrainConfig,
                 store: Features, metrics: dict, client: int | None = None, personal: dict | None = None,
-                shift: torch.Tensor | None = None, extra: dict | None = None) -> Path:  # fmt: skip
+                shift: torch.Tensor | None = None, openset: dict | None = None,
+                extra: dict | None = None) -> Path:  # fmt: skip
     """Write ``model-seed<S>[-iid].safetensors`` and its card ``.json`` (both atomically, the card last) for the
     head ``theta [C, D+1]`` the run evaluated on features prepared with ``stats``; returns the card's path.
 
@@ -103,12 +121,16 @@ def write_model(run_dir: Path, unit: tuple, theta: torch.Tensor, stats: FeatureS
     also says ``client``, ``personalize`` (the method) and ``personal`` (its parameters, the closed-form beta);
     ``metrics`` are then its scores on the client's local test set. ``shift`` [C]: a log-prior added to the scores
     of a head that is not linear in the features (``--personalize prior`` on qda; a linear head's is in its bias).
-    ``extra``: more keys of the card (``statistics``, ``versions``: :mod:`fedhead.federation.versions`)."""
-
+    ``openset``: the open-set part (:mod:`fedhead.core.openset`): ``tensors`` (lda's class means, precision and class
+    counts, qda's class counts; float64, prepared features) and ``card`` (the default score and the validation
+    quantiles, the card's ``openset``). ``extra``: more keys of the card (``statistics``, ``versions``:
+    :mod:`fedhead.federation.versions`)."""
     seed, name = unit
     stem = Path(run_dir) / model_stem(seed, name, client)
+    openset = openset or {}
+    tensors = head_tensors(theta, stats.mean, shift, openset.get("tensors"))
     weights = stem.with_suffix(".safetensors")
-    sha = write_weights(weights, head_tensors(theta, stats.mean, shift), stem.name + ".json")
+    sha = write_weights(weights, tensors, stem.name + ".json")
     card = {
         "format": MODEL_FORMAT,
         "format_version": MODEL_FORMAT_VERSION,
@@ -141,6 +163,7 @@ def write_model(run_dir: Path, unit: tuple, theta: torch.Tensor, stats: FeatureS
             "rounds": cfg.rounds,
         },  # fmt: skip
         "metrics": metrics,
+        "openset": openset.get("card") or {"score": head_default_score(cfg.head, probability_kind(cfg.head))},
         **(extra or {}),
     }
     if client is not None:
@@ -152,9 +175,11 @@ def write_model(run_dir: Path, unit: tuple, theta: torch.Tensor, stats: FeatureS
     return path
 
 
-def head_tensors(theta: torch.Tensor, mean: np.ndarray | None, shift: torch.Tensor | None = None) -> dict:
+def head_tensors(theta: torch.Tensor, mean: np.ndarray | None, shift: torch.Tensor | None = None,
+                 openset: dict | None = None) -> dict:  # fmt: skip
     """The weights file's tensors of the head ``theta`` (:func:`write_model`): ``weight``/``bias`` float32, or a
-    quadratic head's ``quadratic`` float64; ``feature_mean`` where the run centred; ``logit_shift`` where given."""
+    quadratic head's ``quadratic`` float64; ``feature_mean`` where the run centred; ``logit_shift`` where given; the
+    open-set tensors ``openset`` (float64)."""
     if theta.ndim == 3:  # qda: one quadratic form [D+1, D+1] per class, float64
         tensors = {"quadratic": theta.detach().to("cpu", torch.float64).contiguous()}
     else:  # ridge-rf: weight [C, F] on the random features the card's head parameters draw again
@@ -164,6 +189,8 @@ def head_tensors(theta: torch.Tensor, mean: np.ndarray | None, shift: torch.Tens
         tensors["feature_mean"] = torch.as_tensor(mean, dtype=torch.float32).contiguous()
     if shift is not None:
         tensors["logit_shift"] = torch.as_tensor(shift).detach().to("cpu", torch.float32).contiguous()
+    for k, v in (openset or {}).items():
+        tensors[k] = v.detach().to("cpu", torch.float64).contiguous()
     return tensors
 
 
@@ -355,6 +382,12 @@ class Model:
         self.client = card.get("client")
         shift = tensors.get("logit_shift")
         self.shift = None if shift is None else shift.float()
+        # open-set (fedhead.core.openset): the statistics the Gaussian scores read, the card's entry (its default
+        # score and the validation quantiles; a card of an earlier fedhead has none: the head's default score)
+        self.openset_tensors = {k: tensors[k].double() for k in OPENSET_TENSORS if k in tensors}
+        self.openset = dict(card.get("openset") or {})
+        self.default_score = str(self.openset.get("score") or head_default_score(card["head"]["kind"],
+                                                                                 self.probabilities))  # fmt: skip
 
     # ---- features
 
@@ -468,11 +501,36 @@ class Model:
     def logits(self, x: np.ndarray) -> torch.Tensor:
         """Logits ``[N, C]`` of raw store features ``x [N, D]``: the head on the prepared features (a head that is
         not linear in the features, ``qda`` or ``ridge-rf``, through its registered scores)."""
+        return self._logits(self.prepared(x))
+
+    def _logits(self, z: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            z = self.prepared(x)
             out = z @ self.theta.T if self.head is None else self.head.logits(self.theta, z)
             # a personal qda head's log-prior shift, added to the scores in float32 as personalisation scored it
             return out if self.shift is None else out.float() + self.shift
+
+    def scores(self, x: np.ndarray, kind: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits ``[N, C]`` and the open-set score ``kind`` ``[N]`` (float64; default :attr:`default_score`)
+        of raw store features ``x [N, D]``, from one preparation."""
+        z = self.prepared(x)
+        logits = self._logits(z)
+        return logits, unknown_scores(kind or self.default_score, logits, z[:, :-1], self.openset_tensors)
+
+    def unknown_score(self, X, kind: str | None = None) -> np.ndarray:
+        """The open-set score ``[N]`` of ``X`` (features or images, as :meth:`predict`): higher is more unknown
+        (:mod:`fedhead.core.openset`; ``kind`` one of its scores, default the card's)."""
+        return self.scores(self.features(X), kind)[1].numpy()
+
+    def reject_threshold(self, rate: float, kind: str | None = None) -> float:
+        """The threshold of the score ``kind`` above which a fraction ``rate`` of the run's validation part (known
+        classes) lies, from the card's validation quantiles (resolution 1%); one line when the card has none."""
+        kind = kind or self.default_score
+        q = (self.openset.get("validation_quantiles") or {}).get(kind)
+        if q is None:
+            raise param_error("--reject-rate", rate, f"needs the validation quantiles of the {kind!r} score in the "
+                              f"model card, which {str(self.path)!r} does not hold (a run without a validation part, "
+                              "or written before fedhead kept them)", "Give a threshold with --reject instead.")  # fmt: skip
+        return threshold_for_rate(q, rate)
 
     def predict_proba(self, X) -> np.ndarray:
         """Class probabilities ``[N, C]`` (columns in the order of ``classes_``; see :func:`probabilities`)."""
@@ -627,7 +685,23 @@ def check_card(card: dict, tensors: dict, card_path: Path) -> None:
         raise _bad_card(card_path, f"'client' is a client id >= 0 (it has {shown(card['client'])})")
     if card.get("personal") is not None and not isinstance(card["personal"], dict):
         raise _bad_card(card_path, f"'personal' is an object (it is {type(card['personal']).__name__})")
+    _check_openset(card, card_path)
     _check_weights(card, tensors, card_path)
+
+
+def _check_openset(card: dict, card_path: Path) -> None:
+    """The card's ``openset`` entry (absent in a card of an earlier fedhead): a known score and, per known score, the
+    validation quantiles (:data:`fedhead.core.openset.QUANTILES` finite, non-decreasing numbers)."""
+    o = card.get("openset")
+    if o is None:
+        return
+    if not isinstance(o, dict) or o.get("score") not in SCORES:
+        raise _bad_card(card_path, f"'openset' is an object whose 'score' is one of {', '.join(SCORES)}")
+    q = o.get("validation_quantiles", {})
+    if not isinstance(q, dict) or not all(k in SCORES and check_quantiles(v) for k, v in q.items()):
+        raise _bad_card(card_path, "openset's validation_quantiles map scores to 101 finite non-decreasing numbers")
+    if o.get("validation_samples") is not None and not is_count(o["validation_samples"], 1 << 40, 0):
+        raise _bad_card(card_path, f"openset's validation_samples is a count (it has {shown(o['validation_samples'])})")
 
 
 def _check_weights(card: dict, tensors: dict, card_path: Path) -> None:
@@ -655,6 +729,9 @@ def _check_weights(card: dict, tensors: dict, card_path: Path) -> None:
         want["feature_mean"] = (d,)
     if "logit_shift" in tensors and not linear:  # a personal qda head's prior (a linear head's is in its bias)
         want["logit_shift"] = (c,)
+    for k, shape in (("class_means", (c, d)), ("precision", (d, d)), ("class_counts", (c,))):  # open-set statistics
+        if k in tensors:
+            want[k] = shape
     if shapes != want:
         expect = ", ".join(f"{k} {list(v)}" for k, v in want.items())
         got = ", ".join(f"{k} {list(v)}" for k, v in shapes.items())
@@ -666,6 +743,8 @@ def _check_weights(card: dict, tensors: dict, card_path: Path) -> None:
     for k, v in tensors.items():
         if not bool(torch.isfinite(v).all()):
             raise _bad_card(card_path, f"weights are finite ({k} holds NaN or inf)")
+    if "class_counts" in tensors and bool((tensors["class_counts"] < 0).any()):
+        raise _bad_card(card_path, "class_counts are >= 0")
 
 
 # ---------------------------------------------------------------- the card's encoder and images

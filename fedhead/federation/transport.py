@@ -116,6 +116,11 @@ class Transport:
         report validation yet). ``scorer``: a head not linear in the features."""
         return None
 
+    def validation_part(self) -> tuple | None:
+        """The pooled validation parts ``(x [N, D+1] prepared, labels [N])`` where the server holds them (the
+        in-process transport; the open-set quantiles of a model card come from them), else None."""
+        return None
+
     def personalize(self, method, theta: torch.Tensor, scorer, seed: int, rnd: int, test, statistics=None,
                     solver=None, progress=None):  # fmt: skip
         """Every client's personal head by ``method`` (:mod:`fedhead.core.personal`) from the global ``theta``,

@@ -351,7 +351,7 @@ def _client_statistics(store: Features, cfg: TrainConfig, seed: int, clients: li
                       cof=False, **head.message_kwargs(x.shape[1]))  # fmt: skip
 
 
-def _commit(op: Opened, theta, acc: StatsAccumulator, entry: dict, store: Features | None) -> Change:
+def _commit(op: Opened, theta, acc: StatsAccumulator, entry: dict, head) -> Change:
     """Write the next version (statistics, weights, head file, then the card) and remove the previous one's files."""
     run_dir, version = op.card_path.parent, int(op.card["versions"][-1].get("version", 1)) + 1
     old = [op.card.get("weights_file"), op.card["statistics"].get("file")]
@@ -359,8 +359,10 @@ def _commit(op: Opened, theta, acc: StatsAccumulator, entry: dict, store: Featur
     tensors = acc.tensors()
     sha_s = write_statistics(run_dir / stats_file, tensors)
     wfile = weights_name(op.seed, op.name, version)
-    mean = None  # a closed-form head acts on raw features: no centring (config.check_method)
-    sha_w = write_weights(run_dir / wfile, head_tensors(theta, mean), op.card_path.name)
+    # a closed-form head acts on raw features (no centring: config.check_method); its open-set statistics (lda's
+    # class means and precision, qda's counts) come from the same new sums
+    extra = {k: v for k, v in head.openset_statistics(acc).items()} if hasattr(head, "openset_statistics") else {}
+    sha_w = write_weights(run_dir / wfile, head_tensors(theta, None, None, extra or None), op.card_path.name)
     head_file = run_dir / f"head-seed{op.seed}{'' if op.name == 'main' else '-iid'}.pt"
     if head_file.exists():  # the run's own copy of the head: the new one (never the old head beside the new card)
         atomic_torch_save(theta.detach().cpu().clone(), head_file)
@@ -371,6 +373,9 @@ def _commit(op: Opened, theta, acc: StatsAccumulator, entry: dict, store: Featur
                                          op.card["statistics"].get("head_params", {}))  # fmt: skip
     entry.update(version=version, weights_sha256=sha_w, statistics_sha256=sha_s)
     card["versions"] = list(op.card["versions"]) + [entry]
+    if isinstance(card.get("openset"), dict) and "validation_quantiles" in card["openset"]:
+        # the quantiles were the old head's scores on the run's validation part: --reject-rate has none to read now
+        card["openset"] = {"score": card["openset"].get("score"), "validation_quantiles_dropped_at": version}
     if entry.get("test_accuracy") is not None and isinstance(card.get("metrics"), dict):
         card["metrics"] = {**card["metrics"], "test_accuracy": entry["test_accuracy"], "test_store": entry.get("store")}
     atomic_write_json(op.card_path, portable_card(card))
@@ -425,7 +430,7 @@ def update_model(model: str | os.PathLike, features: str | os.PathLike, *, seed:
                           config=_config_record(ucfg, store))  # fmt: skip
     entry["test_accuracy"] = _test_accuracy(theta, head, store)
     entry["seconds"] = time.perf_counter() - t0
-    return _commit(op, theta, acc, entry, store)
+    return _commit(op, theta, acc, entry, head)
 
 
 def update_config(cfg: TrainConfig, features, seed: int, partition: dict) -> TrainConfig:
@@ -492,7 +497,7 @@ def forget_model(model: str | os.PathLike, clients, features: str | os.PathLike 
         entry["test_accuracy"] = _test_accuracy(theta, head, store)
         entry["store"] = PurePath(str(store.info.path)).name
     entry["seconds"] = time.perf_counter() - t0
-    return _commit(op, theta, acc, entry, store)
+    return _commit(op, theta, acc, entry, head)
 
 
 def ids_text(ids) -> str:
