@@ -93,7 +93,8 @@ def probability_kind(head: str) -> str:
     return getattr(spec.cls, "probabilities", "softmax") if spec is not None else "softmax"
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The sha256 of a file, read in blocks (a card records its weights' and its statistics')."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -200,7 +201,7 @@ def write_weights(path: Path, tensors: dict, card_name: str) -> str:
 
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={"format": MODEL_FORMAT, "card": card_name})
-        return _sha256_file(tmp)
+        return sha256_file(tmp)
 
 
 def portable_card(card: dict) -> dict:
@@ -622,7 +623,7 @@ def load_model(path: str | os.PathLike, seed: int | None = None, client: int | N
         raise param_error("--model", str(card_path), "must be a model card with its weights' weights_file_sha256 "
                           f"(64 hex digits; it has {shown(sha)})", "Use the card a run wrote: fedhead reads no weights "
                           "it cannot check.")  # fmt: skip
-    if _sha256_file(weights) != sha:
+    if sha256_file(weights) != sha:
         raise param_error("--model", str(card_path), f"has a weights file {weights.name!r} that is not the one "
                           "the card was written with (sha256 differs)", "Copy the pair of files together.")  # fmt: skip
     check_budget(2 * weights.stat().st_size, f"The model's weights file {str(weights)!r}")

@@ -22,7 +22,6 @@ solved with them (head-seed<S>.pt and the checkpoint are replaced or removed too
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import time
@@ -46,6 +45,7 @@ from fedhead.federation.model import (
     model_stem,
     portable_card,
     read_card,
+    sha256_file,
     write_weights,
 )
 from fedhead.federation.rundir import read_csv, write_csv
@@ -116,14 +116,6 @@ def weights_name(seed: int, name: str, version: int) -> str:
     return f"{stem}.safetensors" if version == 1 else f"{stem}-v{int(version)}.safetensors"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_statistics(path: Path, tensors: dict) -> str:
     """The kept sums as a float64 safetensors file, atomically and readable by its owner only; returns its sha256."""
     from safetensors.torch import save_file
@@ -131,7 +123,7 @@ def write_statistics(path: Path, tensors: dict) -> str:
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={"format": STATS_FORMAT})
         os.chmod(tmp, 0o600)  # safetensors writes the file anew: owner-only again before it takes the name
-        return _sha256(tmp)
+        return sha256_file(tmp)
 
 
 def read_statistics(card: dict, card_path: Path) -> StatsAccumulator:
@@ -145,7 +137,7 @@ def read_statistics(card: dict, card_path: Path) -> StatsAccumulator:
     if not path.is_file():
         raise param_error("--model", str(card_path), f"needs its statistics file {path.name!r} beside it",
                           "Copy the run directory whole.")  # fmt: skip
-    if _sha256(path) != st.get("sha256"):
+    if sha256_file(path) != st.get("sha256"):
         raise param_error("--model", str(card_path), f"has a statistics file {path.name!r} that is not the one the "
                           "card was written with (sha256 differs)", "Copy the run directory whole.")  # fmt: skip
     D = st.get("dim")
