@@ -1078,6 +1078,7 @@ DEPLOY_CASES = [
     Case(SUPERNODE, "--state-dir {cert}", "'--state-dir'", name="--state-dir <a file>"),
     Case(SUPERNODE, "--state-dir {cert}/node", "'--state-dir'", name="--state-dir <below a file>"),
     Case(SUPERNODE, "--state-dir {folder} --port 0", "'--port'", name="--state-dir with a bad --port"),
+    Case(SUPERNODE, "--delay -1", "'--delay'"),
 ]
 
 _deploy_ids = [c.id for c in DEPLOY_CASES]
