@@ -380,8 +380,9 @@ def deploy_cmd(
     timeout: float = typer.Option(3600.0, "--timeout", help="give up after this many seconds"),
     out: Path = typer.Option(Path("reports/bench-deploy"), "--out", help="folder: stores, logs, the run, deploy.json"),
 ):
-    """A loopback Flower deployment under churn: N SuperNodes killed and restarted, the server killed and resumed;
-    with --async, synchronous rounds against FedBuff with slow nodes."""
+    """A loopback Flower deployment under churn: N SuperNodes killed and restarted, the server killed and resumed.
+
+    With --async: synchronous rounds against FedBuff on the same nodes, some of them slow, without churn."""
     require_flower()
     validate("--nodes", nodes, Interval(2, None, integer=True))
     validate("--rounds", rounds, Interval(2, None, integer=True))
