@@ -52,9 +52,10 @@ def test_the_report_on_toy_rows():
     assert (rec["sync_wall_seconds"], rec["fedbuff_wall_seconds"]) == (30.0, 16.0)
     assert (rec["sync_seconds_to_target"], rec["fedbuff_seconds_to_target"]) == (30.0, 12.0)
     assert rec["sync_staleness_mean"] == 0.0 and rec["fedbuff_staleness_mean"] == pytest.approx(1.5 * 2 / 8)
+    assert rec["sync_empty_updates"] == 0 and rec["fedbuff_empty_updates"] == 0
     assert rec["sync_round_seconds"] == [10.0, 20.0] and rec["fedbuff_round_seconds"] == [5.0, 4.0, 3.0, 4.0]
-    never = summarize({**results, "sync": {**results["sync"], "rows": _rows([0.5, 0.6], [4, 4])}}, 0.95)
-    assert never["sync_seconds_to_target"] is None
+    never = summarize({**results, "sync": {**results["sync"], "rows": _rows([0.5, 0.6], [4, 0])}}, 0.95)
+    assert never["sync_seconds_to_target"] is None and never["sync_empty_updates"] == 1
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ other, each a fresh SuperLink and fresh node processes:
   update arrives stale and is weighted by FedBuff's ``sqrt`` staleness rule.
 
 Reported per mode (``deploy.json``, flat ``<mode>_`` keys, and a table): server updates, client updates (the work),
+server updates that applied no client update (``empty_updates``: every reply an error; the bench then fails),
 wall seconds from the SuperLink's start to its last server update, seconds to ``--target`` x the best final accuracy
 of the two modes (None: never), the final accuracy, and the mean staleness of the applied client updates (0 for
 synchronous rounds). Wall seconds include each mode's start (nodes connecting, the query): the same in both.
@@ -62,6 +63,7 @@ def summarize(results: dict[str, dict], target: float) -> dict:
             f"{mode}_exit_code": r["code"],
             f"{mode}_server_updates": len(rows),
             f"{mode}_client_updates": sum(int(x.get("clients_trained") or 0) for x in rows),
+            f"{mode}_empty_updates": sum(1 for x in rows if not int(x.get("clients_trained") or 0)),
             f"{mode}_wall_seconds": ends[max(ends)] if ends else None,
             f"{mode}_seconds_to_target": ends.get(hit) if hit is not None else None,
             f"{mode}_final_accuracy": finals[mode],
@@ -78,7 +80,7 @@ def async_table(rec: dict, title: str):
     t.add_column("measure")
     for mode in MODES:
         t.add_column(mode, justify="right")
-    measures = ("server_updates", "client_updates", "wall_seconds", "seconds_to_target", "final_accuracy",
+    measures = ("server_updates", "client_updates", "empty_updates", "wall_seconds", "seconds_to_target", "final_accuracy",
                 "staleness_mean", "exit_code")  # fmt: skip
     for m in measures:
         vals = [rec.get(f"{mode}_{m}") for mode in MODES]

@@ -328,6 +328,13 @@ def _async_run(out: Path, cfg: TrainConfig, stores: list[Path], slow: float, slo
             f"The {mode} deployment did not finish (SuperLink exit code {bad[mode]}); its log is "
             f"{out / mode / 'logs' / 'superlink.log'}."
         )
+    empty = {m: rec[f"{m}_empty_updates"] for m in results if rec[f"{m}_empty_updates"]}
+    if empty:  # e.g. FedBuff pushing to nodes that re-registered under new ids: every reply the SuperLink's error
+        mode = next(iter(empty))
+        raise FedheadError(
+            f"The {mode} run applied {empty[mode]} server update(s) without any client update (every reply an "
+            f"error); the comparison is void. Read {out / mode / 'run' / 'rounds.csv'} (failure_reason) and rerun."
+        )
 
 
 def _check_async(async_: bool, nodes: int, churn, kill_server_at: int, slow, slow_delay: float, buffer, rt: float):
