@@ -81,6 +81,7 @@ SLOW = {
         "tests/test_flower_deploy.py::",
         "tests/test_flower_secure.py::test_secure_aggregation_on_a_loopback_deployment",
         "tests/test_robust_aggregate.py::test_one_lying_node_moves_fedavg_not_the_trimmed_mean_over_flower",
+        "tests/test_deploy_async.py::test_bench_deploy_async_on_three_nodes_one_slow",
     ),
     "Flower runs over in-process grids: SecAgg+, SCAFFOLD / CCVR, the simulation's parity checks": (
         "tests/test_flower_secure.py::",

@@ -534,6 +534,11 @@ CASES = [
     Case(DEPLOY, "--churn 1", "'--churn'"),
     Case(DEPLOY, "--kill-server-at 3", "'--kill-server-at'"),
     Case(DEPLOY, "--round-timeout 0", "'--round-timeout'"),
+    Case(DEPLOY, "--slow 0.5", "'--slow'", name="--slow without --async"),
+    Case(DEPLOY, "--async --churn 0.1", "'--churn'", name="--async with --churn"),
+    Case(DEPLOY, "--async --slow 1", "'--slow'"),
+    Case(DEPLOY, "--async --slow-delay 60 --round-timeout 60", "'--slow-delay'"),
+    Case(DEPLOY, "--async --buffer 4", "'--buffer'"),
     Case(DEPLOY, "--out {full}", "'--out'"),
     Case(DEPLOY, "--out {file}", "'--out'"),
     Case(BENCH_FLOWER, "--out {full}", "'--out'"),
@@ -1086,6 +1091,7 @@ DEPLOY_CASES = [
     Case(SUPERNODE, "--state-dir {cert}", "'--state-dir'", name="--state-dir <a file>"),
     Case(SUPERNODE, "--state-dir {cert}/node", "'--state-dir'", name="--state-dir <below a file>"),
     Case(SUPERNODE, "--state-dir {folder} --port 0", "'--port'", name="--state-dir with a bad --port"),
+    Case(SUPERNODE, "--delay -1", "'--delay'"),
 ]
 
 _deploy_ids = [c.id for c in DEPLOY_CASES]

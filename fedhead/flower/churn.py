@@ -29,6 +29,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import typer
@@ -36,6 +37,7 @@ import typer
 from fedhead.core.synthetic import write_synthetic
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.train import run_training
+from fedhead.flower import asyncdeploy as A
 from fedhead.flower.common import require_flower
 from fedhead.flower.launch import own_app_sha256
 from fedhead.flower.loopback import Deployment, free_ports, session_rss_kb, split_store
@@ -66,6 +68,7 @@ class Churn:
         self.kill_server_at = kill_server_at
         self.rng = np.random.default_rng(seed)
         self.round_timeout = kw["round_timeout"]
+        self.delays = kw.get("delays") or [0.0] * nodes  # node -> its --delay (slow nodes: bench deploy --async)
         env = dict(os.environ, FLWR_HOME=str(out / "flwr-home"), FEDHEAD_NO_PROGRESS="1", FEDHEAD_THREADS="1")
         (out / "logs").mkdir(parents=True, exist_ok=True)
         self.d = Deployment(out / "logs", env)
@@ -82,7 +85,8 @@ class Churn:
     def node_argv(self, i: int) -> list[str]:
         return ["flower", "supernode", "--insecure", "--superlink", f"127.0.0.1:{self.link}", "--features",
                 str(self.stores[i]), "--partition-id", str(i), "--port", str(self.ports[i]), "--device", "cpu",
-                "--app-sha256", self.app]  # fmt: skip
+                "--app-sha256", self.app,
+                *(["--delay", f"{self.delays[i]:g}"] if self.delays[i] > 0 else [])]  # fmt: skip
 
     def link_argv(self, resume: bool) -> list[str]:
         return [
@@ -249,45 +253,22 @@ def _table(rec: dict):
     return t
 
 
-@cli_errors
-def deploy_cmd(
-    nodes: int = typer.Option(20, "--nodes", help="SuperNodes (one client each)"),
-    rounds: int = typer.Option(6, "--rounds", help="rounds"),
-    churn: float = typer.Option(
-        0.2, "--churn", help="share of the nodes killed after each round (back after the next)"
-    ),
-    kill_server_at: int = typer.Option(
-        0, "--kill-server-at", help="kill the SuperLink after this round and resume it (0: half of --rounds)"
-    ),
-    round_timeout: float = typer.Option(60.0, "--round-timeout", help="seconds a round waits for a node's reply"),
-    local_epochs: int = typer.Option(1, "--local-epochs", help="local epochs"),
-    seed: int = typer.Option(0, "--seed", help="which nodes are killed"),
-    timeout: float = typer.Option(3600.0, "--timeout", help="give up after this many seconds"),
-    out: Path = typer.Option(Path("reports/bench-deploy"), "--out", help="folder: stores, logs, the run, deploy.json"),
-):
-    """A loopback Flower deployment under churn: N SuperNodes killed and restarted, the server killed and resumed."""
-    require_flower()
-    validate("--nodes", nodes, Interval(2, None, integer=True))
-    validate("--rounds", rounds, Interval(2, None, integer=True))
-    validate("--churn", churn, Interval(0, 1, closed="left"))
-    validate("--kill-server-at", kill_server_at, Interval(0, rounds - 1, integer=True))
-    validate("--round-timeout", round_timeout, Interval(0, None, closed="neither"))
-    validate("--local-epochs", local_epochs, Interval(1, None, integer=True))
-    validate("--timeout", timeout, Interval(0, None, closed="neither"))
+def _fresh_out(out: Path) -> None:
     check_out(out, kind="dir")
     if out.exists() and any(out.iterdir()):
         raise FedheadError(f"The '--out' parameter {str(out)!r} already holds files. Choose an empty or new folder.")
     out.mkdir(parents=True, exist_ok=True)
+
+
+def _churn_run(out: Path, nodes: int, cfg: TrainConfig, stores: list[Path], churn: float, kill_server_at: int,
+               seed: int, round_timeout: float, timeout: float) -> None:  # fmt: skip
+    """The default bench: the simulator's run, then the deployment under churn (the module docstring)."""
     err = stderr_console()
-    server = write_synthetic(out / "server.h5", train_per_class=4 * nodes, **STORE)
-    stores = split_store(server, out, nodes)
     err.print(f"[bold]bench deploy[/]: the simulator's run of the same configuration ({nodes} clients, no churn)")
-    cfg = TrainConfig(features=str(server), clients=nodes, rounds=rounds, partition="iid", local_epochs=local_epochs,
-                      batch_size=10)  # fmt: skip
     experiment = out / "experiment.toml"  # the one configuration of both runs: the simulator's and the SuperLink's
     atomic_write_text(experiment, resolved_toml(cfg))
     sim = run_training(cfg, out=out / "simulator", progress=False).summary
-    ch = Churn(out, nodes, rounds, churn, kill_server_at or rounds // 2, seed, round_timeout=round_timeout)
+    ch = Churn(out, nodes, cfg.rounds, churn, kill_server_at or cfg.rounds // 2, seed, round_timeout=round_timeout)
     err.print(f"[bold]bench deploy[/]: a SuperLink and {nodes} SuperNodes on loopback (logs in {out / 'logs'})")
     try:
         ch.start(experiment, stores)
@@ -301,3 +282,131 @@ def deploy_cmd(
         raise FedheadError(
             f"The deployment did not finish (SuperLink exit code {code}); its log is {out / 'logs' / 'superlink.log'}."
         )
+
+
+def _run_mode(out: Path, cfg: TrainConfig, stores: list[Path], delays: list[float], kw: dict, progress) -> dict:
+    """One mode's deployment (no churn, no server kill) until its SuperLink ends; its rows, round ends, exit code."""
+    out.mkdir(parents=True, exist_ok=True)
+    experiment = out / "experiment.toml"
+    atomic_write_text(experiment, resolved_toml(cfg))
+    ch = Churn(out, len(stores), cfg.rounds, 0.0, cfg.rounds, kw["seed"], round_timeout=kw["round_timeout"],
+               delays=delays)  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        ch.start(experiment, stores)
+        code = ch.run(kw["timeout"], progress=progress)
+    finally:
+        ch.d.close()
+    return {"rows": _rounds(out / "run" / "rounds.csv"), "ends": ch.round_end, "code": code,
+            "total_s": time.monotonic() - t0}  # fmt: skip
+
+
+def _async_run(out: Path, cfg: TrainConfig, stores: list[Path], slow: float, slow_delay: float, buffer: int,
+               target: float, **kw) -> None:  # fmt: skip
+    """``--async``: sync rounds, then FedBuff, on the same nodes with the same slow ones (:mod:`.asyncdeploy`)."""
+    err = stderr_console()
+    nodes = len(stores)
+    slow_ids = A.slow_nodes(nodes, slow, kw["seed"])
+    delays = [slow_delay if i in slow_ids else 0.0 for i in range(nodes)]
+    results = {}
+    for mode, mcfg in A.mode_configs(cfg, buffer).items():
+        err.print(f"[bold]bench deploy --async[/]: {mode}, {mcfg.rounds} server updates, {nodes} SuperNodes "
+                  f"(slow: {slow_ids}, --delay {slow_delay:g} s; logs in {out / mode / 'logs'})")  # fmt: skip
+        results[mode] = _run_mode(out / mode, mcfg, stores, delays, kw,
+                                   lambda s, m=mode: err.print(f"[bold]bench deploy --async[/]: {m}: {s}"))  # fmt: skip
+    rec = {"deploy_nodes": nodes, "deploy_slow_nodes": slow_ids, "deploy_slow_delay": slow_delay,
+           "deploy_rounds": cfg.rounds, "fedbuff_buffer_size": buffer, "fedbuff_concurrency": nodes,
+           "target": target, **A.summarize(results, target)}  # fmt: skip
+    atomic_write_json(out / "deploy.json", rec)
+    title = (f"bench deploy --async: {nodes} SuperNodes on loopback, {len(slow_ids)} slow (+{slow_delay:g} s); "
+             f"FedBuff K={buffer}, concurrency {nodes}")  # fmt: skip
+    stdout_console().print(A.async_table(rec, title))
+    bad = {m: r["code"] for m, r in results.items() if r["code"] != 0}
+    if bad:
+        mode = next(iter(bad))
+        raise FedheadError(
+            f"The {mode} deployment did not finish (SuperLink exit code {bad[mode]}); its log is "
+            f"{out / mode / 'logs' / 'superlink.log'}."
+        )
+    empty = {m: rec[f"{m}_empty_updates"] for m in results if rec[f"{m}_empty_updates"]}
+    if empty:  # e.g. FedBuff pushing to nodes that re-registered under new ids: every reply the SuperLink's error
+        mode = next(iter(empty))
+        raise FedheadError(
+            f"The {mode} run applied {empty[mode]} server update(s) without any client update (every reply an "
+            f"error); the comparison is void. Read {out / mode / 'run' / 'rounds.csv'} (failure_reason) and rerun."
+        )
+
+
+def _check_async(async_: bool, nodes: int, churn, kill_server_at: int, slow, slow_delay: float, buffer, rt: float):
+    """The options of ``--async`` (and none of them without it); returns (churn, slow, buffer) filled in."""
+    if not async_:
+        for name, value in (("--slow", slow), ("--buffer", buffer)):
+            if value is not None:
+                raise FedheadError(
+                    f"The '{name}' option belongs to --async. Got {name} {value:g} without it. Add --async or drop it."
+                )
+        return 0.2 if churn is None else churn, 0.0, None
+    for name, value in (("--churn", churn), ("--kill-server-at", kill_server_at or None)):
+        if value is not None:
+            raise FedheadError(
+                f"The '{name}' option is not part of --async (the sync / FedBuff comparison runs without churn). "
+                f"Got {name} {value:g} with --async. Drop one of them."
+            )
+    slow = 0.2 if slow is None else slow
+    validate("--slow", slow, Interval(0, 1, closed="left"))
+    validate("--slow-delay", slow_delay, Interval(0, rt, closed="left"), "Keep it below --round-timeout.")
+    buffer = max(1, nodes // 2) if buffer is None else buffer
+    validate("--buffer", buffer, Interval(1, nodes, integer=True), "FedBuff's K is at most the nodes in flight.")
+    return 0.0, slow, buffer
+
+
+@cli_errors
+def deploy_cmd(
+    nodes: int = typer.Option(20, "--nodes", help="SuperNodes (one client each)"),
+    rounds: int = typer.Option(6, "--rounds", help="rounds (--async: the synchronous run's)"),
+    churn: Optional[float] = typer.Option(
+        None, "--churn", help="share of the nodes killed after each round (back after the next) \\[default: 0.2]"
+    ),
+    kill_server_at: int = typer.Option(
+        0, "--kill-server-at", help="kill the SuperLink after this round and resume it (0: half of --rounds)"
+    ),
+    round_timeout: float = typer.Option(60.0, "--round-timeout", help="seconds a round waits for a node's reply"),
+    local_epochs: int = typer.Option(1, "--local-epochs", help="local epochs"),
+    seed: int = typer.Option(0, "--seed", help="which nodes are killed (--async: which are slow)"),
+    async_: bool = typer.Option(
+        False, "--async", help="synchronous rounds against FedBuff on the same nodes, --slow of them slow; no churn"
+    ),
+    slow: Optional[float] = typer.Option(
+        None, "--slow", help="--async: share of the nodes that are slow \\[default: 0.2]"
+    ),
+    slow_delay: float = typer.Option(30.0, "--slow-delay", help="--async: seconds a slow node's train replies wait"),
+    buffer: Optional[int] = typer.Option(
+        None, "--buffer", help="--async: FedBuff's K (concurrency: every node) \\[default: half the nodes]"
+    ),
+    target: float = typer.Option(0.95, "--target", help="--async: time to this fraction of the best final accuracy"),
+    timeout: float = typer.Option(3600.0, "--timeout", help="give up after this many seconds"),
+    out: Path = typer.Option(Path("reports/bench-deploy"), "--out", help="folder: stores, logs, the run, deploy.json"),
+):
+    """A loopback Flower deployment under churn: N SuperNodes killed and restarted, the server killed and resumed.
+
+    With --async: synchronous rounds against FedBuff on the same nodes, some of them slow, without churn."""
+    require_flower()
+    validate("--nodes", nodes, Interval(2, None, integer=True))
+    validate("--rounds", rounds, Interval(2, None, integer=True))
+    churn, slow, buffer = _check_async(async_, nodes, churn, kill_server_at, slow, slow_delay, buffer, round_timeout)
+    validate("--churn", churn, Interval(0, 1, closed="left"))
+    validate("--kill-server-at", kill_server_at, Interval(0, rounds - 1, integer=True))
+    validate("--round-timeout", round_timeout, Interval(0, None, closed="neither"))
+    validate("--local-epochs", local_epochs, Interval(1, None, integer=True))
+    validate("--target", target, Interval(0, 1, closed="right"))
+    validate("--timeout", timeout, Interval(0, None, closed="neither"))
+    _fresh_out(out)
+    server = write_synthetic(out / "server.h5", train_per_class=4 * nodes, **STORE)
+    stores = split_store(server, out, nodes)
+    cfg = TrainConfig(features=str(server), clients=nodes, rounds=rounds, partition="iid", local_epochs=local_epochs,
+                      batch_size=10)  # fmt: skip
+    if async_:
+        _async_run(out, cfg, stores, slow, slow_delay, buffer, target, seed=seed, round_timeout=round_timeout,
+                   timeout=timeout)  # fmt: skip
+    else:
+        _churn_run(out, nodes, cfg, stores, churn, kill_server_at, seed, round_timeout, timeout)

@@ -13,6 +13,8 @@ Node config (``flower-supernode --node-config``; Flower's simulation sets the la
                     resumed in a new Flower run finds them (``fedhead flower supernode --state-dir``); in
                     Flower's simulation (no ``feature-store`` in the node config) it is ``<run-dir>/node-state``
                     (:data:`NODE_STATE`)
+``delay``           optional: seconds each train reply waits before it leaves (``fedhead flower supernode --delay``):
+                    a slow node for tests and benches (``fedhead bench deploy --async``), never a production setting
 
 Flower starts one ClientApp process per message on a deployed SuperNode. This module is what that process loads:
 it imports Flower and nothing of torch; the handlers' work (:mod:`fedhead.flower.node`: the store, the engine)

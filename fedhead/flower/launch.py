@@ -411,6 +411,8 @@ def check_auth_private_key(path: Path) -> None:
 
 # ---------------------------------------------------------------- fedhead flower supernode
 
+MAX_DELAY = 3600.0  # seconds: --delay is a slow node for tests and benches, not a way to park one
+
 
 def check_pins(values: list[str]) -> list[str]:
     """The ``--app-sha256`` values, lower-case hex (or the one-line error)."""
@@ -485,17 +487,22 @@ def check_node_connection(
     return pins, tls
 
 
-def node_config_of(features: Path, partition_id: int, num_partitions: Optional[int], port: int, device: str) -> str:
-    """Check the node's store, partition and port; returns its ``--node-config`` (without ``state-dir``)."""
+def node_config_of(
+    features: Path, partition_id: int, num_partitions: Optional[int], port: int, device: str, delay: float = 0.0
+) -> str:
+    """Check the node's store, partition, port and delay; returns its ``--node-config`` (without ``state-dir``)."""
     info = open_store(features, "--features")  # refuse a missing/partial/foreign file right here
     validate("--partition-id", partition_id, Interval(0, None, integer=True))
     if num_partitions is not None:
         validate("--num-partitions", num_partitions, Interval(1, None, integer=True))
         validate("--partition-id", partition_id, Interval(0, num_partitions - 1, integer=True))
     validate("--port", port, Interval(1, 65535, integer=True))
+    validate("--delay", delay, Interval(0, MAX_DELAY), "Give the seconds a slow node's train replies wait, e.g. 30.")
     node_config = f"feature-store={str(Path(info.path).resolve())!r} partition-id={partition_id} device={device!r}"
     if num_partitions is not None:
         node_config += f" num-partitions={num_partitions}"
+    if delay > 0:
+        node_config += f" delay={float(delay)!r}"
     return node_config
 
 
@@ -547,6 +554,12 @@ def supernode_cmd(
         help="folder where this node also keeps its SCAFFOLD control variates, so that a server resumed "
         "in a new Flower run continues SCAFFOLD; without it a resume restarts SCAFFOLD from zero",
     ),
+    delay: float = typer.Option(
+        0.0,
+        "--delay",
+        help="a testing and bench aid: this node's train replies leave SECONDS later (a slow node; "
+        "'fedhead bench deploy --async'). 0: none",
+    ),
     app_sha256: Optional[List[str]] = typer.Option(
         None,
         "--app-sha256",
@@ -559,7 +572,7 @@ def supernode_cmd(
 
     # every file and option before the node starts
     pins, tls = check_node_connection(superlink, insecure, root_certificates, auth_supernode_private_key, app_sha256)
-    node_config = node_config_of(features, partition_id, num_partitions, port, device)
+    node_config = node_config_of(features, partition_id, num_partitions, port, device, delay)
     flower_exe("flower-supernode")
     if not pins:  # building the FAB takes a moment: after the other checks
         pins = [own_app_sha256()]

@@ -93,6 +93,7 @@ class NodeSettings:
     num_partitions: int | None
     device: str = "auto"
     state_dir: str | None = None  # SCAFFOLD: where the node's variates are also kept on disk
+    delay: float = 0.0  # seconds a train reply waits before it leaves (a slow node: tests and benches alone)
 
 
 @dataclass
@@ -191,7 +192,12 @@ def node_settings(
         run_dir = canonical_run_config(dict(context.run_config)).get("out")
         state_dir = str(Path(str(run_dir)) / NODE_STATE) if run_dir else default_state_dir
     return NodeSettings(
-        str(store), pid, nparts, str(nc.get("device", "auto")), None if state_dir is None else str(state_dir)
+        str(store),
+        pid,
+        nparts,
+        str(nc.get("device", "auto")),
+        None if state_dir is None else str(state_dir),
+        float(nc.get("delay") or 0.0),  # 'fedhead flower supernode --delay' checked it
     )
 
 
@@ -525,6 +531,8 @@ def plain_train(msg: Message, context: Context, default_store: str | None, defau
     metrics = {"partition-id": ns.pid, "num-examples": int(n), "train-loss": loss, "client-ms": ms}
     if lost:
         metrics["residual-lost"] = 1
+    if ns.delay > 0:  # a slow node (--delay): its reply leaves this much later; client-ms stays the training's
+        time.sleep(ns.delay)
     return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
