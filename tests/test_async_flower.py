@@ -63,3 +63,24 @@ def test_a_slow_node_arrives_stale_on_flower(tiny_store, tmp_path):
     assert all(r["clients_trained"] == 2 for r in rows)
     assert any(float(r["staleness_mean"]) > 0 for r in rows)  # updates trained from an older head were applied
     assert grid.count > 3  # slots refilled as replies came
+
+
+def test_an_error_reply_is_that_nodes_failure_not_an_update(tiny_store, tmp_path):
+    """A node that answers its train messages with an error (gone, or restarted under another id) fills no buffer
+    slot: it is left out for the rest of the run and the update it held up reports it as a failure."""
+    cfg = cfg_for(tiny_store, async_rule="fedbuff", buffer_size=2, concurrency=3, rounds=3, clients_per_round=None,
+                  participation=0.5)  # fmt: skip
+    bad = 1000 + int(round_clients(cfg.resolved(), 0, 1)[0])
+    app = make_client_app(str(cfg.features))
+
+    def failing(m, ctx):
+        if m.metadata.dst_node_id == bad and "train" in m.metadata.message_type:
+            raise RuntimeError("this node is gone")
+        return app(m, ctx)
+
+    grid = InProcessGrid(failing, sim_nodes(cfg.clients))
+    res = run_server(grid, cfg, ServerSettings(out=str(tmp_path / "err"), wait_timeout=5))
+    rows = res.rows
+    assert len(rows) == 3 and all(np.isfinite(accs(rows)))
+    assert all(int(r["clients_trained"]) == 2 for r in rows)  # every update took two real client updates
+    assert sum(int(r.get("failures") or 0) for r in rows) == 1 and str(bad - 1000) in rows[0]["failed_clients"]

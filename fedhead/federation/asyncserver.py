@@ -123,11 +123,13 @@ class AsyncServer:
             busy = transport.in_flight()
             need = self.concurrency - len(busy)
             if need > 0:
-                if not busy and not transport.arrived and need == per_round(self.cfg):
+                if not busy and not transport.arrived and need == per_round(self.cfg) and not transport.unavailable():
                     clients = round_clients(self.cfg, self.seed, rnd)
                 else:
-                    taken = busy | transport.arrived_at(rnd)
+                    taken = busy | transport.arrived_at(rnd) | transport.unavailable()
                     idle = np.array([k for k in range(len(self.sizes)) if k not in taken], dtype=np.int64)
+                    if len(idle) == 0 and not busy:  # every node lost or waiting: the update takes what came
+                        break
                     clients = self.queue.pick(idle, need, self.seed, rnd)
                     self.queue.dispatches += len(clients)
                 transport.push_train(self.heads[rnd], clients, rnd, server)
@@ -141,10 +143,12 @@ class AsyncServer:
         cfg = self.cfg
         kind = cfg.staleness or ("poly" if cfg.async_rule == "fedasync" else "sqrt")
         delta, n_all, clients, loss, ms, server_s, taus = None, 0.0, 0, 0.0, 0.0, 0.0, []
-        single = None
+        single, failed, reasons = None, [], []
         for v in sorted(groups):
             sel = np.array(sorted(groups[v]), dtype=np.int64)
             res = train(v, sel)
+            failed += [t for t in str((res.extra or {}).get("failed_clients") or "").split() if t]
+            reasons += [str(res.extra["failure_reason"])] if (res.extra or {}).get("failure_reason") else []
             clients, loss, server_s = clients + res.clients, loss + res.loss_sum, server_s + res.server_s
             ms += res.client_ms * res.clients
             taus += [rnd - v] * len(sel)
@@ -166,7 +170,11 @@ class AsyncServer:
         else:
             agg = theta + (delta if cfg.async_rule == "fedasync" else delta / max(n_all, 1e-300))
         stale = float(np.mean(taus)) if taus else float("nan")
-        return RoundResult(agg, clients, loss, ms / max(1, clients), server_s, {"staleness_mean": stale})
+        extra = {"staleness_mean": stale}
+        if failed:  # a Flower group's failed nodes (error replies among them), as a synchronous round reports them
+            extra.update(failures=len(failed), failed_clients=" ".join(failed), failure_reason=reasons[0] if reasons
+                         else "")  # fmt: skip
+        return RoundResult(agg, clients, loss, ms / max(1, clients), server_s, extra)
 
     def state_dict(self) -> dict:
         return {"queue": self.queue.state_dict(), "heads": [[v, h.detach().cpu()] for v, h in self.heads.items()]}

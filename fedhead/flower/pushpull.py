@@ -34,12 +34,17 @@ class PushPull:
     def async_reset(self) -> None:
         self.flights: dict = {}  # message id -> (partition, round, message, push time)
         self.arrived: list = []  # (partition, round, message, reply), in arrival order
+        self.lost: set = set()  # partitions whose node answered with an error: left out for the rest of this run
+        self.errors: list = []  # partitions whose error replies the next server update reports as failures
 
     def in_flight(self) -> set:
         return {f[0] for f in getattr(self, "flights", {}).values()}
 
     def flight_versions(self) -> set:
         return {f[1] for f in getattr(self, "flights", {}).values()}
+
+    def unavailable(self) -> set:
+        return set(getattr(self, "lost", set()))
 
     def arrived_at(self, version: int) -> set:
         return {a[0] for a in getattr(self, "arrived", []) if a[1] == version}
@@ -60,7 +65,10 @@ class PushPull:
         got = list(self.grid.pull_messages(list(self.flights))) if self.flights else []
         for r in got:
             f = self.flights.pop(r.metadata.reply_to_message_id, None)
-            if f is not None:
+            if f is not None and r.has_error():  # that node's failure (gone, restarted under a new id): no update
+                self.lost.add(f[0])
+                self.errors.append(f[0])
+            elif f is not None:
                 self.arrived.append((f[0], f[1], f[2], r))
         late = time.monotonic() - self.settings.round_timeout
         for mid in [mid for mid, f in self.flights.items() if f[3] < late]:
@@ -86,4 +94,11 @@ class PushPull:
         self.aggregate_train(version, [r for _, r in items])
         lr = self.last
         client_ms = float(np.mean(lr.client_ms)) if lr.client_ms else 0.0
-        return RoundResult(lr.aggregate, lr.trained, lr.loss_sum, client_ms, lr.server_s, lr.failure_fields())
+        fields = lr.failure_fields()
+        if self.errors:  # the error replies since the last update: failures of this one
+            fields["failures"] = int(fields.get("failures") or 0) + len(self.errors)
+            fields["failed_clients"] = " ".join(filter(None, [fields.get("failed_clients", ""),
+                                                             " ".join(map(str, self.errors))]))  # fmt: skip
+            fields["failure_reason"] = fields.get("failure_reason") or "error reply"
+            self.errors = []
+        return RoundResult(lr.aggregate, lr.trained, lr.loss_sum, client_ms, lr.server_s, fields)
