@@ -246,6 +246,7 @@ def test_run_config_round_trip_and_pyproject_defaults(store, tmp_path):
         "deadline",  # the simulated clock's synchronous rules and lost dispatches (Flower: the real ones)
         "over_selection",
         "dropout",
+        "withdrawn_clients",  # a simulated federation's withdrawn clients (on Flower a withdrawn node stays away)
     }
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     assert fields - own - set(RUN_CONFIG_FIELDS.values()) == set()
