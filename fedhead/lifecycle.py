@@ -20,6 +20,7 @@ from fedhead.federation.train import run_training
 from fedhead.federation.versions import (
     Change,
     card_members,
+    check_members,
     forget_model,
     ids_text,
     update_model,
@@ -44,14 +45,7 @@ def retrain_without(model: str | os.PathLike, clients, out: str | os.PathLike, *
     (seconds, bytes). The old run directory is left as it was: delete it to complete the removal."""
     card_path = model_card_path(model, seed)
     card = read_card(card_path)
-    have = card_members(card)
-    ids = parse_client_ids(clients) if isinstance(clients, str) else sorted({int(k) for k in clients})
-    if not isinstance(ids, list) or not ids:
-        raise param_error("--clients", clients, "must be client ids >= 0 separated by commas", "E.g. --clients 3,7.")
-    never = [k for k in ids if k not in have]
-    if never:
-        raise param_error("--clients", ids_text(ids), f"must name clients the model has (client {never[0]} is not in "
-                          "it: never sampled, withdrawn or forgotten before)", "Check the card's versions.")  # fmt: skip
+    ids = check_members(clients, card_members(card))
     toml = card_path.parent / "config.toml"
     if not toml.is_file():
         raise param_error("--model", str(card_path), "must sit in its run directory with the run's config.toml",

@@ -463,14 +463,17 @@ def forget_model(model: str | os.PathLike, clients, features: str | os.PathLike 
     torch.float64  # noqa: B018  (torch imported before the clock starts: no part of the change's cost)
     t0 = time.perf_counter()
     op = open_model(model, seed, "forget")
-    ids = _check_forget(op, clients)
+    ids = check_members(clients, op.members)
     head = _solver(op)
     store = statistics = None
     if statistics_files:
         dim, kinds = int(op.card["statistics"]["dim"]), set(op.card["statistics"].get("kinds") or ())
         for f in statistics_files:
             one = read_sums(Path(f), len(op.card["classes"]), dim, "--client-statistics", 1, kinds)
-            statistics = one if statistics is None else (statistics.merge(one) or statistics)
+            if statistics is None:
+                statistics = one
+            else:
+                statistics.merge(one)
     if statistics is None:
         if features is None:
             raise param_error("--features", None, "must name the store the clients' data came from (their "
@@ -496,18 +499,17 @@ def ids_text(ids) -> str:
     return ",".join(map(str, ids))
 
 
-def _check_forget(op: Opened, clients) -> list[int]:
+def check_members(clients, have: set) -> list[int]:
+    """The ids ``clients`` names (``3,7`` or ints), each one a client of ``have``; one line otherwise."""
     ids = parse_client_ids(clients) if isinstance(clients, str) else sorted({int(k) for k in clients})
     if not isinstance(ids, list) or not ids:
         raise param_error("--clients", clients, "must be client ids >= 0 separated by commas", "E.g. --clients 3,7.")
-    never = [k for k in ids if k not in op.members]
+    never = [k for k in ids if k not in have]
     if never:
-        have = id_ranges(op.members)
-        shown_have = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in have[:6]) + (
-            " ..." if len(have) > 6 else ""
-        )
+        runs = id_ranges(have)
+        listed = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs[:6]) + (" ..." if len(runs) > 6 else "")
         raise param_error("--clients", ids_text(ids), f"must name clients the model has (client {never[0]} is not in "
-                          f"it: never sampled, withdrawn or forgotten before)", f"Its clients: {shown_have}.")  # fmt: skip
+                          f"it: never sampled, withdrawn or forgotten before)", f"Its clients: {listed}.")  # fmt: skip
     return ids
 
 

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from fedhead.flower.common import require_flower
+from fedhead.flower.common import require_flower, short_reason
 
 require_flower()
 
@@ -35,7 +35,7 @@ class PushPull:
         self.flights: dict = {}  # message id -> (partition, round, message, push time)
         self.arrived: list = []  # (partition, round, message, reply), in arrival order
         self.lost: set = set()  # partitions whose node answered with an error: left out for the rest of this run
-        self.errors: list = []  # partitions whose error replies the next server update reports as failures
+        self.errors: dict = {}  # partition -> reason: error replies the next server update reports as failures
 
     def in_flight(self) -> set:
         return {f[0] for f in getattr(self, "flights", {}).values()}
@@ -67,7 +67,7 @@ class PushPull:
             f = self.flights.pop(r.metadata.reply_to_message_id, None)
             if f is not None and r.has_error():  # that node's failure (gone, restarted under a new id): no update
                 self.lost.add(f[0])
-                self.errors.append(f[0])
+                self.errors[f[0]] = short_reason(r.error.reason)
             elif f is not None:
                 self.arrived.append((f[0], f[1], f[2], r))
         late = time.monotonic() - self.settings.round_timeout
@@ -93,12 +93,7 @@ class PushPull:
         self._sent = [m for m, _ in items]
         self.aggregate_train(version, [r for _, r in items])
         lr = self.last
+        lr.failed.update(self.errors)  # the error replies since the last update: failures of this one
+        self.errors = {}
         client_ms = float(np.mean(lr.client_ms)) if lr.client_ms else 0.0
-        fields = lr.failure_fields()
-        if self.errors:  # the error replies since the last update: failures of this one
-            fields["failures"] = int(fields.get("failures") or 0) + len(self.errors)
-            fields["failed_clients"] = " ".join(filter(None, [fields.get("failed_clients", ""),
-                                                             " ".join(map(str, self.errors))]))  # fmt: skip
-            fields["failure_reason"] = fields.get("failure_reason") or "error reply"
-            self.errors = []
-        return RoundResult(lr.aggregate, lr.trained, lr.loss_sum, client_ms, lr.server_s, fields)
+        return RoundResult(lr.aggregate, lr.trained, lr.loss_sum, client_ms, lr.server_s, lr.failure_fields())
