@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: these builds lie on this machine's disk (no CUDA download).
 	$(BIN)/python -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(BIN)/python -m pip install -q -e '.[dev,weights,flower,dp,export,tensorboard,mlflow,tune,docs]'
+	$(BIN)/python -m pip install -q -e '.[dev,weights,flower,dp,export,tensorboard,mlflow,tune,docs,data]'
 	touch $(STAMP)
 
 install: $(STAMP)
