@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from extract.run import extract_features
+from extract.engines import ENGINES, RAY_CONNECT_TIMEOUT_S, extract
 from extract.store import open_store
 from fedhead.infra.console import stdout_console
 from fedhead.infra.exits import cli_errors
@@ -67,9 +67,36 @@ def extract_cmd(
         help="Natural clients from each training file's name: a regex with a group 'client', e.g. "
         "'^(?P<client>[^_]+)_'.",
     ),
+    processes: int = typer.Option(
+        1,
+        "--processes",
+        help="Encode in N processes on this machine (torch's elastic launcher, one GPU or a share of the cores "
+        "each); under torchrun the ranks come from torchrun. The store equals a one-process run's.",
+    ),
+    engine: str = typer.Option(
+        "local", "--engine", help=f"{' or '.join(ENGINES)}: ranks on this machine, or Ray Data actors (--processes)."
+    ),
+    ray_address: Optional[str] = typer.Option(
+        None,
+        "--ray-address",
+        help=f"A Ray cluster's HOST:PORT (--engine ray); it must answer within {RAY_CONNECT_TIMEOUT_S:g} s. "
+        "Default: a Ray instance on this machine.",
+    ),
+    shard_images: Optional[int] = typer.Option(
+        None,
+        "--shard-images",
+        help="Source images per shard (rounded up to whole batches; default 4096): each shard writes its own part, "
+        "and a re-run encodes only the shards without one.",
+    ),
+    threads: Optional[int] = typer.Option(
+        None,
+        "--threads",
+        help="CPU threads per process (default: the idle cores, divided among the processes). Features are "
+        "bit-equal between runs with the same thread count.",
+    ),
 ) -> None:
     """Encode a dataset with a frozen encoder into an HDF5 feature store (resumable)."""
-    path = extract_features(
+    path = extract(
         dataset,
         data_dir,
         encoder,
@@ -89,6 +116,11 @@ def extract_cmd(
         client_folders=client_folders,
         clients_csv=clients_csv,
         client_pattern=client_pattern,
+        processes=processes,
+        engine=engine,
+        ray_address=ray_address,
+        shard_images=shard_images,
+        threads=threads,
     )
     stdout_console().print(str(path), soft_wrap=True)
 

@@ -145,6 +145,7 @@ def prepare(
     client_folders: bool = False,
     clients_csv=None,
     client_pattern: str | None = None,
+    threads: int | None = None,
 ) -> Plan:
     """Validate every input, load the data and the encoder, and build the store request. With one of
     ``client_folders``, ``clients_csv``, ``client_pattern`` the training images' clients are recorded too
@@ -161,7 +162,9 @@ def prepare(
     if dataset not in D.DATASETS:
         raise unknown_name("--dataset", dataset, D.DATASETS, "dataset")
     dev = resolve_device(device)
-    threads = set_cpu_threads() if dev.type == "cpu" else 0
+    if threads is not None:
+        validate("--threads", threads, Interval(1, None, integer=True), "Leave it out to use the idle cores.")
+    threads = set_cpu_threads(threads) if dev.type == "cpu" else 0
     data, clients = _load_splits(
         dataset, data_dir, splits, limit, download, (client_folders, clients_csv, client_pattern)
     )
@@ -537,6 +540,7 @@ def extract_features(
     client_folders: bool = False,
     clients_csv=None,
     client_pattern: str | None = None,
+    threads: int | None = None,
 ) -> Path:
     """Encode the train and test splits of ``dataset`` with ``encoder`` into an HDF5 store; return its path.
 
@@ -599,6 +603,7 @@ def extract_features(
                 state_dict=state_dict,
                 skip_corrupt=skip_corrupt,
                 clients=(client_folders, clients_csv, client_pattern),
+                threads=threads,
             )
         except Interrupted as exc:
             if tally.total is None:
@@ -630,6 +635,7 @@ def _extract(
     state_dict,
     skip_corrupt,
     clients=(False, None, None),
+    threads=None,
 ) -> Path:
     plan = prepare(
         dataset,
@@ -649,6 +655,7 @@ def _extract(
         client_folders=clients[0],
         clients_csv=clients[1],
         client_pattern=clients[2],
+        threads=threads,
     )
     enc = plan.encoder
     if out is None:
