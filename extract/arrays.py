@@ -81,7 +81,8 @@ def check_features(value: Any, param: str) -> np.ndarray:
         raise _bad(param, "a 2-D array [rows, dimension] with at least one row and one column", _describe(x),
                    "Reshape it to one row per sample (x.reshape(len(x), -1)).")  # fmt: skip
     check_budget(x.shape[0] * x.shape[1] * 4, f"The '{param}' parameter, {_describe(x)},")
-    x32 = np.ascontiguousarray(x, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # beyond float32's range: inf, refused below
+        x32 = np.ascontiguousarray(x, dtype=np.float32)
     ok = np.isfinite(x32).all(axis=1)
     if not ok.all():
         i = int(np.flatnonzero(~ok)[0])
@@ -154,7 +155,7 @@ def encode_labels(
                 )
                 listed = ", ".join(repr(u) for u in unknown[:5]) + (" ..." if len(unknown) > 5 else "")
                 raise _bad(names[key], f"labels among the classes of {where}", f"{len(unknown)} other: {listed}",
-                           "Drop those rows, or name every class (class_names).")  # fmt: skip
+                           f"Drop those rows, or name every class ({names['class_names']}).")  # fmt: skip
             out.append(np.array([index[v] for v in arr.tolist()], dtype=np.int64))
         return out[0], out[1], list(classes)
     k = len(class_names) if class_names is not None else int(max(y.max(), y_test.max(initial=0))) + 1

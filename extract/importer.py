@@ -316,14 +316,15 @@ def read_class_names(path: Path | str | None) -> list[str] | None:
 # ---------------------------------------------------------------- the command's work
 
 
-def _flag_names(npz: bool) -> dict[str, str]:
+def _flag_names(npz: bool, train_labels: bool, test_labels: bool) -> dict[str, str]:
     """How the messages of :meth:`FeatureStore.from_arrays <extract.arrays.FeatureStore.from_arrays>` name each
-    array: the flag it came from."""
+    array: the flag it came from (a table's labels: its split's flag)."""
+    common = {"class_names": "--class-names", "clients": "--clients", "client_names": "--clients"}
     if npz:
         return {"x": "--npz[x_train]", "y": "--npz[y_train]", "x_test": "--npz[x_test]", "y_test": "--npz[y_test]",
-                "class_names": "--class-names", "clients": "--clients", "client_names": "--clients"}  # fmt: skip
-    return {"x": "--train", "y": "--train-labels", "x_test": "--test", "y_test": "--test-labels",
-            "class_names": "--class-names", "clients": "--clients", "client_names": "--clients"}  # fmt: skip
+                **common}  # fmt: skip
+    return {"x": "--train", "y": "--train-labels" if train_labels else "--train", "x_test": "--test",
+            "y_test": "--test-labels" if test_labels else "--test", **common}  # fmt: skip
 
 
 def import_features(
@@ -370,7 +371,7 @@ def import_features(
                        Columns(embedding_column, label_column, None))  # fmt: skip
     store = FeatureStore.from_arrays(
         a.x, a.y, b.x, b.y, class_names=read_class_names(class_names), clients=a.clients,
-        name=name or Path(npz or train).stem, names=_flag_names(npz is not None),
+        name=name or Path(npz or train).stem, names=_flag_names(npz is not None, train_labels is not None, test_labels is not None),
     )  # fmt: skip
     if out.exists() and not overwrite:
         try:
