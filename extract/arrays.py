@@ -141,8 +141,9 @@ def encode_labels(
     training labels' sorted distinct values; a test label that is not a class is refused."""
     if (y.dtype.kind == "U") != (y_test.dtype.kind == "U"):
         s, n = ("y", "y_test") if y.dtype.kind == "U" else ("y_test", "y")
-        raise _bad(names[n], "labels of the same kind as " + repr(names[s]) + " (strings)", _describe(
-            y_test if n == "y_test" else y), "Give both splits' labels as strings, or both as class indices.")  # fmt: skip
+        got = _describe(y_test if n == "y_test" else y)
+        fix = "Give both splits' labels as strings, or both as class indices."
+        raise _bad(names[n], f"labels of the same kind as '{names[s]}' (strings)", got, fix)
     if y.dtype.kind == "U":
         classes = class_names if class_names is not None else sorted(set(y.tolist()))
         index = {c: k for k, c in enumerate(classes)}

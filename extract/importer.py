@@ -81,8 +81,12 @@ def _npy_header(f: BinaryIO, size: int, param: str, where: str) -> tuple[tuple, 
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise _refuse(param, where, f"which is not a .npy array ({why[:120]})", "Save it with numpy.save.") from None
     if dtype.hasobject:
-        raise _refuse(param, where, f"an array of Python objects ({dtype})",
-                      "Save numbers (features) or integers/strings (labels); pickled objects are never read.")  # fmt: skip
+        raise _refuse(
+            param,
+            where,
+            f"an array of Python objects ({dtype})",
+            "Save numbers (features) or integers/strings (labels); pickled objects are never read.",
+        )
     header = f.tell()
     need = math.prod(int(s) for s in shape) * dtype.itemsize
     if size - header != need:
@@ -263,8 +267,12 @@ def _clip_folder(folder: Path, param: str, cols: Columns) -> Split:
                     f"metadata/metadata_{i}.parquet")  # fmt: skip
         y, c = _labels_file(name_inside(folder, meta, f"The '{param}' folder"), len(x), param, cols)
         if len(y) != len(x):
-            raise _refuse(param, folder / meta, f"whose {len(y)} rows do not match the {len(x)} embeddings of "
-                          f"img_emb/img_emb_{i}.npy", "Keep each metadata file row-aligned with its embeddings.")  # fmt: skip
+            raise _refuse(
+                param,
+                folder / meta,
+                f"whose {len(y)} rows do not match the {len(x)} embeddings of img_emb/img_emb_{i}.npy",
+                "Keep each metadata file row-aligned with its embeddings.",
+            )
         xs.append(x), ys.append(y), cs.append(c), files.extend([f"img_emb/img_emb_{i}.npy", meta])
     y = np.concatenate(ys) if len({a.dtype.kind for a in ys}) == 1 else np.concatenate([a.astype(str) for a in ys])
     return Split(np.concatenate(xs), y, None if cols.clients is None else np.concatenate(cs), files)
@@ -281,8 +289,10 @@ def read_split(features: Path, labels: Path | None, split: str, cols: Columns) -
     path = _file(features, param, (".npy", ".parquet"))
     if path.suffix.lower() == ".npy":
         if labels is None:
-            raise FedheadError(f"The '{lparam}' parameter is required with {param} {str(path)!r} (a .npy of "
-                               f"features). Got none. Give a .npy of labels or a Parquet/CSV with --label-column.")  # fmt: skip
+            raise FedheadError(
+                f"The '{lparam}' parameter is required with {param} {str(path)!r} (a .npy of "
+                f"features). Got none. Give a .npy of labels or a Parquet/CSV with --label-column."
+            )
         x = read_npy(path, param)
         y, c = _labels_file(_file(labels, lparam, (".npy", *TABLES)), len(x), lparam, cols)
         return Split(x, y, c, [path.name, Path(labels).name])
@@ -351,6 +361,9 @@ def import_features(
     if dtype not in ("float16", "float32"):
         raise FedheadError(f"The '--dtype' parameter must be 'float32' or 'float16'. Got {dtype!r} instead.")
     check_out(out, "--out")
+    inputs = [Path(p) for p in (train, train_labels, test, test_labels, npz, class_names) if p is not None]
+    if out.exists() and any(p.exists() and out.samefile(p) for p in inputs):
+        raise _refuse("--out", out, "which is one of the files it reads", "Choose another --out.")
     if npz is not None:
         if any(v is not None for v in (train, train_labels, test, test_labels)):
             raise FedheadError("The '--npz' parameter holds both splits. Got --train/--test as well. Give one of them.")
@@ -369,9 +382,10 @@ def import_features(
                        Columns(embedding_column, label_column, clients))  # fmt: skip
         b = read_split(Path(test), None if test_labels is None else Path(test_labels), "test",
                        Columns(embedding_column, label_column, None))  # fmt: skip
+    flags = _flag_names(npz is not None, train_labels is not None, test_labels is not None)
     store = FeatureStore.from_arrays(
         a.x, a.y, b.x, b.y, class_names=read_class_names(class_names), clients=a.clients,
-        name=name or Path(npz or train).stem, names=_flag_names(npz is not None, train_labels is not None, test_labels is not None),
+        name=name or Path(npz or train).stem, names=flags,
     )  # fmt: skip
     if out.exists() and not overwrite:
         try:

@@ -332,3 +332,7 @@ def test_import_keeps_other_features_at_out_unless_overwrite(files, tmp_path):
     assert out.read_bytes() == before
     assert runner.invoke(app, [*args, "--overwrite"]).exit_code == 0
     assert load_store(out).info.num_classes == 3
+    npz = tmp_path / "a.npz"
+    npz.write_bytes((files / "a.npz").read_bytes())
+    line = one_line_error(runner.invoke(app, ["import", "--npz", str(npz), "--out", str(npz), "--overwrite"]))
+    assert "one of the files it reads" in line and npz.read_bytes() == (files / "a.npz").read_bytes()

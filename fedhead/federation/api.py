@@ -44,7 +44,7 @@ def run(
     ``run(out=DIR, resume=True)`` alone continues the run in ``DIR`` from its own config.toml; ``overwrite=True``
     replaces the run in ``out`` (a finished one, or what a failed run left) instead of refusing the folder."""
     store_file = None
-    if not isinstance(fields.get("features", ""), (str, os.PathLike)):
+    if fields.get("features") is not None and not isinstance(fields["features"], (str, os.PathLike)):
         if store is not None:
             raise TypeError("fedhead.run() takes features in memory (features=...) or store=..., not both")
         store, fields["features"] = in_memory_features(fields["features"])
