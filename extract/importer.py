@@ -138,10 +138,22 @@ def read_npz(path: Path | str, keys: list[str], param: str) -> dict[str, np.ndar
 # ---------------------------------------------------------------- Parquet and CSV tables
 
 
+def require_pyarrow(param: str) -> None:
+    """One line with the install hint where pyarrow (the ``data`` extra) is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("pyarrow") is None:
+        raise FedheadError(
+            f"The '{param}' parameter names a Parquet or CSV file, which needs pyarrow. Got none installed. "
+            "Install it with pip install 'fedhead[data]' (or use .npy / .npz files)."
+        )
+
+
 def read_table(path: Path | str, columns: list[str], param: str) -> dict[str, Any]:
     """The columns ``columns`` of the Parquet or CSV file ``path`` (pyarrow arrays, one chunk each); a missing
     column is refused listing the columns present."""
     p = _file(path, param, TABLES)
+    require_pyarrow(param)
     try:
         if p.suffix.lower() == ".parquet":
             import pyarrow.parquet as pq
