@@ -36,7 +36,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from extract.arrays import FeatureStore, store_attrs
-from extract.store import open_store
+from extract.store import content_hash, open_store
 from fedhead.infra.devices import check_budget
 from fedhead.infra.errors import FedheadError
 from fedhead.infra.files import check_out, name_inside
@@ -349,6 +349,14 @@ def _flag_names(npz: bool, train_labels: bool, test_labels: bool) -> dict[str, s
             "y_test": "--test-labels" if test_labels else "--test", **common}  # fmt: skip
 
 
+def _written_hash(store: FeatureStore, dtype: str) -> str:
+    """The content hash of ``store`` written as ``dtype`` (float16 rounds the features)."""
+    if dtype == "float32":
+        return store.content_sha256
+    splits = {"train": (store.train_x.astype(dtype), store.train_y), "test": (store.test_x.astype(dtype), store.test_y)}
+    return content_hash(splits, store.info.class_names)
+
+
 def import_features(
     out: Path | str,
     *,
@@ -401,10 +409,10 @@ def import_features(
     )  # fmt: skip
     if out.exists() and not overwrite:
         try:
-            same = open_store(out, "--out").attrs.get("content_sha256") == store.content_sha256
+            same = open_store(out, "--out").attrs.get("content_sha256") == _written_hash(store, dtype)
         except FedheadError:
             same = False
-        if same and dtype == "float32":
+        if same:
             return out
         raise _refuse(
             "--out", out, "which exists and holds other features", "Add --overwrite, or choose another --out."
