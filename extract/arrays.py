@@ -199,9 +199,10 @@ def encode_clients(
 
 
 def store_attrs(name: str, extra: dict | None = None) -> dict:
-    """The attributes a store of imported features records besides its arrays (no encoder: the features were made
-    elsewhere)."""
-    return {"dataset": name, "encoder": "", "source": "arrays", **(extra or {})}
+    """The attributes a store of imported features records besides its arrays: no encoder (the features were made
+    elsewhere, so a model trained on them classifies features, ``fedhead predict --features``, not images)."""
+    return {"dataset": name, "encoder": "", "weights_source": "none", "weights_sha256": "", "source": "arrays",
+            **(extra or {})}  # fmt: skip
 
 
 def save_features(store: Features, path: str | os.PathLike, dtype: str = "float32", attrs: dict | None = None) -> Path:

@@ -136,6 +136,8 @@ def test_run_on_arrays_equals_the_run_on_their_store_and_resumes(data, tmp_path,
     record = json.loads((tmp_path / "arrays" / "config.json").read_text())["store"]
     assert record["content_sha256"] == FeatureStore.from_arrays(x, y, xt, yt).content_sha256
     assert store_content_hash(load_store(kept)) == record["content_sha256"]
+    model = fedhead.load_model(tmp_path / "arrays")  # the run's model, like any other run's
+    assert list(model.classes_) == ["0", "1", "2"] and (model.predict(xt) == yt.astype(str)).mean() > 0.5
     again = fedhead.run(out=tmp_path / "arrays", resume=True)
     assert again.summary["final_accuracy"] == on_arrays.summary["final_accuracy"]
     same = fedhead.run(features=FeatureStore.from_arrays(x, y, xt, yt), out=tmp_path / "arrays", resume=True, **kw)
@@ -259,6 +261,8 @@ def test_imported_store_trains_with_fedhead_train_and_natural_clients(files, tmp
                                   "--clients", "2", "--device", "cpu", "--no-plots", "--out", str(run)])  # fmt: skip
         assert res.exit_code == 0, res.output
         assert json.loads((run / "summary.json").read_text())["final_accuracy"] > 0.5
+    res = runner.invoke(app, ["predict", "--model", str(run), "--features", str(out), "--out", str(tmp_path / "p")])
+    assert res.exit_code == 0, res.output  # no encoder: the model classifies the store's features
 
 
 def _bad_files(d: Path, files: Path, x, y, xt, yt) -> dict:
