@@ -347,3 +347,45 @@ def test_import_keeps_other_features_at_out_unless_overwrite(files, tmp_path):
     npz.write_bytes((files / "a.npz").read_bytes())
     line = one_line_error(runner.invoke(app, ["import", "--npz", str(npz), "--out", str(npz), "--overwrite"]))
     assert "one of the files it reads" in line and npz.read_bytes() == (files / "a.npz").read_bytes()
+
+
+def test_import_refuses_hostile_files_before_allocating(data, files, tmp_path):
+    """A .npy or .npz member whose header claims a huge array (a few bytes on disk) and a clip-retrieval shard that
+    is a symlink out of its folder: one line each, nothing allocated or written."""
+    import zipfile
+
+    bomb = tmp_path / "bomb.npy"
+    with open(bomb, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (10**9, 1000)})
+        f.write(b"\0" * 64)
+    zbomb = tmp_path / "bomb.npz"
+    with zipfile.ZipFile(zbomb, "w", zipfile.ZIP_DEFLATED) as z:
+        for k in ("x_train", "y_train", "x_test", "y_test"):
+            z.writestr(f"{k}.npy", bomb.read_bytes())
+    clip = tmp_path / "clip"
+    (clip / "img_emb").mkdir(parents=True)
+    (clip / "metadata").mkdir()
+    (clip / "img_emb" / "img_emb_0.npy").symlink_to(files / "X.npy")  # outside the folder
+    (clip / "metadata" / "metadata_0.parquet").write_bytes((files / "meta.parquet").read_bytes())
+    out = tmp_path / "s.h5"
+    cases = [
+        (
+            [
+                "--train",
+                bomb,
+                "--train-labels",
+                files / "y.npy",
+                "--test",
+                files / "Xt.npy",
+                "--test-labels",
+                files / "yt.npy",
+            ],
+            "whose header claims (1000000000, 1000) float32",
+        ),  # fmt: skip
+        (["--npz", zbomb], "whose header claims (1000000000, 1000) float32"),
+        (["--train", clip, "--test", files / "test.parquet"], "outside its folder"),
+    ]
+    for args, phrase in cases:
+        line = one_line_error(runner.invoke(app, ["import", *map(str, args), "--out", str(out)]))
+        assert phrase in line, line
+        assert not out.exists() and not Path(str(out) + ".partial").exists()
