@@ -255,6 +255,12 @@ class Split:
 def _labels_file(path: Path, rows: int, param: str, cols: Columns) -> tuple[np.ndarray, np.ndarray | None]:
     """Labels (and clients) from ``path``: a ``.npy`` of labels, or a Parquet/CSV table's label column."""
     if path.suffix.lower() == ".npy":
+        if cols.clients and not Path(cols.clients).is_file():
+            raise FedheadError(
+                f"The '--clients' parameter must name a .npy file of one client per row beside the .npy labels "
+                f"{str(path)!r} (a column needs a Parquet/CSV table). Got {cols.clients!r} instead. Save the clients "
+                "with numpy.save, or give the labels as a table with that column."
+            )
         return read_npy(path, param), (read_npy(cols.clients, "--clients") if cols.clients else None)
     names = [cols.label] + ([cols.clients] if cols.clients else [])
     t = read_table(path, names, param)

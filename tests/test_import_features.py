@@ -263,6 +263,11 @@ def test_imported_store_trains_with_fedhead_train_and_natural_clients(files, tmp
         assert json.loads((run / "summary.json").read_text())["final_accuracy"] > 0.5
     res = runner.invoke(app, ["predict", "--model", str(run), "--features", str(out), "--out", str(tmp_path / "p")])
     assert res.exit_code == 0, res.output  # no encoder: the model classifies the store's features
+    np.save(tmp_path / "c.npy", np.arange(90) % 3)  # with .npy labels, the clients are a .npy file too
+    args = ["--train", files / "X.npy", "--train-labels", files / "y.npy", "--test", files / "Xt.npy", "--test-labels",
+            files / "yt.npy", "--clients", tmp_path / "c.npy", "--out", tmp_path / "c.h5"]  # fmt: skip
+    assert runner.invoke(app, ["import", *map(str, args)]).exit_code == 0
+    assert load_store(tmp_path / "c.h5").train_clients.tolist() == (np.arange(90) % 3).tolist()
 
 
 def _bad_files(d: Path, files: Path, x, y, xt, yt) -> dict:
