@@ -14,13 +14,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import one_line_error
+from conftest import crash_at, one_line_error
 from typer.testing import CliRunner
 
 import fedhead
 from cli import app
 from extract.arrays import FeatureStore
 from extract.store import load_store, open_store, store_content_hash, write_store
+from fedhead.federation import job as job_module
 from fedhead.infra.errors import FedheadError
 
 runner = CliRunner()
@@ -145,6 +146,20 @@ def test_run_on_arrays_equals_the_run_on_their_store_and_resumes(data, tmp_path,
     other = FeatureStore.from_arrays(x, y, xt, yt, class_names=CLASSES)  # other class names: another store
     with pytest.raises(FedheadError, match=r"different configuration: the feature store's content \(sha256\)"):
         fedhead.run(features=other, out=tmp_path / "arrays", resume=True, **kw)
+
+
+def test_an_interrupted_run_on_arrays_resumes_from_its_own_directory(data, tmp_path, monkeypatch):
+    """The run directory holds the store (features.h5, named by config.toml): ``run(out=DIR, resume=True)`` alone
+    continues a run on arrays that was cut mid-way, to the rows of the uninterrupted run."""
+    kw = {**FAST, "head": "ova2", "rounds": 3}
+    full = fedhead.run(features=data["arrays"], out=tmp_path / "full", **kw)
+    restore = crash_at(monkeypatch, job_module, "evaluate", 2)
+    with pytest.raises(KeyboardInterrupt):
+        fedhead.run(features=data["arrays"], out=tmp_path / "cut", **kw)
+    restore()
+    assert (tmp_path / "cut" / "features.h5").is_file() and not (tmp_path / "cut" / "summary.json").exists()
+    resumed = fedhead.run(out=tmp_path / "cut", resume=True)
+    assert _same_rows(resumed.rows, full.rows)
 
 
 def test_run_takes_a_store_read_from_a_file_and_refuses_other_features(data, tmp_path):
