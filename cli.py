@@ -64,6 +64,9 @@ def _root(
 COMMANDS = [
     ("extract.commands", "extract_cmd", "extract", None,
      "Encode a dataset with a frozen encoder into an HDF5 feature store (resumable)."),
+    ("extract.commands", "import_cmd", "import", None,
+     "Turn features made elsewhere (.npy, .npz, Parquet, a clip-retrieval output folder) into a feature store with a "
+     "content hash."),
     ("extract.commands", "info_cmd", "info", None, "Print a feature store's metadata and shapes."),
     ("fedhead.commands", "train_cmd", "train", None,
      "Run federated rounds of a linear head over cached features and print the final numbers."),

@@ -1,4 +1,5 @@
-"""``fedhead extract`` and ``fedhead info``: thin typer wrappers over extract.run / extract.store."""
+"""``fedhead extract``, ``fedhead import`` and ``fedhead info``: thin typer wrappers over extract.run /
+extract.importer / extract.store."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Optional
 import typer
 
 from extract.engines import ENGINES, RAY_CONNECT_TIMEOUT_S, extract
+from extract.importer import import_features
 from extract.store import open_store
 from fedhead.infra.console import stdout_console
 from fedhead.infra.exits import cli_errors
@@ -156,3 +158,56 @@ def info_table(info):
             continue
         t.add_row(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v))
     return t
+
+
+@cli_errors
+def import_cmd(
+    out: Path = typer.Option(..., "--out", help="The store to write (.h5)."),
+    train: Optional[Path] = typer.Option(
+        None,
+        "--train",
+        help="Training features: X.npy [N, D], a Parquet file with an embedding column, or a "
+        "clip-retrieval output folder (img_emb/ + metadata/).",
+    ),
+    train_labels: Optional[Path] = typer.Option(
+        None, "--train-labels", help="Training labels: y.npy [N], or a Parquet/CSV table (--label-column), row-aligned."
+    ),
+    test: Optional[Path] = typer.Option(None, "--test", help="Test features, as --train."),
+    test_labels: Optional[Path] = typer.Option(None, "--test-labels", help="Test labels, as --train-labels."),
+    npz: Optional[Path] = typer.Option(None, "--npz", help="One .npz holding both splits (instead of --train/--test)."),
+    keys: str = typer.Option("x_train,y_train,x_test,y_test", "--keys", help="The --npz arrays' names, in that order."),
+    embedding_column: str = typer.Option("embedding", "--embedding-column", help="Parquet: the embedding column."),
+    label_column: str = typer.Option("label", "--label-column", help="Parquet/CSV: the label column."),
+    clients: Optional[str] = typer.Option(
+        None,
+        "--clients",
+        help="Natural clients: the training table's column (the --npz array; with .npy labels a "
+        ".npy file) of each training row's client, for --partition natural.",
+    ),
+    class_names: Optional[Path] = typer.Option(None, "--class-names", help="A text file of class names, one a line."),
+    name: Optional[str] = typer.Option(None, "--name", help="The store's dataset name (default: the file's stem)."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 (exact) or float16 features."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an --out that holds other features."),
+) -> None:
+    """Turn features made elsewhere (.npy, .npz, Parquet, a clip-retrieval output folder) into a feature store with a
+    content hash.
+
+    Refuses in one line, writing nothing: row counts that differ, NaN/inf, object arrays, a missing column or array
+    (listing those present), test labels that are no training class, feature dimensions that differ."""
+    path = import_features(
+        out,
+        train=train,
+        train_labels=train_labels,
+        test=test,
+        test_labels=test_labels,
+        npz=npz,
+        keys=keys,
+        embedding_column=embedding_column,
+        label_column=label_column,
+        clients=clients,
+        class_names=class_names,
+        name=name,
+        dtype=dtype,
+        overwrite=overwrite,
+    )
+    stdout_console().print(str(path), soft_wrap=True)

@@ -751,7 +751,8 @@ def open_store(path: str | os.PathLike, param: str = "--features", check_values:
                 f"({partial_path(p).name} exists). Re-run the same 'fedhead extract' to finish it."
             )
         raise FedheadError(
-            f"The '{param}' parameter names {str(p)!r}, which does not exist. Create it with 'fedhead extract'."
+            f"The '{param}' parameter names {str(p)!r}, which does not exist. Create it with 'fedhead extract' "
+            "(or 'fedhead import' for features made elsewhere)."
         )
     if p.is_dir():
         found = sorted(q.name for q in p.glob("*.h5"))[:3]

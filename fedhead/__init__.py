@@ -4,6 +4,9 @@ The Python API (imported on first use, so ``import fedhead`` stays light):
 
 - :func:`run` (``fedhead.federation.api.run``): run a :class:`TrainConfig` (or its fields as keywords, or an
   experiment file), get the summary and per-round rows;
+- :class:`FeatureStore`: features that come from elsewhere (``FeatureStore.from_arrays(X, y, X_test, y_test)``,
+  another pipeline's embeddings), which :func:`run` takes as ``features=``, with the content hash of the store
+  written from them (``fedhead import`` writes one from ``.npy``/``.npz``/Parquet files, docs/import.md);
 - :func:`register_head`, :class:`Head`, :class:`ClosedFormHead`, :class:`Param`, :class:`LossContext`:
   a head of one's own (a local loss, or a closed-form solve from client statistics); :class:`Interval` and
   :class:`OneOf`, the constraints a :class:`Param` declares; :class:`StatsAccumulator`, what a closed-form head's
@@ -25,6 +28,7 @@ __version__ = "0.1.0"
 
 _API = {
     "run": ("fedhead.federation.api", "run"),
+    "FeatureStore": ("extract.arrays", "FeatureStore"),
     "TrainConfig": ("fedhead.federation.config", "TrainConfig"),
     "register_head": ("fedhead.core.heads", "register_head"),
     "Head": ("fedhead.core.heads", "Head"),

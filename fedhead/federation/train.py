@@ -4,6 +4,7 @@ run it through the one round loop (:func:`fedhead.federation.loop.run_job`) as a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Callable
 import h5py
 import numpy as np
 
+from extract.arrays import keep_store
 from extract.store import Features, StoreInfo, load_store, open_store, store_content_hash
 from fedhead.core.closedform import check_moments_size, is_closed_form
 from fedhead.core.heads import create_head, resolve_head_params
@@ -225,16 +227,24 @@ def run_training(
     runs_root: str = "runs",
     central_cache: dict | None = None,
     overwrite: bool = False,
+    store_file: str | None = None,
 ) -> RunResult:
     """Run, resume or extend ``cfg`` into ``out`` (``overwrite``: replace the run there). ``central_cache``: a dict
     shared by several runs (a bench report) that keeps each centralised ceiling, computed once per head, feature
-    preparation and training labels."""
+    preparation and training labels. ``store_file``: ``store`` exists only in memory (``fedhead.run(features=
+    arrays)``) and is written into the run directory under this name (float32, its content hash unchanged), which
+    config.toml and config.json then name, so that the run can be resumed and its model reloaded."""
     cfg, store = _validated(cfg, store)
     if Path(cfg.features).is_file():  # config.toml and config.json name the store wherever the run is resumed from
         cfg.features = str(Path(cfg.features).resolve())
     if out is not None:
         check_out(Path(out), kind="dir")  # a file there, or below a file: one line, nothing written
     run_dir = Path(out) if out else default_run_dir(runs_root, cfg.head, cfg.partition)
+    held = None
+    if store_file is not None:
+        held = store
+        cfg.features = str((run_dir / store_file).resolve())
+        store = dataclasses.replace(store, info=dataclasses.replace(store.info, path=Path(cfg.features)))
     device = resolve_device(cfg.device)
     run = head_run_dir(cfg, store, run_dir, resume, extendable=None if is_closed_form(cfg.head) else "rounds",
                        overwrite=overwrite, overwrite_param="--overwrite")  # fmt: skip
@@ -247,7 +257,8 @@ def run_training(
 
     with exclusive_writer(run_dir, f"the run directory {str(run_dir)!r}"), run.interrupted(), run.failed():
         transport = InProcessTransport(cfg, store, device, central_cache)
-        summary, rows = run_head(cfg, store, transport, run, record, progress=progress)
+        saved = None if held is None else (lambda: keep_store(held, Path(cfg.features)))
+        summary, rows = run_head(cfg, store, transport, run, record, progress=progress, prepared=saved)
     return RunResult(run_dir, summary, rows)
 
 
@@ -259,15 +270,21 @@ def run_head(
     record: Callable[[Opened], dict],
     *,
     progress: bool = True,
+    prepared: Callable[[], None] | None = None,
 ) -> tuple[dict, list[dict]]:
     """The one entry of a head run over any transport (``fedhead train`` and the bench grids in process, the Flower
     server over its grid): open the run directory (a finished run is reported again), write config.json with
     ``record(opened)`` and config.toml, and run :class:`HeadJob` through the round loop. Returns the summary and
-    the rows."""
+    the rows. ``prepared``: called once the directory is prepared, before config.toml (what the run directory must
+    hold besides, e.g. the store of in-memory features)."""
     opened = run.open()
     if opened.kind == "finished":
         return opened.summary, opened.rows
     with writing(run, run.path / "config.json"):
         run.prepare(record(opened), opened)
+    if prepared is not None:
+        with writing(run, run.path):
+            prepared()
+    with writing(run, run.path / "config.toml"):
         write_experiment(run.path, cfg)  # config.toml: fedhead train --config RUN/config.toml repeats the run
     return run_job(HeadJob(cfg, store, transport), run, opened, progress=progress)
