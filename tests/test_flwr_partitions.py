@@ -229,3 +229,24 @@ def test_train_with_flwr_partitions_records_them_and_resumes(tiny_store, tmp_pat
     assert again.summary["final_accuracy"] == fresh.summary["final_accuracy"]
     r = runner.invoke(cli.app, [*base, *flwr, "--partition-arg", "min_partition_size=6", "--out", str(out), "--resume"])
     assert r.exit_code != 0 and "--partition-arg" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_flower_nodes_compute_the_same_flwr_partition_as_fedhead_train(tiny_store, tmp_path):
+    """A Flower run (the real ServerApp strategy and ClientApp over the in-process grid) builds each node's part from
+    the run config like every other partition: the same rounds as fedhead train's."""
+    pytest.importorskip("flwr")
+    from fedhead.federation.train import run_training
+    from fedhead.flower.client_app import make_client_app
+    from fedhead.flower.inprocess import InProcessGrid, sim_nodes, task_identity
+    from fedhead.flower.server_app import run_server
+    from fedhead.flower.strategy import ServerSettings
+
+    cfg = TrainConfig(features=str(tiny_store), head="ova", clients=4, rounds=2, local_epochs=1, device="cpu",
+                      partition="flwr:DirichletPartitioner", partition_arg={"alpha": 0.5, "min_partition_size": 5},
+                      plots=False)  # fmt: skip
+    ref = run_training(cfg, out=tmp_path / "train", progress=False)
+    with task_identity():
+        grid = InProcessGrid(make_client_app(str(tiny_store)), sim_nodes(cfg.clients))
+        res = run_server(grid, cfg, ServerSettings(out=str(tmp_path / "flower"), wait_timeout=5))
+    got, want = ([float(r["accuracy"]) for r in x.rows] for x in (res, ref))
+    np.testing.assert_allclose(got, want, atol=1e-9)
