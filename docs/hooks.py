@@ -97,7 +97,7 @@ def keys_table() -> str:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
+    return text.replace("|", "\\|").replace("<", "&lt;")  # flwr:<ClassName> is no HTML tag
 
 
 def registries_markdown() -> str:
@@ -138,7 +138,9 @@ def fields_markdown() -> str:
         for f in FIELD_LIST:
             if f.group != group:
                 continue
-            kind = {list: "list of int", tuple: "two floats"}.get(f.type, f.type.__name__)
+            kind = {list: "list of int", tuple: "two floats", dict: "KEY=VALUE items (a table)"}.get(
+                f.type, f.type.__name__
+            )
             default = "required" if f.required else f.shown_default()
             unit = f" ({f.unit})" if f.unit else ""
             out.append(

@@ -34,7 +34,8 @@ from fedhead.interface.options import ExperimentArgs, with_experiment_options
 
 MODEL_HELP = "the model to change: a run directory, a model card (model-seed<S>.json) or its .safetensors"
 SEED_HELP = "the seed whose model to change, in a run directory \\[the run's lowest seed]"
-PARTITION_FIELDS = ["partition", "clients", *sorted({p.name for spec in PARTITIONS.values() for p in spec.params})]
+PARTITION_FIELDS = ["partition", "clients", *sorted({p.name for spec in PARTITIONS.values() for p in spec.params}),
+                    "partition_arg"]  # fmt: skip
 
 
 def retrain_without(model: str | os.PathLike, clients, out: str | os.PathLike, *, seed: int | None = None,

@@ -174,6 +174,26 @@ CASES = [
     # ---- train: unknown names
     Case(TRAIN, "--head bogus", "'--head'"),
     Case(TRAIN, "--partition bogus", "'--partition'"),
+    Case(TRAIN, "--partition flwr:Bogus", "flwr-datasets partitioner", name="unknown flwr-datasets partitioner"),
+    Case(
+        TRAIN,
+        "--partition flwr:DirichletPartitioner --partition-arg alpha=1 --partition-arg beta=2",
+        "takes: alpha",
+        name="flwr partitioner keyword it does not take",
+    ),  # fmt: skip
+    Case(
+        TRAIN,
+        "--partition flwr:DirichletPartitioner --partition-arg alpha=[0.1,",
+        "does not parse",
+        name="flwr partitioner value that does not parse",
+    ),  # fmt: skip
+    Case(
+        TRAIN,
+        "--partition flwr:DirichletPartitioner --partition-arg alpha=-1",
+        "ValueError",
+        name="flwr partitioner raising",
+    ),  # fmt: skip
+    Case(TRAIN, "--partition iid --partition-arg alpha=0.1", "'--partition-arg'", name="partition-arg without flwr:"),
     Case(TRAIN, "--recipe bogus", "'--recipe'"),
     Case(TRAIN, "--optimizer bogus", "'--optimizer'"),
     Case(TRAIN, "--aggregate bogus", "'--aggregate'"),

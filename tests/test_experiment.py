@@ -19,10 +19,11 @@ from typer.testing import CliRunner
 
 import cli
 import fedhead
-from fedhead.federation.config import TrainConfig, load_experiment
+from fedhead.federation.config import TrainConfig, _toml_value, load_experiment
 from fedhead.federation.experiment import (
     FIELD_LIST,
     FIELDS,
+    FLWR,
     GIVEN,
     ITERATIVE,
     NOT_NONE,
@@ -104,7 +105,7 @@ def test_every_field_is_an_option_of_train_and_flower_simulate_with_its_default(
 
 def test_every_field_is_a_key_of_the_experiment_file_and_a_keyword_of_trainconfig_and_run(tmp_path):
     values = {f.name: _sample(f) for f in FIELD_LIST}
-    text = "\n".join(f"{k} = {json.dumps(list(v) if isinstance(v, tuple) else v)}" for k, v in values.items())
+    text = "\n".join(f"{k} = {_toml_value(v)}" for k, v in values.items())  # as fedhead writes config.toml
     (tmp_path / "all.toml").write_text(text + "\n")
     loaded = load_experiment(tmp_path / "all.toml")
     assert set(loaded) == set(FIELDS)
@@ -122,6 +123,7 @@ def _sample(f):
     special = {
         "features": "store.h5",
         "partition": "shard",
+        "partition_arg": {"alpha": 0.5, "partition_sizes": [1, 2]},
         "head": "fedabc",
         "init": "ridge",
         "recipe": "paper",
@@ -360,7 +362,7 @@ def _context(f) -> dict:
         return {}
     w = f.applies[0]
     value = (
-        {ITERATIVE: "softmax", GIVEN: "ridge", NOT_NONE: "symmetric"}.get(w.values)
+        {ITERATIVE: "softmax", GIVEN: "ridge", NOT_NONE: "symmetric", FLWR: "flwr:IidPartitioner"}.get(w.values)
         if isinstance(w.values, str)
         else w.choices[0]
     )

@@ -20,6 +20,13 @@ from typing import Any, Callable
 
 import numpy as np
 
+from fedhead.core.flwr_partitions import (
+    FLWR_PREFIX,
+    flwr_needs_clients,
+    flwr_partition,
+    is_flwr,
+    resolve_flwr_args,
+)
 from fedhead.infra.errors import FedheadError, Interval, OneOf, param_error, unknown_name, validate
 from fedhead.infra.params import Param, doc_line  # the declared-parameter record shared with the head registry
 
@@ -27,6 +34,7 @@ __all__ = [
     "PARTITIONS",
     "Param",
     "PartitionSpec",
+    "partition_spec",
     "register_partition",
     "partition_names",
     "resolve_partition_params",
@@ -78,9 +86,14 @@ def partition_names() -> list[str]:
     return sorted(PARTITIONS)
 
 
-def _spec(name: str) -> PartitionSpec:
+def partition_spec(name: str) -> PartitionSpec:
+    """The partition ``name``: a registered one, or flwr-datasets' partitioner ``flwr:<ClassName>``
+    (:mod:`fedhead.core.flwr_partitions`; its one parameter, ``partition_arg``, holds the partitioner's keyword
+    arguments). An unknown name is one line listing the registered ones."""
+    if is_flwr(name):
+        return PartitionSpec(name=name, fn=flwr_partition, needs_clients=flwr_needs_clients(name))
     if name not in PARTITIONS:
-        raise unknown_name("--partition", name, PARTITIONS, "partition")
+        raise unknown_name("--partition", name, [*PARTITIONS, FLWR_PREFIX + "<ClassName>"], "partition")
     return PARTITIONS[name]
 
 
@@ -94,13 +107,15 @@ def resolve_partition_params(name: str, **params: Any) -> dict:
     Parameters declared by other partitions may be passed as None (the CLI passes every option); a
     non-None value for a parameter this partition does not take is an error naming its flag.
     """
-    spec = _spec(name)
+    spec = partition_spec(name)
+    if is_flwr(name):
+        return _resolve_flwr(name, params)
     declared = {p.name: p for p in spec.params}
     flags = _all_flags()
     for key, value in params.items():
-        if key in declared or value is None:
+        if key in declared or value is None or (key == FLWR_PARAM and not value):
             continue
-        flag = flags.get(key, key)
+        flag = flags.get(key, FLWR_FLAG if key == FLWR_PARAM else key)
         takes = ", ".join(p.flag for p in spec.params) or "no parameters"
         raise FedheadError(
             f"The '{flag}' parameter does not apply to --partition {name}. Got {value!r} instead. "
@@ -119,6 +134,23 @@ def resolve_partition_params(name: str, **params: Any) -> dict:
     return out
 
 
+FLWR_PARAM, FLWR_FLAG = "partition_arg", "--partition-arg"  # the keyword arguments of a flwr: partition
+
+
+def _resolve_flwr(name: str, params: dict) -> dict:
+    """``{"partition_arg": {...}}`` of a ``flwr:`` partition, checked against its class; a registered partition's
+    parameter given with it is one line pointing to ``--partition-arg``."""
+    flags = _all_flags()
+    for key, value in params.items():
+        if key != FLWR_PARAM and value is not None:
+            flag = flags.get(key, key)
+            raise FedheadError(
+                f"The '{flag}' parameter does not apply to --partition {name}. Got {value!r} instead. Give "
+                f"flwr-datasets' keyword arguments as {FLWR_FLAG} KEY=VALUE (e.g. {FLWR_FLAG} alpha=0.1)."
+            )
+    return {FLWR_PARAM: resolve_flwr_args(name, params.get(FLWR_PARAM))}
+
+
 def create_partition(
     name: str,
     labels: np.ndarray,
@@ -133,9 +165,11 @@ def create_partition(
 
     Returns ``num_clients`` int64 arrays, each sorted ascending, pairwise disjoint; identical for the same
     seed and parameters. ``client_ids`` (int [N]: each sample's client recorded in the store) is what a partition
-    registered with ``needs_clients`` (``natural``) reads; the others ignore it.
+    registered with ``needs_clients`` (``natural``) reads; the others ignore it. A ``flwr:<ClassName>`` partition
+    (flwr-datasets' partitioner, :mod:`fedhead.core.flwr_partitions`) takes its keyword arguments as
+    ``partition_arg={...}``; it may leave samples out where the partitioner does (a shard partitioner's remainder).
     """
-    spec = _spec(name)
+    spec = partition_spec(name)
     kw = resolve_partition_params(name, **params)
     labels = np.asarray(labels)
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
@@ -164,9 +198,12 @@ def create_partition(
         features = np.asarray(features)
         if features.ndim != 2 or features.shape[0] != n:
             raise FedheadError(f"Partition {name} needs features of shape [{n}, d]; got {features.shape}.")
-    extra = {"client_ids": check_client_ids(name, client_ids, n, num_clients)} if spec.needs_clients else {}
-    rng = np.random.default_rng(int(seed))
-    parts = spec.fn(labels, num_clients, rng, features=features, **kw, **extra)
+    if is_flwr(name):  # flwr-datasets' partitioner, seeded by the run's seed (it draws its own numbers)
+        parts = flwr_partition(name, labels, num_clients, seed=int(seed), args=kw[FLWR_PARAM], client_ids=client_ids)
+    else:
+        extra = {"client_ids": check_client_ids(name, client_ids, n, num_clients)} if spec.needs_clients else {}
+        rng = np.random.default_rng(int(seed))
+        parts = spec.fn(labels, num_clients, rng, features=features, **kw, **extra)
     parts = [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
     _check_contract(name, parts, n, num_clients)
     return parts

@@ -13,7 +13,7 @@ from fedhead.core.ccvr import client_class_stats
 from fedhead.core.dp import feature_clip, noisy_feature_sums
 from fedhead.core.linalg import clip_rows
 from fedhead.core.noise import apply_noise
-from fedhead.core.partitions import PARTITIONS, class_counts, create_partition
+from fedhead.core.partitions import class_counts, create_partition, partition_spec
 from fedhead.core.sampling import round_clients, sample_clients  # noqa: F401  (here before fedhead.core.sampling)
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.experiment import parse_client_ids
@@ -136,7 +136,7 @@ def build_federation(store: Features, cfg: TrainConfig, seed: int, partition: st
         store.train_y,
         cfg.clients,
         seed=seed,
-        features=store.train_x if PARTITIONS[partition].needs_features else None,
+        features=store.train_x if partition_spec(partition).needs_features else None,
         client_ids=store.train_clients,
         **pparams,
     )

@@ -31,6 +31,7 @@ from fedhead.core.compress import CompressedFedAvg
 from fedhead.core.dp import enabled as dp_enabled
 from fedhead.core.dp import validate_dp
 from fedhead.core.engine import OptimConfig
+from fedhead.core.flwr_partitions import parse_partition_args
 from fedhead.core.heads import HEADS, create_head, resolve_head_params
 from fedhead.core.partitions import PARTITIONS, resolve_partition_params
 from fedhead.core.personal import PERSONAL, create_personalizer
@@ -206,6 +207,8 @@ class _Config:
                 check_value(pf, v, cfg=c)
         if c.server_betas is not None:
             c.server_betas = parse_pair(c.server_betas)
+        if c.partition_arg is not None:  # KEY=VALUE items (flags, Flower) or a table, as one dict (config.toml's)
+            c.partition_arg = parse_partition_args(c.partition_arg) or None
         _check_round_size(c)
         if c.noise != "none" and c.noise_rate == 0:
             raise FedheadError(f"The '--noise-rate' parameter must be > 0 with --noise {c.noise}. Got 0.0 instead.")
@@ -637,6 +640,8 @@ def _typed(f, value: Any, where: str) -> Any:
         if pair is None:
             raise _toml_type_error(key, where, "two numbers, e.g. [0.9, 0.99]", value)
         return pair
+    if f.type is dict:  # partition_arg: a table, or KEY=VALUE items (parsed by its constraint, naming the key)
+        return value
     if f.name == "fedabc_margins" and isinstance(value, list):
         return ",".join(str(v) for v in value)
     if not isinstance(value, str):
@@ -717,10 +722,16 @@ def load_experiment(path: str | Path) -> dict:
 
 
 def _toml_value(v: Any) -> str:
-    """One TOML value (arrays inline)."""
+    """One TOML value (arrays and tables inline)."""
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return tomli_w.dumps({"x": v}).split("=", 1)[1].strip()
+
+
+def _toml_key(k: str) -> str:
+    return k if k.replace("_", "").replace("-", "").isalnum() and k.isascii() else _toml_value(k)
 
 
 def experiment_toml(cfg, title: str = "fedhead experiment") -> str:

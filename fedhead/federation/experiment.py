@@ -38,6 +38,7 @@ from fedhead.core.clock import STALENESS
 from fedhead.core.compress import COMPRESSED, DEFAULT_TOPK_FRACTION
 from fedhead.core.dual import DUAL_MODES
 from fedhead.core.engine import BACKENDS
+from fedhead.core.flwr_partitions import FLWR_PREFIX, is_flwr, parse_partition_args
 from fedhead.core.heads import HEADS
 from fedhead.core.noise import ASYM_RULES, NOISE
 from fedhead.core.partitions import PARTITIONS
@@ -93,6 +94,7 @@ REQUIRED = object()  # the default of a field that has none (features)
 ITERATIVE = "iterative"  # a head trained by local steps (not closed form)
 GIVEN = "given"  # any value but None
 NOT_NONE = "not none"  # any value but the string "none"
+FLWR = FLWR_PREFIX + "<ClassName>"  # a flwr-datasets partitioner (--partition flwr:<ClassName>)
 
 
 # ---------------------------------------------------------------- declarations
@@ -126,7 +128,13 @@ class Names:
         return list(_REGISTRIES[self.registry][0]())
 
     def ok(self, v: Any) -> bool:
+        if self.registry == "partition" and is_flwr(v):  # its class is checked where it is resolved (partitions)
+            return True
         return isinstance(v, str) and v in self.names()
+
+    def shown(self) -> list[str]:
+        """The names a refusal lists: the registry's, and flwr:<ClassName> for a partition."""
+        return self.names() + ([FLWR] if self.registry == "partition" else [])
 
     def describe(self) -> str:
         return f"must be a known {self.what}"
@@ -145,6 +153,22 @@ class ClientIds:
 
     def describe(self) -> str:
         return "must be client ids >= 0 separated by commas (each once), or all, e.g. 0,2"
+
+
+@dataclass(frozen=True)
+class PartitionArgs:
+    """flwr-datasets' keyword arguments (--partition-arg): ``KEY=VALUE`` items or a table of literal values
+    (:func:`fedhead.core.flwr_partitions.parse_partition_args`; the class's own keywords are checked when resolved)."""
+
+    def ok(self, v: Any) -> bool:
+        try:
+            parse_partition_args(v)
+        except FedheadError:
+            return False
+        return True
+
+    def describe(self) -> str:
+        return "must be KEY=VALUE items with literal values, e.g. alpha=0.1"
 
 
 @dataclass(frozen=True)
@@ -180,6 +204,8 @@ class When:
             return v is not None
         if self.values == NOT_NONE:
             return v not in (None, "none")
+        if self.values == FLWR:
+            return is_flwr(v)
         return v in self.choices
 
     def wanted(self) -> str:
@@ -191,6 +217,8 @@ class When:
             return f"runs with {flag}"
         if self.values == NOT_NONE:
             return f"{flag} {' | '.join(n for n in NOISE if n != 'none')}"
+        if self.values == FLWR:
+            return f"{flag} {FLWR}"
         return f"{flag} {' | '.join(self.choices)}"
 
 
@@ -532,11 +560,26 @@ FIELD_LIST: list[Field] = [
         str,
         "iid",
         "how the training set is split: iid | shard | dirichlet | bernoulli-dirichlet | zipf | kmeans | natural "
-        "(one client per client id the store records; --clients = their number)",
+        "(one client per client id the store records; --clients = their number) | flwr:<ClassName> (flwr-datasets' "
+        "partitioner, e.g. flwr:DirichletPartitioner; pip install 'fedhead[data]')",
         DATA,
         constraint=Names("partition"),
     ),
     *_registry_fields(PARTITIONS, "partition", DATA),
+    Field(
+        "partition_arg",
+        dict,
+        None,
+        "flwr:<ClassName>: a keyword argument of the flwr-datasets partitioner as KEY=VALUE (repeatable; values are "
+        "literals: numbers, true/false, strings, lists like [1,2]); num_partitions, partition_by and seed come from "
+        "--clients, the labels and the run's seed",
+        DATA,
+        constraint=PartitionArgs(),
+        applies=(When("partition", FLWR),),
+        inert=({}, [], (), ""),
+        default_text="none",
+        kind="partition",
+    ),
     Field(
         "clients",
         int,
@@ -1317,7 +1360,10 @@ def check_value(f: Field, value: Any, param: str | None = None, cfg=None) -> Non
         return
     if isinstance(constraint, Names):
         if not constraint.ok(value):
-            raise unknown_name(param, value, constraint.names(), constraint.what)
+            raise unknown_name(param, value, constraint.shown(), constraint.what)
+        return
+    if isinstance(constraint, PartitionArgs):
+        parse_partition_args(value, param)  # the one-line error says which item and why
         return
     if f.name == "seeds":
         for s in value:

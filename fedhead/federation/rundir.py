@@ -63,7 +63,7 @@ def default_run_dir(root: str | Path, *parts: str) -> Path:
     """A new run directory ``<root>/<stamp>-<parts>`` that no other run has: created here (empty), so two runs that
     start in the same second (a sweep from Python, two shells) never share it; the second gets ``-2``, and so on."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = "-".join([stamp, *[p for p in parts if p]])
+    base = "-".join([stamp, *[p.replace(":", "-") for p in parts if p]])  # flwr:<ClassName>: no ':' in a name
     Path(root).mkdir(parents=True, exist_ok=True)
     for n in range(1, 10_000):
         path = Path(root) / (base if n == 1 else f"{base}-{n}")

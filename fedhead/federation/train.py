@@ -18,7 +18,7 @@ from extract.store import Features, StoreInfo, load_store, open_store, store_con
 from fedhead.core.closedform import check_moments_size, is_closed_form
 from fedhead.core.heads import create_head, resolve_head_params
 from fedhead.core.noise import apply_noise
-from fedhead.core.partitions import PARTITIONS, create_partition, resolve_partition_params
+from fedhead.core.partitions import create_partition, partition_spec, resolve_partition_params
 from fedhead.federation.clients import noise_dataset_name
 from fedhead.federation.config import TrainConfig, check_method
 from fedhead.federation.experiment import NOT_IDENTITY, flag_of
@@ -61,7 +61,7 @@ def validate_config(cfg: TrainConfig, store: Features) -> TrainConfig:
             f"The '--clients' parameter must be <= the number of training samples ({n}). "
             f"Got {cfg.clients} instead. Use fewer clients."
         )
-    if not PARTITIONS[cfg.partition].needs_features:  # cheap: a draw no seed can meet is refused before writing
+    if not partition_spec(cfg.partition).needs_features:  # cheap: a draw no seed can meet is refused before writing
         for seed in cfg.seeds:
             create_partition(
                 cfg.partition,

@@ -193,7 +193,10 @@ def simulate_cmd(
         return
     if resume and out is None:
         raise FedheadError("The '--resume' option needs --out naming the interrupted run's directory. Got none.")
-    out = Path(out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-flower-{cfg.resolved().head}-{cfg.partition}"))
+    out = Path(
+        out
+        or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-flower-{cfg.resolved().head}-{cfg.partition.replace(':', '-')}")
+    )
     check_out(out, kind="dir")  # before the lock beside it (simulate checks everything else)
     with exclusive_writer(out, f"the run directory {str(out)!r}"):
         try:
@@ -467,7 +470,9 @@ def run_link_job(
 
     open_store(cfg.features, "--features")
     cfg.resolved()
-    out = out or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-flower-{cfg.resolved().head}-{cfg.partition}")
+    out = out or Path("runs") / time.strftime(
+        f"%Y%m%d-%H%M%S-flower-{cfg.resolved().head}-{cfg.partition.replace(':', '-')}"
+    )
     code = link.run(keys, run_config_of(cfg, Path(out), resume, round_timeout, wait_timeout))
     summary_path = Path(out) / "summary.json"
     if code != 0 or not summary_path.exists():

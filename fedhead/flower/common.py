@@ -44,6 +44,7 @@ import re
 from typing import Any
 
 from fedhead.core.closedform import ClientStats, StatsAccumulator, pack_upper, unpack_upper
+from fedhead.core.flwr_partitions import format_partition_args, parse_partition_args
 from fedhead.federation.config import TrainConfig
 from fedhead.federation.experiment import FIELD_LIST, FIELDS, RUN_OPTIONS, parse_pair, parse_seeds, plugin_field
 from fedhead.flower import require_flower  # noqa: F401 - where the Flower modules import it
@@ -85,7 +86,10 @@ def app_config_defaults() -> dict:
 
 
 def _rc_value(f, v: Any) -> Any:
-    """A field's value as a run-config value (Flower's values are scalars: lists as comma-separated text)."""
+    """A field's value as a run-config value (Flower's values are scalars: lists as comma-separated text,
+    --partition-arg's table as KEY=VALUE text)."""
+    if f.type is dict:
+        return format_partition_args(parse_partition_args(v))
     if isinstance(v, (list, tuple)):
         return ",".join(str(x) for x in v)
     return v
@@ -134,6 +138,8 @@ def _coerce(key: str, f, v: Any) -> Any:
     want = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(f.type)
     if f.type is list:
         return parse_seeds(v, key)
+    if f.type is dict:  # partition-arg: KEY=VALUE text (parsed, naming the key)
+        return parse_partition_args(v, key) or None
     if f.type is tuple:
         pair = parse_pair(v)
         if pair is None:

@@ -21,6 +21,7 @@ import typer
 from click.core import ParameterSource
 from rich.markup import escape
 
+from fedhead.core.flwr_partitions import parse_partition_args
 from fedhead.federation.api import resolved_run
 from fedhead.federation.config import TrainConfig, load_experiment
 from fedhead.federation.experiment import (
@@ -77,6 +78,8 @@ def option(
         return Optional[List[str]], typer.Option(None, flag, metavar="INT[,INT...]", **kw)
     if f.type is tuple:  # server_betas: "b1,b2"
         return Optional[str], typer.Option(None, flag, metavar="B1,B2", **kw)
+    if f.type is dict:  # partition_arg: repeated KEY=VALUE
+        return Optional[List[str]], typer.Option(None, flag, metavar="KEY=VALUE", **kw)
     t = Path if f.name in ("features", "out") else f.type
     return (t if default is not None else Optional[t]), typer.Option(default, flag, **kw)
 
@@ -132,6 +135,8 @@ def _parse(name: str, value: Any) -> Any:
         return pair
     if name == "features":
         return str(value)
+    if name == "partition_arg":  # repeated KEY=VALUE: one dict (an empty list: not given)
+        return parse_partition_args(value) or None
     return value
 
 
