@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import pickle
 import tarfile
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from extract import formats as F
+from extract.datasets import load_dataset
 from extract.run import extract_features
 from extract.store import load_store, open_store
 from fedhead.infra.errors import FedheadError
@@ -167,12 +169,12 @@ def test_every_format_gives_the_image_folders_store(fmt, data, reference, tmp_pa
 
 
 def test_class_names_rule_and_label_kinds():
-    def scan(raw, param="--data-dir", names=None):
+    def scan(raw, names=None):
         kinds = {}
         for k, v in enumerate(raw):
-            F._note_kind(F.Scan(param), v, "x")
-            kinds.setdefault(F._kind(v), f"part{k}") if v is not None else None
-        return F.Scan(param, names=[f"r{k}" for k in range(len(raw))], raw=raw, kinds=kinds, class_names=names)
+            if v is not None:
+                kinds.setdefault(F._kind(v), f"part{k}")
+        return F.Scan("--data-dir", names=[f"r{k}" for k in range(len(raw))], raw=raw, kinds=kinds, class_names=names)
 
     tr = scan([2, 0, None, 2])
     assert F.to_split("parquet", "train", tr, tr, True).class_names == ["0", "1", "2"]
@@ -190,6 +192,24 @@ def test_class_names_rule_and_label_kinds():
     assert F.to_split("hf-disk", "train", named, named, True).class_names == ["x", "y"]
 
 
+def test_sources_pickle_and_subset(data):
+    """A split's records read the same after pickling (DataLoader workers) and through a --limit subset."""
+    splits = [
+        load_dataset("webdataset", data / "wds", "train", options={}),
+        load_dataset("parquet", data / "pq", "train", options={"image_column": "img"}),
+        load_dataset("hf-disk", data / "hf", "train", options={}),
+    ]
+    for split in splits:
+        first = split.source.read(0)
+        again = pickle.loads(pickle.dumps(split))
+        assert again.source.read(0) == first and again.paths == split.paths
+        idx = np.array([1, len(split) - 1])
+        sub = split.subset(idx)
+        assert [sub.source.read(k) for k in range(2)] == [split.source.read(int(i)) for i in idx]
+        assert sub.paths == [split.paths[int(i)] for i in idx] and np.array_equal(sub.labels, split.labels[idx])
+        assert np.array_equal(sub.image(0), split.image(1))
+
+
 def test_corrupt_records_are_named_and_skipped(data, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -199,6 +219,8 @@ def test_corrupt_records_are_named_and_skipped(data, tmp_path):
                                     ("c.cls", b"bee"), ("d.png", good), ("d.pyd", b"\x80\x04K\x01."),
                                     ("e.png", good), ("e.cls", b"bee")])  # fmt: skip
     _tar(tmp_path / "test-0.tar", [("t.png", good), ("t.cls", b"ant")])
+    bad = load_dataset("webdataset", tmp_path, "train", options={}).source.bad
+    assert bad[2].startswith("no image member") and "its .pyd member is never unpickled" in bad[3] and len(bad) == 2
     with pytest.raises(FedheadError, match=r"train-0\.tar:b' is not an image"):
         _extract("webdataset", tmp_path, tmp_path / "w.h5")
     path = _extract("webdataset", tmp_path, tmp_path / "w.h5", skip_corrupt=True)
