@@ -8,6 +8,7 @@ import csv
 import io
 import json
 import pickle
+import sys
 import tarfile
 from pathlib import Path
 
@@ -208,6 +209,50 @@ def test_sources_pickle_and_subset(data):
         assert [sub.source.read(k) for k in range(2)] == [split.source.read(int(i)) for i in idx]
         assert sub.paths == [split.paths[int(i)] for i in idx] and np.array_equal(sub.labels, split.labels[idx])
         assert np.array_equal(sub.image(0), split.image(1))
+
+
+def test_other_spellings_read_the_same_records(data, tmp_path):
+    """Arrow IPC (feather file, stream) tables read as the Parquet ones; a JSON-lines list and a folder of
+    train.csv/test.csv read as the CSV list with a split column."""
+    import pyarrow as pa
+    import pyarrow.feather as feather
+    import pyarrow.parquet as pq
+
+    (tmp_path / "arrow").mkdir()
+    for split in ("train", "test"):
+        t = pq.read_table(data / f"pq/{split}-00000-of-00001.parquet")
+        if split == "train":
+            feather.write_feather(t, tmp_path / "arrow/train.feather", chunksize=3)
+        else:
+            with pa.ipc.new_stream(tmp_path / "arrow/test.arrow", t.schema) as w:
+                w.write_table(t, max_chunksize=3)
+    opts = {"image_column": "img", "client_column": "owner"}
+    for split in ("train", "test"):
+        a, b = (load_dataset("parquet", d, split, options=opts) for d in (data / "pq", tmp_path / "arrow"))
+        assert np.array_equal(a.labels, b.labels) and a.class_names == b.class_names
+        assert all(a.source.read(i) == b.source.read(i) for i in range(len(a)))
+    rows = list(csv.DictReader(open(data / "list.csv")))
+    jsonl = "".join(json.dumps(r) + "\n" for r in rows)
+    for split in ("train", "test"):  # header-less: path,label,client
+        lines = [f"{r['path']},{r['label']},{r['client']}\n" for r in rows if r["split"] == split]
+        (data / f"{split}.csv").write_text("".join(lines))
+    (data / "list.jsonl").write_text(jsonl)
+    for split in ("train", "test"):
+        ref = load_dataset("filelist", data / "list.csv", split, options={"client_column": "client"})
+        for d in (data / "list.jsonl", data):
+            got = load_dataset("filelist", d, split, options={"client_column": "client"})
+            assert np.array_equal(ref.labels, got.labels) and ref.class_names == got.class_names
+            assert ref.paths == got.paths and (split == "test" or np.array_equal(ref.clients, got.clients))
+    (tmp_path / "list.jsonl").write_text(jsonl)
+    (tmp_path / "images").symlink_to(data / "images")
+    with pytest.raises(FedheadError, match="outside its folder"):  # a symlink out of the list's folder
+        load_dataset("filelist", tmp_path / "list.jsonl", "train", options={})
+
+
+def test_a_missing_package_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "braceexpand", None)  # import braceexpand then raises ImportError
+    with pytest.raises(FedheadError, match=r"pip install 'fedhead\[data\]'"):
+        F.expand("x-{0..1}.tar", "--train-shards")
 
 
 def test_corrupt_records_are_named_and_skipped(data, tmp_path):
