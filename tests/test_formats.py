@@ -97,10 +97,12 @@ def _parquet(root: Path, recs) -> None:
 def _hf(root: Path, recs) -> None:
     import datasets
 
-    feats = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=list(CLASSES))})
+    feats = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=list(CLASSES)),
+                               "who": datasets.Value("string")})  # fmt: skip
     dd = datasets.DatasetDict({
         s: datasets.Dataset.from_dict({"image": [{"bytes": r["png"], "path": None} for r in rs],
-                                       "label": [CLASSES.index(r["cls"]) for r in rs]}, features=feats)
+                                       "label": [CLASSES.index(r["cls"]) for r in rs],
+                                       "who": [r["client"] for r in rs]}, features=feats)
         for s, rs in recs.items()
     })  # fmt: skip
     dd.save_to_disk(str(root / "hf"))
@@ -149,7 +151,7 @@ FORMATS = {
         ),
     ),  # fmt: skip
     "parquet": lambda d: (d / "pq", dict(image_column="img", client_column="owner", num_workers=1)),
-    "hf-disk": lambda d: (d / "hf", {}),
+    "hf-disk": lambda d: (d / "hf", dict(client_column="who")),
     "filelist": lambda d: (d / "list.csv", dict(client_column="client")),
 }
 
@@ -162,9 +164,9 @@ def test_every_format_gives_the_image_folders_store(fmt, data, reference, tmp_pa
     for a, b in ((s.train_x, reference.train_x), (s.test_x, reference.test_x), (s.train_y, reference.train_y),
                  (s.test_y, reference.test_y)):  # fmt: skip
         assert np.array_equal(a, b)
-    if fmt != "hf-disk":  # natural clients: from a column, or the pattern on the WebDataset key / file name
-        assert s.info.client_names == reference.info.client_names == sorted(HOLDINGS)
-        assert np.array_equal(s.train_clients, reference.train_clients)
+    # natural clients: from a column, or the pattern on the WebDataset key / the file name
+    assert s.info.client_names == reference.info.client_names == sorted(HOLDINGS)
+    assert np.array_equal(s.train_clients, reference.train_clients)
     request = open_store(s.info.path).attrs["request"]
     assert set(request["records_sha256"]) == {"train", "test"}
 
