@@ -398,14 +398,23 @@ def _webdataset(data_dir, split, *, rgb=True, download=False, options=None):
 # ---------------------------------------------------------------- Parquet / Arrow tables
 
 
-def _arrow_table(path: str):
-    """An Arrow IPC file or stream (feather v2, a ``datasets`` cache file), memory-mapped: nothing is read yet."""
-    pa = need("pyarrow")
-    source = pa.memory_map(path, "r")
-    try:
-        return pa.ipc.open_file(source).read_all()
-    except pa.ArrowInvalid:
-        return pa.ipc.open_stream(pa.memory_map(path, "r")).read_all()
+class ArrowBatches:
+    """The record batches of an Arrow IPC file (feather v2: each batch read when asked, decompressed then) or stream
+    (a ``datasets`` cache file: uncompressed, its batches memory-mapped views, nothing copied)."""
+
+    def __init__(self, path: str):
+        pa = need("pyarrow")
+        try:
+            self.reader = pa.ipc.open_file(pa.memory_map(path, "r"))
+            self.schema, self.batches = self.reader.schema, None
+            self.count = self.reader.num_record_batches
+        except pa.ArrowInvalid:
+            stream = pa.ipc.open_stream(pa.memory_map(path, "r"))
+            self.schema, self.batches = stream.schema, list(stream)
+            self.count = len(self.batches)
+
+    def batch(self, g: int):
+        return self.batches[g] if self.batches is not None else self.reader.get_batch(g)
 
 
 class TableRecords:
@@ -437,15 +446,15 @@ class TableRecords:
         if self._file is None or self._file[:2] != (os.getpid(), f):
             path = self.files[f]
             pq = need("pyarrow.parquet")
-            table = pq.ParquetFile(path) if path.endswith(".parquet") else _arrow_table(path).to_batches()
+            table = pq.ParquetFile(path) if path.endswith(".parquet") else ArrowBatches(path)
             self._file = (os.getpid(), f, table)
         return self._file[2]
 
     def _column(self, f: int, g: int):
         if self._group is None or self._group[:3] != (os.getpid(), f, g):
             opened = self._opened(f)
-            if isinstance(opened, list):
-                col = opened[g].column(self.column)
+            if isinstance(opened, ArrowBatches):
+                col = opened.batch(g).column(self.column)
             else:
                 col = opened.read_row_group(g, columns=[self.column]).column(0).combine_chunks()
             self._group = (os.getpid(), f, g, col)
@@ -511,7 +520,7 @@ def hf_class_names(schema, label: str) -> list | None:
 
 
 def _groups(path: str, param: str):
-    """(schema, [(group index, rows, reader of columns)]) of a Parquet or Arrow table."""
+    """(schema, [(group index, reader of columns)]) of a Parquet or Arrow table."""
     pq = need("pyarrow.parquet")
     pa = need("pyarrow")
     try:
@@ -526,18 +535,20 @@ def _groups(path: str, param: str):
                         "Rewrite it with smaller row groups (pyarrow's row_group_size)."
                     )
             return pf.schema_arrow, [
-                (g, md.row_group(g).num_rows, lambda cols, g=g: pf.read_row_group(g, columns=cols))
-                for g in range(md.num_row_groups)
+                (g, lambda cols, g=g: pf.read_row_group(g, columns=cols)) for g in range(md.num_row_groups)
             ]
-        table = _arrow_table(path)
-        batches = table.to_batches()
-        return table.schema, [(g, b.num_rows, lambda cols, b=b: pa.Table.from_batches([b]).select(cols))
-                        for g, b in enumerate(batches)]  # fmt: skip
+        arrow = ArrowBatches(path)
+        return arrow.schema, [(g, lambda cols, g=g: pa.Table.from_batches([arrow.batch(g)]).select(cols))
+                              for g in range(arrow.count)]  # fmt: skip
     except (pa.ArrowException, OSError) as exc:
-        raise FedheadError(
-            f"The '{param}' parameter names {path!r}, which is not a readable Parquet or Arrow table "
-            f"({type(exc).__name__}: {str(exc)[:80]}). Got that file. Give .parquet, .arrow or .feather tables."
-        ) from None
+        raise _table_error(path, param, exc) from None
+
+
+def _table_error(path: str, param: str, exc: Exception) -> FedheadError:
+    return FedheadError(
+        f"The '{param}' parameter names {path!r}, which is not a readable Parquet or Arrow table "
+        f"({type(exc).__name__}: {str(exc)[:80]}). Got that file. Give .parquet, .arrow or .feather tables."
+    )
 
 
 def scan_tables(files: list, param: str, options: dict, class_names=None) -> Scan:
@@ -553,8 +564,12 @@ def scan_tables(files: list, param: str, options: dict, class_names=None) -> Sca
         if scan.class_names is None and f == 0:
             scan.class_names = hf_class_names(schema, label)
         first = len(where)
-        for g, rows, read in groups:
-            cols = read([label] + ([client] if client else []))
+        for g, read in groups:
+            try:
+                cols = read([label] + ([client] if client else []))
+            except (need("pyarrow").ArrowException, OSError) as exc:
+                raise _table_error(path, param, exc) from None
+            rows = cols.num_rows
             labels, kind = _values(cols.column(0).combine_chunks(), path, "--label-column")
             owners = _values(cols.column(1).combine_chunks(), path, "--client-column")[0] if client else None
             for r in range(rows):

@@ -291,6 +291,9 @@ def _bad_inputs(d: Path, tmp: Path) -> dict:
     (tmp / "notar").mkdir()
     (tmp / "notar/train-0.tar").write_bytes(b"this is no tar file" * 10)
     (tmp / "notar/test-0.tar").write_bytes(b"this is no tar file" * 10)
+    (tmp / "notpq").mkdir()
+    for split in ("train", "test"):
+        (tmp / f"notpq/{split}.parquet").write_bytes(b"PAR1 but not parquet" * 10)
     (tmp / "empty").mkdir()
     for split in ("train", "test"):
         pq.write_table(pa.table({"image": pa.array([], pa.binary()), "label": pa.array([], pa.int64())}),
@@ -318,6 +321,7 @@ def _bad_inputs(d: Path, tmp: Path) -> dict:
         ),  # fmt: skip
         "not a tar": (wds + ["--data-dir", str(tmp / "notar")], "not a readable uncompressed tar shard"),
         "no column": (["--dataset", "parquet", "--data-dir", str(d / "pq")], "lacks (it has: img, label, owner)"),
+        "not a table": (["--dataset", "parquet", "--data-dir", str(tmp / "notpq")], "not a readable Parquet or Arrow"),
         "empty table": (["--dataset", "parquet", "--data-dir", str(tmp / "empty")], "Got an empty train split"),
         "label kinds": (wds + ["--data-dir", str(tmp / "kinds")], "train-0.tar' holds integer labels"),
         "unseen label": (wds + ["--data-dir", str(tmp / "unseen")], "'zebra', which no training record has"),
