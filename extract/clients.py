@@ -9,7 +9,10 @@ Three sources, one at a time (``fedhead extract``):
   (``train/cat/1.png``), relative to the train folder (``cat/1.png``) or the bare file name when that is
   unique; every training image needs a row;
 * ``--client-pattern REGEX``: a regular expression with a named group ``client``, searched in each
-  training file's name (``re.search``); ``'^(?P<client>[^_]+)_'`` takes Speech Commands' speaker id.
+  training file's name (``re.search``); ``'^(?P<client>[^_]+)_'`` takes Speech Commands' speaker id. For
+  ``--dataset webdataset`` it is searched in each record's key (its last part);
+* ``--client-column NAME``: a column of the table or file list (``--dataset parquet``, ``hf-disk``, ``filelist``,
+  :mod:`extract.formats`), read by the dataset's loader.
 
 Client ids are the sorted client names' indices (``train/clients`` int64 and ``client_names`` in the store,
 see :mod:`extract.store`); ``--partition natural`` makes one federated client per id.
@@ -25,17 +28,18 @@ from pathlib import Path
 import numpy as np
 
 from extract import datasets as D
+from extract import formats as F
 from fedhead.infra.devices import check_budget
 from fedhead.infra.errors import FedheadError
 
-SOURCES = ("--client-folders", "--clients-csv", "--client-pattern")
+SOURCES = ("--client-folders", "--clients-csv", "--client-pattern", "--client-column")
 FOLDERS_LAYOUT = "<data-dir>/train/<client>/<class>/*.jpg and <data-dir>/test/<class>/*.jpg"
 CSV_INFLATE = 8  # memory per byte of a clients CSV once read (two strings and a dict entry per short row)
 
 
-def check_sources(folders: bool, csv_path, pattern) -> str | None:
+def check_sources(folders: bool, csv_path, pattern, column: str | None = None) -> str | None:
     """The one source of client ids given (its flag), None if none; refuses two at once in one line."""
-    given = [f for f, v in zip(SOURCES, (folders, csv_path, pattern)) if v]
+    given = [f for f, v in zip(SOURCES, (folders, csv_path, pattern, column)) if v]
     if len(given) > 1:
         raise FedheadError(
             f"The '{given[1]}' parameter cannot be combined with {given[0]}: a store records one client per "
@@ -195,13 +199,15 @@ def identity(ids: np.ndarray, names: list[str]) -> str:
 
 def assign(split: D.ImageSplit, source: str, data_dir, csv_path, pattern) -> tuple[np.ndarray, list[str]]:
     """The training split's client ids and names from the given ``source`` (one of :data:`SOURCES`)."""
-    if source == "--client-folders":
+    if source in ("--client-folders", "--client-column"):
         return encode(split.clients)
-    if split.paths is None:
+    if split.source is not None and source == "--client-pattern":
+        return encode(from_pattern(F.pattern_keys(split), pattern))
+    if split.paths is None or split.source is not None:
         raise FedheadError(
-            f"The '{source}' parameter needs a dataset of image files (imagefolder, tinyimagenet): their names "
-            f"say the client. Got the in-memory dataset {split.name!r} instead. Extract an image folder, or drop "
-            f"{source}."
+            f"The '{source}' parameter needs a dataset of image files (imagefolder, tinyimagenet, filelist): their "
+            f"names say the client. Got the dataset {split.name!r} instead. Extract an image folder, or drop "
+            f"{source} (tables take --client-column)."
         )
     names = (
         from_csv(split.paths, csv_path, data_dir) if source == "--clients-csv" else from_pattern(split.paths, pattern)

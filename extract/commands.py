@@ -18,9 +18,14 @@ from fedhead.infra.exits import cli_errors
 @cli_errors
 def extract_cmd(
     dataset: str = typer.Option(
-        ..., "--dataset", help="cifar10, cifar100, mnist, fashion-mnist, tinyimagenet, imagefolder or digits."
+        ...,
+        "--dataset",
+        help="cifar10, cifar100, mnist, fashion-mnist, tinyimagenet, imagefolder, digits, or a format: webdataset, "
+        "parquet, hf-disk, filelist.",
     ),
-    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Dataset folder (not needed for digits)."),
+    data_dir: Optional[Path] = typer.Option(
+        None, "--data-dir", help="Dataset folder, or a filelist's .csv/.jsonl (not needed for digits)."
+    ),
     encoder: str = typer.Option(..., "--encoder", help="timm model name or clip:MODEL/PRETRAINED."),
     weights: Optional[str] = typer.Option(
         None,
@@ -66,8 +71,24 @@ def extract_cmd(
     client_pattern: Optional[str] = typer.Option(
         None,
         "--client-pattern",
-        help="Natural clients from each training file's name: a regex with a group 'client', e.g. "
-        "'^(?P<client>[^_]+)_'.",
+        help="Natural clients from each training file's name (webdataset: record key): a regex with a group "
+        "'client', e.g. '^(?P<client>[^_]+)_'.",
+    ),
+    client_column: Optional[str] = typer.Option(
+        None, "--client-column", help="Natural clients from a column (parquet, hf-disk, filelist)."
+    ),
+    train_shards: Optional[str] = typer.Option(
+        None,
+        "--train-shards",
+        help="webdataset/parquet: the training shards, a path, glob or brace pattern "
+        "('shards/train-{000000..000009}.tar'); instead of --data-dir.",
+    ),
+    test_shards: Optional[str] = typer.Option(None, "--test-shards", help="The test shards, as --train-shards."),
+    image_column: Optional[str] = typer.Option(
+        None, "--image-column", help="parquet/hf-disk: image bytes column (default image); filelist: path column."
+    ),
+    label_column: Optional[str] = typer.Option(
+        None, "--label-column", help="The label column (default label; webdataset: the .json field)."
     ),
     processes: int = typer.Option(
         1,
@@ -123,6 +144,11 @@ def extract_cmd(
         ray_address=ray_address,
         shard_images=shard_images,
         threads=threads,
+        client_column=client_column,
+        train_shards=train_shards,
+        test_shards=test_shards,
+        image_column=image_column,
+        label_column=label_column,
     )
     stdout_console().print(str(path), soft_wrap=True)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import codecs
 import gzip
+import hashlib
 import io
 import math
 import os
@@ -36,7 +37,7 @@ import pickle
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 
@@ -64,6 +65,8 @@ class ImageSplit:
     rgb: bool = True
     meta: dict = field(default_factory=dict)
     clients: np.ndarray | None = None  # each image's client name (extract.clients: --client-folders)
+    # records read by a reader (extract.formats: tar shards, tables): ``paths`` then holds their names
+    source: RecordSource | None = None
 
     def __len__(self) -> int:
         return int(len(self.labels))
@@ -75,6 +78,8 @@ class ImageSplit:
     def image(self, i: int) -> np.ndarray:
         if self.images is not None:
             return self.images[i]
+        if self.source is not None:
+            return decode_bytes(self.source.read(i), self.rgb)
         return decode_image(self.paths[i], self.rgb)
 
     def subset(self, idx: np.ndarray) -> "ImageSplit":
@@ -89,10 +94,40 @@ class ImageSplit:
             rgb=self.rgb,
             meta=dict(self.meta),
             clients=None if self.clients is None else self.clients[idx],
+            source=None if self.source is None else self.source.subset(idx),
         )
 
 
-def decode_image(path: str, rgb: bool = True) -> np.ndarray:
+class RecordSource(Protocol):
+    """Image records of a split that are not files (:mod:`extract.formats`): picklable to DataLoader workers,
+    opening what it reads lazily in each process."""
+
+    def __len__(self) -> int: ...
+
+    def read(self, i: int) -> bytes:
+        """Record ``i``'s image bytes; :class:`BadRecord` if the record has none or they cannot be read."""
+        ...
+
+    def name(self, i: int) -> str:
+        """Record ``i``'s name in messages and the store's skipped list (shard and key, or table and row)."""
+        ...
+
+    def subset(self, idx: np.ndarray) -> "RecordSource": ...
+
+
+class BadRecord(Exception):
+    """A record that has no readable image (a missing member, a label that does not parse): its reason."""
+
+
+def records_sha256(split: ImageSplit) -> str | None:
+    """SHA-256 of a split's record names, for the formats of :mod:`extract.formats` (part of the store's request:
+    other records are another store); None for the other datasets (their requests are unchanged)."""
+    if not split.meta.get("hash_records") or split.paths is None:
+        return None
+    return hashlib.sha256("\n".join(split.paths).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def decode_image(path: "str | io.BytesIO", rgb: bool = True) -> np.ndarray:
     from PIL import Image
 
     with Image.open(path) as im:
@@ -101,6 +136,11 @@ def decode_image(path: str, rgb: bool = True) -> np.ndarray:
         else:
             arr = np.array(im.convert("L"))[..., None]
     return arr
+
+
+def decode_bytes(data: bytes, rgb: bool = True) -> np.ndarray:
+    """An image file's bytes (a record of :mod:`extract.formats`) decoded as :func:`decode_image` decodes a file."""
+    return decode_image(io.BytesIO(data), rgb)
 
 
 class Unreadable(NamedTuple):
@@ -115,6 +155,8 @@ def unreadable_reason(exc: BaseException) -> str:
     """What is wrong with an image file whose decoding raised ``exc``, in a few words."""
     from PIL import Image, UnidentifiedImageError
 
+    if isinstance(exc, BadRecord):
+        return str(exc)
     text = str(exc).replace(str(getattr(exc, "filename", "") or "\0"), "").strip(" :'")
     if isinstance(exc, FileNotFoundError):
         return "missing (removed after the folder was listed)"
@@ -138,19 +180,24 @@ def try_image(split: "ImageSplit", i: int) -> "np.ndarray | Unreadable":
     except Exception as exc:  # noqa: BLE001 - every decoding failure of one file is reported, none swallowed
         if isinstance(exc, (FedheadError, MemoryError)) or split.paths is None:
             raise
-        return Unreadable(int(i), os.path.abspath(split.paths[i]), unreadable_reason(exc))
+        where = split.paths[i] if split.source is not None else os.path.abspath(split.paths[i])
+        return Unreadable(int(i), where, unreadable_reason(exc))
 
 
 LAYOUTS: dict[str, str] = {}
 DATASETS: dict[str, Callable[..., ImageSplit]] = {}
 DOWNLOAD_HINT: dict[str, str] = {}
+# the options a loader takes besides data_dir (extract.formats: --train-shards, --image-column, ...); such a loader
+# checks data_dir itself
+OPTIONS: dict[str, tuple[str, ...]] = {}
 
 
-def register_dataset(name: str, layout: str, hint: str):
+def register_dataset(name: str, layout: str, hint: str, options: tuple[str, ...] = ()):
     def deco(fn):
         DATASETS[name] = fn
         LAYOUTS[name] = layout
         DOWNLOAD_HINT[name] = hint
+        OPTIONS[name] = tuple(options)
         return fn
 
     return deco
@@ -161,13 +208,33 @@ def dataset_names() -> list[str]:
 
 
 def load_dataset(
-    name: str, data_dir: str | os.PathLike | None, split: str, *, rgb: bool = True, download: bool = False
+    name: str,
+    data_dir: str | os.PathLike | None,
+    split: str,
+    *,
+    rgb: bool = True,
+    download: bool = False,
+    options: dict | None = None,
 ) -> ImageSplit:
-    """Load one split of a registered dataset (one-line FedheadError on unknown names or bad folders)."""
+    """Load one split of a registered dataset (one-line FedheadError on unknown names or bad folders). ``options``
+    (flag name without dashes, underscores -> value; None = not given) go to the loaders that take them."""
     if name not in DATASETS:
         raise unknown_name("--dataset", name, DATASETS, "dataset")
     if split not in SPLITS:
         raise param_error("split", split, "must be 'train' or 'test'")
+    given = {k: v for k, v in (options or {}).items() if v is not None}
+    for k in given:
+        if k not in OPTIONS[name]:
+            users = sorted(n for n, o in OPTIONS.items() if k in o)
+            flag = "--" + k.replace("_", "-")
+            raise FedheadError(
+                f"The '{flag}' parameter applies to --dataset {', '.join(users)}. Got it with --dataset {name}. "
+                f"Drop {flag}, or use one of those datasets."
+            )
+    if OPTIONS[name]:
+        return DATASETS[name](
+            Path(data_dir) if data_dir is not None else None, split, rgb=rgb, download=download, options=given
+        )
     if name != "digits" and data_dir is None:
         raise param_error(
             "--data-dir",

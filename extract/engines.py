@@ -139,12 +139,25 @@ def _local(env) -> tuple[int, int]:
 # ---------------------------------------------------------------- one rank
 
 
+SOURCE_OPTIONS = ("train_shards", "test_shards", "image_column", "label_column")  # extract_features -> prepare
+
+
+def prepare_kw(kw: dict) -> dict:
+    """:func:`extract.run.extract_features`' keywords as :func:`extract.run.prepare` takes them (the formats'
+    options in one ``source_options`` dict)."""
+    kw = dict(kw)
+    options = {k: kw.pop(k, None) for k in SOURCE_OPTIONS}
+    if any(v is not None for v in options.values()):
+        kw["source_options"] = options
+    return kw
+
+
 def rank_kw(kw: dict, local_rank: int, local_world: int) -> dict:
     """``prepare``'s keywords for one of ``local_world`` ranks on a node: its own GPU (``cuda:<local rank>``), or a
     share of the cores (``--threads`` default) with the images decoded inline (no core is left for a worker)."""
     import torch
 
-    kw = dict(kw)
+    kw = prepare_kw(kw)
     device = kw.get("device", "auto")
     if device in ("auto", "cuda") and torch.cuda.is_available():
         kw["device"] = f"cuda:{local_rank % torch.cuda.device_count()}"
@@ -419,7 +432,7 @@ def _ray_init(job: Job, threads: int):
 def ray_extract(job: Job) -> Path:
     """``--engine ray``: an actor pool of ``--processes`` encoders over the missing shards (Ray Data), the parts
     written here as they arrive, then the merge."""
-    plan = prepare(job.dataset, job.data_dir, job.encoder, **{**job.kw, "device": "cpu", "threads": 1})
+    plan = prepare(job.dataset, job.data_dir, job.encoder, **{**prepare_kw(job.kw), "device": "cpu", "threads": 1})
     out = _store_path(job, plan)
     if _reusable(out, plan, job.overwrite, job.skip_corrupt, job.progress):
         return out

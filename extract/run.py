@@ -46,6 +46,7 @@ import numpy as np
 
 from extract import clients as K
 from extract import datasets as D
+from extract import formats as F
 from extract.encoders import Encoder, load_encoder, preprocess_batch
 from extract.store import StoreWriter, open_store, partial_path, write_error
 from fedhead.infra.console import make_progress, stderr_console
@@ -66,8 +67,9 @@ def sanitize(name: str) -> str:
 
 
 def dataset_label(dataset: str, data_dir) -> str:
-    """The dataset's identity in paths and metadata: the folder name for ``imagefolder``."""
-    if dataset == "imagefolder" and data_dir is not None:
+    """The dataset's identity in paths and metadata: the folder (or list) name for ``imagefolder`` and the formats
+    of :mod:`extract.formats`."""
+    if (dataset == "imagefolder" or dataset in F.FORMATS) and data_dir is not None:
         return Path(data_dir).resolve().name or dataset
     return dataset
 
@@ -96,9 +98,10 @@ class Plan:
     client_names: list | None = None  # the names of the client ids
 
 
-def _load_splits(dataset, data_dir, splits, limit, download, sources: tuple) -> tuple[dict, tuple | None]:
-    """The (limited) splits and, with a client source (``sources`` = client folders, CSV, pattern), the training
-    images' client ids and names (:mod:`extract.clients`)."""
+def _load_splits(dataset, data_dir, splits, limit, download, sources: tuple, options=None) -> tuple[dict, tuple | None]:
+    """The (limited) splits and, with a client source (``sources`` = client folders, CSV, pattern, column), the
+    training images' client ids and names (:mod:`extract.clients`). ``options``: the format options of
+    :mod:`extract.formats` (``train_shards``, ``image_column``, ...)."""
     source = K.check_sources(*sources)
     if source == "--client-folders" and dataset != "imagefolder":
         raise FedheadError(
@@ -108,7 +111,8 @@ def _load_splits(dataset, data_dir, splits, limit, download, sources: tuple) -> 
     if source == "--client-folders":
         data = {s: K.client_folders(data_dir, s) for s in splits}
     else:
-        data = {s: D.load_dataset(dataset, data_dir, s, download=download) for s in splits}
+        opts = {**(options or {}), "client_column": sources[3]}
+        data = {s: D.load_dataset(dataset, data_dir, s, download=download, options=opts) for s in splits}
     for s in splits:
         if limit is not None:
             data[s] = data[s].subset(D.select_limit(data[s].labels, limit))
@@ -145,11 +149,14 @@ def prepare(
     client_folders: bool = False,
     clients_csv=None,
     client_pattern: str | None = None,
+    client_column: str | None = None,
+    source_options: dict | None = None,
     threads: int | None = None,
 ) -> Plan:
     """Validate every input, load the data and the encoder, and build the store request. With one of
-    ``client_folders``, ``clients_csv``, ``client_pattern`` the training images' clients are recorded too
-    (:mod:`extract.clients`)."""
+    ``client_folders``, ``clients_csv``, ``client_pattern``, ``client_column`` the training images' clients are
+    recorded too (:mod:`extract.clients`). ``source_options``: ``train_shards``, ``test_shards``, ``image_column``,
+    ``label_column`` for the formats of :mod:`extract.formats`."""
     import torch
 
     validate("--batch-size", batch_size, Interval(1, None, integer=True))
@@ -165,9 +172,8 @@ def prepare(
     if threads is not None:
         validate("--threads", threads, Interval(1, None, integer=True), "Leave it out to use the idle cores.")
     threads = set_cpu_threads(threads) if dev.type == "cpu" else 0
-    data, clients = _load_splits(
-        dataset, data_dir, splits, limit, download, (client_folders, clients_csv, client_pattern)
-    )
+    client_sources = (client_folders, clients_csv, client_pattern, client_column)
+    data, clients = _load_splits(dataset, data_dir, splits, limit, download, client_sources, source_options)
     enc = load_encoder(encoder, weights=weights, pretrained=pretrained, image_size=image_size, state_dict=state_dict)
     enc.model.to(dev)
     _, channels_last = transfers(dev)
@@ -203,6 +209,9 @@ def prepare(
         "class_names": class_names,
         "batch_size": batch_size,  # batch composition can change the last bits of the features
     }
+    records = {s: D.records_sha256(data[s]) for s in splits}
+    if any(records.values()):  # the formats' record names (only then: other requests are unchanged)
+        request["records_sha256"] = records
     if clients is not None:  # only then: the requests (and so the reuse) of stores without clients are unchanged
         request["clients_sha256"] = K.identity(*clients)
     attrs = {
@@ -236,9 +245,7 @@ def prepare(
         num_workers=num_workers,
         channels_last=channels_last,
         request=request,
-        attrs={**attrs, "client_source": K.check_sources(client_folders, clients_csv, client_pattern) or "none"}
-        if clients is not None
-        else attrs,
+        attrs={**attrs, "client_source": K.check_sources(*client_sources) or "none"} if clients is not None else attrs,
         clients=None if clients is None else clients[0],
         client_names=None if clients is None else clients[1],
     )
@@ -540,6 +547,11 @@ def extract_features(
     client_folders: bool = False,
     clients_csv=None,
     client_pattern: str | None = None,
+    client_column: str | None = None,
+    train_shards: str | None = None,
+    test_shards: str | None = None,
+    image_column: str | None = None,
+    label_column: str | None = None,
     threads: int | None = None,
 ) -> Path:
     """Encode the train and test splits of ``dataset`` with ``encoder`` into an HDF5 store; return its path.
@@ -602,7 +614,13 @@ def extract_features(
                 progress=progress,
                 state_dict=state_dict,
                 skip_corrupt=skip_corrupt,
-                clients=(client_folders, clients_csv, client_pattern),
+                clients=(client_folders, clients_csv, client_pattern, client_column),
+                source_options={
+                    "train_shards": train_shards,
+                    "test_shards": test_shards,
+                    "image_column": image_column,
+                    "label_column": label_column,
+                },
                 threads=threads,
             )
         except Interrupted as exc:
@@ -634,7 +652,8 @@ def _extract(
     progress,
     state_dict,
     skip_corrupt,
-    clients=(False, None, None),
+    clients=(False, None, None, None),
+    source_options=None,
     threads=None,
 ) -> Path:
     plan = prepare(
@@ -655,6 +674,8 @@ def _extract(
         client_folders=clients[0],
         clients_csv=clients[1],
         client_pattern=clients[2],
+        client_column=clients[3],
+        source_options=source_options,
         threads=threads,
     )
     enc = plan.encoder
