@@ -18,8 +18,9 @@ from typing import Optional
 
 import typer
 
+from extract.engines import extract
 from extract.run import encode, forward, iter_batches, prepare, to_input
-from extract.store import StoreWriter
+from extract.store import StoreWriter, open_store
 from fedhead.infra.console import stdout_console
 from fedhead.infra.errors import Interval, validate
 from fedhead.infra.exits import cli_errors
@@ -183,6 +184,51 @@ def measure_extraction(
             bs //= 2
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+
+def measure_processes(
+    dataset: str = "digits",
+    data_dir=None,
+    encoder: str = "tf_efficientnet_lite0",
+    *,
+    weights=None,
+    pretrained: bool = False,
+    image_size: Optional[int] = 96,
+    batch_size: int = 64,
+    num_images: int = 512,
+    processes: int = 2,
+    threads: int = 1,
+) -> dict:
+    """One extraction process of ``threads`` CPU threads against ``processes`` such processes (``--processes``), on the
+    same ``num_images`` images per split, both through the same launcher and shards (``num_images / processes`` per
+    shard, so each rank gets one shard of each split). Two numbers each: the steady state (all images over the
+    busiest rank's encoding seconds, from the store's ``extraction`` attribute) and end to end (wall seconds with
+    start-up, model loading and the merge). The two stores must be equal (checked: same content hash)."""
+    validate("--num-images", num_images, Interval(1, None, integer=True))
+    validate("--processes", processes, Interval(2, None, integer=True))
+    rec: dict = {}
+    hashes = []
+    for n in (1, processes):
+        with tempfile.TemporaryDirectory(prefix="fedhead-bench-") as tmp:
+            t = time.perf_counter()
+            out = extract(dataset, data_dir, encoder, processes=n, shard_images=max(1, num_images // processes),
+                          out=Path(tmp) / "p.h5", progress=False, weights=weights, pretrained=pretrained,
+                          image_size=image_size, batch_size=batch_size, limit=num_images, threads=threads)  # fmt: skip
+            wall = time.perf_counter() - t
+            info = open_store(out)
+            how, images = info.attrs["extraction"], sum(info.attrs["request"]["sizes"].values())
+        hashes.append(info.attrs["content_sha256"])
+        rec.update({f"procs{n}_images_per_sec": how["images_per_sec"], f"procs{n}_wall_s": round(wall, 2),
+                    f"procs{n}_end_to_end_images_per_sec": round(images / wall, 2)})  # fmt: skip
+    rec.update(
+        procs_num_images=images,
+        procs_threads=threads,
+        procs_processes=processes,
+        procs_speedup=round(rec[f"procs{processes}_images_per_sec"] / rec["procs1_images_per_sec"], 3),
+        procs_end_to_end_speedup=round(rec["procs1_wall_s"] / rec[f"procs{processes}_wall_s"], 3),
+        procs_same_store=hashes[0] == hashes[1],
+    )
+    return rec
 
 
 @cli_errors

@@ -29,6 +29,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -258,9 +259,10 @@ def _encode_shards(plan: Plan, job: Job, folder: Path, mine: list[Shard], counts
     with make_progress(enabled=show) as prog:
         task = prog.add_task("shards", total=total, completed=done, info="")
         for shard in mine:
+            t0 = time.perf_counter()
             part = encode_shard(plan, shard, job.skip_corrupt, hook)
             with signals_deferred():
-                write_part(folder, shard, part, req)
+                write_part(folder, shard, part, req, time.perf_counter() - t0, f"rank{rank}")
             if show:
                 prog.update(task, completed=done + sum(1 for _ in folder.glob("*.h5")))
 
@@ -399,7 +401,9 @@ class RayShardEncoder:
         try:
             if self.plan is None:
                 raise FedheadError(self.error)
+            t0 = time.perf_counter()
             part = encode_shard(self.plan, shard, self.job.skip_corrupt)
+            row.update(seconds=[time.perf_counter() - t0], worker=[f"ray:{socket.gethostname()}:{os.getpid()}"])
             clients = part.clients if part.clients is not None else np.zeros(0, np.int64)
             row.update(features=[part.features], labels=[part.labels], skipped=[part.skipped], clients=[clients],
                        has_clients=[part.clients is not None], names=[json.dumps(list(part.skipped_names))],
@@ -407,7 +411,7 @@ class RayShardEncoder:
         except FedheadError as exc:
             row.update(features=[np.zeros((0, 1), np.float32)], labels=[np.zeros(0, np.int64)],
                        skipped=[np.zeros(0, np.int64)], clients=[np.zeros(0, np.int64)], has_clients=[False],
-                       names=["[]"], request=[""], error=[str(exc)])  # fmt: skip
+                       names=["[]"], request=[""], error=[str(exc)], seconds=[0.0], worker=[""])  # fmt: skip
         return {k: np.array(v, dtype=object) if k in ("features", "labels", "skipped", "clients") else np.array(v)
                 for k, v in row.items()}  # fmt: skip
 
@@ -500,4 +504,4 @@ def _write_ray_part(folder: Path, row: dict, req: str) -> None:
         skipped_names=tuple(json.loads(row["names"])),
     )
     with signals_deferred():
-        write_part(folder, shard, part, req)
+        write_part(folder, shard, part, req, float(row["seconds"]), str(row["worker"]))

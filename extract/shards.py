@@ -122,8 +122,10 @@ def encode_shard(plan: Plan, shard: Shard, skip_corrupt: bool, on_batch: Callabl
     )
 
 
-def write_part(folder: Path, shard: Shard, part: Part, request: str) -> Path:
-    """Write ``part`` as ``folder/<shard.name>``: to a temporary name first, then renamed (whole or absent)."""
+def write_part(folder: Path, shard: Shard, part: Part, request: str, seconds: float = 0.0, worker: str = "") -> Path:
+    """Write ``part`` as ``folder/<shard.name>``: to a temporary name first, then renamed (whole or absent).
+    ``seconds`` (the shard's encoding time) and ``worker`` (who encoded it) go into the store's ``extraction``
+    attribute at the merge."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / shard.name
     tmp = folder / f".{shard.name}.tmp-{os.getpid()}"
@@ -134,6 +136,8 @@ def write_part(folder: Path, shard: Shard, part: Part, request: str) -> Path:
         f.attrs["split"] = shard.split
         f.attrs["start"] = shard.start
         f.attrs["stop"] = shard.stop
+        f.attrs["seconds"] = float(seconds)
+        f.attrs["worker"] = str(worker)
         f.create_dataset("features", data=np.ascontiguousarray(part.features, dtype=np.float32))
         f.create_dataset("labels", data=np.asarray(part.labels, dtype=np.int64))
         f.create_dataset("skipped", data=np.asarray(part.skipped, dtype=np.int64))
@@ -220,10 +224,33 @@ def read_part(path: Path, shard: Shard, request: str, feature_dim: int, clients:
     return part
 
 
+def worker_times(folder: Path, shards: list[Shard]) -> dict:
+    """Per worker (rank, or Ray actor): the source images it encoded and its encoding seconds, summed over the parts
+    (a part from an earlier, interrupted run counts for the worker of that run); and the steady-state images/s of
+    the whole job: all images over the busiest worker's seconds (start-up and merge not counted)."""
+    per: dict[str, list[float]] = {}
+    for shard in shards:
+        with h5py.File(folder / shard.name, "r") as f:
+            who, secs = str(f.attrs.get("worker", "")), float(f.attrs.get("seconds", 0.0))
+        got = per.setdefault(who or "?", [0, 0.0])
+        got[0] += shard.stop - shard.start
+        got[1] += secs
+    busiest = max((v[1] for v in per.values()), default=0.0)
+    total = sum(v[0] for v in per.values())
+    return {
+        "worker_images": {k: int(v[0]) for k, v in sorted(per.items())},
+        "worker_seconds": {k: round(v[1], 3) for k, v in sorted(per.items())},
+        "images_per_sec": round(total / busiest, 2) if busiest > 0 else None,
+    }
+
+
 def merge(plan: Plan, shards: list[Shard], folder: Path, out: Path, skip_corrupt: bool, attrs: dict) -> Path:
     """Append every shard's part, in source order, into ``out`` (through ``out``'s ``.partial``, which resumes at
     the first part not yet appended); remove the parts folder when the store is complete."""
     request = request_json(plan)
+    for shard in shards:
+        part_ok(folder / shard.name, shard, request)
+    attrs = {**attrs, "extraction": {**attrs.get("extraction", {}), **worker_times(folder, shards)}}
     enc = plan.encoder
     sizes = {s: len(v) for s, v in plan.splits.items()}
     with StoreWriter(

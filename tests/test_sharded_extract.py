@@ -82,7 +82,11 @@ def test_two_processes_equal_one_process(folder, single, tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(out)
     _same_store(single, out)
-    assert open_store(out).attrs["extraction"] == {"engine": "local", "workers": 2, "shard_images": 4}
+    how = open_store(out).attrs["extraction"]
+    assert {k: how[k] for k in ("engine", "workers", "shard_images")} == {"engine": "local", "workers": 2,
+                                                                          "shard_images": 4}  # fmt: skip
+    assert how["worker_images"] == {"rank0": 14, "rank1": 13}  # shards 0, 2, 4, 6 and 1, 3, 5, 7 of 18 + 9
+    assert set(how["worker_seconds"]) == {"rank0", "rank1"} and how["images_per_sec"] > 0
     r = _cli(*_args(folder, out, "--processes", "2", "--threads", "1"))  # a finished store is reused
     assert r.returncode == 0 and "reusing" in r.stderr
 

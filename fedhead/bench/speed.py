@@ -34,7 +34,7 @@ from typing import Optional
 
 import typer
 
-from extract.bench import measure_extraction
+from extract.bench import measure_extraction, measure_processes
 from extract.encoders import registry_weights
 from extract.store import open_store
 from fedhead.bench.ceiling import CEILING_METHODS, ceiling_table, measure_ceiling
@@ -664,6 +664,8 @@ def measure_speed(
     scratch_nets=(),
     cross_device: bool = True,
     progress=None,
+    extract_data_dir=None,
+    extract_processes: int = 2,
 ) -> dict:
     """All measurements; returns the flat record written to ``speed.json``. ``heads``: the head trainer and the
     closed-form statistics; ``cross_device``: with ``heads``, one round at iNaturalist-Users-120k's shape
@@ -677,7 +679,7 @@ def measure_speed(
                 device=device,
                 threads=threads,
                 loop_rounds=loop_rounds,
-                extraction=extraction,
+                extraction=(extract_data_dir, extract_processes) if extraction else None,
                 progress=progress,
             )
         )
@@ -686,7 +688,7 @@ def measure_speed(
     elif extraction:
         if progress:
             progress("extraction")
-        rec.update(_extraction(quick, device))
+        rec.update(_extraction(quick, device, extract_data_dir, extract_processes))
     if scratch:
         rec.update(
             measure_scratch_speed(
@@ -765,7 +767,7 @@ def _measure_heads(*, quick, rounds, device, threads, loop_rounds, extraction, p
     if extraction:
         if progress:
             progress("extraction")
-        rec.update(_extraction(quick, device))
+        rec.update(_extraction(quick, device, *extraction))
     if progress:
         progress(
             "closed-form statistics: 1000 clients x 200 classes x 1280 dims"
@@ -809,9 +811,16 @@ def closed_form_bound(rec: dict) -> dict:
     return out
 
 
-def _extraction(quick: bool, device: str) -> dict:
+def _extraction(quick: bool, device: str, data_dir=None, processes: int = 2) -> dict:
+    """`fedhead extract` against the bare forward (the digits in memory, or the image folder ``data_dir``: 4,000
+    JPEG files per split decoded as the command decodes them); then, with ``processes`` >= 2 on the CPU, one
+    1-thread process against ``processes`` of them (:func:`extract.bench.measure_processes`)."""
+    dataset = "imagefolder" if data_dir is not None else "digits"
+    n = 64 if quick else (4000 if data_dir is not None else 256)
     try:
-        r = measure_extraction(num_images=64 if quick else 256, device=device)
+        r = measure_extraction(dataset, data_dir, num_images=n, device=device)
+        if processes >= 2 and device == "cpu":
+            r.update(measure_processes(dataset, data_dir, num_images=n, processes=processes))
     except Exception as exc:  # a broken extraction must not lose the trainer's numbers
         return {"extract_status": f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     out = {"extract_status": "ok"}
@@ -899,7 +908,15 @@ def speed_table(rec: dict):
     _cross_device_rows(row, rec)
     row("extraction images/s", "extract_images_per_sec", "{:.1f}")
     row("forward images/s", "extract_forward_images_per_sec", "{:.1f}")
-    row("extraction / forward", "extract_fraction_of_forward", "{:.3f}")
+    row("extraction / forward", "extract_fraction_of_forward", "{:.3f}", "goal >= 0.9 (CPU)")
+    n = rec.get("extract_procs_processes")
+    if n:
+        row("extraction, 1 process x 1 thread: images/s", "extract_procs1_images_per_sec", "{:.1f}")
+        row(f"extraction, {n} processes x 1 thread: images/s", f"extract_procs{n}_images_per_sec", "{:.1f}")
+        row(f"{n} processes / 1 process", "extract_procs_speedup", "{:.2f}x", f"goal >= 1.7x at 2; same store: "
+            f"{rec.get('extract_procs_same_store')}")  # fmt: skip
+        row(f"{n} processes / 1 process, end to end", "extract_procs_end_to_end_speedup", "{:.2f}x",
+            "with start-up and merge")  # fmt: skip
     if rec.get("extract_status", "ok") != "ok":
         t.add_row("extraction", "-", rec["extract_status"])
     t.add_row("load (1/5/15 min)", rec.get("bench_load_after", ""), "after; before " + rec["bench_load_before"])
@@ -1096,6 +1113,30 @@ def _finetune_rows(encoder: str, device: str, quick: bool, err) -> dict:
     return {"finetune": rows}
 
 
+EXTRACT_DIR_OPT = typer.Option(
+    None,
+    "--extract-data-dir",
+    help="Time the extraction on this image folder (4,000 images per split; e.g. CIFAR-10's JPEGs) instead of the "
+    "digits in memory.",
+)
+EXTRACT_PROCS_OPT = typer.Option(
+    2, "--extract-processes", help="Also time N extraction processes of 1 thread against one (0: skip)."
+)
+
+
+def _check_speed_args(rounds, loop_rounds, threads, scratch_repeat, extract_processes, scratch_model, scratch_net):
+    validate("--rounds", rounds, Interval(1, None, integer=True))
+    validate("--loop-rounds", loop_rounds, Interval(0, None, integer=True))
+    if threads is not None:
+        validate("--threads", threads, Interval(1, None, integer=True))
+    validate("--scratch-repeat", scratch_repeat, Interval(1, None, integer=True))
+    validate("--extract-processes", extract_processes, Interval(0, None, integer=True), "0 skips it; 2 or more.")
+    for m in scratch_model or ():
+        validate("--scratch-model", m, OneOf(tuple(SCRATCH_PROTOCOLS)))
+    for n in scratch_net or ():
+        validate("--scratch-net", n, OneOf(("member", "grouped", "vmap")))
+
+
 @cli_errors
 def speed_cmd(
     out: Path = typer.Option(
@@ -1150,20 +1191,14 @@ def speed_cmd(
         None, "--ceiling-method", help="Only this method for the time to the ceiling (repeat for several)."
     ),
     finetune: Optional[str] = FINETUNE_OPT,
+    extract_data_dir: Optional[Path] = EXTRACT_DIR_OPT,
+    extract_processes: int = EXTRACT_PROCS_OPT,
 ) -> None:
     """Trainer speed vs the machine's matmul/memory limits, vs a per-client loop, and in 100..1000 clients; the
     scratch engine's samples/s and GFLOP/s per model vs its loop backend."""
     check_out(out)  # a folder there, or below a file: refused before the measurement
-    validate("--rounds", rounds, Interval(1, None, integer=True))
-    validate("--loop-rounds", loop_rounds, Interval(0, None, integer=True))
-    if threads is not None:
-        validate("--threads", threads, Interval(1, None, integer=True))
-    validate("--scratch-repeat", scratch_repeat, Interval(1, None, integer=True))
+    _check_speed_args(rounds, loop_rounds, threads, scratch_repeat, extract_processes, scratch_model, scratch_net)
     _check_ceiling(ceiling_rounds, ceiling_method, ceiling_store)
-    for m in scratch_model or ():
-        validate("--scratch-model", m, OneOf(tuple(SCRATCH_PROTOCOLS)))
-    for n in scratch_net or ():
-        validate("--scratch-net", n, OneOf(("member", "grouped", "vmap")))
     resolve_device(device)
     err = stderr_console()
     rec = measure_speed(
@@ -1180,6 +1215,8 @@ def speed_cmd(
         scratch_nets=tuple(scratch_net or ()),
         cross_device=cross_device,
         progress=lambda s: err.print(f"[bold]bench speed[/]: {s}"),
+        extract_data_dir=extract_data_dir,
+        extract_processes=extract_processes,
     )
     if ceiling:
         rec.update(_ceiling(quick, ceiling_store, ceiling_rounds, ceiling_flower, ceiling_method, err))
