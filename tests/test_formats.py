@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from extract import formats as F
 from extract.datasets import load_dataset
+from extract.engines import Job, run_rank
 from extract.run import extract_features
 from extract.store import load_store, open_store
 from fedhead.infra.errors import FedheadError
@@ -349,3 +350,18 @@ def test_bad_inputs_one_line_nothing_written(data, tmp_path, monkeypatch):
         assert len(lines) == 1 and lines[0].startswith("error: "), (case, r.stderr)
         assert needle in lines[0], (case, lines[0])
         assert not out.exists() and not Path(str(out) + ".partial").exists(), case
+
+
+@pytest.mark.parametrize("fmt", ["webdataset", "parquet"])
+def test_sharded_extraction_of_a_format_equals_its_one_process_store(fmt, data, tmp_path):
+    """The shard/part/merge path (extract/shards.py) over records of tar shards and tables: the same store, natural
+    clients included, as one process gives (the formats' options reach each rank's prepare)."""
+    data_dir, kw = FORMATS[fmt](data)
+    kw = {**kw, "pretrained": False, "image_size": SIZE, "batch_size": 4, "num_workers": 0, "threads": 1}
+    one = _extract(fmt, data_dir, tmp_path / "one.h5", **{k: v for k, v in kw.items() if k != "batch_size"})
+    out = tmp_path / "sharded.h5"
+    run_rank(Job(fmt, data_dir, TINY, kw, out=out, shard_images=4, progress=False), 0, 1)
+    a, b = load_store(one), load_store(out)
+    assert open_store(one).attrs["content_sha256"] == open_store(out).attrs["content_sha256"]
+    assert open_store(one).attrs["request"] == open_store(out).attrs["request"]
+    assert np.array_equal(a.train_clients, b.train_clients) and a.info.client_names == b.info.client_names

@@ -813,14 +813,14 @@ def closed_form_bound(rec: dict) -> dict:
 
 def _extraction(quick: bool, device: str, data_dir=None, processes: int = 2) -> dict:
     """`fedhead extract` against the bare forward (the digits in memory, or the image folder ``data_dir``: 4,000
-    JPEG files per split decoded as the command decodes them); then, with ``processes`` >= 2 on the CPU, one
-    1-thread process against ``processes`` of them (:func:`extract.bench.measure_processes`)."""
+    training images decoded as the command decodes them); then, with ``processes`` >= 2 on the CPU, one 1-thread
+    process against ``processes`` of them on half as many images per split (:func:`extract.bench.measure_processes`)."""
     dataset = "imagefolder" if data_dir is not None else "digits"
     n = 64 if quick else (4000 if data_dir is not None else 256)
     try:
         r = measure_extraction(dataset, data_dir, num_images=n, device=device)
         if processes >= 2 and device == "cpu":
-            r.update(measure_processes(dataset, data_dir, num_images=n, processes=processes))
+            r.update(measure_processes(dataset, data_dir, num_images=n // 2, processes=processes))
     except Exception as exc:  # a broken extraction must not lose the trainer's numbers
         return {"extract_status": f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     out = {"extract_status": "ok"}
@@ -1116,8 +1116,8 @@ def _finetune_rows(encoder: str, device: str, quick: bool, err) -> dict:
 EXTRACT_DIR_OPT = typer.Option(
     None,
     "--extract-data-dir",
-    help="Time the extraction on this image folder (4,000 images per split; e.g. CIFAR-10's JPEGs) instead of the "
-    "digits in memory.",
+    help="Time the extraction on this image folder (4,000 training images, e.g. CIFAR-10's JPEGs; the process "
+    "comparison 2,000 per split) instead of the digits in memory.",
 )
 EXTRACT_PROCS_OPT = typer.Option(
     2, "--extract-processes", help="Also time N extraction processes of 1 thread against one (0: skip)."
