@@ -265,7 +265,13 @@ def merge(plan: Plan, shards: list[Shard], folder: Path, out: Path, skip_corrupt
     ) as w:
         names: dict[str, list[str]] = {s: [] for s in sizes}
         for shard in shards:
-            part = read_part(folder / shard.name, shard, request, enc.feature_dim, plan.clients is not None)
+            part = read_part(
+                folder / shard.name,
+                shard,
+                request,
+                enc.feature_dim,
+                plan.clients is not None and shard.split == "train",
+            )
             if len(part.skipped) and not skip_corrupt:
                 raise FedheadError(
                     f"The '--out' parameter's part {str(folder / shard.name)!r} left out {len(part.skipped)} "

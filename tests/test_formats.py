@@ -357,8 +357,9 @@ def test_sharded_extraction_of_a_format_equals_its_one_process_store(fmt, data, 
     """The shard/part/merge path (extract/shards.py) over records of tar shards and tables: the same store, natural
     clients included, as one process gives (the formats' options reach each rank's prepare)."""
     data_dir, kw = FORMATS[fmt](data)
-    kw = {**kw, "pretrained": False, "image_size": SIZE, "batch_size": 4, "num_workers": 0, "threads": 1}
-    one = _extract(fmt, data_dir, tmp_path / "one.h5", **{k: v for k, v in kw.items() if k != "batch_size"})
+    kw = {**kw, "num_workers": 0, "threads": 1}
+    one = _extract(fmt, data_dir, tmp_path / "one.h5", **kw)
+    kw = {**kw, "pretrained": False, "image_size": SIZE, "batch_size": 4}
     out = tmp_path / "sharded.h5"
     run_rank(Job(fmt, data_dir, TINY, kw, out=out, shard_images=4, progress=False), 0, 1)
     a, b = load_store(one), load_store(out)
