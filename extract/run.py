@@ -79,6 +79,14 @@ def default_out(dataset: str, data_dir, encoder: str, image_size: int, default_s
     return Path("cache") / dataset_label(dataset, data_dir) / f"{stem}.h5"
 
 
+def store_path(plan: "Plan", data_dir, encoder: str, out) -> Path:
+    """``--out``, or :func:`default_out` for the plan's dataset, encoder and image size."""
+    enc = plan.encoder
+    if out is not None:
+        return Path(out)
+    return default_out(plan.dataset, data_dir, encoder, enc.preprocessing.image_size, enc.default_image_size)
+
+
 @dataclass
 class Plan:
     """Everything an extraction run needs, resolved once."""
@@ -679,9 +687,7 @@ def _extract(
         threads=threads,
     )
     enc = plan.encoder
-    if out is None:
-        out = default_out(dataset, data_dir, encoder, enc.preprocessing.image_size, enc.default_image_size)
-    out = Path(out)
+    out = store_path(plan, data_dir, encoder, out)
     if _reusable(out, plan, overwrite, skip_corrupt, progress):
         return out
     tmp = partial_path(out)

@@ -163,23 +163,35 @@ def _request_diff(old: str, new: str) -> str:
     return ", ".join(sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))) or "format"
 
 
-def part_ok(path: Path, shard: Shard, request: str) -> bool:
-    """True if ``path`` is this shard's finished part of this request; False if there is none; a one-line error if
-    it is a part of another request (other images, labels, class names, encoder or batch size) or not a part."""
-    if not path.exists():
-        return False
-    try:
-        with h5py.File(path, "r") as f:
-            a = dict(f.attrs)
-    except OSError:
-        raise _foreign(path, "which is not an HDF5 file") from None
+def _check_attrs(path: Path, a: dict, shard: Shard, request: str) -> dict:
+    """``a`` (a part's attributes) if they are this shard's of this request, else a one-line error."""
     if a.get("format") != PART_FORMAT:
         raise _foreign(path, "which is not a part written by fedhead extract")
     if a.get("request") != request:
         raise _foreign(path, f"a part of a different request (differs in: {_request_diff(a.get('request'), request)})")
     if (a.get("split"), int(a.get("start", -1)), int(a.get("stop", -1))) != tuple(shard):
         raise _foreign(path, "whose recorded split and range differ from its name")
-    return True
+    return a
+
+
+def part_attrs(path: Path, shard: Shard, request: str) -> dict | None:
+    """The attributes of this shard's finished part of this request (who encoded it, in how many seconds); None if
+    there is none; a one-line error if it is a part of another request (other images, labels, class names, encoder
+    or batch size) or not a part."""
+    if not path.exists():
+        return None
+    try:
+        with h5py.File(path, "r") as f:
+            a = dict(f.attrs)
+    except OSError:
+        raise _foreign(path, "which is not an HDF5 file") from None
+    return _check_attrs(path, a, shard, request)
+
+
+def part_ok(path: Path, shard: Shard, request: str) -> bool:
+    """True if ``path`` is this shard's finished part of this request, False if there is none (see
+    :func:`part_attrs`)."""
+    return part_attrs(path, shard, request) is not None
 
 
 def done_shards(folder: Path, shards: list[Shard], request: str, drop_foreign: bool = False) -> set[Shard]:
@@ -199,15 +211,21 @@ def done_shards(folder: Path, shards: list[Shard], request: str, drop_foreign: b
 
 def read_part(path: Path, shard: Shard, request: str, feature_dim: int, clients: bool) -> Part:
     """Read a finished part back, its shapes checked against the shard before its arrays are read."""
-    part_ok(path, shard, request)
     n = shard.stop - shard.start
-    with h5py.File(path, "r") as f:
-        x, y, k = f.get("features"), f.get("labels"), f.get("skipped")
-        if x is None or y is None or k is None:
+    try:
+        f = h5py.File(path, "r")
+    except OSError:
+        raise _foreign(path, "which is missing or not an HDF5 file") from None
+    with f:
+        _check_attrs(path, dict(f.attrs), shard, request)
+        x, y, k, names = f.get("features"), f.get("labels"), f.get("skipped"), f.get("skipped_names")
+        if x is None or y is None or k is None or names is None:
             raise _foreign(path, "which lacks its features, labels or skipped list")
         rows = x.shape[0]
         if x.shape != (rows, feature_dim) or y.shape != (rows,) or k.ndim != 1 or rows + k.shape[0] != n:
             raise _foreign(path, f"whose arrays do not fit its {n} source images x {feature_dim} features")
+        if names.shape != k.shape:
+            raise _foreign(path, "whose skipped names do not match its skipped list")
         if clients != ("clients" in f) or (clients and f["clients"].shape != (rows,)):
             raise _foreign(path, "whose client ids do not match the request's")
         part = Part(
@@ -215,7 +233,7 @@ def read_part(path: Path, shard: Shard, request: str, feature_dim: int, clients:
             labels=y[()].astype(np.int64, copy=False),
             skipped=k[()].astype(np.int64, copy=False),
             clients=f["clients"][()].astype(np.int64, copy=False) if clients else None,
-            skipped_names=tuple(v.decode() if isinstance(v, bytes) else str(v) for v in f["skipped_names"][()]),
+            skipped_names=tuple(v.decode() if isinstance(v, bytes) else str(v) for v in names[()]),
         )
     if not np.isfinite(part.features).all():
         raise _foreign(path, "with NaN or inf features")
@@ -224,14 +242,13 @@ def read_part(path: Path, shard: Shard, request: str, feature_dim: int, clients:
     return part
 
 
-def worker_times(folder: Path, shards: list[Shard]) -> dict:
+def worker_times(shards: list[Shard], attrs: list[dict]) -> dict:
     """Per worker (rank, or Ray actor): the source images it encoded and its encoding seconds, summed over the parts
     (a part from an earlier, interrupted run counts for the worker of that run); and the steady-state images/s of
     the whole job: all images over the busiest worker's seconds (start-up and merge not counted)."""
     per: dict[str, list[float]] = {}
-    for shard in shards:
-        with h5py.File(folder / shard.name, "r") as f:
-            who, secs = str(f.attrs.get("worker", "")), float(f.attrs.get("seconds", 0.0))
+    for shard, a in zip(shards, attrs):
+        who, secs = str(a.get("worker", "")), float(a.get("seconds", 0.0))
         got = per.setdefault(who or "?", [0, 0.0])
         got[0] += shard.stop - shard.start
         got[1] += secs
@@ -248,9 +265,14 @@ def merge(plan: Plan, shards: list[Shard], folder: Path, out: Path, skip_corrupt
     """Append every shard's part, in source order, into ``out`` (through ``out``'s ``.partial``, which resumes at
     the first part not yet appended); remove the parts folder when the store is complete."""
     request = request_json(plan)
-    for shard in shards:
-        part_ok(folder / shard.name, shard, request)
-    attrs = {**attrs, "extraction": {**attrs.get("extraction", {}), **worker_times(folder, shards)}}
+    found = [part_attrs(folder / shard.name, shard, request) for shard in shards]
+    if None in found:  # every part is checked before the store is begun
+        missing = shards[found.index(None)]
+        raise FedheadError(
+            f"The '--out' parameter's parts folder {str(folder)!r} lacks {missing.name} (removed while the run was "
+            "going). Re-run the same command to encode the shards without a part."
+        )
+    attrs = {**attrs, "extraction": {**attrs.get("extraction", {}), **worker_times(shards, found)}}
     enc = plan.encoder
     sizes = {s: len(v) for s, v in plan.splits.items()}
     with StoreWriter(
