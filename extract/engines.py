@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from extract.run import Plan, _reusable, default_out, extract_features, prepare
+from extract.run import Plan, _reusable, extract_features, prepare, store_path
 from extract.shards import (
     DEFAULT_SHARD_IMAGES,
     Part,
@@ -210,13 +210,6 @@ def _kill_hook(rank: int):
     return hook
 
 
-def _store_path(job: Job, plan: Plan) -> Path:
-    enc = plan.encoder
-    if job.out is not None:
-        return Path(job.out)
-    return default_out(job.dataset, job.data_dir, job.encoder, enc.preprocessing.image_size, enc.default_image_size)
-
-
 def _attrs(plan: Plan, engine: str, workers: int, rows: int) -> dict:
     return {**plan.attrs, "extraction": {"engine": engine, "workers": workers, "shard_images": rows}}
 
@@ -225,7 +218,7 @@ def run_rank(job: Job, rank: int, world: int, local: tuple[int, int] = (0, 1)) -
     """One rank of a sharded extraction: encode this rank's share of the missing shards into parts; rank 0 merges
     them once every rank is done. Every rank returns the store's path."""
     plan = prepare(job.dataset, job.data_dir, job.encoder, **rank_kw(job.kw, *local))
-    out = _store_path(job, plan)
+    out = store_path(plan, job.data_dir, job.encoder, job.out)
     folder = parts_dir(out)
     group = _Group(world)
     try:
@@ -416,7 +409,14 @@ class RayShardEncoder:
                 for k, v in row.items()}  # fmt: skip
 
 
+RAY_DATA_ENV = {  # Ray Data's resource coordinator answers within 5 s by default; a loaded head node misses that
+    "RAY_DATA_AUTOSCALING_COORDINATOR_REQUEST_GET_TIMEOUT_S": "30",  # 10 times over and the whole job stops
+}
+
+
 def _ray_init(job: Job, threads: int):
+    for key, value in RAY_DATA_ENV.items():  # read when ray.data is imported: set before it
+        os.environ.setdefault(key, value)
     import ray
 
     if ray.is_initialized():
@@ -437,7 +437,7 @@ def ray_extract(job: Job) -> Path:
     """``--engine ray``: an actor pool of ``--processes`` encoders over the missing shards (Ray Data), the parts
     written here as they arrive, then the merge."""
     plan = prepare(job.dataset, job.data_dir, job.encoder, **{**prepare_kw(job.kw), "device": "cpu", "threads": 1})
-    out = _store_path(job, plan)
+    out = store_path(plan, job.data_dir, job.encoder, job.out)
     if _reusable(out, plan, job.overwrite, job.skip_corrupt, job.progress):
         return out
     folder = parts_dir(out)
